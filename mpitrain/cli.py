@@ -1,0 +1,118 @@
+"""Command line: ``mpitrain MODEL [options]`` (also ``python -m mpitrain``).
+
+The training options are generated from :class:`mpitrain.config.Config`, so
+their defaults and help live in one place. Usage errors are one line
+(``mpitrain: error: ...``), printed once (by rank 0 under mpirun), exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import List, Optional
+
+from . import models
+from .comm import abort_world, launcher_rank, launcher_world_size, world_rank_if_running, world_size_if_running
+from .config import Config, fields_with_flags, resolve
+from .errors import EXIT_FAILURE, MpitrainError, UsageError
+
+PROG = "mpitrain"
+EPILOG = """\
+Run under MPI: rank 0 is the parameter server (evaluates, writes results),
+ranks 1..N-1 are workers. Examples:
+  mpirun -np 1 python -m mpitrain lr                               # single node
+  mpirun -np 4 -hostfile hostfiles/local python -m mpitrain lr     # sync, 3 workers
+  mpirun -np 4 -hostfile hostfiles/local python -m mpitrain lr --async
+Add -q to mpirun to hide Open MPI's own banner when a run fails.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises UsageError instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def _print_message(self, message, file=None):
+        # --help and --version print once, on rank 0, not once per rank
+        if launcher_rank() == 0:
+            super()._print_message(message, file)
+
+
+def _model_help(spec, field_name: str, doc: str) -> str:
+    default = spec.defaults.get(field_name)
+    return doc + (f" (default for {spec.name}: {default})" if default is not None else "")
+
+
+def _add_training_options(parser: argparse.ArgumentParser, spec) -> None:
+    for f in fields_with_flags():
+        kwargs = dict(f.metadata["cli"])
+        doc = f.metadata["doc"]
+        if f.default is None:
+            kwargs["help"] = _model_help(spec, f.name, doc)
+        elif kwargs.get("action") == "store_true":
+            kwargs["help"] = doc
+        else:
+            kwargs["help"] = f"{doc} (default: {f.default})"
+        parser.add_argument(f.metadata["flag"], dest=f.name, default=f.default, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = _Parser(prog=PROG, description="MPI data-parallel training for TensorFlow: "
+                     "sync allreduce or an async parameter server.",
+                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="MODEL", required=True,
+                                     parser_class=_Parser)
+    for spec in models.specs():
+        sub = commands.add_parser(spec.name, help=spec.summary, description=spec.summary)
+        _add_training_options(sub, spec)
+    return parser
+
+
+def parse_config(argv: List[str]) -> Config:
+    """The run's Config from ``argv``; UsageError on bad arguments."""
+    args = build_parser().parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in fields_with_flags()}
+    cfg = Config(model=args.command, **values)
+    # Fail fast, before MPI and TensorFlow load; the session re-checks with MPI's size.
+    resolve(cfg, models.get(cfg.model).defaults, launcher_world_size())
+    return cfg
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``mpitrain`` and ``python -m mpitrain``; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_config(argv)
+        from . import session  # imports TensorFlow and MPI: only once arguments are valid
+
+        session.run(cfg)
+        return 0
+    except MpitrainError as error:
+        return _fail(error)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: B902 - a crash on one rank must not hang the others
+        if isinstance(error, SystemExit):
+            raise
+        rank = world_rank_if_running()
+        sys.stderr.write(f"{PROG}: internal error on rank {rank}:\n")
+        traceback.print_exc()
+        abort_world(EXIT_FAILURE)
+        return EXIT_FAILURE
+
+
+def _fail(error: MpitrainError) -> int:
+    """Print ``error`` once and return its exit code, or abort the job if it is local."""
+    rank = world_rank_if_running()
+    if error.everywhere or world_size_if_running() <= 1:
+        if rank == 0:
+            print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        return error.exit_code
+    print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+    abort_world(error.exit_code)
+    return error.exit_code

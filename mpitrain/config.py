@@ -1,0 +1,166 @@
+"""The one typed configuration of a training run, validated in one place.
+
+Every field carries its own help text (``doc``) and, where it is a command-line
+option, its flag; the CLI builds its parser from these fields, so a default or a
+description lives in exactly one place. Fields left ``None`` take the model's
+defaults (see :mod:`mpitrain.models`); :func:`resolve` fills them and
+:meth:`Config.validate` checks the result against the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import UsageError
+
+MODES = ("single", "sync", "async")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+DATASETS = ("auto", "mnist", "digits", "synthetic")
+LR_SCALINGS = ("linear", "none")
+
+
+def _opt(doc: str, default=None, *, flag: Optional[str] = None, **cli):
+    """A config field with its help text; ``cli`` holds extra argparse keywords."""
+    return field(default=default, metadata={"doc": doc, "flag": flag, "cli": cli})
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings of one training run; identical on every rank."""
+
+    model: str = _opt("model to train (see the registry)", "lr", flag=None)
+    async_mode: bool = _opt(
+        "asynchronous parameter-server training (rank 0 applies each worker's "
+        "gradient as it arrives); default is synchronous allreduce",
+        False, flag="--async", action="store_true")
+    epochs: Optional[int] = _opt(
+        "passes over the whole training set (each worker passes once over its shard)",
+        flag="--epochs", type=int, metavar="N")
+    batch_size: Optional[int] = _opt(
+        "examples per step PER WORKER; the global batch is workers x this",
+        flag="--batch-size", type=int, metavar="B")
+    lr: Optional[float] = _opt(
+        "learning rate for one worker; with --lr-scaling linear, sync mode multiplies "
+        "it by the number of workers (the global batch grows by that factor)",
+        flag="--lr", type=float)
+    lr_scaling: str = _opt(
+        "how the learning rate follows the worker count in sync mode",
+        "linear", flag="--lr-scaling", choices=LR_SCALINGS)
+    optimizer: Optional[str] = _opt(
+        "optimizer: sgd, momentum (SGD with momentum 0.9) or adam",
+        flag="--optimizer", choices=OPTIMIZERS)
+    seed: int = _opt("random seed for initial weights, shuffling and synthetic data",
+                     42, flag="--seed", type=int)
+    dataset: Optional[str] = _opt(
+        "auto: MNIST if it can be found or downloaded, else scikit-learn's bundled "
+        "8x8 digits upscaled to 28x28 (says so); mnist: MNIST or fail; digits: the "
+        "bundled digits; synthetic: random ImageNet-shaped data",
+        flag="--dataset", choices=DATASETS)
+    data_dir: Optional[str] = _opt(
+        "directory with MNIST (IDX files, gzipped or raw, or mnist.npz); "
+        "default: $MPITRAIN_DATA_DIR, then the Keras cache, then download",
+        flag="--data-dir", metavar="DIR")
+    results_dir: str = _opt("where run directories and runs.csv are written",
+                            "results", flag="--results-dir", metavar="DIR")
+    eval_every: int = _opt("evaluate on the test set every N epochs (and at the end)",
+                           1, flag="--eval-every", type=int, metavar="N")
+    steps: Optional[int] = _opt(
+        "stop after this many steps per worker (smoke runs); default: run all epochs",
+        flag="--steps", type=int, metavar="N")
+    dry_run: bool = _opt("smoke mode: one epoch of at most 2 steps, results written as usual",
+                         False, flag="--dry-run", action="store_true")
+    quiet: bool = _opt("print only errors and the final summary", False,
+                       flag="--quiet", action="store_true")
+    threads: int = _opt(
+        "TensorFlow intra-op threads per rank; 0 = the host's cores divided among "
+        "the worker ranks on that host (at least 1)", 0, flag="--threads", type=int)
+    keep_cpu_binding: bool = _opt(
+        "keep the CPU binding the launcher gave each rank; by default mpitrain lets "
+        "every rank use all the host's CPUs (Open MPI binds each rank to one core at "
+        "-np 1 and 2, which would leave a core idle) and sizes thread pools itself",
+        False, flag="--keep-cpu-binding", action="store_true")
+    timeout: float = _opt(
+        "seconds any rank waits for another before the job is aborted with the "
+        "stalled rank named", 300.0, flag="--timeout", type=float, metavar="S")
+
+    # ---- derived, filled by resolve() -------------------------------------------------
+    world_size: int = _opt("number of MPI ranks", 1)
+
+    @property
+    def mode(self) -> str:
+        """single (one rank), sync or async."""
+        if self.world_size == 1:
+            return "single"
+        return "async" if self.async_mode else "sync"
+
+    @property
+    def workers(self) -> int:
+        """Ranks that compute gradients: all of them at -np 1, else every rank but 0."""
+        return 1 if self.world_size == 1 else self.world_size - 1
+
+    @property
+    def max_steps(self) -> Optional[int]:
+        """Cap on steps per worker, from --steps or --dry-run."""
+        if self.dry_run:
+            return 2 if self.steps is None else min(self.steps, 2)
+        return self.steps
+
+    @property
+    def effective_lr(self) -> float:
+        """The learning rate the optimizer uses (linear scaling in sync mode)."""
+        if self.mode == "sync" and self.lr_scaling == "linear":
+            return self.lr * self.workers
+        return self.lr
+
+    @property
+    def global_batch(self) -> int:
+        """Examples consumed by one synchronous update."""
+        return self.batch_size * (self.workers if self.mode == "sync" else 1)
+
+    def validate(self) -> "Config":
+        """Raise :class:`UsageError` naming the first bad setting; return self."""
+        positive_ints = {"--epochs": self.epochs, "--batch-size": self.batch_size,
+                         "--eval-every": self.eval_every}
+        if self.steps is not None:
+            positive_ints["--steps"] = self.steps
+        for flag, value in positive_ints.items():
+            if value is None or value < 1:
+                raise UsageError(f"{flag} must be a positive integer (got {value})")
+        if not self.lr or self.lr <= 0 or self.lr != self.lr:
+            raise UsageError(f"--lr must be a positive number (got {self.lr})")
+        if self.threads < 0:
+            raise UsageError(f"--threads must be 0 (auto) or positive (got {self.threads})")
+        if not self.timeout > 0:
+            raise UsageError(f"--timeout must be a positive number of seconds (got {self.timeout})")
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
+        if self.async_mode and self.world_size < 2:
+            raise UsageError(
+                "--async needs a parameter server and at least one worker: "
+                "run with mpirun -np 2 or more")
+        return self
+
+    def to_dict(self) -> dict:
+        """All settings, including derived ones, for config.json."""
+        out = dataclasses.asdict(self)
+        out.update(mode=self.mode, workers=self.workers, effective_lr=self.effective_lr,
+                   global_batch=self.global_batch, max_steps=self.max_steps)
+        return out
+
+
+def fields_with_flags():
+    """The config fields that are command-line options, in declaration order."""
+    return [f for f in dataclasses.fields(Config) if f.metadata.get("flag")]
+
+
+def resolve(cfg: Config, defaults: dict, world_size: int) -> Config:
+    """Fill the fields left None from the model's ``defaults`` and validate.
+
+    ``defaults`` maps field names (epochs, batch_size, lr, optimizer, dataset) to
+    the model's choices. The result is the same on every rank.
+    """
+    filled = {name: value for name, value in defaults.items()
+              if getattr(cfg, name, None) is None}
+    return dataclasses.replace(cfg, world_size=world_size, **filled).validate()

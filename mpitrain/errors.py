@@ -1,0 +1,63 @@
+"""Errors that reach the user as one line and an exit code, never as a traceback.
+
+Every failure mpitrain expects (bad arguments, bad data, a stalled peer, replicas
+that drifted apart) is one of these. ``__main__`` prints ``str(error)`` once and
+exits with ``error.exit_code``; unexpected exceptions abort the whole MPI job so a
+crash on one rank never becomes a hang on the others.
+"""
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+#: A run stopped by SIGTERM/SIGINT after saving its state (128 + SIGTERM, the shell convention).
+EXIT_INTERRUPTED = 143
+
+
+class MpitrainError(Exception):
+    """A failure with a message meant for the user: what went wrong and how to fix it.
+
+    ``everywhere`` is True when every rank raises the same error at the same point
+    (usage errors, and errors agreed on collectively): then each rank can exit on
+    its own and rank 0 alone prints it. Otherwise the raising rank prints it and
+    aborts the job, so the other ranks are not left waiting for it.
+    """
+
+    exit_code = EXIT_FAILURE
+    everywhere = False
+
+
+class UsageError(MpitrainError):
+    """Bad command-line arguments or a configuration that cannot run (exit code 2).
+
+    Raised identically on every rank (it depends only on the arguments and the
+    world size), so each rank can exit on its own without talking to the others.
+    """
+
+    exit_code = EXIT_USAGE
+    everywhere = True
+
+
+class DataError(MpitrainError):
+    """A dataset that is missing, unreadable, truncated or malformed."""
+
+
+class CommTimeout(MpitrainError):
+    """A bounded wait on other ranks ran out of time (a stalled or dead peer)."""
+
+
+class ReplicaDrift(MpitrainError):
+    """Sync replicas that must hold identical weights do not."""
+
+
+class Divergence(MpitrainError):
+    """A NaN or Inf appeared in a loss or a gradient."""
+
+
+class ResultsError(MpitrainError):
+    """A results directory or file that cannot be written or read as expected."""
+
+
+class Interrupted(MpitrainError):
+    """The run was stopped by a signal after saving what it had."""
+
+    exit_code = EXIT_INTERRUPTED

@@ -1,0 +1,153 @@
+"""One replica of a model: the TensorFlow side of training, independent of MPI.
+
+A :class:`Replica` holds a Keras model from the registry and its optimizer, and
+exposes the model's trainable weights and gradients as ONE contiguous float32
+vector, in a fixed variable order that is the same on every rank. That vector is
+what the communication layer moves: one fused buffer, one allreduce, one message.
+
+Cross-rank contract: replicas built from the same spec, given the same initial
+flat weights (:meth:`set_weights`) and then the same sequence of flat gradients
+(:meth:`apply`), hold bit-identical weights: every update is elementwise and
+deterministic on CPU. :func:`checksum` lets ranks verify it.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Tuple
+
+import numpy as np
+
+EVAL_BATCH = 2000
+
+
+def init_tensorflow(intra_threads: int, seed: int) -> None:
+    """Quiet TensorFlow's logs and set its thread pools; call before any TF op.
+
+    Threads are set per rank because ranks share a host's cores: TensorFlow's
+    default (one thread per core in every process) oversubscribes the CPU as
+    soon as two ranks share a host.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    import keras
+
+    tf.config.threading.set_intra_op_parallelism_threads(intra_threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    keras.utils.set_random_seed(seed)
+
+
+def checksum(flat: np.ndarray) -> int:
+    """CRC-32 of a flat weight vector's bytes: equal iff replicas are (almost surely) identical."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(flat)).cast("B"))
+
+
+def make_optimizer(name: str, lr: float):
+    import keras
+
+    if name == "sgd":
+        return keras.optimizers.SGD(lr)
+    if name == "momentum":
+        return keras.optimizers.SGD(lr, momentum=0.9)
+    if name == "adam":
+        return keras.optimizers.Adam(lr)
+    raise ValueError(f"unknown optimizer {name}")
+
+
+class Replica:
+    """A model, its optimizer, and compiled step functions over flat float32 vectors."""
+
+    def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float):
+        import tensorflow as tf
+        import keras
+
+        self.model = spec.build(tuple(input_shape), num_classes)
+        if self.model.non_trainable_weights:
+            raise ValueError(f"model {spec.name} has non-trainable state; the registry "
+                             "contract forbids it (replicas would drift)")
+        self.variables = list(self.model.trainable_variables)
+        self.shapes = [tuple(v.shape) for v in self.variables]
+        self.sizes = [int(np.prod(s)) for s in self.shapes]
+        self.n_params = int(sum(self.sizes))
+        self.optimizer = make_optimizer(optimizer, lr)
+        self.optimizer.build(self.variables)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        batch_spec = [tf.TensorSpec((None,) + tuple(input_shape), tf.float32),
+                      tf.TensorSpec((None,), tf.int32)]
+        flat_spec = [tf.TensorSpec((self.n_params,), tf.float32)]
+        model, variables, sizes, shapes = self.model, self.variables, self.sizes, self.shapes
+
+        def loss_and_grads(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            return loss, tape.gradient(loss, variables)
+
+        def unflatten(flat):
+            return [tf.reshape(p, s) for p, s in zip(tf.split(flat, sizes), shapes)]
+
+        @tf.function(input_signature=batch_spec)
+        def grad(x, y):
+            loss, grads = loss_and_grads(x, y)
+            return tf.concat([tf.reshape(g, [-1]) for g in grads], 0), loss
+
+        @tf.function(input_signature=flat_spec)
+        def apply(flat):
+            self.optimizer.apply_gradients(zip(unflatten(flat), variables))
+
+        @tf.function(input_signature=batch_spec)
+        def train_step(x, y):
+            loss, grads = loss_and_grads(x, y)
+            self.optimizer.apply_gradients(zip(grads, variables))
+            return loss
+
+        @tf.function(input_signature=batch_spec)
+        def eval_batch(x, y):
+            logits = model(x, training=False)
+            losses = tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            correct = tf.equal(tf.argmax(logits, axis=1, output_type=tf.int32), y)
+            return tf.reduce_sum(losses), tf.reduce_sum(tf.cast(correct, tf.int32))
+
+        @tf.function(input_signature=flat_spec)
+        def set_weights(flat):
+            for v, part in zip(variables, unflatten(flat)):
+                v.assign(part)
+
+        self._grad, self._apply, self._train_step = grad, apply, train_step
+        self._eval_batch, self._set_weights = eval_batch, set_weights
+
+    # ---- training -------------------------------------------------------------------
+    def grad(self, x: np.ndarray, y: np.ndarray) -> Tuple[np.ndarray, float]:
+        """(flat gradient as a writable float32 numpy array, loss) of one batch."""
+        flat, loss = self._grad(x, y)
+        return flat.numpy(), float(loss)
+
+    def apply(self, flat_grad: np.ndarray) -> None:
+        """Apply one flat gradient with the optimizer (one update)."""
+        self._apply(flat_grad)
+
+    def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """Gradient and update in one compiled call (one worker: nothing to average)."""
+        return float(self._train_step(x, y))
+
+    # ---- weights --------------------------------------------------------------------
+    def weights(self) -> np.ndarray:
+        """A flat float32 copy of the trainable weights, in the fixed variable order."""
+        return np.concatenate([v.numpy().reshape(-1) for v in self.variables])
+
+    def set_weights(self, flat: np.ndarray) -> None:
+        """Overwrite the trainable weights from a flat vector (inverse of :meth:`weights`)."""
+        if flat.shape != (self.n_params,):
+            raise ValueError(f"expected {self.n_params} weights, got {flat.shape}")
+        self._set_weights(flat)
+
+    # ---- evaluation -----------------------------------------------------------------
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, float]:
+        """(mean loss, accuracy) over ``x, y``."""
+        loss_sum, correct = 0.0, 0
+        for start in range(0, len(y), EVAL_BATCH):
+            batch_loss, batch_correct = self._eval_batch(x[start:start + EVAL_BATCH],
+                                                         y[start:start + EVAL_BATCH])
+            loss_sum += float(batch_loss)
+            correct += int(batch_correct)
+        return loss_sum / len(y), correct / len(y)

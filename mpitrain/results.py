@@ -1,0 +1,176 @@
+"""Run output: one directory per run, plus one row per run in ``runs.csv``.
+
+Only the rank that serves (rank 0) writes; every other rank gets
+:class:`NullResults`, whose methods do nothing, so training code calls the
+same methods on every rank without asking who it is.
+
+Nothing is ever half-written: JSON files are written to a temporary name and
+renamed; CSV files are append-only, one flushed line at a time; ``runs.csv`` is
+appended under an exclusive lock and, when a newer mpitrain adds columns, rewritten
+(to a temporary file, then renamed) with the union of the columns.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import io
+import json
+import os
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+from .errors import ResultsError
+
+CURVE_COLUMNS = ["epoch", "step", "wall_time_s", "train_loss", "test_loss", "test_accuracy"]
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _csv_line(values: Iterable) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow(["" if v is None else v for v in values])
+    return buf.getvalue()
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value
+
+
+class CsvLog:
+    """An append-only CSV file with a fixed header; each row is one flushed write."""
+
+    def __init__(self, path: Path, columns: List[str]):
+        self.path, self.columns = Path(path), list(columns)
+        if not self.path.exists():
+            self._write(_csv_line(self.columns))
+
+    def append(self, row: Dict) -> None:
+        self._write(_csv_line(_fmt(row.get(c)) for c in self.columns))
+
+    def extend(self, rows: Iterable[Dict]) -> None:
+        self._write("".join(_csv_line(_fmt(r.get(c)) for c in self.columns) for r in rows))
+
+    def _write(self, text: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def append_run_row(path: Path, row: Dict) -> None:
+    """Append ``row`` to the runs table at ``path``, safely against concurrent runs.
+
+    Under an exclusive lock: if the existing header already has every column of
+    ``row``, append one line; otherwise rewrite the table with the union of
+    columns (old rows keep empty cells) through a temporary file and a rename.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        header: List[str] = []
+        if path.exists() and path.stat().st_size:
+            with open(path, newline="") as f:
+                header = next(csv.reader(f), [])
+        missing = [c for c in row if c not in header]
+        if not missing:
+            with open(path, "a") as f:
+                f.write(_csv_line(_fmt(row.get(c)) for c in header))
+                f.flush()
+                os.fsync(f.fileno())
+            return
+        columns = header + missing
+        old_rows = read_csv(path) if header else []
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(_csv_line(columns))
+            for old in old_rows:
+                f.write(_csv_line(old.get(c, "") for c in columns))
+            f.write(_csv_line(_fmt(row.get(c)) for c in columns))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def read_csv(path: Path) -> List[Dict[str, str]]:
+    """Rows of a CSV file as dicts; ResultsError naming the file if it is unreadable."""
+    try:
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    except (OSError, csv.Error, UnicodeDecodeError) as e:
+        raise ResultsError(f"{path}: cannot read ({e})") from None
+
+
+def new_run_dir(results_dir: Path, stem: str) -> Path:
+    """Create a fresh run directory ``results_dir/<time>-<stem>``; never reuse one."""
+    results_dir = Path(results_dir)
+    try:
+        results_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ResultsError(f"cannot create results directory {results_dir} ({e.strerror}); "
+                           "pass a writable --results-dir") from None
+    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}"
+    for attempt in range(1000):
+        candidate = results_dir / (base if attempt == 0 else f"{base}-{attempt + 1}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise ResultsError(f"cannot create a new run directory under {results_dir}")
+
+
+class RunResults:
+    """Rank 0's writer for one run's directory and its row in ``runs.csv``."""
+
+    def __init__(self, results_dir: Path, stem: str):
+        self.results_dir = Path(results_dir)
+        self.dir = new_run_dir(self.results_dir, stem)
+        self.curve = CsvLog(self.dir / "curve.csv", CURVE_COLUMNS)
+
+    @property
+    def path(self) -> Optional[Path]:
+        return self.dir
+
+    def write_json(self, name: str, obj) -> None:
+        write_json_atomic(self.dir / name, obj)
+
+    def add_curve_row(self, row: Dict) -> None:
+        self.curve.append(row)
+
+    def write_csv(self, name: str, columns: List[str], rows: Iterable[Dict]) -> None:
+        CsvLog(self.dir / name, columns).extend(rows)
+
+    def add_run_row(self, row: Dict) -> None:
+        append_run_row(self.results_dir / "runs.csv", {"run": self.dir.name, **row})
+
+
+class NullResults:
+    """What ranks that must not write get: the same methods, doing nothing."""
+
+    path = None
+
+    def write_json(self, name, obj):
+        pass
+
+    def add_curve_row(self, row):
+        pass
+
+    def write_csv(self, name, columns, rows):
+        pass
+
+    def add_run_row(self, row):
+        pass

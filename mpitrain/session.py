@@ -1,0 +1,146 @@
+"""One training run from start to finish, on every rank.
+
+The order matters and is the same on every rank: MPI up, configuration
+resolved against the world size (usage errors surface identically everywhere),
+CPU placement, TensorFlow, data (a collective that agrees on what was loaded),
+the replica, the results writer, the trainer, the results. Every cross-rank
+step is bounded by ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from . import __version__, data, models, sync_trainer
+from .comm import Comm, Role, library_versions
+from .config import Config, resolve
+from .console import Console, NullConsole
+from .replica import Replica, init_tensorflow
+from .results import NullResults, RunResults
+from .trainer import Context, Summary
+
+
+def run(cfg: Config) -> Summary:
+    """Train as configured; the serving rank writes the results. Collective."""
+    comm = Comm.world(cfg.timeout)
+    spec = models.get(cfg.model)
+    cfg = resolve(cfg, spec.defaults, comm.size)
+    role = comm.role
+    console = Console(cfg.quiet) if role.serves else NullConsole()
+    threads = place_on_cpus(cfg, comm)
+    init_tensorflow(threads, cfg.seed)
+
+    splits = (("train",) if role.trains else ()) + (("test",) if role.serves else ())
+    dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
+                        synthetic_shape=spec.synthetic or None)
+    shard_size = data.check_shards(dataset.train_size, cfg.workers, cfg.batch_size)
+    worker_index = 0 if comm.size == 1 else comm.rank - 1
+    if role.trains:
+        start, stop = data.shard_range(dataset.train_size, cfg.workers, worker_index)
+        dataset.x_train, dataset.y_train = (dataset.x_train[start:stop],
+                                            dataset.y_train[start:stop])
+    for line in data.describe(dataset):
+        (console.note if line == dataset.note else console.info)(line)
+
+    replica = Replica(spec, dataset.input_shape, dataset.num_classes, cfg.optimizer,
+                      cfg.effective_lr)
+    ranks = comm.allgather_objects(rank_facts(threads))
+    results = (RunResults(cfg.results_dir, f"{cfg.model}-{cfg.mode}-np{comm.size}")
+               if role.serves else NullResults())
+    results.write_json("config.json", run_metadata(cfg, dataset, replica, ranks))
+    console.info(f"{cfg.model} {cfg.mode} on {comm.size} rank(s) ({cfg.workers} worker(s)), "
+                 f"batch {cfg.batch_size}/worker, lr {cfg.effective_lr:g}, "
+                 f"{cfg.epochs} epoch(s); results in {results.path}")
+
+    ctx = Context(cfg, comm, role, replica, dataset, results, console,
+                  shard_size=shard_size, worker_index=worker_index)
+    if cfg.async_mode:
+        from . import async_trainer as trainer
+    else:
+        trainer = sync_trainer
+    summary = trainer.train(ctx)
+    comm.barrier("every rank to finish training")
+    results.add_run_row(run_row(cfg, dataset, summary))
+    console.summary(summary_lines(cfg, summary, results.path))
+    return summary
+
+
+def place_on_cpus(cfg: Config, comm: Comm) -> int:
+    """Widen this rank's CPU affinity (unless told not to); return its thread count.
+
+    Threads: the host's CPUs divided among the worker ranks on the host, at
+    least one; the parameter server, mostly asleep, gets one thread.
+    """
+    if not cfg.keep_cpu_binding and hasattr(os, "sched_setaffinity"):
+        try:  # the kernel intersects this with any cgroup/cpuset limit
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError:
+            pass
+    if cfg.threads:
+        return cfg.threads
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    if not comm.role.trains:
+        return 1
+    workers_here = [r for r in comm.ranks_on_host() if Role.of(r, comm.size).trains]
+    return max(1, cpus // max(1, len(workers_here)))
+
+
+def rank_facts(threads: int) -> dict:
+    """What each rank reports about itself for config.json (and version checks)."""
+    import numpy
+    import tensorflow as tf
+
+    facts = {"host": platform.node(), "pid": os.getpid(), "threads": threads,
+             "python": platform.python_version(), "tensorflow": tf.__version__,
+             "numpy": numpy.__version__, "mpitrain": __version__}
+    facts.update(library_versions())
+    return facts
+
+
+def git_commit() -> str:
+    """The source tree's commit, or '' when it is not a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def run_metadata(cfg: Config, dataset, replica, ranks) -> dict:
+    import keras
+
+    return {"config": cfg.to_dict(), "argv": sys.argv,
+            "dataset": {"name": dataset.name, "source": dataset.source,
+                        "train_size": dataset.train_size, "note": dataset.note},
+            "model": {"name": cfg.model, "parameters": replica.n_params},
+            "versions": {**{k: ranks[0][k] for k in ("python", "tensorflow", "numpy",
+                                                     "mpi4py", "mpi_library", "mpitrain")},
+                         "keras": keras.__version__},
+            "ranks": ranks, "git_commit": git_commit(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID", "")}
+
+
+def run_row(cfg: Config, dataset, summary: Summary) -> dict:
+    """The run's row in runs.csv."""
+    return {"model": cfg.model, "mode": cfg.mode, "np": cfg.world_size,
+            "workers": cfg.workers, "batch_size": cfg.batch_size,
+            "global_batch": cfg.global_batch, "epochs": summary.epochs_done,
+            "steps": summary.steps, "optimizer": cfg.optimizer, "lr": cfg.effective_lr,
+            "wall_time_s": round(summary.wall_time_s, 3),
+            "test_accuracy": summary.test_accuracy, "test_loss": summary.test_loss,
+            "train_loss": summary.train_loss, "dataset": dataset.name,
+            "status": "ok", **summary.extra}
+
+
+def summary_lines(cfg: Config, summary: Summary, path) -> list:
+    return [f"done: {cfg.model} {cfg.mode} np={cfg.world_size}: "
+            f"{summary.epochs_done:g} epoch(s), {summary.steps} steps in "
+            f"{summary.wall_time_s:.2f} s; test accuracy {100 * summary.test_accuracy:.2f}%, "
+            f"test loss {summary.test_loss:.4f}",
+            f"results: {path}"]

@@ -1,0 +1,139 @@
+"""What both training protocols share: the run context, evaluation, worker batches.
+
+A trainer (:mod:`.sync_trainer`, :mod:`.async_trainer`) is a function
+``train(ctx) -> Summary`` that every rank calls; it branches once on
+``ctx.role`` to the server's or the worker's loop and never on rank for I/O
+(``ctx.results`` and ``ctx.console`` do nothing on ranks that must not write).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, Optional, Tuple
+
+import numpy as np
+
+from .comm import Comm, Role
+from .config import Config
+from .data import Dataset, batches_per_epoch, epoch_batches
+from .replica import Replica
+
+#: message tags of the worker -> server protocol (both modes)
+TAG_REPORT = 21
+TAG_WEIGHTS = 22
+TAG_GRADIENT = 23
+TAG_DONE = 24
+
+#: workers tell the server they are alive (and how far they are) this often, at least
+HEARTBEAT_SECONDS = 1.0
+
+
+@dataclass
+class Context:
+    """Everything a trainer needs, built once per run by :mod:`.session`."""
+
+    cfg: Config
+    comm: Comm
+    role: Role
+    replica: Replica
+    data: Dataset  # the splits this rank needs (train shard on workers, test on the server)
+    results: object  # RunResults on the serving rank, NullResults elsewhere
+    console: object  # Console on the serving rank, NullConsole elsewhere
+    shard_size: int = 0  # examples in each worker's shard (equal for all workers)
+    worker_index: int = 0  # position among the workers (0..workers-1); 0 on the server
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Updates a worker makes in one pass over its shard."""
+        return batches_per_epoch(self.shard_size, self.cfg.batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        """Steps each worker runs: all epochs, or the --steps/--dry-run cap."""
+        total = self.steps_per_epoch * self.cfg.epochs
+        return total if self.cfg.max_steps is None else min(total, self.cfg.max_steps)
+
+
+@dataclass
+class Summary:
+    """The outcome of a run, as the serving rank saw it."""
+
+    wall_time_s: float
+    steps: int
+    epochs_done: float
+    test_loss: float
+    test_accuracy: float
+    train_loss: float
+    extra: Dict[str, object] = field(default_factory=dict)
+
+
+def worker_batches(ctx: Context) -> Iterator[Tuple[int, int, np.ndarray, np.ndarray, bool]]:
+    """(epoch, step, x, y, end_of_epoch) for each of this worker's steps.
+
+    Shuffled reproducibly per (seed, worker, epoch); stops after
+    :attr:`Context.total_steps`, possibly mid-epoch (then end_of_epoch is True
+    for the last step so the caller reports it).
+    """
+    x, y = ctx.data.x_train, ctx.data.y_train
+    step, total, per_epoch = 0, ctx.total_steps, ctx.steps_per_epoch
+    for epoch in range(1, ctx.cfg.epochs + 1):
+        for i, idx in enumerate(epoch_batches(len(y), ctx.cfg.batch_size, ctx.cfg.seed,
+                                              ctx.worker_index, epoch)):
+            step += 1
+            last = step == total
+            yield epoch, step, x[idx], y[idx], last or i == per_epoch - 1
+            if last:
+                return
+
+
+def is_eval_point(ctx: Context, epoch: int, step: int) -> bool:
+    """Evaluate after every ``eval_every``-th epoch and after the final step."""
+    return step == ctx.total_steps or epoch % ctx.cfg.eval_every == 0
+
+
+class Evaluator:
+    """The serving rank's test-set evaluation and curve/log output.
+
+    :meth:`record` evaluates the replica's current weights and appends one row
+    to ``curve.csv``; it is only ever called on the rank that serves.
+    """
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.last: Dict[str, float] = {}
+
+    def record(self, step: int, train_loss: Optional[float], wall_time_s: float) -> Dict:
+        ctx = self.ctx
+        test_loss, test_acc = ctx.replica.evaluate(ctx.data.x_test, ctx.data.y_test)
+        row = {"epoch": round(step / ctx.steps_per_epoch, 4), "step": step,
+               "wall_time_s": round(wall_time_s, 4), "train_loss": train_loss,
+               "test_loss": test_loss, "test_accuracy": test_acc}
+        ctx.results.add_curve_row(row)
+        ctx.console.info(
+            f"epoch {row['epoch']:>7g}/{ctx.cfg.epochs}  step {step:>6}  "
+            + (f"train loss {train_loss:.4f}  " if train_loss is not None else "")
+            + f"test loss {test_loss:.4f}  test acc {100 * test_acc:6.2f}%  "
+            f"{wall_time_s:8.2f} s")
+        self.last = row
+        return row
+
+    def summary(self, wall_time_s: float, **extra) -> Summary:
+        row = self.last
+        return Summary(wall_time_s=wall_time_s, steps=int(row["step"]),
+                       epochs_done=float(row["epoch"]), test_loss=float(row["test_loss"]),
+                       test_accuracy=float(row["test_accuracy"]),
+                       train_loss=row["train_loss"], extra=dict(extra))
+
+
+class Stopwatch:
+    """Wall time since the training start (a shared point: the initial broadcast)."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.t0

@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mpitrain",
+    version="0.1.0",
+    description="MPI data-parallel training for TensorFlow: sync allreduce or an async "
+                "parameter server, with telemetry, results and plots",
+    packages=find_packages(include=["mpitrain", "mpitrain.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "mpi4py>=4.0,<5",
+        "numpy>=1.26,<2.1",
+        # Horovod 0.28.1 (the --allreduce horovod engine) builds only against
+        # TensorFlow 2.15-2.18; 2.19+ lacks the XLA headers it needs.
+        "tensorflow-cpu>=2.16,<2.19; platform_machine=='x86_64'",
+        "tensorflow>=2.16,<2.19; platform_machine!='x86_64'",
+        "psutil>=5.9,<8",
+        "scikit-learn>=1.3,<2",  # bundled 8x8 digits: the offline fallback dataset
+    ],
+    extras_require={
+        "test": ["pytest>=7,<10", "pytest-timeout>=2.1,<3"],
+    },
+    entry_points={"console_scripts": ["mpitrain=mpitrain.cli:main"]},
+)
