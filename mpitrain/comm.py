@@ -12,9 +12,9 @@ Design rules that every verb here follows:
   and the peer after ``timeout`` seconds instead of hanging forever.
 * **Waiting does not burn a core.** Open MPI's blocking waits busy-poll; on a
   host with more ranks than cores (``-np 4`` on 2 cores) a spinning rank steals
-  the core a worker needs. :class:`Backoff` spins only briefly, then sleeps with
-  growing intervals. Measured on 2 cores, LR-sized allreduce among 3 workers:
-  blocking Allreduce 2.14 ms/step, Iallreduce with this policy 2.09 ms/step,
+  the core a worker needs. :class:`Backoff` yields the core while it polls,
+  then sleeps with growing intervals. Measured on 2 cores, sync LR, 3 workers:
+  Iallreduce with this policy 1.6 ms/step against 2.6 ms with sleeps alone,
   while a sleeping parameter server uses ~1.5% of a core.
 * **Traffic is counted exactly.** Every verb adds its payload bytes and message
   count, by kind (allreduce, push, pull, broadcast, control), to :attr:`traffic`.
@@ -99,21 +99,24 @@ class Role(Enum):
 class Backoff:
     """How a rank polls a request it is waiting on.
 
-    Spin (test in a tight loop) for ``spin`` seconds, so an operation that
-    completes soon costs no extra latency; then sleep between tests, doubling
-    from ``first_sleep`` to ``max_sleep``, so a long wait leaves the CPU to the
-    ranks that are computing.
+    For the first ``yield_for`` seconds, test the request and call
+    ``sched_yield`` in between: on a free core that is a spin (no added
+    latency); on an oversubscribed host it hands the core to a rank that is
+    still computing, the one everybody waits for. After that, sleep between
+    tests, doubling from ``first_sleep`` to ``max_sleep``, so a long wait costs
+    almost no CPU. Measured, sync LR allreduce on 2 cores: 3 workers 2.6 ms/step
+    with sleeps only, 1.6 ms/step with the yield phase; 2 workers 0.98 -> 0.71.
     """
 
-    spin: float
+    yield_for: float
     first_sleep: float = 2e-5
     max_sleep: float = 1e-3
 
 
 #: Workers inside a collective: partners usually arrive within a step's jitter.
-HOT = Backoff(spin=2e-3)
-#: A server or a rank waiting on something that takes long (evaluation, a slow worker).
-IDLE = Backoff(spin=0.0, first_sleep=5e-5, max_sleep=1e-3)
+HOT = Backoff(yield_for=2e-3)
+#: A server, or a rank waiting on something slow (evaluation, a slow worker).
+IDLE = Backoff(yield_for=0.0, first_sleep=5e-5, max_sleep=1e-3)
 
 
 @dataclass
@@ -274,11 +277,13 @@ class Comm:
             return True
         start = time.perf_counter()
         deadline = start + (self.timeout if timeout is None else timeout)
-        spin_until = start + backoff.spin
+        yield_until = start + backoff.yield_for
         sleep = backoff.first_sleep
         now = start
         while True:
-            if now >= spin_until:
+            if now < yield_until:
+                os.sched_yield()
+            else:
                 time.sleep(sleep)
                 sleep = min(sleep * 2.0, backoff.max_sleep)
             if done():
