@@ -110,8 +110,12 @@ def _fail(error: MpitrainError) -> int:
     """Print ``error`` once and return its exit code, or abort the job if it is local."""
     rank = world_rank_if_running()
     if error.everywhere or world_size_if_running() <= 1:
-        if rank == 0:
-            print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        if rank != 0:
+            # Rank 0 reports and carries the exit code. If every rank exited
+            # non-zero at once, mpirun would tear the job down on the first exit
+            # and could drop rank 0's line before forwarding it (seen: 3 in 10).
+            return 0
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
     print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
     abort_world(error.exit_code)

@@ -34,6 +34,7 @@ KERAS_MNIST_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/m
 KERAS_MNIST_SHA256 = "731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1"
 KERAS_CACHE = Path("~/.keras/datasets/mnist.npz")
 
+SPLITS = ("train", "test")
 IDX_NAMES = {
     "x_train": "train-images-idx3-ubyte",
     "y_train": "train-labels-idx1-ubyte",
@@ -110,14 +111,20 @@ def _find_idx(directory: Path, stem: str) -> Optional[Path]:
     return None
 
 
-def read_mnist_dir(directory: Path) -> Dict[str, np.ndarray]:
-    """The four MNIST arrays from IDX files or ``mnist.npz`` in ``directory``."""
-    found = {key: _find_idx(directory, stem) for key, stem in IDX_NAMES.items()}
+def _keys(splits) -> List[str]:
+    # training labels always: they are small and give every rank the training-set size
+    keys = [prefix + split for split in splits for prefix in ("x_", "y_")]
+    return keys if "y_train" in keys else keys + ["y_train"]
+
+
+def read_mnist_dir(directory: Path, splits=SPLITS) -> Dict[str, np.ndarray]:
+    """The MNIST arrays of ``splits`` from IDX files or ``mnist.npz`` in ``directory``."""
+    found = {key: _find_idx(directory, IDX_NAMES[key]) for key in _keys(splits)}
     if all(found.values()):
         arrays = {key: read_idx(path) for key, path in found.items()}
         origin = str(directory)
     elif (directory / "mnist.npz").is_file():
-        arrays = read_npz(directory / "mnist.npz")
+        arrays = read_npz(directory / "mnist.npz", splits)
         origin = str(directory / "mnist.npz")
     else:
         missing = [IDX_NAMES[k] + "[.gz]" for k, v in found.items() if v is None]
@@ -127,11 +134,11 @@ def read_mnist_dir(directory: Path) -> Dict[str, np.ndarray]:
     return arrays
 
 
-def read_npz(path: Path) -> Dict[str, np.ndarray]:
-    """The four arrays of a Keras-style ``mnist.npz``."""
+def read_npz(path: Path, splits=SPLITS) -> Dict[str, np.ndarray]:
+    """The arrays of ``splits`` from a Keras-style ``mnist.npz``."""
     try:
         with np.load(path, allow_pickle=False) as f:
-            return {key: np.asarray(f[key]) for key in IDX_NAMES}
+            return {key: np.asarray(f[key]) for key in _keys(splits)}
     except KeyError as e:
         raise DataError(f"{path}: missing array {e} (expected x_train, y_train, x_test, "
                         "y_test)") from None
@@ -142,7 +149,9 @@ def read_npz(path: Path) -> Dict[str, np.ndarray]:
 
 def check_mnist_arrays(arrays: Dict[str, np.ndarray], origin: str) -> None:
     """Shapes and label ranges MNIST must have; DataError naming ``origin`` otherwise."""
-    for split in ("train", "test"):
+    for split in SPLITS:
+        if "x_" + split not in arrays:
+            continue
         x, y = arrays["x_" + split], arrays["y_" + split]
         if x.ndim != 3 or x.shape[1:] != (28, 28):
             raise DataError(f"{origin}: {split} images have shape {x.shape}, "
@@ -156,7 +165,8 @@ def check_mnist_arrays(arrays: Dict[str, np.ndarray], origin: str) -> None:
 # ---------------------------------------------------------------------------------------
 # Finding and downloading MNIST
 # ---------------------------------------------------------------------------------------
-def local_mnist(data_dir: Optional[str]) -> Tuple[Optional[Dict[str, np.ndarray]], str]:
+def local_mnist(data_dir: Optional[str],
+                splits=SPLITS) -> Tuple[Optional[Dict[str, np.ndarray]], str]:
     """MNIST from an explicit directory, $MPITRAIN_DATA_DIR or the Keras cache.
 
     Returns (arrays, origin), or (None, "") when no local copy exists. An
@@ -170,10 +180,10 @@ def local_mnist(data_dir: Optional[str]) -> Tuple[Optional[Dict[str, np.ndarray]
             if not directory.is_dir():
                 raise DataError(f"{label} {directory}: no such directory; point it at a "
                                 "folder holding the MNIST IDX files or mnist.npz")
-            return read_mnist_dir(directory), str(directory)
+            return read_mnist_dir(directory, splits), str(directory)
     cache = KERAS_CACHE.expanduser()
     if cache.is_file():
-        arrays = read_npz(cache)
+        arrays = read_npz(cache, splits)
         check_mnist_arrays(arrays, str(cache))
         return arrays, str(cache)
     return None, ""
@@ -243,7 +253,7 @@ def synthetic(n_train: int, n_test: int, image_size: int, channels: int, num_cla
 # ---------------------------------------------------------------------------------------
 # Loading for a run (collective)
 # ---------------------------------------------------------------------------------------
-def load(dataset: str, data_dir: Optional[str], comm, splits=("train", "test"),
+def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
          seed: int = 0, synthetic_shape: Optional[dict] = None) -> Dataset:
     """Load ``splits`` of ``dataset`` on this rank. Collective over ``comm``.
 
@@ -254,7 +264,7 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=("train", "test"),
     result, error = None, None
     try:
         if dataset in ("auto", "mnist"):
-            result = _load_mnist(dataset, data_dir, comm)
+            result = _load_mnist(dataset, data_dir, comm, splits)
         elif dataset == "digits":
             result = _from_arrays("digits", "scikit-learn load_digits (8x8, upscaled)",
                                   digits_upscaled(seed))
@@ -268,22 +278,24 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=("train", "test"),
         else:
             raise UsageError(f"unknown dataset {dataset!r}")
     except (DataError, UsageError) as e:
+        if e.everywhere:  # already agreed on inside
+            raise
         error = e
     comm.agree(error)
     _agree_on_dataset(result, comm)
-    for split in ("train", "test"):
+    for split in SPLITS:
         if split not in splits:
             setattr(result, "x_" + split, None)
             setattr(result, "y_" + split, None)
     return result
 
 
-def _load_mnist(dataset: str, data_dir: Optional[str], comm) -> Dataset:
+def _load_mnist(dataset: str, data_dir: Optional[str], comm, splits) -> Dataset:
     # Each phase below is collective so that the download on one host and the
     # waiting on the others stay in step (and are bounded by comm's timeout).
     arrays, origin, error = None, "", None
     try:
-        arrays, origin = local_mnist(data_dir)
+        arrays, origin = local_mnist(data_dir, splits)
     except DataError as e:
         error = e
     comm.agree(error)
@@ -297,7 +309,7 @@ def _load_mnist(dataset: str, data_dir: Optional[str], comm) -> Dataset:
             download_error = str(e)
     failures = [f for f in comm.allgather_objects(download_error) if f]
     if arrays is None and not failures:
-        arrays, origin = local_mnist(None)
+        arrays, origin = local_mnist(None, splits)
         origin = f"{origin} (downloaded from {mnist_url()})"
     if arrays is not None:
         return _from_arrays("mnist", origin, arrays)
@@ -322,11 +334,14 @@ def _as_float(arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     return out
 
 
-def _from_arrays(name: str, source: str, arrays: Dict[str, np.ndarray]) -> Dataset:
+def _from_arrays(name: str, source: str, arrays: Dict[str, np.ndarray],
+                 train_size: Optional[int] = None) -> Dataset:
     arrays = _as_float(arrays)
+    any_x = next(v for k, v in arrays.items() if k.startswith("x_"))
+    if train_size is None:
+        train_size = len(arrays["y_train"])
     return Dataset(name=name, source=source, num_classes=10,
-                   input_shape=tuple(arrays["x_train"].shape[1:]),
-                   train_size=len(arrays["y_train"]), **arrays)
+                   input_shape=tuple(any_x.shape[1:]), train_size=train_size, **arrays)
 
 
 def _agree_on_dataset(result: Dataset, comm) -> None:

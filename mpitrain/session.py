@@ -2,8 +2,8 @@
 
 The order matters and is the same on every rank: MPI up, configuration
 resolved against the world size (usage errors surface identically everywhere),
-CPU placement, TensorFlow, data (a collective that agrees on what was loaded),
-the replica, the results writer, the trainer, the results. Every cross-rank
+CPU placement, data (a collective that agrees on what was loaded), TensorFlow
+and the replica, the results writer, the trainer, the results. Every cross-rank
 step is bounded by ``--timeout``.
 """
 
@@ -32,8 +32,9 @@ def run(cfg: Config) -> Summary:
     role = comm.role
     console = Console(cfg.quiet) if role.serves else NullConsole()
     threads = place_on_cpus(cfg, comm)
-    init_tensorflow(threads, cfg.seed)
 
+    # Data before TensorFlow: a missing or corrupt file fails in a second, not
+    # after every rank has spent seconds importing TensorFlow.
     splits = (("train",) if role.trains else ()) + (("test",) if role.serves else ())
     dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
                         synthetic_shape=spec.synthetic or None)
@@ -46,6 +47,7 @@ def run(cfg: Config) -> Summary:
     for line in data.describe(dataset):
         (console.note if line == dataset.note else console.info)(line)
 
+    init_tensorflow(threads, cfg.seed)
     replica = Replica(spec, dataset.input_shape, dataset.num_classes, cfg.optimizer,
                       cfg.effective_lr)
     ranks = comm.allgather_objects(rank_facts(threads))

@@ -1,0 +1,67 @@
+"""Shared test helpers: where the real MNIST is, and a bounded real ``mpirun``."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
+
+
+def mnist_dir() -> Path:
+    """The real MNIST files the acceptance tests use (../shared/data/mnist by default)."""
+    path = Path(os.environ.get("MPITRAIN_TEST_MNIST", REPO.parent / "shared" / "data" / "mnist"))
+    if not (path / "train-images-idx3-ubyte.gz").is_file():
+        pytest.fail(f"real MNIST not found at {path}; set MPITRAIN_TEST_MNIST to the folder "
+                    "holding the IDX files")
+    return path
+
+
+@pytest.fixture
+def mnist() -> Path:
+    return mnist_dir()
+
+
+def mpi_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("MPITRAIN_DATA_DIR", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_bounded(cmd, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; kill the whole group and fail if it hangs."""
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env or mpi_env(),
+                            cwd=cwd or REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"hung for {timeout} s: {' '.join(map(str, cmd))}\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def mpirun_cmd(np_: int, *args, hostfile: Path = LOCAL_HOSTFILE, module="mpitrain") -> list:
+    return ["mpirun", "-q", "-np", np_, "-hostfile", hostfile, sys.executable, "-m",
+            module, *args]
+
+
+def mpirun(np_: int, *args, timeout: float = 300, env=None, **kw) -> subprocess.CompletedProcess:
+    """``mpirun -q -np N -hostfile hostfiles/local python -m mpitrain ARGS`` (bounded)."""
+    return run_bounded(mpirun_cmd(np_, *args, **kw), timeout, env=env)
+
+
+def read_rows(path: Path) -> list:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))

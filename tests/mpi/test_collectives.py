@@ -1,0 +1,134 @@
+"""MPI-tier tests: they pass at ANY process count.
+
+Plain ``pytest`` runs them at one rank; ``tests/e2e/test_mpi_tier.py`` runs this
+file under real ``mpirun -np 2, 3, 4``. Every rank runs the same tests in the same
+order, so collectives line up; every wait is bounded by the comm's timeout.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from mpitrain import models
+from mpitrain.comm import Comm, Role
+from mpitrain.errors import CommTimeout, DataError
+from mpitrain.replica import Replica, checksum, init_tensorflow
+
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def comm():
+    return Comm.world(timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def replica():
+    init_tensorflow(1, 0)
+    return Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
+
+
+def batch(seed, n=32):
+    rng = np.random.default_rng(seed)
+    return (rng.random((n, 28, 28, 1), dtype=np.float32),
+            rng.integers(0, 10, n).astype(np.int32))
+
+
+def test_roles(comm):
+    roles = comm.allgather_objects(comm.role)
+    if comm.size == 1:
+        assert roles == [Role.SINGLE]
+    else:
+        assert roles == [Role.SERVER] + [Role.WORKER] * (comm.size - 1)
+        assert (comm.workers is None) == (comm.rank == 0)
+    assert len(comm.hosts) == comm.size
+
+
+def test_bcast_overwrites_with_root_buffer(comm):
+    buf = np.full(1000, comm.rank, np.float32)
+    comm.bcast_(buf)
+    assert (buf == 0).all()
+
+
+def test_fused_allreduce_equals_mean_of_rank_gradients(comm, replica):
+    workers = comm.workers
+    if workers is None:
+        return  # the parameter server is not part of the gradient allreduce
+    grad, _ = replica.grad(*batch(100 + workers.rank))
+    every = np.stack(workers.allgather_objects(grad.copy()))
+    before = dict(comm.traffic.sent_bytes)
+    workers.allreduce_mean_(grad)
+    np.testing.assert_allclose(grad, every.mean(axis=0), rtol=1e-6, atol=1e-9)
+    # every rank got the bit-identical result
+    assert len(set(workers.allgather_objects(checksum(grad)))) == 1
+    if workers.size > 1:
+        assert comm.traffic.sent_bytes["allreduce"] - before.get("allreduce", 0) == grad.nbytes
+
+
+def test_replicas_identical_after_k_steps(comm, replica):
+    start = np.zeros(replica.n_params, np.float32)
+    if comm.rank == 0:
+        start[:] = np.random.default_rng(5).standard_normal(replica.n_params) * 0.01
+    comm.bcast_(start)
+    replica.set_weights(start)
+    workers = comm.workers
+    if workers is not None:
+        for step in range(5):
+            grad, _ = replica.grad(*batch(1000 * step + workers.rank))
+            workers.allreduce_mean_(grad)
+            replica.apply(grad)
+    sums = comm.allgather_objects(checksum(replica.weights()))
+    worker_sums = sums if comm.size == 1 else sums[1:]
+    assert len(set(worker_sums)) == 1
+    if comm.size > 1:  # the server did not train: it must still hold the start weights
+        assert sums[0] == checksum(start)
+
+
+def test_point_to_point_ring(comm):
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    out = np.full(10, comm.rank, np.float32)
+    got = np.empty(10, np.float32)
+    recv = comm.irecv(got, left, 7, "control", "the ring message")
+    send = comm.isend(out, right, 7, "control", "the ring message")
+    comm.wait_all([recv, send])
+    assert (got == left).all()
+
+
+def test_agree_raises_first_failure_everywhere(comm):
+    failing = comm.size - 1
+    error = DataError("file x is corrupt") if comm.rank == failing else None
+    where = "" if comm.size == 1 else f"rank {failing} on .*: "
+    with pytest.raises(DataError, match=where + "file x is corrupt") as info:
+        comm.agree(error)
+    assert info.value.everywhere
+    comm.agree(None)  # and a clean phase passes
+
+
+def test_wait_is_bounded_and_names_the_peer(comm):
+    short = Comm(comm._c, 0.3, comm.traffic, comm.hosts, comm.world_ranks)
+    never = np.empty(1, np.float32)
+    pending = short.irecv(never, comm.rank, 99, "control", "a message nobody sends")
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match=r"waited 0.3 s for a message nobody sends from rank"):
+        short.wait(pending)
+    assert time.monotonic() - t0 < 5
+    assert short.wait_any([pending], timeout=0.05) is None
+    short.cancel(pending)
+    comm.barrier()
+
+
+def test_waiting_does_not_burn_a_core(comm):
+    """A rank waiting 1 s for a late peer uses a small fraction of a CPU."""
+    if comm.size == 1:
+        return
+    buf = np.zeros(1, np.float32)
+    if comm.rank == 0:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        comm.wait(comm.irecv(buf, 1, 5, "control", "the late message"))
+        share = (time.process_time() - cpu0) / (time.perf_counter() - t0)
+        assert share < 0.25, f"waiting used {share:.0%} of a core"
+    elif comm.rank == 1:
+        time.sleep(1.0)
+        comm.wait(comm.isend(buf, 0, 5, "control", "the late message"))
+    comm.barrier()

@@ -1,0 +1,81 @@
+"""Config validation and CLI parsing: every bad setting is one UsageError line."""
+
+import dataclasses
+
+import pytest
+
+from mpitrain import models
+from mpitrain.cli import parse_config
+from mpitrain.config import Config, resolve
+from mpitrain.errors import UsageError
+
+LR_DEFAULTS = models.get("lr").defaults
+
+
+def resolved(world_size=1, **kw):
+    return resolve(Config(**kw), LR_DEFAULTS, world_size)
+
+
+def test_model_defaults_fill_unset_fields():
+    cfg = resolved()
+    assert (cfg.epochs, cfg.batch_size, cfg.lr, cfg.optimizer) == (30, 100, 0.5, "sgd")
+    assert resolved(epochs=3).epochs == 3
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("epochs", 0, "--epochs"), ("epochs", -2, "--epochs"),
+    ("batch_size", 0, "--batch-size"), ("batch_size", -5, "--batch-size"),
+    ("eval_every", 0, "--eval-every"), ("steps", 0, "--steps"),
+    ("lr", -0.1, "--lr"), ("lr", float("nan"), "--lr"),
+    ("threads", -1, "--threads"), ("timeout", 0.0, "--timeout"),
+])
+def test_bad_values_name_their_flag(field, value, flag):
+    with pytest.raises(UsageError, match=flag):
+        resolved(**{field: value})
+
+
+def test_async_needs_two_ranks():
+    with pytest.raises(UsageError, match="--async needs a parameter server"):
+        resolved(world_size=1, async_mode=True)
+    assert resolved(world_size=2, async_mode=True).mode == "async"
+
+
+def test_modes_and_linear_lr_scaling():
+    assert resolved(1).mode == "single"
+    sync4 = resolved(4)
+    assert (sync4.mode, sync4.workers, sync4.global_batch) == ("sync", 3, 300)
+    assert sync4.effective_lr == pytest.approx(1.5)
+    assert resolved(4, lr_scaling="none").effective_lr == pytest.approx(0.5)
+    assert resolved(4, async_mode=True).effective_lr == pytest.approx(0.5)
+
+
+def test_dry_run_caps_steps():
+    assert resolved(dry_run=True).max_steps == 2
+    assert resolved(steps=7).max_steps == 7
+    assert resolved().max_steps is None
+
+
+def test_cli_parses_into_config():
+    cfg = parse_config(["lr", "--epochs", "3", "--batch-size", "50", "--seed", "7"])
+    assert (cfg.model, cfg.epochs, cfg.batch_size, cfg.seed) == ("lr", 3, 50, 7)
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["nosuchmodel"], "invalid choice: 'nosuchmodel'"),
+    (["lr", "--batch-size", "x"], "invalid int value"),
+    (["lr", "--optimizer", "rmsprop"], "invalid choice"),
+    (["lr", "--no-such-flag"], "unrecognized arguments"),
+    (["lr", "--epochs", "0"], "--epochs must be a positive integer"),
+])
+def test_cli_usage_errors(argv, pattern):
+    with pytest.raises(UsageError, match=pattern) as info:
+        parse_config(argv)
+    assert "\n" not in str(info.value)
+
+
+def test_config_is_immutable_and_serialisable():
+    cfg = resolved(4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.epochs = 3
+    d = cfg.to_dict()
+    assert d["mode"] == "sync" and d["workers"] == 3 and d["effective_lr"] == pytest.approx(1.5)

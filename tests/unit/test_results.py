@@ -1,0 +1,70 @@
+"""Results files: never half-written, never overwritten, runs.csv grows columns safely."""
+
+import csv
+import json
+import multiprocessing
+
+import pytest
+
+from mpitrain.results import CsvLog, NullResults, RunResults, append_run_row, new_run_dir
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_run_dirs_are_never_reused(tmp_path):
+    a = new_run_dir(tmp_path, "lr-sync-np4")
+    b = new_run_dir(tmp_path, "lr-sync-np4")
+    assert a != b and a.is_dir() and b.is_dir()
+
+
+def test_runs_csv_appends_and_widens(tmp_path):
+    table = tmp_path / "runs.csv"
+    append_run_row(table, {"run": "a", "acc": 0.9})
+    append_run_row(table, {"run": "b", "acc": 0.8})
+    append_run_row(table, {"run": "c", "acc": 0.7, "cpu_max": 55.0})
+    got = rows(table)
+    assert [r["run"] for r in got] == ["a", "b", "c"]
+    assert got[0]["cpu_max"] == "" and got[2]["cpu_max"] == "55"
+    assert not list(tmp_path.glob(".runs.csv.tmp"))
+
+
+def _append_many(args):
+    path, start = args
+    for i in range(start, start + 25):
+        append_run_row(path, {"run": f"r{i}", "value": i, f"col{i % 3}": i})
+
+
+def test_runs_csv_concurrent_writers(tmp_path):
+    table = tmp_path / "runs.csv"
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        pool.map(_append_many, [(table, k * 25) for k in range(4)])
+    got = rows(table)
+    assert sorted(int(r["value"]) for r in got) == list(range(100))
+
+
+def test_curve_log_and_json(tmp_path):
+    results = RunResults(tmp_path, "lr-single-np1")
+    results.add_curve_row({"epoch": 1, "step": 10, "test_accuracy": 0.5})
+    results.write_json("config.json", {"a": 1})
+    assert rows(results.dir / "curve.csv")[0]["test_accuracy"] == "0.5"
+    assert json.loads((results.dir / "config.json").read_text()) == {"a": 1}
+    results.add_run_row({"model": "lr"})
+    assert rows(tmp_path / "runs.csv")[0]["run"] == results.dir.name
+
+
+def test_csv_log_keeps_its_header(tmp_path):
+    log = CsvLog(tmp_path / "x.csv", ["a", "b"])
+    log.append({"a": 1, "b": 2.123456789})
+    CsvLog(tmp_path / "x.csv", ["a", "b"]).append({"a": 3})
+    assert rows(tmp_path / "x.csv") == [{"a": "1", "b": "2.12346"}, {"a": "3", "b": ""}]
+
+
+def test_null_results_do_nothing(tmp_path):
+    null = NullResults()
+    null.add_curve_row({"x": 1})
+    null.write_json("config.json", {})
+    null.add_run_row({})
+    assert null.path is None and list(tmp_path.iterdir()) == []
