@@ -1,0 +1,72 @@
+"""Helpers shared by the benchmarks: launching mpirun, output directory, tables."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
+DEFAULT_MNIST = REPO.parent / "shared" / "data" / "mnist"
+
+
+def mnist_dir() -> str:
+    return os.environ.get("MPITRAIN_DATA_DIR", str(DEFAULT_MNIST))
+
+
+def mpi_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def mpirun(np_: int, args: List[str], timeout: float = 1800) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` on ``np_`` ranks of this machine; raise if it fails."""
+    cmd = ["mpirun", "-q", "-np", str(np_), "-hostfile", str(LOCAL_HOSTFILE),
+           sys.executable, *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(),
+                            cwd=REPO, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n"
+                           f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    return result
+
+
+def last_json_line(text: str) -> dict:
+    """The last line of ``text`` that is a JSON object (what a rank-side script prints)."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no JSON result in output:\n{text[-2000:]}")
+
+
+def out_dir() -> Path:
+    path = REPO / "results" / "bench" / time.strftime("%Y%m%d-%H%M%S")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_csv(path: Path, rows: List[Dict]) -> None:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def table(rows: List[Dict], columns: List[str]) -> str:
+    """A plain-text table of ``rows`` for the terminal."""
+    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
