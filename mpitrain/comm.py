@@ -117,6 +117,11 @@ class Backoff:
 HOT = Backoff(yield_for=2e-3)
 #: A server, or a rank waiting on something slow (evaluation, a slow worker).
 IDLE = Backoff(yield_for=0.0, first_sleep=5e-5, max_sleep=1e-3)
+#: The async server between pushes: workers keep computing while it sleeps (their
+#: pipeline hides its reply latency), so it polls less often. Measured, async LR
+#: at -np 3 and 4: protocol loop 17-19% of a core with a 50 us first sleep,
+#: 13-14% with 500 us, at the same update rate.
+SERVING = Backoff(yield_for=0.0, first_sleep=5e-4, max_sleep=1e-3)
 
 
 @dataclass
@@ -149,25 +154,27 @@ class Traffic:
 class Pending:
     """A started nonblocking operation, with what it is for (used in timeout messages).
 
-    A receive counts its bytes in the traffic table when it completes.
+    A receive adds the bytes it actually received (from its MPI status) to the
+    traffic table when it completes.
     """
 
-    __slots__ = ("request", "what", "peer", "kind", "done", "_on_done")
+    __slots__ = ("request", "what", "peer", "kind", "done", "_traffic", "_status")
 
     def __init__(self, request, what: str, peer: Optional[int], kind: str,
-                 on_done: Optional[Callable[[], None]] = None):
+                 traffic: Optional["Traffic"] = None):
         self.request = request
         self.what = what
         self.peer = peer
         self.kind = kind
         self.done = False
-        self._on_done = on_done
+        self._traffic = traffic  # set for receives only
+        self._status = _load_mpi().Status() if traffic is not None else None
 
     def test(self) -> bool:
-        if not self.done and self.request.Test():
+        if not self.done and self.request.Test(self._status):
             self.done = True
-            if self._on_done is not None:
-                self._on_done()
+            if self._traffic is not None:
+                self._traffic.add_recv(self.kind, self._status.Get_count(_load_mpi().BYTE))
         return self.done
 
 
@@ -237,14 +244,19 @@ class Comm:
         return [r for r, h in enumerate(self.hosts) if h == host]
 
     # ---- waiting ----------------------------------------------------------------------
-    def wait(self, pending: Pending, backoff: Backoff = HOT) -> None:
-        """Complete ``pending`` or raise :class:`CommTimeout` after ``timeout`` seconds."""
-        self.wait_all([pending], backoff)
+    def wait(self, pending: Pending, backoff: Backoff = HOT,
+             timeout: Optional[float] = None) -> None:
+        """Complete ``pending`` or raise :class:`CommTimeout` after ``timeout`` seconds
+        (default: the communicator's)."""
+        self.wait_all([pending], backoff, timeout)
 
-    def wait_all(self, pendings: Sequence[Pending], backoff: Backoff = HOT) -> None:
+    def wait_all(self, pendings: Sequence[Pending], backoff: Backoff = HOT,
+                 timeout: Optional[float] = None) -> None:
         """Complete every request in ``pendings`` (bounded, see :meth:`wait`)."""
+        deadline = time.perf_counter() + (self.timeout if timeout is None else timeout)
         for p in pendings:
-            self._poll(lambda p=p: p.test(), [p], backoff)
+            self._poll(p.test, [p], backoff, max(0.0, deadline - time.perf_counter()),
+                       timeout_for_message=timeout)
 
     def wait_any(self, pendings: Sequence[Optional[Pending]], backoff: Backoff = IDLE,
                  timeout: Optional[float] = None) -> Optional[int]:
@@ -257,22 +269,31 @@ class Comm:
         live = [(i, p) for i, p in enumerate(pendings) if p is not None]
         if not live:
             raise ValueError("wait_any needs at least one pending request")
+        for i, p in live:
+            if p.done:
+                return i
+        live_pendings = [p for _, p in live]
         found: List[int] = []
 
         def any_done() -> bool:
-            for i, p in live:
+            # One MPI_Test per request, not one MPI_Testany for all: each Test drives
+            # Open MPI's progress engine once, and a ~31 KB shared-memory message
+            # needs several progress calls. Measured, async LR -np 3: 2430 updates/s
+            # with Test per request, 1780 with Testany.
+            for j, p in enumerate(live_pendings):
                 if p.test():
-                    found.append(i)
+                    found.append(live[j][0])
                     return True
             return False
 
-        if not self._poll(any_done, [p for _, p in live], backoff, timeout,
+        if not self._poll(any_done, live_pendings, backoff, timeout,
                           raise_on_timeout=timeout is None):
             return None
         return found[0]
 
     def _poll(self, done: Callable[[], bool], pendings: Sequence[Pending], backoff: Backoff,
-              timeout: Optional[float] = None, raise_on_timeout: bool = True) -> bool:
+              timeout: Optional[float] = None, raise_on_timeout: bool = True,
+              timeout_for_message: Optional[float] = None) -> bool:
         if done():
             return True
         start = time.perf_counter()
@@ -292,17 +313,17 @@ class Comm:
             if now > deadline:
                 self.traffic.wait_seconds[pendings[0].kind] += now - start
                 if raise_on_timeout:
-                    raise self._timeout_error(pendings)
+                    raise self._timeout_error(pendings, timeout_for_message or self.timeout)
                 return False
         self.traffic.wait_seconds[pendings[0].kind] += time.perf_counter() - start
         return True
 
-    def _timeout_error(self, pendings: Sequence[Pending]) -> CommTimeout:
+    def _timeout_error(self, pendings: Sequence[Pending], seconds: float) -> CommTimeout:
         waiting = [p for p in pendings if not p.done] or list(pendings)
         p = waiting[0]
         peer = f" from {self.name(p.peer)}" if p.peer is not None else ""
         return CommTimeout(
-            f"{self.name(self.rank)} waited {self.timeout:g} s for {p.what}{peer}; "
+            f"{self.name(self.rank)} waited {seconds:g} s for {p.what}{peer}; "
             f"that rank is stalled or dead (raise --timeout if this step is legitimately slower)")
 
     # ---- collectives on buffers -------------------------------------------------------
@@ -349,17 +370,17 @@ class Comm:
         return Pending(self._c.Isend(buf, dest=dest, tag=tag), what, dest, kind)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int, kind: str, what: str) -> Pending:
-        """Post a receive into ``buf`` from ``source``; counted when it completes."""
-        nbytes, traffic = buf.nbytes, self.traffic
+        """Post a receive into ``buf`` (a message may be shorter) from ``source``."""
         return Pending(self._c.Irecv(buf, source=source, tag=tag), what, source, kind,
-                       on_done=lambda: traffic.add_recv(kind, nbytes))
+                       traffic=self.traffic)
 
     def cancel(self, pending: Optional[Pending]) -> None:
         """Cancel a posted receive that will never be matched, so none is left at exit."""
         if pending is None or pending.done:
             return
         pending.request.Cancel()
-        self._poll(lambda: bool(pending.request.Test()), [pending], IDLE, timeout=10.0)
+        self._poll(lambda: bool(pending.request.Test()), [pending], IDLE, timeout=10.0,
+                   timeout_for_message=10.0)
         pending.done = True
 
     # ---- rare metadata exchanges (pickled objects) ------------------------------------

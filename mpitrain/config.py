@@ -35,6 +35,12 @@ class Config:
         "asynchronous parameter-server training (rank 0 applies each worker's "
         "gradient as it arrives); default is synchronous allreduce",
         False, flag="--async", action="store_true")
+    staleness: Optional[int] = _opt(
+        "async only: bound on staleness (server updates between the version a gradient "
+        "was computed at and its application). 0 = one worker computes at a time on the "
+        "current weights (synchronous, one worker applied at a time); K = fast workers "
+        "wait so no gradient is more than K updates old; default: unbounded",
+        flag="--staleness", type=int, metavar="K")
     epochs: Optional[int] = _opt(
         "passes over the whole training set (each worker passes once over its shard)",
         flag="--epochs", type=int, metavar="N")
@@ -136,6 +142,11 @@ class Config:
             raise UsageError(f"--timeout must be a positive number of seconds (got {self.timeout})")
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
+        if self.staleness is not None:
+            if self.staleness < 0:
+                raise UsageError(f"--staleness must be 0 or more (got {self.staleness})")
+            if not self.async_mode:
+                raise UsageError("--staleness bounds the async parameter server: add --async")
         if self.async_mode and self.world_size < 2:
             raise UsageError(
                 "--async needs a parameter server and at least one worker: "

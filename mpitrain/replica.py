@@ -91,6 +91,13 @@ class Replica:
             loss, grads = loss_and_grads(x, y)
             return tf.concat([tf.reshape(g, [-1]) for g in grads], 0), loss
 
+        @tf.function(input_signature=flat_spec + batch_spec)
+        def grad_at(flat_weights, x, y):
+            for v, part in zip(variables, unflatten(flat_weights)):
+                v.assign(part)
+            loss, grads = loss_and_grads(x, y)
+            return tf.concat([tf.reshape(g, [-1]) for g in grads], 0), loss
+
         @tf.function(input_signature=flat_spec)
         def apply(flat):
             self.optimizer.apply_gradients(zip(unflatten(flat), variables))
@@ -113,13 +120,23 @@ class Replica:
             for v, part in zip(variables, unflatten(flat)):
                 v.assign(part)
 
-        self._grad, self._apply, self._train_step = grad, apply, train_step
+        self._grad, self._grad_at, self._apply, self._train_step = grad, grad_at, apply, train_step
         self._eval_batch, self._set_weights = eval_batch, set_weights
 
     # ---- training -------------------------------------------------------------------
     def grad(self, x: np.ndarray, y: np.ndarray) -> Tuple[np.ndarray, float]:
         """(flat gradient as a writable float32 numpy array, loss) of one batch."""
         flat, loss = self._grad(x, y)
+        return flat.numpy(), float(loss)
+
+    def grad_at(self, flat_weights: np.ndarray, x: np.ndarray,
+                y: np.ndarray) -> Tuple[np.ndarray, float]:
+        """Load ``flat_weights`` and return (flat gradient, loss) of one batch, in one call.
+
+        The async worker's step: weights arrive from the server every step, and
+        assigning them inside the same compiled call saves a TensorFlow dispatch.
+        """
+        flat, loss = self._grad_at(flat_weights, x, y)
         return flat.numpy(), float(loss)
 
     def apply(self, flat_grad: np.ndarray) -> None:

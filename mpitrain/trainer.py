@@ -49,6 +49,10 @@ class Context:
         return batches_per_epoch(self.shard_size, self.cfg.batch_size)
 
     @property
+    def workers(self) -> int:
+        return self.cfg.workers
+
+    @property
     def total_steps(self) -> int:
         """Steps each worker runs: all epochs, or the --steps/--dry-run cap."""
         total = self.steps_per_epoch * self.cfg.epochs
@@ -99,14 +103,16 @@ class Evaluator:
     to ``curve.csv``; it is only ever called on the rank that serves.
     """
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, updates_per_epoch: Optional[int] = None):
         self.ctx = ctx
+        #: server updates in one epoch: a worker's steps in sync, all workers' in async
+        self.updates_per_epoch = updates_per_epoch or ctx.steps_per_epoch
         self.last: Dict[str, float] = {}
 
     def record(self, step: int, train_loss: Optional[float], wall_time_s: float) -> Dict:
         ctx = self.ctx
         test_loss, test_acc = ctx.replica.evaluate(ctx.data.x_test, ctx.data.y_test)
-        row = {"epoch": round(step / ctx.steps_per_epoch, 4), "step": step,
+        row = {"epoch": round(step / self.updates_per_epoch, 4), "step": step,
                "wall_time_s": round(wall_time_s, 4), "train_loss": train_loss,
                "test_loss": test_loss, "test_accuracy": test_acc}
         ctx.results.add_curve_row(row)

@@ -1,0 +1,321 @@
+"""Asynchronous parameter-server training (``--async``), with bounded staleness.
+
+Rank 0 (the server) holds the canonical weights as one flat float32 vector and
+applies each worker's gradient the moment it arrives, in arrival order, with a
+numpy optimizer (:mod:`.optim`); it never runs TensorFlow in its protocol loop,
+so it needs microseconds per update and sleeps in between (see
+:class:`mpitrain.comm.Backoff`). Evaluation runs in a background thread on a
+snapshot of the weights, so it never stalls the workers.
+
+Protocol, per worker (all messages on the world communicator, numpy buffers
+with a small header in front, mpi4py uppercase methods):
+
+1. The worker waits for a **lease**: the server's reply ``[header | weights]``
+   on ``TAG_WEIGHTS``; the header carries the weights' version (the server's
+   update count when they were sent).
+2. It computes the gradient of its next batch at those weights (one compiled
+   call) and pushes ``[header | gradient]`` with ``Isend`` on ``TAG_GRADIENT``;
+   the header carries the version the gradient was computed at, the step, the
+   loss, and FINAL on its last batch. The ``Irecv`` for the reply is posted
+   before the push.
+3. The server applies the gradient (staleness = server version - that
+   version, recorded per worker), replies with a new lease when the staleness
+   bound allows (immediately when unbounded), and re-posts its ``Irecv`` for
+   that worker. A FINAL push gets a header-only reply and ends that worker.
+
+Bounded staleness (``--staleness K``): the server grants a lease only if every
+worker holding one would still see its gradient applied with staleness <= K,
+even if every other lease holder pushes first. With ``v`` the server version,
+``base[u]`` the version of worker ``u``'s lease and ``O`` the lease holders,
+a grant keeps ``(v - base[u]) + |O| - 1 <= K`` for all ``u`` in ``O``.
+So K = 0 lets exactly one worker compute at a time, always on the current
+weights (synchronous training, one worker applied at a time); small K holds
+fast workers back until a slow one has pushed; no K (the default) never holds
+anyone. A grant is always possible when nobody holds a lease, so the protocol
+cannot deadlock; waiting leases are granted first come, first served.
+
+Termination: the server ends when every worker's FINAL push is applied; every
+push has been matched by a receive and every reply received, so no request is
+pending at MPI_Finalize. Every wait is bounded: the server names a lease holder
+that stays silent for ``--timeout`` seconds; a worker waits at most twice that
+for its reply (the server speaks first about a stalled peer).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional
+
+import numpy as np
+
+from . import optim
+from .comm import IDLE, SERVING, Role
+from .errors import CommTimeout
+from .trainer import (TAG_GRADIENT, TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary,
+                      worker_batches)
+
+# Header: 8 float32 slots in front of every message; ints are stored bit-exact
+# through an int32 view (a float32 would lose versions above 2**24).
+HEADER = 8
+H_VERSION, H_STEP, H_FLAGS = 0, 1, 2  # int32 slots
+H_LOSS, H_ELAPSED = 3, 4  # float32 slots
+FINAL = 1
+
+
+def _ints(buf: np.ndarray) -> np.ndarray:
+    return buf[:HEADER].view(np.int32)
+
+
+def train(ctx: Context) -> Summary:
+    """Run async training on this rank. Collective: every rank of the world calls it."""
+    clock = Stopwatch()
+    if ctx.role is Role.SERVER:
+        return Server(ctx, clock).run()
+    return _work(ctx, clock)
+
+
+# ---------------------------------------------------------------------------------------
+# Worker
+# ---------------------------------------------------------------------------------------
+def _work(ctx: Context, clock: Stopwatch) -> Summary:
+    """The worker loop: compute at the lease's weights, push, take the next lease.
+
+    Unbounded staleness pipelines it (communication hidden behind compute):
+    while push k and its reply are in flight, the worker computes gradient k+1
+    at the weights it already has; two lease buffers alternate so the reply
+    never lands in the weights being used. One push is in flight at a time.
+    With --staleness K the worker waits for each reply (one gradient per
+    lease, which the server's bound accounting relies on).
+    """
+    comm, replica, n = ctx.comm, ctx.replica, ctx.replica.n_params
+    pipelined = ctx.cfg.staleness is None
+    push = np.zeros(HEADER + n, np.float32)
+    leases = [np.zeros(HEADER + n, np.float32), np.zeros(HEADER + n, np.float32)]
+    reply_bound = 2 * comm.timeout
+    current, in_flight, step = 0, None, 0
+    comm.wait(comm.irecv(leases[0], 0, TAG_WEIGHTS, "pull", "the initial weights"), IDLE,
+              timeout=reply_bound)
+    for _, step, x, y, _ in worker_batches(ctx):
+        grad, loss = replica.grad_at(leases[current][HEADER:], x, y)
+        version = int(_ints(leases[current])[H_VERSION])
+        if in_flight is not None:  # the previous push's reply landed in the other buffer
+            comm.wait_all(in_flight, IDLE, timeout=reply_bound)
+            target, current = current, 1 - current
+        else:
+            target = 1 - current if pipelined else current
+        push[HEADER:] = grad
+        ints = _ints(push)
+        ints[H_VERSION], ints[H_STEP] = version, step
+        ints[H_FLAGS] = FINAL if step == ctx.total_steps else 0
+        push[H_LOSS], push[H_ELAPSED] = loss, clock()
+        in_flight = [comm.irecv(leases[target], 0, TAG_WEIGHTS, "pull",
+                                "new weights from the server"),
+                     comm.isend(push, 0, TAG_GRADIENT, "push", "the server to take a gradient")]
+        if not pipelined:
+            comm.wait_all(in_flight, IDLE, timeout=reply_bound)
+            in_flight = None
+    if in_flight is not None:
+        comm.wait_all(in_flight, IDLE, timeout=reply_bound)
+    nan = float("nan")
+    return Summary(clock(), step, step / ctx.steps_per_epoch, nan, nan, nan)
+
+
+# ---------------------------------------------------------------------------------------
+# Server
+# ---------------------------------------------------------------------------------------
+@dataclass
+class WorkerLedger:
+    """What the server knows about one worker."""
+
+    rank: int
+    recv: np.ndarray  # [header | gradient] receive buffer
+    send: np.ndarray  # [header | weights] reply buffer
+    posted: object = None  # the pending Irecv for its next push
+    sending: object = None  # the pending Isend of its last reply
+    base: Optional[int] = None  # version of its lease; None when it holds none
+    leased_at: float = 0.0
+    applied: int = 0
+    steps: int = 0
+    elapsed: float = 0.0
+    done: bool = False
+    staleness: collections.Counter = field(default_factory=collections.Counter)
+
+
+class Server:
+    """Rank 0 in async mode: applies gradients in arrival order, grants leases, evaluates."""
+
+    def __init__(self, ctx: Context, clock: Stopwatch):
+        self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
+        n = ctx.replica.n_params
+        self.weights = ctx.replica.weights()
+        self.optimizer = optim.make(ctx.cfg.optimizer, n, ctx.cfg.effective_lr)
+        self.version = 0
+        self.bound = ctx.cfg.staleness  # None: unbounded
+        self.workers: Dict[int, WorkerLedger] = {
+            r: WorkerLedger(r, np.zeros(HEADER + n, np.float32), np.zeros(HEADER + n, np.float32))
+            for r in range(1, self.comm.size)}
+        self.waiting: Deque[int] = collections.deque(self.workers)
+        self.eval_interval = ctx.cfg.eval_every * len(self.workers) * ctx.steps_per_epoch
+        self.losses: List[float] = []
+        self.evaluations = BackgroundEvaluator(ctx)
+
+    # ---- the loop ---------------------------------------------------------------------
+    def run(self) -> Summary:
+        self.evaluations.submit(0, self.weights.copy(), None, 0.0)
+        cpu0, loop_cpu0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+        self._grant_leases()
+        while not all(w.done for w in self.workers.values()):
+            worker = self._next_push()
+            self._apply(worker)
+            self._grant_leases()
+        for w in self.workers.values():
+            self.comm.wait(w.sending, IDLE)
+        wall = self.clock()
+        span = max(1e-9, time.perf_counter() - t0)
+        cpu_share = {"server_cpu_share": round((time.process_time() - cpu0) / span, 4),
+                     "server_loop_cpu_share": round((time.thread_time() - loop_cpu0) / span, 4)}
+        if self.evaluations.last_step != self.version:
+            self.evaluations.submit(self.version, self.weights, self._train_loss(), wall)
+        self.evaluations.close()
+        return self._summary(wall, cpu_share)
+
+    def _next_push(self) -> WorkerLedger:
+        holders = [w for w in self.workers.values() if w.base is not None]
+        oldest = min(holders, key=lambda w: w.leased_at)
+        silent_for = time.monotonic() - oldest.leased_at
+        index = self.comm.wait_any([w.posted for w in holders], SERVING,
+                                   timeout=max(0.0, self.comm.timeout - silent_for))
+        if index is None:
+            raise CommTimeout(
+                f"{self.comm.name(oldest.rank)} has not pushed a gradient for "
+                f"{self.comm.timeout:g} s; it is stalled or dead (raise --timeout if its steps "
+                "are legitimately that slow)")
+        return holders[index]
+
+    def _apply(self, w: WorkerLedger) -> None:
+        ints = _ints(w.recv)
+        staleness = self.version - int(ints[H_VERSION])
+        w.staleness[staleness] += 1
+        self.optimizer.step(self.weights, w.recv[HEADER:])
+        self.version += 1
+        w.applied += 1
+        w.steps, w.elapsed = int(ints[H_STEP]), float(w.recv[H_ELAPSED])
+        self.losses.append(float(w.recv[H_LOSS]))
+        w.base = None
+        if ints[H_FLAGS] & FINAL:
+            w.done = True
+            self._reply(w, with_weights=False)
+        else:
+            self.waiting.append(w.rank)
+        if self.version % self.eval_interval == 0:
+            self.evaluations.submit(self.version, self.weights.copy(), self._train_loss(),
+                                    self.clock())
+
+    def _train_loss(self) -> Optional[float]:
+        loss = float(np.mean(self.losses)) if self.losses else None
+        self.losses.clear()
+        return loss
+
+    # ---- leases -----------------------------------------------------------------------
+    def _may_grant(self) -> bool:
+        if self.bound is None:
+            return True
+        holders = [w.base for w in self.workers.values() if w.base is not None]
+        holders.append(self.version)  # the candidate's lease
+        return all((self.version - base) + len(holders) - 1 <= self.bound for base in holders)
+
+    def _grant_leases(self) -> None:
+        while self.waiting and self._may_grant():
+            w = self.workers[self.waiting.popleft()]
+            w.base, w.leased_at = self.version, time.monotonic()
+            w.posted = self.comm.irecv(w.recv, w.rank, TAG_GRADIENT, "push",
+                                       "a gradient")
+            self._reply(w, with_weights=True)
+
+    def _reply(self, w: WorkerLedger, with_weights: bool) -> None:
+        if w.sending is not None:
+            self.comm.wait(w.sending, IDLE)  # its last reply was received: completes at once
+        ints = _ints(w.send)
+        ints[H_VERSION], ints[H_FLAGS] = self.version, 0 if with_weights else FINAL
+        if with_weights:
+            w.send[HEADER:] = self.weights
+            w.sending = self.comm.isend(w.send, w.rank, TAG_WEIGHTS, "pull",
+                                        f"{self.comm.name(w.rank)} to take its weights")
+        else:
+            w.sending = self.comm.isend(w.send[:HEADER], w.rank, TAG_WEIGHTS, "control",
+                                        f"{self.comm.name(w.rank)} to take its last reply")
+
+    # ---- results ----------------------------------------------------------------------
+    def _summary(self, wall: float, cpu_share: Dict[str, float]) -> Summary:
+        ctx = self.ctx
+        rows, all_staleness = [], collections.Counter()
+        for w in self.workers.values():
+            all_staleness.update(w.staleness)
+            rows += [{"worker": w.rank, "staleness": s, "count": c}
+                     for s, c in sorted(w.staleness.items())]
+        ctx.results.write_csv("staleness.csv", ["worker", "staleness", "count"], rows)
+        total = sum(all_staleness.values())
+        mean = sum(s * c for s, c in all_staleness.items()) / max(1, total)
+        pushes = sum(w.steps for w in self.workers.values())
+        extra = {
+            "staleness_mean": round(mean, 3),
+            "staleness_max": max(all_staleness) if all_staleness else 0,
+            "staleness_bound": "" if self.bound is None else self.bound,
+            "pushes": pushes, "applied": sum(w.applied for w in self.workers.values()),
+            "server_updates_per_s": round(self.version / max(1e-9, wall), 1),
+            "worker_steps_per_s": round(float(np.mean(
+                [w.steps / max(1e-9, w.elapsed) for w in self.workers.values()])), 1),
+            **cpu_share,
+        }
+        ctx.console.info(
+            f"async: {self.version} updates from {pushes} pushes; staleness mean "
+            f"{extra['staleness_mean']}, max {extra['staleness_max']}; server "
+            f"{extra['server_updates_per_s']} updates/s; server process "
+            f"{100 * cpu_share['server_cpu_share']:.1f}% of a core (protocol loop "
+            f"{100 * cpu_share['server_loop_cpu_share']:.1f}%, the rest evaluation)")
+        return self.evaluations.evaluator.summary(wall, **extra)
+
+
+class BackgroundEvaluator:
+    """Evaluates weight snapshots on a thread, in order, so the protocol never waits.
+
+    Only this thread touches TensorFlow and the curve on the server.
+    """
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.evaluator = Evaluator(ctx, updates_per_epoch=ctx.workers * ctx.steps_per_epoch)
+        self.last_step: Optional[int] = None
+        self.jobs: "queue.Queue" = queue.Queue()
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
+        self.thread.start()
+
+    def submit(self, version: int, weights: np.ndarray, train_loss, wall: float) -> None:
+        if self.error is not None:
+            raise self.error
+        self.last_step = version
+        self.jobs.put((version, weights, train_loss, wall))
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            version, weights, train_loss, wall = job
+            try:
+                self.ctx.replica.set_weights(weights)
+                self.evaluator.record(version, train_loss, wall)
+            except BaseException as e:  # surfaced to the server loop on its next submit
+                self.error = e
+                return
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
