@@ -29,11 +29,12 @@ def mpi_env() -> dict:
     return env
 
 
-def mpirun(np_: int, args: List[str], timeout: float = 1800) -> subprocess.CompletedProcess:
+def mpirun(np_: int, args: List[str], timeout: float = 1800,
+           env: Dict[str, str] = None) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``np_`` ranks of this machine; raise if it fails."""
     cmd = ["mpirun", "-q", "-np", str(np_), "-hostfile", str(LOCAL_HOSTFILE),
            sys.executable, *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(),
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**mpi_env(), **(env or {})},
                             cwd=REPO, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n"

@@ -1,0 +1,167 @@
+"""Async parameter server: update rate against the messaging limit, and async vs sync.
+
+1. **No-compute bound.** Workers push zeros as fast as they can (no TensorFlow).
+   The bound is a raw mpi4py echo server on the same message sizes (gradient in,
+   weights out, blocking Recv from any source / Send), run twice: busy-polling
+   (Open MPI's default) and with ``mpi_yield_when_idle`` (Open MPI's remedy for
+   more ranks than cores); the faster is the bound. Busy-polling collapses to a
+   few hundred messages/s once three ranks share two cores. mpitrain's server
+   (real protocol code, numpy optimizer) is measured the same way.
+   Ratio mpitrain / bound (target >= 0.5).
+2. **Async vs sync epoch time** on LR at -np 3 (and 4), real CLI runs, same epochs.
+
+    python -m bench async_ps [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .common import last_json_line, mnist_dir, mpirun, out_dir, table, write_csv
+
+TARGET = 0.5
+
+
+def rank_side(mode: str, updates: int) -> None:
+    from mpitrain import async_trainer, models
+    from mpitrain.comm import Comm, Role
+    from mpitrain.config import Config, resolve
+    from mpitrain.console import NullConsole
+    from mpitrain.data import Dataset
+    from mpitrain.replica import Replica, init_tensorflow
+    from mpitrain.results import NullResults
+    from mpitrain.trainer import Context, Stopwatch
+
+    comm = Comm.world(timeout=120)
+    n_workers = comm.size - 1
+    per_worker = updates // n_workers
+    n_params = 7850
+    if mode == "raw":
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        grad = np.zeros(8 + n_params, np.float32)
+        weights = np.zeros(8 + n_params, np.float32)
+        world.Barrier()
+        t0 = time.perf_counter()
+        if comm.rank == 0:
+            status = MPI.Status()
+            for _ in range(per_worker * n_workers):
+                world.Recv(grad, source=MPI.ANY_SOURCE, tag=1, status=status)
+                world.Send(weights, dest=status.Get_source(), tag=2)
+        else:
+            for _ in range(per_worker):
+                world.Send(grad, dest=0, tag=1)
+                world.Recv(weights, source=0, tag=2)
+        world.Barrier()
+        rate = per_worker * n_workers / (time.perf_counter() - t0)
+    else:
+        init_tensorflow(1, 0)
+        replica = Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
+        cfg = resolve(Config(model="lr", async_mode=True, epochs=10**6, batch_size=1,
+                             steps=per_worker, eval_every=10**6),
+                      models.get("lr").defaults, comm.size)
+        data = Dataset("synthetic", "bench", 10, (28, 28, 1), 10**6 * n_workers,
+                       x_train=np.zeros((10**6, 1, 1, 1), np.float32)[:, :0],
+                       y_train=np.zeros(10**6, np.int32),
+                       x_test=np.zeros((10, 28, 28, 1), np.float32),
+                       y_test=np.zeros(10, np.int32))
+        zeros = np.zeros(n_params, np.float32)
+
+        class NoCompute:
+            n_params = replica.n_params
+
+            def grad_at(self, *args):
+                return zeros, 0.0
+
+        ctx = Context(cfg, comm, comm.role, replica if comm.rank == 0 else NoCompute(),
+                      data, NullResults(), NullConsole(), shard_size=10**6,
+                      worker_index=max(0, comm.rank - 1))
+        comm.barrier()
+        t0 = time.perf_counter()
+        if ctx.role is Role.SERVER:
+            async_trainer.Server(ctx, Stopwatch()).run()
+        else:
+            async_trainer.train(ctx)
+        comm.barrier()
+        rate = per_worker * n_workers / (time.perf_counter() - t0)
+    if comm.rank == 0:
+        print(json.dumps({"updates_per_s": rate}))
+
+
+def cli_run(np_: int, epochs: int, results: Path, *extra) -> dict:
+    mpirun(np_, ["-m", "mpitrain", "lr", "--data-dir", mnist_dir(), "--results-dir",
+                 str(results), "--epochs", str(epochs), "--quiet", *extra])
+    with open(results / "runs.csv", newline="") as f:
+        return list(csv.DictReader(f))[-1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench async_ps", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small runs (smoke)")
+    parser.add_argument("--rank-side", choices=["raw", "mpitrain"], help=argparse.SUPPRESS)
+    parser.add_argument("--updates", type=int, default=20000)
+    args = parser.parse_args(argv)
+    updates = 2000 if args.quick else args.updates
+    if args.rank_side:
+        rank_side(args.rank_side, updates)
+        return 0
+    out = out_dir()
+    rows = []
+    def rate(np_, mode, env=None):
+        result = mpirun(np_, ["-m", "bench.async_ps", "--rank-side", mode, "--updates",
+                              str(updates)], env=env)
+        return last_json_line(result.stdout)["updates_per_s"]
+
+    for np_ in (2, 3, 4):
+        spin = rate(np_, "raw")
+        yielding = rate(np_, "raw", {"OMPI_MCA_mpi_yield_when_idle": "1"})
+        ours = rate(np_, "mpitrain")
+        bound = max(spin, yielding)
+        rows.append({"np": np_, "raw_spin_per_s": round(spin), "raw_yield_per_s": round(yielding),
+                     "mpitrain_per_s": round(ours), "ratio": round(ours / bound, 3)})
+    write_csv(out / "async_no_compute.csv", rows)
+    print("No-compute update rate (workers push zeros; LR-sized messages):")
+    print(table(rows, list(rows[0])))
+    for row in rows:
+        verdict = "met" if row["ratio"] >= TARGET else "SHORT"
+        print(f"-np {row['np']}: mpitrain server / raw MPI bound = {row['ratio']:.2f} "
+              f"(target >= {TARGET}: {verdict})")
+
+    epochs = 3 if args.quick else 30
+    timing = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for np_ in (3, 4):
+            for mode, extra in (("sync", ()), ("async", ("--async",))):
+                run = cli_run(np_, epochs, Path(tmp), *extra)
+                timing.append({"np": np_, "mode": mode, "epochs": epochs,
+                               "wall_time_s": float(run["wall_time_s"]),
+                               "s_per_epoch": round(float(run["wall_time_s"]) / epochs, 4),
+                               "test_accuracy": float(run["test_accuracy"]),
+                               "server_cpu_share": run.get("server_cpu_share", ""),
+                               "server_loop_cpu_share": run.get("server_loop_cpu_share", "")})
+    write_csv(out / "async_vs_sync.csv", timing)
+    print(f"\nAsync vs sync, LR, {epochs} epochs:")
+    print(table(timing, list(timing[0])))
+    for np_ in (3, 4):
+        sync, asyn = [t for t in timing if t["np"] == np_]
+        print(f"-np {np_}: async epoch time / sync epoch time = "
+              f"{asyn['s_per_epoch'] / sync['s_per_epoch']:.2f}; accuracy async - sync = "
+              f"{100 * (asyn['test_accuracy'] - sync['test_accuracy']):+.2f} pp; server "
+              f"process {100 * float(asyn['server_cpu_share']):.1f}% of a core (protocol "
+              f"loop {100 * float(asyn['server_loop_cpu_share']):.1f}%, target <= 15%)")
+    print(f"\nresults: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""End-to-end async mode under real mpirun: smoke runs, results, bad input, accuracy."""
+
+import pytest
+
+from conftest import mpirun, read_rows
+
+
+def last_run(results_dir):
+    return read_rows(results_dir / "runs.csv")[-1]
+
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_async_dry_run(np_, mnist, tmp_path):
+    result = mpirun(np_, "lr", "--async", "--dry-run", "--data-dir", mnist,
+                    "--results-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = last_run(tmp_path)
+    workers = np_ - 1
+    assert (run["mode"], run["workers"]) == ("async", str(workers))
+    # every worker pushes 2 gradients; each is applied exactly once
+    assert run["pushes"] == run["applied"] == run["steps"] == str(2 * workers)
+    hist = read_rows(tmp_path / run["run"] / "staleness.csv")
+    assert sorted({row["worker"] for row in hist}) == [str(r) for r in range(1, np_)]
+    assert sum(int(row["count"]) for row in hist) == 2 * workers
+    curve = read_rows(tmp_path / run["run"] / "curve.csv")
+    assert curve[0]["step"] == "0" and curve[-1]["step"] == str(2 * workers)
+    assert float(run["server_updates_per_s"]) > 0 and float(run["worker_steps_per_s"]) > 0
+
+
+def test_async_staleness_bound_recorded(mnist, tmp_path):
+    result = mpirun(3, "lr", "--async", "--staleness", "1", "--steps", "20",
+                    "--data-dir", mnist, "--results-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = last_run(tmp_path)
+    assert run["staleness_bound"] == "1" and int(run["staleness_max"]) <= 1
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--async", "--staleness", "-1"], "--staleness must be 0 or more"),
+    (["--staleness", "2"], "--staleness bounds the async parameter server: add --async"),
+])
+def test_async_usage_errors(args, pattern):
+    result = mpirun(3, "lr", *args, timeout=60)
+    assert result.returncode == 2
+    lines = [l for l in result.stderr.splitlines() if l.startswith("mpitrain: error")]
+    assert len(lines) == 1 and pattern in lines[0]
+
+
+@pytest.mark.slow
+def test_async_accuracy_close_to_sync(mnist, tmp_path):
+    """Async LR at -np 3 and 4 within 1 pp of sync; --staleness 0 within 0.5 pp."""
+    def accuracy(np_, *extra):
+        result = mpirun(np_, "lr", "--data-dir", mnist, "--results-dir", tmp_path,
+                        "--quiet", *extra, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return float(last_run(tmp_path)["test_accuracy"])
+
+    found = {}
+    for np_ in (3, 4):
+        found[f"sync{np_}"] = sync = accuracy(np_)
+        found[f"async{np_}"] = accuracy(np_, "--async")
+        assert abs(found[f"async{np_}"] - sync) <= 0.01, found
+    found["ssp0_3"] = accuracy(3, "--async", "--staleness", "0")
+    print("LR test accuracy:", found)
+    assert abs(found["ssp0_3"] - found["sync3"]) <= 0.005, found
