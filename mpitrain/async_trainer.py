@@ -101,30 +101,40 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     leases = [np.zeros(HEADER + n, np.float32), np.zeros(HEADER + n, np.float32)]
     reply_bound = 2 * comm.timeout
     current, in_flight, step = 0, None, 0
+    timer = ctx.timer
     comm.wait(comm.irecv(leases[0], 0, TAG_WEIGHTS, "pull", "the initial weights"), IDLE,
               timeout=reply_bound)
-    for _, step, x, y, _ in worker_batches(ctx):
-        started = time.perf_counter()
+    mark = timer.restart()
+    for _, step, x, y, end_of_epoch in worker_batches(ctx):
+        started = time.perf_counter()  # since mark: preparing the batch
         grad, loss = replica.grad_at(leases[current][HEADER:], x, y)
-        compute_s = time.perf_counter() - started
+        computed = time.perf_counter()
         version = int(_ints(leases[current])[H_VERSION])
         if in_flight is not None:  # the previous push's reply landed in the other buffer
             comm.wait_all(in_flight, HOT, timeout=reply_bound)
             target, current = current, 1 - current
         else:
             target = 1 - current if pipelined else current
+        waited = time.perf_counter()
         push[HEADER:] = grad
         ints = _ints(push)
         ints[H_VERSION], ints[H_STEP] = version, step
         ints[H_FLAGS] = FINAL if step == ctx.total_steps else 0
         push[H_LOSS], push[H_ELAPSED] = loss, clock()
-        push[H_THINK] = compute_s  # lets the server pick its poll policy
+        push[H_THINK] = computed - started  # lets the server pick its poll policy
         in_flight = [comm.irecv(leases[target], 0, TAG_WEIGHTS, "pull",
                                 "new weights from the server"),
                      comm.isend(push, 0, TAG_GRADIENT, "push", "the server to take a gradient")]
+        sent = time.perf_counter()
         if not pipelined:
             comm.wait_all(in_flight, HOT, timeout=reply_bound)
             in_flight = None
+        done = time.perf_counter()
+        timer.add(compute=computed - mark, wait=(waited - computed) + (done - sent),
+                  comm=sent - waited)
+        mark = done
+        if end_of_epoch:
+            timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
     if in_flight is not None:
         comm.wait_all(in_flight, IDLE, timeout=reply_bound)
     nan = float("nan")
@@ -166,20 +176,35 @@ class Server:
             r: WorkerLedger(r, np.zeros(HEADER + n, np.float32), np.zeros(HEADER + n, np.float32))
             for r in range(1, self.comm.size)}
         self.waiting: Deque[int] = collections.deque(self.workers)
-        self.eval_interval = ctx.cfg.eval_every * len(self.workers) * ctx.steps_per_epoch
-        self.losses: List[float] = []
-        self.evaluations = BackgroundEvaluator(ctx)
+        self.updates_per_epoch = len(self.workers) * ctx.steps_per_epoch
+        self.eval_interval = ctx.cfg.eval_every * self.updates_per_epoch
+        self.losses: List[float] = []  # since the last evaluation
+        self.last_loss = float("nan")
+        self.evaluations = BackgroundEvaluator(Evaluator(
+            ctx, clock, self.updates_per_epoch, ctx.cfg.batch_size,
+            len(self.workers) * ctx.total_steps))
         self.step_time = 1.0  # EWMA of the workers' reported seconds of compute per step
 
     # ---- the loop ---------------------------------------------------------------------
     def run(self) -> Summary:
         self.evaluations.submit(0, self.weights.copy(), None, 0.0)
         cpu0, loop_cpu0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+        timer = self.ctx.timer
         self._grant_leases()
+        mark = timer.restart()
         while not all(w.done for w in self.workers.values()):
             worker = self._next_push()
+            arrived = time.perf_counter()
             self._apply(worker)
+            applied = time.perf_counter()
             self._grant_leases()
+            done = time.perf_counter()
+            timer.add(wait=arrived - mark, compute=applied - arrived, comm=done - applied)
+            mark = done
+            if self.version % self.updates_per_epoch == 0:
+                timer.end_epoch(self.version // self.updates_per_epoch)
+            if self.version % 64 == 0:
+                self.evaluations.evaluator.progress(self.version, self.last_loss)
         for w in self.workers.values():
             self.comm.wait(w.sending, IDLE)
         wall = self.clock()
@@ -226,7 +251,8 @@ class Server:
         w.applied += 1
         w.steps, w.elapsed = int(ints[H_STEP]), float(w.recv[H_ELAPSED])
         self.step_time = 0.8 * self.step_time + 0.2 * float(w.recv[H_THINK])
-        self.losses.append(float(w.recv[H_LOSS]))
+        self.last_loss = float(w.recv[H_LOSS])
+        self.losses.append(self.last_loss)
         w.base = None
         if ints[H_FLAGS] & FINAL:
             w.done = True
@@ -308,9 +334,9 @@ class BackgroundEvaluator:
     Only this thread touches TensorFlow and the curve on the server.
     """
 
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-        self.evaluator = Evaluator(ctx, updates_per_epoch=ctx.workers * ctx.steps_per_epoch)
+    def __init__(self, evaluator: Evaluator):
+        self.ctx = evaluator.ctx
+        self.evaluator = evaluator
         self.last_step: Optional[int] = None
         self.jobs: "queue.Queue" = queue.Queue()
         self.error: Optional[BaseException] = None

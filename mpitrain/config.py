@@ -82,6 +82,9 @@ class Config:
     threads: int = _opt(
         "TensorFlow intra-op threads per rank; 0 = the host's cores divided among "
         "the worker ranks on that host (at least 1)", 0, flag="--threads", type=int)
+    sample_interval: float = _opt(
+        "seconds between telemetry samples (CPU, memory, network) on every rank; 0 = off",
+        1.0, flag="--sample-interval", type=float, metavar="S")
     keep_cpu_binding: bool = _opt(
         "keep the CPU binding the launcher gave each rank; by default mpitrain lets "
         "every rank use all the host's CPUs (Open MPI binds each rank to one core at "
@@ -138,6 +141,9 @@ class Config:
             raise UsageError(f"--lr must be a positive number (got {self.lr})")
         if self.threads < 0:
             raise UsageError(f"--threads must be 0 (auto) or positive (got {self.threads})")
+        if not self.sample_interval >= 0:
+            raise UsageError(f"--sample-interval must be 0 (off) or positive "
+                             f"(got {self.sample_interval})")
         if not self.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds (got {self.timeout})")
         if self.optimizer not in OPTIMIZERS:

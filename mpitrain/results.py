@@ -23,7 +23,8 @@ from typing import Dict, Iterable, List, Optional
 
 from .errors import ResultsError
 
-CURVE_COLUMNS = ["epoch", "step", "wall_time_s", "train_loss", "test_loss", "test_accuracy"]
+CURVE_COLUMNS = ["epoch", "step", "wall_time_s", "train_loss", "test_loss", "test_accuracy",
+                 "examples_per_s"]
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -140,6 +141,7 @@ class RunResults:
         self.results_dir = Path(results_dir)
         self.dir = new_run_dir(self.results_dir, stem)
         self.curve = CsvLog(self.dir / "curve.csv", CURVE_COLUMNS)
+        self._tensorboard = None
 
     @property
     def path(self) -> Optional[Path]:
@@ -150,6 +152,20 @@ class RunResults:
 
     def add_curve_row(self, row: Dict) -> None:
         self.curve.append(row)
+
+    def scalars(self, step: int, values: Dict[str, float]) -> None:
+        """TensorBoard scalars at ``step`` (``tensorboard --logdir results/`` shows them)."""
+        if self._tensorboard is None:
+            import tensorflow as tf
+
+            self._tensorboard = tf.summary.create_file_writer(str(self.dir / "tensorboard"))
+        with self._tensorboard.as_default(step=step):
+            import tensorflow as tf
+
+            for name, value in values.items():
+                if value is not None and value == value:
+                    tf.summary.scalar(name, value)
+        self._tensorboard.flush()
 
     def write_csv(self, name: str, columns: List[str], rows: Iterable[Dict]) -> None:
         CsvLog(self.dir / name, columns).extend(rows)
@@ -167,6 +183,9 @@ class NullResults:
         pass
 
     def add_curve_row(self, row):
+        pass
+
+    def scalars(self, step, values):
         pass
 
     def write_csv(self, name, columns, rows):

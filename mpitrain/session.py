@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import __version__, data, models, sync_trainer
+from . import __version__, data, models, sync_trainer, telemetry
 from .comm import Comm, Role, library_versions
 from .config import Config, resolve
 from .console import Console, NullConsole
@@ -64,11 +64,22 @@ def run(cfg: Config) -> Summary:
         from . import async_trainer as trainer
     else:
         trainer = sync_trainer
+    sampler = start_sampler(cfg, comm)
     summary = trainer.train(ctx)
-    comm.barrier("every rank to finish training")
-    results.add_run_row(run_row(cfg, dataset, summary))
+    gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results)
+    results.add_run_row({**run_row(cfg, dataset, summary),
+                         **telemetry.node_summary(gathered, comm.hosts)})
     console.summary(summary_lines(cfg, summary, results.path))
     return summary
+
+
+def start_sampler(cfg: Config, comm: Comm):
+    """This rank's telemetry sampler; the lowest rank on each host also samples the host."""
+    if cfg.sample_interval <= 0:
+        return telemetry.NullSampler()
+    leader = comm.ranks_on_host()[0] == comm.rank
+    return telemetry.Sampler(comm.rank, comm.host, comm.role.value, cfg.sample_interval,
+                             node_leader=leader).start()
 
 
 def place_on_cpus(cfg: Config, comm: Comm) -> int:

@@ -66,36 +66,69 @@ def train(ctx: Context) -> Summary:
 # Workers
 # ---------------------------------------------------------------------------------------
 def _work(ctx: Context, link, clock: Stopwatch) -> Summary:
-    replica, workers = ctx.replica, ctx.comm.workers
+    replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
     alone = workers.size == 1  # nothing to average: use the fused one-call step
+    transfer = 0.0 if alone else allreduce_cost(workers, replica.n_params)
     loss_sum, n_batches, step = 0.0, 0, 0
+    mark = timer.restart()  # every second of an epoch is accounted from here on
     for epoch, step, x, y, end_of_epoch in worker_batches(ctx):
+        # (the generator prepared the batch since `mark`: counted as compute below)
         if alone:
             loss = replica.train_step(x, y)
+            t1 = t2 = time.perf_counter()
         else:
             grad, loss = replica.grad(x, y)
+            t1 = time.perf_counter()
             workers.allreduce_mean_(grad)
+            t2 = time.perf_counter()
             replica.apply(grad)
         loss_sum += loss
         n_batches += 1
+        t3 = time.perf_counter()
         link.after_step(step, loss_sum / n_batches)
+        if end_of_epoch and is_eval_point(ctx, epoch, step):
+            link.report(step, loss_sum / n_batches, final=step == ctx.total_steps)
+        t4 = time.perf_counter()
+        # the allreduce call = moving the data + waiting for the slowest worker
+        moving = min(t2 - t1, transfer)
+        timer.add(compute=(t1 - mark) + (t3 - t2), comm=moving, wait=(t2 - t1) - moving)
+        timer.add(**{link.accounted_as: t4 - t3})
+        mark = t4
         if end_of_epoch:
-            if is_eval_point(ctx, epoch, step):
-                link.report(step, loss_sum / n_batches, final=step == ctx.total_steps)
+            timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
             loss_sum, n_batches = 0.0, 0
     return link.close(step)
+
+
+def allreduce_cost(workers, n_params: int) -> float:
+    """Seconds one gradient allreduce takes when nobody is late (measured back to back).
+
+    Lets the timing split a step's time in the allreduce into moving data
+    (this much) and waiting for the slowest worker (the rest). Collective
+    over the workers. Counted as "calibration" traffic, not as "allreduce".
+    """
+    buf = np.zeros(n_params, np.float32)
+    repeats = 3 if buf.nbytes > 16 * 2**20 else 20
+    workers.barrier("the allreduce calibration")
+    workers.allreduce_mean_(buf, kind="calibration")  # warm up (connections, buffers)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        workers.allreduce_mean_(buf, kind="calibration")
+    return (time.perf_counter() - t0) / repeats
 
 
 class LocalEvaluation:
     """The single rank's link to itself: evaluate in place."""
 
+    accounted_as = "compute"  # its time is evaluation work
+
     def __init__(self, ctx: Context, clock: Stopwatch):
-        self.evaluator, self.clock = Evaluator(ctx), clock
+        self.evaluator, self.clock = Evaluator.for_sync(ctx, clock), clock
         self.evaluator.record(0, None, 0.0)  # the initial model, outside the timed run
         clock.restart()
 
     def after_step(self, step: int, running_loss: float) -> None:
-        pass
+        self.evaluator.progress(step, running_loss)
 
     def report(self, step: int, train_loss: float, final: bool) -> None:
         self.evaluator.record(step, train_loss, self.clock())
@@ -106,6 +139,8 @@ class LocalEvaluation:
 
 class ServerLink:
     """A worker's side of the sync protocol: progress heartbeats and evaluation reports."""
+
+    accounted_as = "comm"  # its time is sending reports and weights
 
     def __init__(self, ctx: Context, clock: Stopwatch):
         self.ctx, self.clock = ctx, clock
@@ -154,8 +189,8 @@ class ServerLink:
 # Server
 # ---------------------------------------------------------------------------------------
 def _serve(ctx: Context, clock: Stopwatch) -> Summary:
-    comm, replica = ctx.comm, ctx.replica
-    evaluator = Evaluator(ctx)
+    comm, replica, timer = ctx.comm, ctx.replica, ctx.timer
+    evaluator = Evaluator.for_sync(ctx, clock)
     evaluator.record(0, None, 0.0)  # the initial model: the curve starts at epoch 0
     workers = list(range(1, comm.size))
     headers = {w: np.zeros(HEADER_LEN, np.float64) for w in workers}
@@ -167,8 +202,10 @@ def _serve(ctx: Context, clock: Stopwatch) -> Summary:
     while len(finished) < len(workers):
         live = [w for w in workers if w not in finished]
         silent_for = time.monotonic() - min(last_heard[w] for w in live)
+        t0 = time.perf_counter()
         index = comm.wait_any([posted[w] for w in live], IDLE,
                               timeout=max(0.0, comm.timeout - silent_for))
+        timer.add(wait=time.perf_counter() - t0)
         if index is None:
             w = min(live, key=last_heard.get)
             raise CommTimeout(f"{comm.name(w)} sent nothing for {comm.timeout:g} s; it is "
@@ -181,12 +218,15 @@ def _serve(ctx: Context, clock: Stopwatch) -> Summary:
             evals.setdefault(int(header[STEP]), {})[w] = header
             if header[FINAL]:
                 finished.add(w)
+        else:
+            evaluator.progress(int(header[STEP]), float(header[LOSS]))
         if w not in finished:
             posted[w] = _post_report(comm, headers[w], w)
         for step in sorted(evals):
             if len(evals[step]) < len(workers):
                 break
             _evaluate_reports(ctx, evaluator, step, evals.pop(step), weights)
+            timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
     return evaluator.summary(clock())
 
 
@@ -197,7 +237,9 @@ def _post_report(comm, buf: np.ndarray, worker: int):
 def _evaluate_reports(ctx: Context, evaluator: Evaluator, step: int,
                       reports: Dict[int, np.ndarray], weights: np.ndarray) -> None:
     comm = ctx.comm
+    t0 = time.perf_counter()
     comm.wait(comm.irecv(weights, 1, TAG_WEIGHTS, "pull", "the weights to evaluate"), IDLE)
+    t1 = time.perf_counter()
     sums = {w: int(h[CRC]) for w, h in reports.items()}
     if checksum(weights) != sums[1]:
         raise ReplicaDrift(f"weights from {comm.name(1)} arrived corrupted at step {step} "
@@ -212,3 +254,4 @@ def _evaluate_reports(ctx: Context, evaluator: Evaluator, step: int,
     train_loss = float(np.mean([h[LOSS] for h in reports.values()]))
     elapsed = max(h[ELAPSED] for h in reports.values())
     evaluator.record(step, train_loss, elapsed)
+    ctx.timer.add(comm=t1 - t0, compute=time.perf_counter() - t1)

@@ -18,6 +18,7 @@ from .comm import Comm, Role
 from .config import Config
 from .data import Dataset, batches_per_epoch, epoch_batches
 from .replica import Replica
+from .telemetry import EpochTimer
 
 #: message tags of the worker -> server protocol (both modes)
 TAG_REPORT = 21
@@ -40,6 +41,7 @@ class Context:
     data: Dataset  # the splits this rank needs (train shard on workers, test on the server)
     results: object  # RunResults on the serving rank, NullResults elsewhere
     console: object  # Console on the serving rank, NullConsole elsewhere
+    timer: EpochTimer = field(default_factory=EpochTimer)  # this rank's time breakdown
     shard_size: int = 0  # examples in each worker's shard (equal for all workers)
     worker_index: int = 0  # position among the workers (0..workers-1); 0 on the server
 
@@ -97,32 +99,60 @@ def is_eval_point(ctx: Context, epoch: int, step: int) -> bool:
 
 
 class Evaluator:
-    """The serving rank's test-set evaluation and curve/log output.
+    """The serving rank's evaluation, curve, TensorBoard scalars and progress line.
 
-    :meth:`record` evaluates the replica's current weights and appends one row
-    to ``curve.csv``; it is only ever called on the rank that serves.
+    ``updates`` count server updates: a worker's steps in sync mode (each
+    update uses the global batch), all workers' pushes in async mode (each
+    uses one worker's batch). :meth:`record` evaluates the replica's current
+    weights and appends one row to ``curve.csv``; it and :meth:`progress` are
+    only called on the rank that serves.
     """
 
-    def __init__(self, ctx: Context, updates_per_epoch: Optional[int] = None):
-        self.ctx = ctx
-        #: server updates in one epoch: a worker's steps in sync, all workers' in async
-        self.updates_per_epoch = updates_per_epoch or ctx.steps_per_epoch
+    def __init__(self, ctx: Context, clock: "Stopwatch", updates_per_epoch: int,
+                 examples_per_update: int, total_updates: int):
+        self.ctx, self.clock = ctx, clock
+        self.updates_per_epoch = updates_per_epoch
+        self.examples_per_update = examples_per_update
+        self.total_updates = total_updates
         self.last: Dict[str, float] = {}
+        self._since = (0, 0.0)  # (updates, wall) at the previous evaluation
+
+    @classmethod
+    def for_sync(cls, ctx: Context, clock: "Stopwatch") -> "Evaluator":
+        return cls(ctx, clock, ctx.steps_per_epoch, ctx.cfg.global_batch, ctx.total_steps)
 
     def record(self, step: int, train_loss: Optional[float], wall_time_s: float) -> Dict:
         ctx = self.ctx
         test_loss, test_acc = ctx.replica.evaluate(ctx.data.x_test, ctx.data.y_test)
+        prev_step, prev_wall = self._since
+        rate = ((step - prev_step) * self.examples_per_update / (wall_time_s - prev_wall)
+                if wall_time_s > prev_wall else None)
+        self._since = (step, wall_time_s)
         row = {"epoch": round(step / self.updates_per_epoch, 4), "step": step,
                "wall_time_s": round(wall_time_s, 4), "train_loss": train_loss,
-               "test_loss": test_loss, "test_accuracy": test_acc}
+               "test_loss": test_loss, "test_accuracy": test_acc,
+               "examples_per_s": round(rate, 1) if rate else None}
         ctx.results.add_curve_row(row)
+        ctx.results.scalars(step, {"train/loss": train_loss, "test/loss": test_loss,
+                                   "test/accuracy": test_acc, "train/examples_per_s": rate,
+                                   "epoch": row["epoch"]})
+        ctx.console.accuracy = test_acc
         ctx.console.info(
             f"epoch {row['epoch']:>7g}/{ctx.cfg.epochs}  step {step:>6}  "
             + (f"train loss {train_loss:.4f}  " if train_loss is not None else "")
             + f"test loss {test_loss:.4f}  test acc {100 * test_acc:6.2f}%  "
-            f"{wall_time_s:8.2f} s")
+            + (f"{rate:9,.0f} ex/s  " if rate else "") + f"{wall_time_s:8.2f} s")
         self.last = row
         return row
+
+    def progress(self, updates: int, loss: float) -> None:
+        """Update the progress display (throttled by the console)."""
+        elapsed = self.clock()
+        rate = updates / elapsed if elapsed > 0 else 0.0
+        eta = (self.total_updates - updates) / rate if rate > 0 else 0.0
+        self.ctx.console.progress(updates / self.updates_per_epoch, self.ctx.cfg.epochs,
+                                  updates, self.total_updates, loss,
+                                  rate * self.examples_per_update, eta)
 
     def summary(self, wall_time_s: float, **extra) -> Summary:
         row = self.last
