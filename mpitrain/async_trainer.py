@@ -294,7 +294,7 @@ class Server:
             w.sending = self.comm.isend(w.send, w.rank, TAG_WEIGHTS, "pull",
                                         f"{self.comm.name(w.rank)} to take its weights")
         else:
-            w.sending = self.comm.isend(w.send[:HEADER], w.rank, TAG_WEIGHTS, "control",
+            w.sending = self.comm.isend(w.send[:HEADER], w.rank, TAG_WEIGHTS, "pull",
                                         f"{self.comm.name(w.rank)} to take its last reply")
 
     # ---- results ----------------------------------------------------------------------

@@ -42,8 +42,9 @@ def run(cfg: Config) -> Summary:
     worker_index = 0 if comm.size == 1 else comm.rank - 1
     if role.trains:
         start, stop = data.shard_range(dataset.train_size, cfg.workers, worker_index)
-        dataset.x_train, dataset.y_train = (dataset.x_train[start:stop],
-                                            dataset.y_train[start:stop])
+        # copies, so the full training set each rank read can be freed
+        dataset.x_train = dataset.x_train[start:stop].copy()
+        dataset.y_train = dataset.y_train[start:stop].copy()
     for line in data.describe(dataset):
         (console.note if line == dataset.note else console.info)(line)
 

@@ -1,0 +1,138 @@
+"""Telemetry end to end: short sync and async runs under mpirun -np 3 (and an async -np 4).
+
+Checks the numbers against arithmetic, not just that files exist: every rank
+sampled; MPI payload bytes equal steps x model size; time breakdowns add up to
+the epoch wall time; the parameter server moves the most traffic and holds the
+most memory.
+"""
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from conftest import mpirun, read_rows
+
+N_PARAMS = 7850  # LR: 784 x 10 + 10
+HEADER_FLOATS = 8  # async messages carry an 8-float header
+EPOCHS = 2
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from conftest import mnist_dir
+
+    out = tmp_path_factory.mktemp("telemetry")
+    found = {}
+    for name, np_, extra in (("sync", 3, ()), ("async", 3, ("--async",)),
+                             ("async4", 4, ("--async",))):
+        result = mpirun(np_, "lr", *extra, "--epochs", str(EPOCHS), "--sample-interval", "0.2",
+                        "--data-dir", mnist_dir(), "--results-dir", out, "--quiet")
+        assert result.returncode == 0, result.stderr[-3000:]
+        row = read_rows(out / "runs.csv")[-1]
+        found[name] = (out / row["run"], row)
+    return found
+
+
+def by_rank(rows, key="rank"):
+    out = defaultdict(list)
+    for r in rows:
+        out[int(r[key])].append(r)
+    return out
+
+
+@pytest.mark.parametrize("name", ["sync", "async"])
+def test_every_rank_sampled(runs, name):
+    run_dir, _ = runs[name]
+    samples = by_rank(read_rows(run_dir / "telemetry.csv"))
+    assert sorted(samples) == [0, 1, 2]
+    roles = {rank: rows[0]["role"] for rank, rows in samples.items()}
+    assert roles == {0: "server", 1: "worker", 2: "worker"}
+    for rank, rows in samples.items():
+        assert all(float(r["rss_mb"]) > 50 for r in rows)
+        assert all(float(r["cpu_percent"]) >= 0 for r in rows)
+        # node-level columns only on the lowest rank of the host (no double counting)
+        assert all((r["host_cpu_percent"] != "") == (rank == 0) for r in rows)
+
+
+def test_sync_traffic_matches_arithmetic(runs):
+    run_dir, row = runs["sync"]
+    steps = int(row["steps"])  # per worker; each is one allreduce of the fused gradient
+    comm = {(int(r["rank"]), r["kind"]): r for r in read_rows(run_dir / "comm.csv")}
+    for worker in (1, 2):
+        allreduce = comm[(worker, "allreduce")]
+        assert int(allreduce["sent_msgs"]) == int(allreduce["recv_msgs"]) == steps
+        assert int(allreduce["sent_bytes"]) == int(allreduce["recv_bytes"]) == steps * N_PARAMS * 4
+    # rank 0 receives the weights once per evaluation (every epoch) from worker 1 only
+    assert int(comm[(0, "pull")]["recv_bytes"]) == EPOCHS * N_PARAMS * 4
+    assert int(comm[(1, "pull")]["sent_bytes"]) == EPOCHS * N_PARAMS * 4
+    assert (2, "pull") not in comm
+    assert int(comm[(0, "broadcast")]["sent_bytes"]) == N_PARAMS * 4
+
+
+def test_async_traffic_matches_arithmetic(runs):
+    run_dir, row = runs["async"]
+    comm = {(int(r["rank"]), r["kind"]): r for r in read_rows(run_dir / "comm.csv")}
+    message = (N_PARAMS + HEADER_FLOATS) * 4
+    final_reply = HEADER_FLOATS * 4  # the reply to a FINAL push carries no weights
+    pushes = 0
+    for worker in (1, 2):
+        push = comm[(worker, "push")]
+        n = int(push["sent_msgs"])
+        pushes += n
+        assert int(push["sent_bytes"]) == n * message
+        # the initial lease, then one reply per push; the last reply is header-only
+        pull = comm[(worker, "pull")]
+        assert int(pull["recv_msgs"]) == n + 1
+        assert int(pull["recv_bytes"]) == n * message + final_reply
+    assert pushes == int(row["pushes"]) == int(row["applied"])
+    assert int(comm[(0, "push")]["recv_bytes"]) == pushes * message
+    assert int(comm[(0, "pull")]["sent_bytes"]) == pushes * message + 2 * final_reply
+
+
+@pytest.mark.parametrize("name", ["sync", "async"])
+def test_timing_adds_up_to_epoch_wall_time(runs, name):
+    run_dir, _ = runs[name]
+    rows = read_rows(run_dir / "timing.csv")
+    workers = [r for r in rows if r["role"] == "worker"]
+    assert sorted({int(r["rank"]) for r in workers}) == [1, 2]
+    assert {float(r["epoch"]) for r in workers} == {1.0, 2.0}
+    for r in workers:
+        wall = float(r["wall_s"])
+        parts = float(r["compute_s"]) + float(r["comm_s"]) + float(r["wait_s"])
+        assert abs(parts - wall) <= 0.05 * wall + 0.005, r
+        assert float(r["compute_s"]) > 0
+    server = [r for r in rows if r["role"] == "server"]
+    assert server and all(float(r["wait_s"]) > 0 for r in server)
+
+
+def test_runs_csv_has_resource_columns(runs):
+    _, row = runs["sync"]
+    for column in ("node0_host", "node0_cpu_avg", "node0_cpu_max", "node0_rss_mb_avg",
+                   "node0_rss_mb_max", "node0_rx_mb", "node0_tx_mb", "mpi_bytes"):
+        assert row[column] != "", column
+    assert float(row["node0_rss_mb_max"]) >= float(row["node0_rss_mb_avg"]) > 100
+    assert int(row["mpi_bytes"]) > 0
+
+
+def test_tensorboard_events_written(runs):
+    run_dir, _ = runs["sync"]
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 100
+
+
+def test_async_np4_parameter_server_carries_most(runs):
+    """What the reports observed: the PS moves the most traffic and holds the most memory."""
+    run_dir, _ = runs["async4"]
+    moved = defaultdict(int)
+    for r in read_rows(run_dir / "comm.csv"):
+        moved[int(r["rank"])] += int(r["sent_bytes"]) + int(r["recv_bytes"])
+    assert max(moved, key=moved.get) == 0
+    # rank 0 serves all three workers: 3x a worker's traffic, as in the reports
+    assert moved[0] == pytest.approx(3 * moved[1], rel=0.01)
+    peak = defaultdict(float)
+    for r in read_rows(run_dir / "telemetry.csv"):
+        peak[int(r["rank"])] = max(peak[int(r["rank"])], float(r["rss_mb"]))
+    assert max(peak, key=peak.get) == 0, dict(peak)
+    meta = json.loads((run_dir / "config.json").read_text())
+    assert meta["config"]["mode"] == "async" and len(meta["ranks"]) == 4
