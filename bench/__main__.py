@@ -6,6 +6,7 @@ import sys
 BENCHMARKS = {
     "sync_step": "sync LR step time at -np 1..4 and the allreduce's share of a step",
     "async_ps": "async server update rate vs the raw-MPI bound; async vs sync epoch time",
+    "sampler": "epoch time with the telemetry sampler on vs off",
 }
 
 

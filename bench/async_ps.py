@@ -80,7 +80,7 @@ def rank_side(mode: str, updates: int) -> None:
             n_params = replica.n_params
 
             def grad_at(self, *args):
-                return zeros, 0.0
+                return zeros, 0.0, 0.0
 
         ctx = Context(cfg, comm, comm.role, replica if comm.rank == 0 else NoCompute(),
                       data, NullResults(), NullConsole(), shard_size=10**6,

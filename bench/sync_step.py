@@ -64,7 +64,7 @@ def rank_side(steps: int, data_dir: str) -> None:
                 replica.train_step(x[idx], y[idx])
                 b = c = time.perf_counter()
             else:
-                g, _ = replica.grad(x[idx], y[idx])
+                g, _, _ = replica.grad(x[idx], y[idx])
                 b = time.perf_counter()
                 workers.allreduce_mean_(g)
                 c = time.perf_counter()

@@ -44,6 +44,7 @@ for its reply (the server speaks first about a stalled peer).
 from __future__ import annotations
 
 import collections
+import math
 import queue
 import threading
 import time
@@ -54,7 +55,8 @@ import numpy as np
 
 from . import optim
 from .comm import HOT, IDLE, SERVING, Backoff, Role
-from .errors import CommTimeout
+from .errors import CommTimeout, Divergence, Interrupted
+from .lifecycle import Checkpoint
 from .trainer import (TAG_GRADIENT, TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary,
                       worker_batches)
 
@@ -63,7 +65,7 @@ from .trainer import (TAG_GRADIENT, TAG_WEIGHTS, Context, Evaluator, Stopwatch, 
 HEADER = 8
 H_VERSION, H_STEP, H_FLAGS = 0, 1, 2  # int32 slots
 H_LOSS, H_ELAPSED, H_THINK = 3, 4, 5  # float32 slots
-FINAL = 1
+FINAL, INTERRUPTED, DIVERGED = 1, 2, 4  # header flags (push and reply)
 #: workers whose steps take less than this (EWMA) make the server poll, not sleep
 FAST_STEP = 2e-4
 #: how the server polls then: yield for a round trip's worth, then sleep
@@ -100,27 +102,32 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     push = np.zeros(HEADER + n, np.float32)
     leases = [np.zeros(HEADER + n, np.float32), np.zeros(HEADER + n, np.float32)]
     reply_bound = 2 * comm.timeout
-    current, in_flight, step = 0, None, 0
-    timer = ctx.timer
+    current, in_flight, timer = 0, None, ctx.timer
     comm.wait(comm.irecv(leases[0], 0, TAG_WEIGHTS, "pull", "the initial weights"), IDLE,
               timeout=reply_bound)
+    start_step = step = int(_ints(leases[0])[H_STEP])  # > 0 when resuming
+    ending = int(_ints(leases[0])[H_FLAGS])  # the server may already be stopping
     mark = timer.restart()
-    for _, step, x, y, end_of_epoch in worker_batches(ctx):
+    for _, step, x, y, end_of_epoch in ([] if ending else worker_batches(ctx, start_step)):
         started = time.perf_counter()  # since mark: preparing the batch
-        grad, loss = replica.grad_at(leases[current][HEADER:], x, y)
+        grad, loss, norm = replica.grad_at(leases[current][HEADER:], x, y)
         computed = time.perf_counter()
         version = int(_ints(leases[current])[H_VERSION])
         if in_flight is not None:  # the previous push's reply landed in the other buffer
             comm.wait_all(in_flight, HOT, timeout=reply_bound)
+            in_flight = None
             target, current = current, 1 - current
+            ending = int(_ints(leases[current])[H_FLAGS])
         else:
             target = 1 - current if pipelined else current
         waited = time.perf_counter()
+        flags = _push_flags(ctx, step, loss + 0.0 * norm)
+        if ending:  # the server is stopping: this gradient is not wanted
+            break
         push[HEADER:] = grad
         ints = _ints(push)
-        ints[H_VERSION], ints[H_STEP] = version, step
-        ints[H_FLAGS] = FINAL if step == ctx.total_steps else 0
-        push[H_LOSS], push[H_ELAPSED] = loss, clock()
+        ints[H_VERSION], ints[H_STEP], ints[H_FLAGS] = version, step, flags
+        push[H_LOSS], push[H_ELAPSED] = loss + 0.0 * norm, clock()
         push[H_THINK] = computed - started  # lets the server pick its poll policy
         in_flight = [comm.irecv(leases[target], 0, TAG_WEIGHTS, "pull",
                                 "new weights from the server"),
@@ -129,16 +136,36 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         if not pipelined:
             comm.wait_all(in_flight, HOT, timeout=reply_bound)
             in_flight = None
+            current = target
+            ending = int(_ints(leases[current])[H_FLAGS])
         done = time.perf_counter()
         timer.add(compute=computed - mark, wait=(waited - computed) + (done - sent),
                   comm=sent - waited)
         mark = done
-        if end_of_epoch:
+        if end_of_epoch or flags & FINAL:
             timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
+        if flags & FINAL or ending:
+            break
     if in_flight is not None:
         comm.wait_all(in_flight, IDLE, timeout=reply_bound)
+        current = 1 - current
+        ending |= int(_ints(leases[current])[H_FLAGS])
+    if ending & DIVERGED:
+        raise Divergence("training diverged (see rank 0's message)", everywhere=True)
+    if ending & INTERRUPTED:
+        raise Interrupted("stopped (see rank 0's message)", everywhere=True)
     nan = float("nan")
     return Summary(clock(), step, step / ctx.steps_per_epoch, nan, nan, nan)
+
+
+def _push_flags(ctx: Context, step: int, loss: float) -> int:
+    """FINAL on the last step; also INTERRUPTED on a stop request, DIVERGED on NaN/Inf."""
+    flags = FINAL if step == ctx.total_steps else 0
+    if ctx.stop:
+        flags |= FINAL | INTERRUPTED
+    if not math.isfinite(loss):
+        flags |= FINAL | DIVERGED
+    return flags
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,6 +184,7 @@ class WorkerLedger:
     leased_at: float = 0.0
     applied: int = 0
     steps: int = 0
+    start_step: int = 0  # steps done before this session (a resumed run)
     elapsed: float = 0.0
     done: bool = False
     staleness: collections.Counter = field(default_factory=collections.Counter)
@@ -171,6 +199,8 @@ class Server:
         self.weights = ctx.replica.weights()
         self.optimizer = optim.make(ctx.cfg.optimizer, n, ctx.cfg.effective_lr)
         self.version = 0
+        self.ending = 0  # INTERRUPTED and/or DIVERGED once the run must stop early
+        self.diverged_at: List[str] = []
         self.bound = ctx.cfg.staleness  # None: unbounded
         self.workers: Dict[int, WorkerLedger] = {
             r: WorkerLedger(r, np.zeros(HEADER + n, np.float32), np.zeros(HEADER + n, np.float32))
@@ -184,15 +214,38 @@ class Server:
             ctx, clock, self.updates_per_epoch, ctx.cfg.batch_size,
             len(self.workers) * ctx.total_steps))
         self.step_time = 1.0  # EWMA of the workers' reported seconds of compute per step
+        self.checkpoint_interval = ctx.cfg.checkpoint_every * self.updates_per_epoch
+        if ctx.resume_from is not None:
+            self._restore(ctx.resume_from)
+
+    def _restore(self, ckpt: Checkpoint) -> None:
+        self.weights = ckpt.weights.astype(np.float32).copy()
+        self.optimizer.load_state(ckpt.optimizer)
+        self.version = ckpt.step
+        for rank, w in self.workers.items():
+            w.start_step = w.steps = ckpt.worker_steps.get(rank, 0)
+            for s, c in ckpt.extra.get("staleness", {}).get(str(rank), {}).items():
+                w.staleness[int(s)] += c
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.weights.copy(), self.optimizer.state(), self.version,
+                          self.clock(), {w.rank: w.steps for w in self.workers.values()},
+                          {"staleness": {str(w.rank): dict(w.staleness)
+                                         for w in self.workers.values()}})
 
     # ---- the loop ---------------------------------------------------------------------
     def run(self) -> Summary:
-        self.evaluations.submit(0, self.weights.copy(), None, 0.0)
+        if self.ctx.resume_from is None:
+            self.evaluations.submit(0, self.weights.copy(), None, 0.0)
         cpu0, loop_cpu0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
         timer = self.ctx.timer
         self._grant_leases()
         mark = timer.restart()
         while not all(w.done for w in self.workers.values()):
+            if self.ctx.stop and not self.ending:
+                self.ending |= INTERRUPTED
+                self._grant_leases()  # releases the waiting workers
+                continue
             worker = self._next_push()
             arrived = time.perf_counter()
             self._apply(worker)
@@ -211,10 +264,30 @@ class Server:
         span = max(1e-9, time.perf_counter() - t0)
         cpu_share = {"server_cpu_share": round((time.process_time() - cpu0) / span, 4),
                      "server_loop_cpu_share": round((time.thread_time() - loop_cpu0) / span, 4)}
-        if self.evaluations.last_step != self.version:
-            self.evaluations.submit(self.version, self.weights, self._train_loss(), wall)
+        if self.evaluations.last_step != self.version and not self.ending & DIVERGED:
+            self.evaluations.submit(self.version, self.weights.copy(), self._train_loss(), wall)
+        if not self.ending & DIVERGED:
+            self.evaluations.save(self.checkpoint())
         self.evaluations.close()
-        return self._summary(wall, cpu_share)
+        summary = self._summary(wall, cpu_share)
+        self._raise_if_ending(summary)
+        return summary
+
+    def _raise_if_ending(self, summary: Summary) -> None:
+        ctx = self.ctx
+        if self.ending & DIVERGED:
+            error = Divergence(f"training diverged: non-finite loss or gradient on "
+                               f"{', '.join(self.diverged_at)}; lower --lr or set "
+                               "--clip-grad-norm", everywhere=True)
+        elif self.ending & INTERRUPTED:
+            error = Interrupted(f"stopped by {ctx.stop.name or 'a signal to a worker'} after "
+                                f"{self.version} updates; checkpoint saved in "
+                                f"{ctx.results.path}, resume with --resume {ctx.results.path}",
+                                everywhere=True)
+        else:
+            return
+        error.summary = summary
+        raise error
 
     def _next_push(self) -> WorkerLedger:
         holders = [w for w in self.workers.values() if w.base is not None]
@@ -244,17 +317,25 @@ class Server:
 
     def _apply(self, w: WorkerLedger) -> None:
         ints = _ints(w.recv)
+        flags = int(ints[H_FLAGS])
+        w.steps, w.elapsed = int(ints[H_STEP]), float(w.recv[H_ELAPSED])
+        w.base = None
+        if flags & DIVERGED or not math.isfinite(float(w.recv[H_LOSS])):
+            self.ending |= DIVERGED  # never apply a non-finite gradient
+            self.diverged_at.append(f"{self.comm.name(w.rank)} at its step {w.steps}")
+            w.done = True
+            self._reply(w, with_weights=False)
+            return
+        self.ending |= flags & INTERRUPTED
         staleness = self.version - int(ints[H_VERSION])
         w.staleness[staleness] += 1
         self.optimizer.step(self.weights, w.recv[HEADER:])
         self.version += 1
         w.applied += 1
-        w.steps, w.elapsed = int(ints[H_STEP]), float(w.recv[H_ELAPSED])
         self.step_time = 0.8 * self.step_time + 0.2 * float(w.recv[H_THINK])
         self.last_loss = float(w.recv[H_LOSS])
         self.losses.append(self.last_loss)
-        w.base = None
-        if ints[H_FLAGS] & FINAL:
+        if flags & FINAL:
             w.done = True
             self._reply(w, with_weights=False)
         else:
@@ -262,6 +343,8 @@ class Server:
         if self.version % self.eval_interval == 0:
             self.evaluations.submit(self.version, self.weights.copy(), self._train_loss(),
                                     self.clock())
+        if self.version % self.checkpoint_interval == 0:
+            self.evaluations.save(self.checkpoint())
 
     def _train_loss(self) -> Optional[float]:
         loss = float(np.mean(self.losses)) if self.losses else None
@@ -277,8 +360,12 @@ class Server:
         return all((self.version - base) + len(holders) - 1 <= self.bound for base in holders)
 
     def _grant_leases(self) -> None:
-        while self.waiting and self._may_grant():
+        while self.waiting and (self.ending or self._may_grant()):
             w = self.workers[self.waiting.popleft()]
+            if self.ending:  # stopping: no new leases, just the final reply
+                w.done = True
+                self._reply(w, with_weights=False)
+                continue
             w.base, w.leased_at = self.version, time.monotonic()
             w.posted = self.comm.irecv(w.recv, w.rank, TAG_GRADIENT, "push",
                                        "a gradient")
@@ -288,7 +375,8 @@ class Server:
         if w.sending is not None:
             self.comm.wait(w.sending, IDLE)  # its last reply was received: completes at once
         ints = _ints(w.send)
-        ints[H_VERSION], ints[H_FLAGS] = self.version, 0 if with_weights else FINAL
+        ints[H_VERSION], ints[H_STEP] = self.version, w.steps  # step: where to resume from
+        ints[H_FLAGS] = 0 if with_weights else FINAL | self.ending
         if with_weights:
             w.send[HEADER:] = self.weights
             w.sending = self.comm.isend(w.send, w.rank, TAG_WEIGHTS, "pull",
@@ -308,7 +396,7 @@ class Server:
         ctx.results.write_csv("staleness.csv", ["worker", "staleness", "count"], rows)
         total = sum(all_staleness.values())
         mean = sum(s * c for s, c in all_staleness.items()) / max(1, total)
-        pushes = sum(w.steps for w in self.workers.values())
+        pushes = sum(w.steps - w.start_step for w in self.workers.values())
         extra = {
             "staleness_mean": round(mean, 3),
             "staleness_max": max(all_staleness) if all_staleness else 0,
@@ -344,20 +432,30 @@ class BackgroundEvaluator:
         self.thread.start()
 
     def submit(self, version: int, weights: np.ndarray, train_loss, wall: float) -> None:
+        """Evaluate ``weights`` (a copy the caller will not touch) in the background."""
+        self.last_step = version
+        self._put(lambda: self._evaluate(version, weights, train_loss, wall))
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        """Write ``checkpoint`` in the background, in order with the evaluations."""
+        self._put(lambda: self.ctx.results.save_checkpoint(checkpoint))
+
+    def _put(self, job) -> None:
         if self.error is not None:
             raise self.error
-        self.last_step = version
-        self.jobs.put((version, weights, train_loss, wall))
+        self.jobs.put(job)
+
+    def _evaluate(self, version: int, weights: np.ndarray, train_loss, wall: float) -> None:
+        self.ctx.replica.set_weights(weights)
+        self.evaluator.record(version, train_loss, wall)
 
     def _run(self) -> None:
         while True:
             job = self.jobs.get()
             if job is None:
                 return
-            version, weights, train_loss, wall = job
             try:
-                self.ctx.replica.set_weights(weights)
-                self.evaluator.record(version, train_loss, wall)
+                job()
             except BaseException as e:  # surfaced to the server loop on its next submit
                 self.error = e
                 return

@@ -13,9 +13,10 @@ import traceback
 from typing import List, Optional
 
 from . import models
-from .comm import abort_world, launcher_rank, launcher_world_size, world_rank_if_running, world_size_if_running
+from .comm import (abort_world, launcher_rank, launcher_world_size, report_failure,
+                   world_rank_if_running, world_size_if_running)
 from .config import Config, fields_with_flags, resolve
-from .errors import EXIT_FAILURE, MpitrainError, UsageError
+from .errors import EXIT_FAILURE, Interrupted, MpitrainError, UsageError
 
 PROG = "mpitrain"
 EPILOG = """\
@@ -78,9 +79,21 @@ def parse_config(argv: List[str]) -> Config:
     args = build_parser().parse_args(argv)
     values = {f.name: getattr(args, f.name) for f in fields_with_flags()}
     cfg = Config(model=args.command, **values)
-    # Fail fast, before MPI and TensorFlow load; the session re-checks with MPI's size.
-    resolve(cfg, models.get(cfg.model).defaults, launcher_world_size())
+    if not cfg.resume:
+        # Fail fast, before MPI and TensorFlow load; the session re-checks with MPI's size.
+        resolve(cfg, models.get(cfg.model).defaults, launcher_world_size())
     return cfg
+
+
+def explicit_settings(argv: List[str]) -> frozenset:
+    """Names of the config fields given on the command line (for --resume)."""
+    given = set()
+    flags = {f.metadata["flag"]: f.name for f in fields_with_flags()}
+    for token in argv:
+        name = flags.get(token.split("=", 1)[0])
+        if name:
+            given.add(name)
+    return frozenset(given)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -90,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = parse_config(argv)
         from . import session  # imports TensorFlow and MPI: only once arguments are valid
 
-        session.run(cfg)
+        session.run(cfg, explicit_settings(argv))
         return 0
     except MpitrainError as error:
         return _fail(error)
@@ -107,16 +120,24 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _fail(error: MpitrainError) -> int:
-    """Print ``error`` once and return its exit code, or abort the job if it is local."""
+    """Print ``error`` once and return its exit code, or end the job if it is local.
+
+    An error every rank raised together is printed by rank 0, which carries the
+    exit code. An error only this rank knows is, on a worker, first reported to
+    rank 0 (which records the run as failed, prints it and aborts the job); on
+    rank 0, printed and followed by an abort of the whole job.
+    """
     rank = world_rank_if_running()
+    label = "interrupted" if isinstance(error, Interrupted) else "error"
     if error.everywhere or world_size_if_running() <= 1:
         if rank != 0:
-            # Rank 0 reports and carries the exit code. If every rank exited
-            # non-zero at once, mpirun would tear the job down on the first exit
-            # and could drop rank 0's line before forwarding it (seen: 3 in 10).
+            # If every rank exited non-zero at once, mpirun would tear the job down
+            # on the first exit and could drop rank 0's line (seen: 3 runs in 10).
             return 0
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        print(f"{PROG}: {label}: {error}", file=sys.stderr, flush=True)
         return error.exit_code
-    print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+    if rank != 0:
+        report_failure(str(error))  # returns only if rank 0 did not end the job
+    print(f"{PROG}: {label}: {error}", file=sys.stderr, flush=True)
     abort_world(error.exit_code)
     return error.exit_code

@@ -36,7 +36,7 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from .errors import CommTimeout, MpitrainError
+from .errors import CommTimeout, MpitrainError, PeerFailure
 
 _MPI = None
 
@@ -124,6 +124,13 @@ IDLE = Backoff(yield_for=0.0, first_sleep=5e-5, max_sleep=1e-3)
 SERVING = Backoff(yield_for=0.0, first_sleep=5e-4, max_sleep=1e-3)
 
 
+#: seconds between calls of Comm.while_waiting during a long wait
+WAITING_CALL_EVERY = 1.0
+#: tag of the one-line failure reports that ranks send rank 0 before the job ends
+TAG_FAILURE = 77
+FAILURE_BYTES = 2048
+
+
 @dataclass
 class Traffic:
     """Payload bytes and messages through this rank's communication layer, by kind."""
@@ -199,6 +206,11 @@ class Comm:
         self.world_ranks: List[int] = list(world_ranks)
         self.host: str = self.hosts[self.rank]
         self._workers: Optional[Comm] = None
+        #: called about once a second while this rank is blocked in a wait, so a
+        #: protocol can tell a watcher "alive, waiting" (the sync workers do)
+        self.while_waiting: Optional[Callable[[], None]] = None
+        self._failures: Optional[Pending] = None  # rank 0: reports from failing ranks
+        self._failure_buf = np.zeros(FAILURE_BYTES, np.uint8)
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -299,6 +311,7 @@ class Comm:
         start = time.perf_counter()
         deadline = start + (self.timeout if timeout is None else timeout)
         yield_until = start + backoff.yield_for
+        next_call = start + WAITING_CALL_EVERY
         sleep = backoff.first_sleep
         now = start
         while True:
@@ -309,7 +322,12 @@ class Comm:
                 sleep = min(sleep * 2.0, backoff.max_sleep)
             if done():
                 break
+            if self._failures is not None and self._failures.test():
+                raise self._peer_failure()
             now = time.perf_counter()
+            if now >= next_call and self.while_waiting is not None:
+                next_call = now + WAITING_CALL_EVERY
+                self.while_waiting()
             if now > deadline:
                 self.traffic.wait_seconds[pendings[0].kind] += now - start
                 if raise_on_timeout:
@@ -383,6 +401,27 @@ class Comm:
                    timeout_for_message=10.0)
         pending.done = True
 
+    # ---- failures of other ranks ------------------------------------------------------
+    def listen_for_failures(self) -> None:
+        """On rank 0: from now on every wait also notices a failure report from any rank.
+
+        A rank that hits an error only it knows about (a timeout, a crash) sends
+        a one-line report (:func:`report_failure`) before the job is aborted, so
+        rank 0 can record the run as failed with the reason.
+        """
+        self._failures = Pending(self._c.Irecv(self._failure_buf, source=_load_mpi().ANY_SOURCE,
+                                               tag=TAG_FAILURE),
+                                 "a failure report", None, "control")
+
+    def stop_listening(self) -> None:
+        self.cancel(self._failures)
+        self._failures = None
+
+    def _peer_failure(self) -> PeerFailure:
+        self._failures = None
+        text = bytes(self._failure_buf).split(b"\0", 1)[0].decode(errors="replace")
+        return PeerFailure(text)
+
     # ---- rare metadata exchanges (pickled objects) ------------------------------------
     def allgather_objects(self, obj, kind: str = "control") -> list:
         """Every rank's ``obj``, in rank order, on every rank. Collective, bounded."""
@@ -435,6 +474,26 @@ def abort_world(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         _MPI.COMM_WORLD.Abort(code)
+
+
+def report_failure(message: str, grace: float = 10.0) -> None:
+    """Tell rank 0 why this rank is failing, then give it ``grace`` seconds to end the job.
+
+    Rank 0 records the failure and aborts the job (which ends this process too);
+    if it cannot (it is dead or stalled), this returns and the caller aborts.
+    """
+    if not world_size_if_running() or _MPI.COMM_WORLD.Get_rank() == 0:
+        return
+    payload = np.zeros(FAILURE_BYTES, np.uint8)
+    raw = message.encode()[:FAILURE_BYTES - 1]
+    payload[:len(raw)] = np.frombuffer(raw, np.uint8)
+    request = _MPI.COMM_WORLD.Isend(payload, dest=0, tag=TAG_FAILURE)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if request.Test():
+            time.sleep(max(0.0, deadline - time.monotonic()))  # rank 0 aborts us meanwhile
+            return
+        time.sleep(0.01)
 
 
 def library_versions() -> dict:

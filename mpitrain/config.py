@@ -82,6 +82,17 @@ class Config:
     threads: int = _opt(
         "TensorFlow intra-op threads per rank; 0 = the host's cores divided among "
         "the worker ranks on that host (at least 1)", 0, flag="--threads", type=int)
+    checkpoint_every: int = _opt(
+        "rank 0 saves a checkpoint (weights, optimizer state, position) every N epochs "
+        "and at the end, into the run directory", 1, flag="--checkpoint-every", type=int,
+        metavar="N")
+    resume: Optional[str] = _opt(
+        "continue the run in RUN_DIR from its last checkpoint (same settings; you may "
+        "change --epochs and other non-training settings), appending to its results",
+        flag="--resume", metavar="RUN_DIR")
+    clip_grad_norm: Optional[float] = _opt(
+        "clip each update's gradient to this global L2 norm", flag="--clip-grad-norm",
+        type=float, metavar="NORM")
     sample_interval: float = _opt(
         "seconds between telemetry samples (CPU, memory, network) on every rank; 0 = off",
         1.0, flag="--sample-interval", type=float, metavar="S")
@@ -141,6 +152,11 @@ class Config:
             raise UsageError(f"--lr must be a positive number (got {self.lr})")
         if self.threads < 0:
             raise UsageError(f"--threads must be 0 (auto) or positive (got {self.threads})")
+        if self.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every must be a positive integer "
+                             f"(got {self.checkpoint_every})")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise UsageError(f"--clip-grad-norm must be positive (got {self.clip_grad_norm})")
         if not self.sample_interval >= 0:
             raise UsageError(f"--sample-interval must be 0 (off) or positive "
                              f"(got {self.sample_interval})")

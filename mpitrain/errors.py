@@ -25,6 +25,11 @@ class MpitrainError(Exception):
     exit_code = EXIT_FAILURE
     everywhere = False
 
+    def __init__(self, message: str = "", everywhere: bool = None):
+        super().__init__(message)
+        if everywhere is not None:
+            self.everywhere = everywhere
+
 
 class UsageError(MpitrainError):
     """Bad command-line arguments or a configuration that cannot run (exit code 2).
@@ -55,6 +60,10 @@ class Divergence(MpitrainError):
 
 class ResultsError(MpitrainError):
     """A results directory or file that cannot be written or read as expected."""
+
+
+class PeerFailure(MpitrainError):
+    """Another rank failed and told rank 0 why (its message is this error's)."""
 
 
 class Interrupted(MpitrainError):

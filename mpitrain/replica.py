@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -58,7 +58,8 @@ def make_optimizer(name: str, lr: float):
 class Replica:
     """A model, its optimizer, and compiled step functions over flat float32 vectors."""
 
-    def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float):
+    def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float,
+                 clip_norm: Optional[float] = None):
         import tensorflow as tf
         import keras
 
@@ -78,35 +79,40 @@ class Replica:
         flat_spec = [tf.TensorSpec((self.n_params,), tf.float32)]
         model, variables, sizes, shapes = self.model, self.variables, self.sizes, self.shapes
 
-        def loss_and_grads(x, y):
+        def flat_grad_and_loss(x, y):
             with tf.GradientTape() as tape:
                 loss = loss_fn(y, model(x, training=True))
-            return loss, tape.gradient(loss, variables)
+            flat = tf.concat([tf.reshape(g, [-1]) for g in tape.gradient(loss, variables)], 0)
+            return flat, loss, tf.norm(flat)  # the norm: non-finite iff the gradient is
 
         def unflatten(flat):
             return [tf.reshape(p, s) for p, s in zip(tf.split(flat, sizes), shapes)]
 
-        @tf.function(input_signature=batch_spec)
-        def grad(x, y):
-            loss, grads = loss_and_grads(x, y)
-            return tf.concat([tf.reshape(g, [-1]) for g in grads], 0), loss
+        def clipped(flat):
+            if not clip_norm:
+                return flat
+            return flat * tf.minimum(1.0, clip_norm / (tf.norm(flat) + 1e-12))
+
+        @tf.function(input_signature=batch_spec + [tf.TensorSpec((None,), tf.float32)])
+        def grad(x, y, tail):
+            flat, loss, norm = flat_grad_and_loss(x, y)
+            return tf.concat([flat, tail], 0), loss, norm
 
         @tf.function(input_signature=flat_spec + batch_spec)
         def grad_at(flat_weights, x, y):
             for v, part in zip(variables, unflatten(flat_weights)):
                 v.assign(part)
-            loss, grads = loss_and_grads(x, y)
-            return tf.concat([tf.reshape(g, [-1]) for g in grads], 0), loss
+            return flat_grad_and_loss(x, y)
 
         @tf.function(input_signature=flat_spec)
         def apply(flat):
-            self.optimizer.apply_gradients(zip(unflatten(flat), variables))
+            self.optimizer.apply_gradients(zip(unflatten(clipped(flat)), variables))
 
         @tf.function(input_signature=batch_spec)
         def train_step(x, y):
-            loss, grads = loss_and_grads(x, y)
-            self.optimizer.apply_gradients(zip(grads, variables))
-            return loss
+            flat, loss, norm = flat_grad_and_loss(x, y)
+            self.optimizer.apply_gradients(zip(unflatten(clipped(flat)), variables))
+            return loss, norm
 
         @tf.function(input_signature=batch_spec)
         def eval_batch(x, y):
@@ -122,30 +128,69 @@ class Replica:
 
         self._grad, self._grad_at, self._apply, self._train_step = grad, grad_at, apply, train_step
         self._eval_batch, self._set_weights = eval_batch, set_weights
+        self._tail = None
+        trainable = {id(v) for v in self.variables}
+        self._rng_variables = [v for v in self.model.variables if id(v) not in trainable]
 
     # ---- training -------------------------------------------------------------------
-    def grad(self, x: np.ndarray, y: np.ndarray) -> Tuple[np.ndarray, float]:
-        """(flat gradient as a writable float32 numpy array, loss) of one batch."""
-        flat, loss = self._grad(x, y)
-        return flat.numpy(), float(loss)
+    def grad(self, x: np.ndarray, y: np.ndarray,
+             tail: int = 0) -> Tuple[np.ndarray, float, float]:
+        """(flat gradient + ``tail`` zeros as one writable float32 array, loss, gradient norm).
+
+        The zeros give the caller room for a few status values that travel in
+        the same allreduce as the gradient, at no extra message."""
+        flat, loss, norm = self._grad(x, y, self._zeros(tail))
+        return flat.numpy(), float(loss), float(norm)
+
+    def _zeros(self, n: int) -> np.ndarray:
+        if self._tail is None or len(self._tail) != n:
+            self._tail = np.zeros(n, np.float32)
+        return self._tail
 
     def grad_at(self, flat_weights: np.ndarray, x: np.ndarray,
-                y: np.ndarray) -> Tuple[np.ndarray, float]:
-        """Load ``flat_weights`` and return (flat gradient, loss) of one batch, in one call.
+                y: np.ndarray) -> Tuple[np.ndarray, float, float]:
+        """Load ``flat_weights`` and return (flat gradient, loss, norm) of one batch, in one call.
 
         The async worker's step: weights arrive from the server every step, and
         assigning them inside the same compiled call saves a TensorFlow dispatch.
         """
-        flat, loss = self._grad_at(flat_weights, x, y)
-        return flat.numpy(), float(loss)
+        flat, loss, norm = self._grad_at(flat_weights, x, y)
+        return flat.numpy(), float(loss), float(norm)
 
     def apply(self, flat_grad: np.ndarray) -> None:
-        """Apply one flat gradient with the optimizer (one update)."""
+        """Apply one flat gradient with the optimizer (one update; clipped if configured)."""
         self._apply(flat_grad)
 
-    def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
-        """Gradient and update in one compiled call (one worker: nothing to average)."""
-        return float(self._train_step(x, y))
+    def train_step(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, float]:
+        """Gradient and update in one compiled call (one worker: nothing to average).
+
+        Returns (loss, gradient norm before clipping)."""
+        loss, norm = self._train_step(x, y)
+        return float(loss), float(norm)
+
+    # ---- state for checkpoints ------------------------------------------------------
+    def optimizer_state(self) -> Dict[str, np.ndarray]:
+        """The optimizer's variables (step count, slots), in their fixed order."""
+        return {f"o{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)}
+
+    def set_optimizer_state(self, state: Dict[str, np.ndarray]) -> None:
+        if len(state) != len(self.optimizer.variables):
+            raise ValueError(f"optimizer state has {len(state)} variables, expected "
+                             f"{len(self.optimizer.variables)}")
+        for i, v in enumerate(self.optimizer.variables):
+            v.assign(state[f"o{i}"])
+
+    def rng_state(self) -> np.ndarray:
+        """The model's random-generator state (dropout seeds), flattened; empty for most."""
+        parts = [v.numpy().ravel().astype(np.int64) for v in self._rng_variables]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def set_rng_state(self, state: np.ndarray) -> None:
+        offset = 0
+        for v in self._rng_variables:
+            n = int(np.prod(v.shape))
+            v.assign(state[offset:offset + n].reshape(v.shape).astype(v.dtype))
+            offset += n
 
     # ---- weights --------------------------------------------------------------------
     def weights(self) -> np.ndarray:

@@ -65,10 +65,11 @@ class CsvLog:
         self._write("".join(_csv_line(_fmt(r.get(c)) for c in self.columns) for r in rows))
 
     def _write(self, text: str) -> None:
+        # One write of whole lines, flushed: a killed process leaves complete rows.
+        # No fsync per row: under heavy disk load it stalled rank 0 for seconds.
         with open(self.path, "a") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
 
 
 def append_run_row(path: Path, row: Dict) -> None:
@@ -137,11 +138,19 @@ def new_run_dir(results_dir: Path, stem: str) -> Path:
 class RunResults:
     """Rank 0's writer for one run's directory and its row in ``runs.csv``."""
 
-    def __init__(self, results_dir: Path, stem: str):
+    def __init__(self, results_dir: Path, stem: str, run_dir: Optional[Path] = None):
         self.results_dir = Path(results_dir)
-        self.dir = new_run_dir(self.results_dir, stem)
+        self.dir = run_dir if run_dir is not None else new_run_dir(self.results_dir, stem)
         self.curve = CsvLog(self.dir / "curve.csv", CURVE_COLUMNS)
         self._tensorboard = None
+
+    @classmethod
+    def reopen(cls, run_dir: Path) -> "RunResults":
+        """Continue writing into an existing run directory (a resumed run)."""
+        run_dir = Path(run_dir)
+        if not (run_dir / "curve.csv").is_file():
+            raise ResultsError(f"{run_dir}: not a run directory (no curve.csv)")
+        return cls(run_dir.parent, "", run_dir)
 
     @property
     def path(self) -> Optional[Path]:
@@ -173,6 +182,9 @@ class RunResults:
     def add_run_row(self, row: Dict) -> None:
         append_run_row(self.results_dir / "runs.csv", {"run": self.dir.name, **row})
 
+    def save_checkpoint(self, checkpoint) -> None:
+        checkpoint.save(self.dir)
+
 
 class NullResults:
     """What ranks that must not write get: the same methods, doing nothing."""
@@ -192,4 +204,7 @@ class NullResults:
         pass
 
     def add_run_row(self, row):
+        pass
+
+    def save_checkpoint(self, checkpoint):
         pass

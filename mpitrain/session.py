@@ -13,21 +13,32 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Optional
 
-from . import __version__, data, models, sync_trainer, telemetry
+from . import __version__, async_trainer, data, models, sync_trainer, telemetry
 from .comm import Comm, Role, library_versions
 from .config import Config, resolve
+from .errors import Interrupted, MpitrainError, ResultsError, UsageError
+from .lifecycle import Checkpoint, StopRequest, resumed_config
 from .console import Console, NullConsole
 from .replica import Replica, init_tensorflow
 from .results import NullResults, RunResults
 from .trainer import Context, Summary
 
 
-def run(cfg: Config) -> Summary:
-    """Train as configured; the serving rank writes the results. Collective."""
+def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
+    """Train as configured; the serving rank writes the results. Collective.
+
+    ``explicit`` names the settings given on the command line (for --resume).
+    """
+    stop = StopRequest().install()  # first, so a signal during setup is not lost
     comm = Comm.world(cfg.timeout)
     spec = models.get(cfg.model)
+    checkpoint = None
+    if cfg.resume:
+        cfg, checkpoint = prepare_resume(cfg, explicit, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
     role = comm.role
     console = Console(cfg.quiet) if role.serves else NullConsole()
@@ -35,6 +46,47 @@ def run(cfg: Config) -> Summary:
 
     # Data before TensorFlow: a missing or corrupt file fails in a second, not
     # after every rank has spent seconds importing TensorFlow.
+    dataset, shard_size, worker_index = load_data(cfg, comm, spec)
+    for line in data.describe(dataset):
+        (console.note if line == dataset.note else console.info)(line)
+
+    init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
+    replica = Replica(spec, dataset.input_shape, dataset.num_classes, cfg.optimizer,
+                      cfg.effective_lr, cfg.clip_grad_norm)
+    ranks = comm.allgather_objects(rank_facts(threads))
+    results = open_results(cfg, comm)
+    results.write_json("config.json" if checkpoint is None else
+                       f"resumed-{time.strftime('%Y%m%d-%H%M%S')}.json",
+                       run_metadata(cfg, dataset, replica, ranks))
+    console.info(f"{cfg.model} {cfg.mode} on {comm.size} rank(s) ({cfg.workers} worker(s)), "
+                 f"batch {cfg.batch_size}/worker, lr {cfg.effective_lr:g}, "
+                 f"{cfg.epochs} epoch(s); results in {results.path}"
+                 + (f" (resuming at step {checkpoint.step})" if checkpoint else ""))
+
+    ctx = Context(cfg, comm, role, replica, dataset, results, console, stop=stop,
+                  resume_from=checkpoint, shard_size=shard_size, worker_index=worker_index)
+    check_resumable(ctx, comm)
+    trainer = async_trainer if cfg.async_mode else sync_trainer
+    sampler = start_sampler(cfg, comm)
+    if role is Role.SERVER:
+        comm.listen_for_failures()
+    try:
+        summary = trainer.train(ctx)
+    except MpitrainError as error:
+        record_failure(ctx, error, sampler)
+        raise
+    finally:
+        comm.stop_listening()
+    gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results)
+    results.add_run_row({**run_row(cfg, dataset, summary),
+                         **telemetry.node_summary(gathered, comm.hosts)})
+    console.summary(summary_lines(cfg, summary, results.path))
+    return summary
+
+
+def load_data(cfg: Config, comm: Comm, spec):
+    """This rank's splits (a worker keeps only its shard); shard size; worker index."""
+    role = comm.role
     splits = (("train",) if role.trains else ()) + (("test",) if role.serves else ())
     dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
                         synthetic_shape=spec.synthetic or None)
@@ -45,33 +97,62 @@ def run(cfg: Config) -> Summary:
         # copies, so the full training set each rank read can be freed
         dataset.x_train = dataset.x_train[start:stop].copy()
         dataset.y_train = dataset.y_train[start:stop].copy()
-    for line in data.describe(dataset):
-        (console.note if line == dataset.note else console.info)(line)
+    return dataset, shard_size, worker_index
 
-    init_tensorflow(threads, cfg.seed)
-    replica = Replica(spec, dataset.input_shape, dataset.num_classes, cfg.optimizer,
-                      cfg.effective_lr)
-    ranks = comm.allgather_objects(rank_facts(threads))
-    results = (RunResults(cfg.results_dir, f"{cfg.model}-{cfg.mode}-np{comm.size}")
-               if role.serves else NullResults())
-    results.write_json("config.json", run_metadata(cfg, dataset, replica, ranks))
-    console.info(f"{cfg.model} {cfg.mode} on {comm.size} rank(s) ({cfg.workers} worker(s)), "
-                 f"batch {cfg.batch_size}/worker, lr {cfg.effective_lr:g}, "
-                 f"{cfg.epochs} epoch(s); results in {results.path}")
 
-    ctx = Context(cfg, comm, role, replica, dataset, results, console,
-                  shard_size=shard_size, worker_index=worker_index)
-    if cfg.async_mode:
-        from . import async_trainer as trainer
-    else:
-        trainer = sync_trainer
-    sampler = start_sampler(cfg, comm)
-    summary = trainer.train(ctx)
-    gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results)
-    results.add_run_row({**run_row(cfg, dataset, summary),
-                         **telemetry.node_summary(gathered, comm.hosts)})
-    console.summary(summary_lines(cfg, summary, results.path))
-    return summary
+def prepare_resume(cfg: Config, explicit: frozenset, comm: Comm):
+    """(config, checkpoint) of the run being resumed; rank 0 reads them, all agree.
+
+    Only rank 0 needs the run directory (it may exist on rank 0's host only);
+    the others receive the configuration. The checkpoint stays on rank 0, which
+    hands its contents to the others when training starts.
+    """
+    resumed, checkpoint, error = None, None, None
+    if comm.rank == 0:
+        try:
+            resumed = resumed_config(cfg, set(explicit), comm.size)
+            checkpoint = Checkpoint.load(Path(cfg.resume))
+        except (UsageError, ResultsError) as e:
+            error = e
+    comm.agree(error)
+    return comm.allgather_objects(resumed)[0], checkpoint
+
+
+def check_resumable(ctx: Context, comm: Comm) -> None:
+    """A finished run cannot be resumed without more epochs (all ranks raise alike)."""
+    done = comm.allgather_objects(ctx.resume_from.step if ctx.resume_from else None)[0]
+    if done is not None and done >= ctx.total_steps:
+        raise UsageError(f"--resume {ctx.cfg.resume}: that run already did all {done} steps of "
+                         f"{ctx.cfg.epochs} epoch(s); pass a larger --epochs to train on")
+
+
+def open_results(cfg: Config, comm: Comm):
+    """Rank 0's writer: the resumed run's directory, or a new one; null elsewhere."""
+    if not comm.role.serves:
+        return NullResults()
+    if cfg.resume:
+        return RunResults.reopen(Path(cfg.resume))
+    return RunResults(cfg.results_dir, f"{cfg.model}-{cfg.mode}-np{comm.size}")
+
+
+def record_failure(ctx: Context, error: MpitrainError, sampler) -> None:
+    """Write what the run has (telemetry, its runs.csv row with status and reason).
+
+    When every rank stops together (interrupted, diverged) the telemetry of all
+    ranks is gathered as usual; otherwise only this rank's is written.
+    """
+    status = "interrupted" if isinstance(error, Interrupted) else "failed"
+    try:
+        if error.everywhere:
+            gathered = telemetry.collect(ctx.comm, ctx.role.value, sampler, ctx.timer,
+                                         ctx.results)
+        else:
+            gathered = telemetry.write_local(ctx.comm, ctx.role.value, sampler, ctx.timer,
+                                             ctx.results)
+        row = run_row(ctx.cfg, ctx.data, getattr(error, "summary", None), status, str(error))
+        ctx.results.add_run_row({**row, **telemetry.node_summary(gathered, ctx.comm.hosts)})
+    except MpitrainError:
+        pass  # the original error is what the user must see
 
 
 def start_sampler(cfg: Config, comm: Comm):
@@ -140,16 +221,20 @@ def run_metadata(cfg: Config, dataset, replica, ranks) -> dict:
             "slurm_job_id": os.environ.get("SLURM_JOB_ID", "")}
 
 
-def run_row(cfg: Config, dataset, summary: Summary) -> dict:
-    """The run's row in runs.csv."""
-    return {"model": cfg.model, "mode": cfg.mode, "np": cfg.world_size,
-            "workers": cfg.workers, "batch_size": cfg.batch_size,
-            "global_batch": cfg.global_batch, "epochs": summary.epochs_done,
-            "steps": summary.steps, "optimizer": cfg.optimizer, "lr": cfg.effective_lr,
-            "wall_time_s": round(summary.wall_time_s, 3),
-            "test_accuracy": summary.test_accuracy, "test_loss": summary.test_loss,
-            "train_loss": summary.train_loss, "dataset": dataset.name,
-            "status": "ok", **summary.extra}
+def run_row(cfg: Config, dataset, summary: Optional[Summary], status: str = "ok",
+            reason: str = "") -> dict:
+    """The run's row in runs.csv (``summary`` may be None for a run that failed early)."""
+    row = {"model": cfg.model, "mode": cfg.mode, "np": cfg.world_size,
+           "workers": cfg.workers, "batch_size": cfg.batch_size,
+           "global_batch": cfg.global_batch, "optimizer": cfg.optimizer,
+           "lr": cfg.effective_lr, "dataset": dataset.name, "status": status,
+           "reason": reason, "resumed": bool(cfg.resume)}
+    if summary is not None:
+        row.update(epochs=summary.epochs_done, steps=summary.steps,
+                   wall_time_s=round(summary.wall_time_s, 3),
+                   test_accuracy=summary.test_accuracy, test_loss=summary.test_loss,
+                   train_loss=summary.train_loss, **summary.extra)
+    return row
 
 
 def summary_lines(cfg: Config, summary: Summary, path) -> list:

@@ -9,105 +9,206 @@ How rank 0 (the parameter server) keeps the canonical model current: it does
 **not** join the per-step allreduce. Joining with a zero gradient would add a
 rank to every collective and, since MPI waits busy-poll, keep rank 0 spinning
 on a core all the time; at ``-np 4`` on 2 cores that core is one a worker
-needs. Instead rank 0 sleeps in a bounded wait and, at each evaluation point,
-receives the weights from worker 1 and a weight checksum from every worker. It
-checks that all checksums agree (replicas identical; :class:`ReplicaDrift`
-otherwise), loads the weights and evaluates on the test set while the workers
-go on training. The cost is one model-sized message per evaluation (visible
-as ``pull`` traffic) instead of one model-sized allreduce contribution per step.
+needs. Instead rank 0 sleeps in a bounded wait and, at each evaluation or
+checkpoint point, receives the weights from worker 1 and a weight checksum
+from every worker. It checks that all checksums agree (replicas identical;
+:class:`ReplicaDrift` otherwise), loads the weights and evaluates on the test
+set while the workers go on training. The cost is one model-sized message per
+evaluation (``pull`` traffic) instead of one model-sized allreduce contribution
+per step.
 
-Workers also send rank 0 a 48-byte progress report about once a second, so
-rank 0 can show progress and notices a worker that has gone silent.
+**The status tail.** The fused buffer carries ``1 + W`` extra floats after the
+gradient: a stop flag, and one slot per worker holding that worker's loss
+(plus 0 x its gradient norm, so a non-finite gradient makes the slot NaN).
+After the one allreduce every worker knows whether anyone was asked to stop,
+which workers went non-finite, and the mean loss, and all act at the same step.
 
-Message protocol (worker -> rank 0), all on the world communicator:
+Message protocol with rank 0, on the world communicator:
 
-* ``TAG_REPORT``: float64 header ``[kind, step, train_loss, checksum, elapsed, final]``
-  with kind PROGRESS or EVAL; every worker sends EVAL at every evaluation point.
-* ``TAG_WEIGHTS``: after its EVAL header, worker 1 sends the flat weights.
+* worker -> 0, ``TAG_REPORT``: float64 header ``[kind, step, loss, checksum,
+  elapsed, flags]``; PROGRESS about once a second (also while blocked in the
+  allreduce, so rank 0 can name a worker that went silent), REPORT at
+  evaluation/checkpoint points and at the end, flags telling which.
+* worker 1 -> 0 after each REPORT: the flat weights (``TAG_WEIGHTS``); at
+  checkpoints also the optimizer state (``TAG_STATE``); every worker also
+  sends its random-generator state (``TAG_RNG``) if the model has one.
+* 0 -> worker, ``TAG_STOP``: exactly once per run, either to ask for a stop
+  (rank 0 got the signal) or, at the end, to say that no stop will come; so
+  no receive is ever left pending and no message unmatched.
 
 At -np 1 the single rank trains with the fused step and evaluates itself.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from .comm import IDLE, Role
-from .errors import CommTimeout, ReplicaDrift
+from .errors import CommTimeout, Divergence, Interrupted, ReplicaDrift
+from .lifecycle import Checkpoint
 from .replica import checksum
-from .trainer import (HEARTBEAT_SECONDS, TAG_REPORT, TAG_WEIGHTS, Context, Evaluator,
-                      Stopwatch, Summary, is_eval_point, worker_batches)
+from .trainer import (HEARTBEAT_SECONDS, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP,
+                      TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary,
+                      is_checkpoint_point, is_eval_point, worker_batches)
 
-PROGRESS, EVAL = 0.0, 1.0
+PROGRESS, REPORT = 0.0, 1.0
 HEADER_LEN = 6
-KIND, STEP, LOSS, CRC, ELAPSED, FINAL = range(HEADER_LEN)
+KIND, STEP, LOSS, CRC, ELAPSED, FLAGS = range(HEADER_LEN)
+# report flags
+FINAL, INTERRUPTED, DIVERGED, EVALUATE, CHECKPOINT = 1, 2, 4, 8, 16
 
 
 def train(ctx: Context) -> Summary:
     """Run sync training on this rank. Collective: every rank of the world calls it.
 
-    Rank 0 broadcasts its initial weights to all ranks; then the server serves
-    (evaluates what the workers report) and the workers train. Returns the
-    summary as this rank knows it (complete on the serving rank).
+    Rank 0 broadcasts the starting weights (fresh, or the resumed checkpoint's)
+    and, on resume, the optimizer and random-generator state; then the server
+    serves and the workers train. Returns the summary as this rank knows it
+    (complete on the serving rank). Raises :class:`Interrupted` or
+    :class:`Divergence` on every rank, at the same step, when training stops
+    for those reasons.
     """
-    initial = ctx.comm.bcast_(ctx.replica.weights())
-    ctx.replica.set_weights(initial)
-    clock = Stopwatch()
+    start_step, offset = _start(ctx)
+    clock = Stopwatch(offset)
     if ctx.role is Role.SERVER:
-        return _serve(ctx, clock)
-    link = LocalEvaluation(ctx, clock) if ctx.role is Role.SINGLE else ServerLink(ctx, clock)
-    return _work(ctx, link, clock)
+        return _serve(ctx, clock, start_step)
+    link = LocalEvaluation(ctx, clock, start_step) if ctx.role is Role.SINGLE \
+        else ServerLink(ctx, clock)
+    return _work(ctx, link, start_step)
+
+
+def _start(ctx: Context):
+    """Share the starting state from rank 0; returns (start step, clock offset)."""
+    comm, replica, ckpt = ctx.comm, ctx.replica, ctx.resume_from
+    if ckpt is not None:
+        replica.set_weights(ckpt.weights)
+    position = np.array([ckpt.step, ckpt.wall_time_s] if ckpt else [0, 0.0], np.float64)
+    comm.bcast_(position)
+    replica.set_weights(comm.bcast_(replica.weights()))
+    if position[0] > 0:  # resuming: the optimizer and generators continue too
+        state = _pack(ckpt.optimizer) if ckpt else _pack(replica.optimizer_state())
+        replica.set_optimizer_state(_unpack(comm.bcast_(state), replica.optimizer_state()))
+        rng = _rng_table(ckpt, comm.size, len(replica.rng_state()))
+        comm.bcast_(rng)
+        if ctx.role.trains and rng.shape[1]:
+            replica.set_rng_state(rng[comm.rank])
+    return int(position[0]), float(position[1])
+
+
+def _pack(state: Dict[str, np.ndarray]) -> np.ndarray:
+    """Optimizer state as one float64 vector (its ints and float32s fit exactly)."""
+    return np.concatenate([np.asarray(state[k], np.float64).ravel() for k in sorted(
+        state, key=lambda k: int(k[1:]))]) if state else np.zeros(0)
+
+
+def _unpack(flat: np.ndarray, like: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    out, offset = {}, 0
+    for k in sorted(like, key=lambda k: int(k[1:])):
+        n = int(np.asarray(like[k]).size)
+        out[k] = flat[offset:offset + n].reshape(np.shape(like[k])).astype(like[k].dtype)
+        offset += n
+    return out
+
+
+def _rng_table(ckpt, size: int, width: int) -> np.ndarray:
+    table = np.zeros((size, width), np.int64)
+    for rank, row in ((ckpt.extra.get("rng") or {}).items() if ckpt else ()):
+        table[int(rank)] = row
+    return table
 
 
 # ---------------------------------------------------------------------------------------
 # Workers
 # ---------------------------------------------------------------------------------------
-def _work(ctx: Context, link, clock: Stopwatch) -> Summary:
+def _work(ctx: Context, link, start_step: int) -> Summary:
     replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
-    alone = workers.size == 1  # nothing to average: use the fused one-call step
-    transfer = 0.0 if alone else allreduce_cost(workers, replica.n_params)
-    loss_sum, n_batches, step = 0.0, 0, 0
+    n, n_workers, me = replica.n_params, workers.size, workers.rank
+    alone = n_workers == 1  # nothing to average: use the fused one-call step
+    transfer = 0.0 if alone else allreduce_cost(workers, n + 1 + n_workers)
+    loss_sum, n_batches, step = 0.0, 0, start_step
     mark = timer.restart()  # every second of an epoch is accounted from here on
-    for epoch, step, x, y, end_of_epoch in worker_batches(ctx):
+    for epoch, step, x, y, end_of_epoch in worker_batches(ctx, start_step):
         # (the generator prepared the batch since `mark`: counted as compute below)
+        link.poll_stop()
         if alone:
-            loss = replica.train_step(x, y)
+            loss, norm = replica.train_step(x, y)
             t1 = t2 = time.perf_counter()
+            stop, losses = bool(ctx.stop), [loss + 0.0 * norm]
         else:
-            grad, loss = replica.grad(x, y)
+            buf, loss, norm = replica.grad(x, y, tail=1 + n_workers)
+            buf[n] = 1.0 if ctx.stop else 0.0
+            buf[n + 1 + me] = loss + 0.0 * norm  # NaN if the loss or the gradient is
             t1 = time.perf_counter()
-            workers.allreduce_mean_(grad)
+            workers.allreduce_mean_(buf)
             t2 = time.perf_counter()
-            replica.apply(grad)
-        loss_sum += loss
+            stop, losses = bool(buf[n] > 0), list(buf[n + 1:] * n_workers)
+        diverged = [w for w, value in enumerate(losses) if not math.isfinite(value)]
+        if not alone and not diverged:
+            replica.apply(buf[:n])
+        loss_sum += float(np.mean(losses))
         n_batches += 1
         t3 = time.perf_counter()
         link.after_step(step, loss_sum / n_batches)
-        if end_of_epoch and is_eval_point(ctx, epoch, step):
-            link.report(step, loss_sum / n_batches, final=step == ctx.total_steps)
+        flags = _flags(ctx, epoch, step, end_of_epoch, stop, me in diverged)
+        if diverged or stop:
+            flags |= FINAL
+        if flags:
+            link.report(step, loss_sum / n_batches, flags)
         t4 = time.perf_counter()
         # the allreduce call = moving the data + waiting for the slowest worker
         moving = min(t2 - t1, transfer)
         timer.add(compute=(t1 - mark) + (t3 - t2), comm=moving, wait=(t2 - t1) - moving)
         timer.add(**{link.accounted_as: t4 - t3})
         mark = t4
-        if end_of_epoch:
+        if end_of_epoch or flags & FINAL:
             timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
             loss_sum, n_batches = 0.0, 0
+        if diverged:
+            link.close(step)
+            raise Divergence(_divergence_message(ctx, [w + 1 for w in diverged], step),
+                             everywhere=True)
+        if stop:
+            link.close(step)
+            raise Interrupted(f"stopped by {ctx.stop.name or 'a peer'} at step {step}; "
+                              f"checkpoint saved, resume with --resume", everywhere=True)
     return link.close(step)
 
 
-def allreduce_cost(workers, n_params: int) -> float:
+def _flags(ctx: Context, epoch: int, step: int, end_of_epoch: bool, stop: bool,
+           diverged_here: bool) -> int:
+    flags = 0
+    if end_of_epoch and is_eval_point(ctx, epoch, step) or stop:
+        flags |= EVALUATE
+    if end_of_epoch and is_checkpoint_point(ctx, epoch, step) or stop:
+        flags |= CHECKPOINT
+    if step == ctx.total_steps:
+        flags |= FINAL
+    if stop:
+        flags |= INTERRUPTED
+    if diverged_here:
+        flags = (flags | DIVERGED) & ~(EVALUATE | CHECKPOINT)
+    return flags
+
+
+def _divergence_message(ctx: Context, world_ranks: List[int], step: int) -> str:
+    where = ", ".join(ctx.comm.name(r) if ctx.comm.size > 1 else "the single rank"
+                      for r in world_ranks)
+    return (f"training diverged: non-finite loss or gradient on {where} at step {step} "
+            f"(epoch {step / ctx.steps_per_epoch:.2f}); lower --lr or set --clip-grad-norm")
+
+
+def allreduce_cost(workers, size: int) -> float:
     """Seconds one gradient allreduce takes when nobody is late (measured back to back).
 
     Lets the timing split a step's time in the allreduce into moving data
     (this much) and waiting for the slowest worker (the rest). Collective
     over the workers. Counted as "calibration" traffic, not as "allreduce".
     """
-    buf = np.zeros(n_params, np.float32)
+    buf = np.zeros(size, np.float32)
     repeats = 3 if buf.nbytes > 16 * 2**20 else 20
     workers.barrier("the allreduce calibration")
     workers.allreduce_mean_(buf, kind="calibration")  # warm up (connections, buffers)
@@ -118,27 +219,39 @@ def allreduce_cost(workers, n_params: int) -> float:
 
 
 class LocalEvaluation:
-    """The single rank's link to itself: evaluate in place."""
+    """The single rank's link to itself: evaluate and checkpoint in place."""
 
     accounted_as = "compute"  # its time is evaluation work
 
-    def __init__(self, ctx: Context, clock: Stopwatch):
-        self.evaluator, self.clock = Evaluator.for_sync(ctx, clock), clock
-        self.evaluator.record(0, None, 0.0)  # the initial model, outside the timed run
+    def __init__(self, ctx: Context, clock: Stopwatch, start_step: int):
+        self.ctx, self.clock = ctx, clock
+        self.evaluator = Evaluator.for_sync(ctx, clock)
+        if start_step == 0:
+            self.evaluator.record(0, None, 0.0)  # the initial model, outside the timed run
         clock.restart()
+
+    def poll_stop(self) -> None:
+        pass
 
     def after_step(self, step: int, running_loss: float) -> None:
         self.evaluator.progress(step, running_loss)
 
-    def report(self, step: int, train_loss: float, final: bool) -> None:
-        self.evaluator.record(step, train_loss, self.clock())
+    def report(self, step: int, train_loss: float, flags: int) -> None:
+        if flags & EVALUATE:
+            self.evaluator.record(step, train_loss, self.clock())
+        if flags & CHECKPOINT:
+            replica = self.ctx.replica
+            rng = replica.rng_state()
+            self.ctx.results.save_checkpoint(Checkpoint(
+                replica.weights(), replica.optimizer_state(), step, self.clock(),
+                extra={"rng": {0: rng.tolist()} if rng.size else {}}))
 
     def close(self, step: int) -> Summary:
         return self.evaluator.summary(self.clock())
 
 
 class ServerLink:
-    """A worker's side of the sync protocol: progress heartbeats and evaluation reports."""
+    """A worker's side of the sync protocol: heartbeats, reports, the stop message."""
 
     accounted_as = "comm"  # its time is sending reports and weights
 
@@ -147,40 +260,64 @@ class ServerLink:
         self.comm = ctx.comm
         self.sends = []  # (pending, buffer) pairs: buffers must live until sent
         self.next_beat = 0.0
+        self.step = 0
         self.sends_weights = ctx.worker_index == 0
+        self.stop_msg = np.zeros(1, np.float64)
+        self.stop_recv = self.comm.irecv(self.stop_msg, 0, TAG_STOP, "control",
+                                         "rank 0's stop message")
+        # heartbeats also while blocked in the allreduce: rank 0 then knows this
+        # worker is alive and waiting, and can name the one that is not
+        self.comm.workers.while_waiting = self._beat
+
+    def poll_stop(self) -> None:
+        if not self.stop_recv.done and self.stop_recv.test() and self.stop_msg[0] > 0:
+            self.ctx.stop.request()
 
     def after_step(self, step: int, running_loss: float) -> None:
-        now = self.clock()
-        if now >= self.next_beat:
-            self.next_beat = now + HEARTBEAT_SECONDS
-            self._send_header(PROGRESS, step, running_loss, 0, final=False)
+        self.step, self.loss = step, running_loss
+        if self.clock() >= self.next_beat:
+            self._beat()
 
-    def report(self, step: int, train_loss: float, final: bool) -> None:
-        weights = self.ctx.replica.weights()
-        self._send_header(EVAL, step, train_loss, checksum(weights), final)
+    def _beat(self) -> None:
+        self.next_beat = self.clock() + HEARTBEAT_SECONDS
+        self._send_header(PROGRESS, self.step, getattr(self, "loss", float("nan")), 0, 0)
+
+    def report(self, step: int, train_loss: float, flags: int) -> None:
+        replica = self.ctx.replica
+        weights = replica.weights()
+        self._send_header(REPORT, step, train_loss, checksum(weights), flags)
+        payloads = []
         if self.sends_weights:
-            # back-pressure: at most one weights message in flight
-            self._complete(kind="pull")
-            self.sends.append((self.comm.isend(weights, 0, TAG_WEIGHTS, "pull",
-                                               "rank 0 to take the weights"), weights))
+            payloads.append((TAG_WEIGHTS, "pull", weights))
+            if flags & CHECKPOINT:
+                payloads.append((TAG_STATE, "checkpoint", _pack(replica.optimizer_state())))
+        rng = replica.rng_state()
+        if flags & CHECKPOINT and rng.size:
+            payloads.append((TAG_RNG, "checkpoint", rng))
+        for tag, kind, buf in payloads:
+            self._complete(kind)  # back-pressure: one message of each kind in flight
+            self.sends.append((self.comm.isend(buf, 0, tag, kind, f"rank 0 to take {kind}"),
+                               buf))
 
-    def _send_header(self, kind: float, step: int, loss: float, crc: int, final: bool) -> None:
-        header = np.array([kind, step, loss, crc, self.clock(), final], dtype=np.float64)
+    def _send_header(self, kind: float, step: int, loss: float, crc: int, flags: int) -> None:
+        header = np.array([kind, step, loss, crc, self.clock(), flags], dtype=np.float64)
         self._prune()
         self.sends.append((self.comm.isend(header, 0, TAG_REPORT, "control",
-                                           "rank 0 to take a progress report"), header))
+                                           "rank 0 to take a report"), header))
 
     def _prune(self) -> None:
         self.sends = [(p, b) for p, b in self.sends if not p.test()]
 
-    def _complete(self, kind: Optional[str] = None) -> None:
+    def _complete(self, kind=None) -> None:
         for pending, _ in self.sends:
             if kind is None or pending.kind == kind:
                 self.comm.wait(pending, IDLE)
         self._prune()
 
     def close(self, step: int) -> Summary:
+        self.comm.workers.while_waiting = None
         self._complete()
+        self.comm.wait(self.stop_recv, IDLE)  # rank 0 sends it exactly once per run
         nan = float("nan")
         return Summary(self.clock(), step, step / self.ctx.steps_per_epoch, nan, nan, nan)
 
@@ -188,70 +325,151 @@ class ServerLink:
 # ---------------------------------------------------------------------------------------
 # Server
 # ---------------------------------------------------------------------------------------
-def _serve(ctx: Context, clock: Stopwatch) -> Summary:
-    comm, replica, timer = ctx.comm, ctx.replica, ctx.timer
-    evaluator = Evaluator.for_sync(ctx, clock)
-    evaluator.record(0, None, 0.0)  # the initial model: the curve starts at epoch 0
-    workers = list(range(1, comm.size))
-    headers = {w: np.zeros(HEADER_LEN, np.float64) for w in workers}
-    posted = {w: _post_report(comm, headers[w], w) for w in workers}
-    last_heard = {w: time.monotonic() for w in workers}
-    weights = np.empty(replica.n_params, np.float32)
-    evals: Dict[int, Dict[int, np.ndarray]] = {}
-    finished = set()
-    while len(finished) < len(workers):
-        live = [w for w in workers if w not in finished]
-        silent_for = time.monotonic() - min(last_heard[w] for w in live)
+class Server:
+    """Rank 0 in sync mode: evaluates and checkpoints what the workers report."""
+
+    def __init__(self, ctx: Context, clock: Stopwatch):
+        self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
+        self.workers = list(range(1, self.comm.size))
+        self.evaluator = Evaluator.for_sync(ctx, clock)
+        self.headers = {w: np.zeros(HEADER_LEN, np.float64) for w in self.workers}
+        self.posted = {w: self._post(w) for w in self.workers}
+        self.last_heard = {w: time.monotonic() for w in self.workers}
+        self.weights = np.empty(ctx.replica.n_params, np.float32)
+        self.reports: Dict[int, Dict[int, np.ndarray]] = {}
+        self.finished = set()
+        self.stop_sent: Dict[int, object] = {}
+
+    def _post(self, w: int):
+        return self.comm.irecv(self.headers[w], w, TAG_REPORT, "control", "a progress report")
+
+    def run(self, start_step: int) -> Summary:
+        if start_step == 0:
+            self.evaluator.record(0, None, 0.0)  # the curve starts with the initial model
+        try:
+            while len(self.finished) < len(self.workers):
+                self._maybe_forward_stop()
+                w = self._next_message()
+                if w is None:  # a quiet second: check for a stop request again
+                    continue
+                header = self.headers[w].copy()
+                if header[KIND] == REPORT:
+                    self.reports.setdefault(int(header[STEP]), {})[w] = header
+                    if int(header[FLAGS]) & FINAL:
+                        self.finished.add(w)
+                else:
+                    self.evaluator.progress(int(header[STEP]), float(header[LOSS]))
+                if w not in self.finished:
+                    self.posted[w] = self._post(w)
+                self._handle_complete_reports()
+        finally:
+            self._send_stops(stop=False)  # exactly one per worker, also when failing
+        return self.evaluator.summary(self.clock())
+
+    def _maybe_forward_stop(self) -> None:
+        if self.ctx.stop and len(self.stop_sent) < len(self.workers):
+            self._send_stops(stop=True)
+
+    def _send_stops(self, stop: bool) -> None:
+        for w in self.workers:
+            if w not in self.stop_sent:
+                buf = np.array([1.0 if stop else 0.0])
+                self.stop_sent[w] = (self.comm.isend(buf, w, TAG_STOP, "control",
+                                                     f"{self.comm.name(w)} to take the stop"),
+                                     buf)
+        if not stop:
+            for pending, _ in self.stop_sent.values():
+                self.comm.wait(pending, IDLE)
+
+    def _next_message(self) -> Optional[int]:
+        """The worker whose message arrived, or None after a quiet second."""
+        live = [w for w in self.workers if w not in self.finished]
+        silent_for = time.monotonic() - min(self.last_heard[w] for w in live)
         t0 = time.perf_counter()
-        index = comm.wait_any([posted[w] for w in live], IDLE,
-                              timeout=max(0.0, comm.timeout - silent_for))
-        timer.add(wait=time.perf_counter() - t0)
+        index = self.comm.wait_any([self.posted[w] for w in live], IDLE,
+                                   timeout=max(0.0, min(self.comm.timeout - silent_for, 1.0)))
+        self.ctx.timer.add(wait=time.perf_counter() - t0)
         if index is None:
-            w = min(live, key=last_heard.get)
-            raise CommTimeout(f"{comm.name(w)} sent nothing for {comm.timeout:g} s; it is "
-                              "stalled or dead (raise --timeout if its steps are "
-                              "legitimately that slow)")
+            w = min(live, key=self.last_heard.get)
+            if time.monotonic() - self.last_heard[w] >= self.comm.timeout:
+                waiting = [self.comm.name(v) for v in live if v != w]
+                raise CommTimeout(
+                    f"{self.comm.name(w)} sent nothing for {self.comm.timeout:g} s while "
+                    + (f"{', '.join(waiting)} kept waiting for it; " if waiting else "")
+                    + "it is stalled or dead (raise --timeout if its steps are "
+                    "legitimately that slow)")
+            return None
         w = live[index]
-        last_heard[w] = time.monotonic()
-        header = headers[w].copy()
-        if header[KIND] == EVAL:
-            evals.setdefault(int(header[STEP]), {})[w] = header
-            if header[FINAL]:
-                finished.add(w)
-        else:
-            evaluator.progress(int(header[STEP]), float(header[LOSS]))
-        if w not in finished:
-            posted[w] = _post_report(comm, headers[w], w)
-        for step in sorted(evals):
-            if len(evals[step]) < len(workers):
-                break
-            _evaluate_reports(ctx, evaluator, step, evals.pop(step), weights)
-            timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
-    return evaluator.summary(clock())
+        self.last_heard[w] = time.monotonic()
+        return w
+
+    def _handle_complete_reports(self) -> None:
+        for step in sorted(self.reports):
+            if len(self.reports[step]) < len(self.workers):
+                return
+            self._handle_step(step, self.reports.pop(step))
+
+    def _handle_step(self, step: int, reports: Dict[int, np.ndarray]) -> None:
+        ctx, comm, timer = self.ctx, self.comm, self.ctx.timer
+        flags = {w: int(h[FLAGS]) for w, h in reports.items()}
+        union = 0
+        for f in flags.values():
+            union |= f
+        diverged = [w for w, f in flags.items() if f & DIVERGED]
+        t0 = time.perf_counter()
+        comm.wait(comm.irecv(self.weights, 1, TAG_WEIGHTS, "pull", "the weights"), IDLE)
+        state = self._receive_checkpoint_state() if union & CHECKPOINT else None
+        timer.add(comm=time.perf_counter() - t0)
+        if diverged:
+            raise Divergence(_divergence_message(ctx, diverged, step), everywhere=True)
+        self._check_replicas(step, reports)
+        t1 = time.perf_counter()
+        ctx.replica.set_weights(self.weights)
+        train_loss = float(np.mean([h[LOSS] for h in reports.values()]))
+        wall = max(h[ELAPSED] for h in reports.values())
+        if union & EVALUATE:
+            self.evaluator.record(step, train_loss, wall)
+        if state is not None:
+            optimizer, rng = state
+            ctx.results.save_checkpoint(Checkpoint(self.weights.copy(), optimizer, step, wall,
+                                                   extra={"rng": rng}))
+        timer.add(compute=time.perf_counter() - t1)
+        timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
+        if union & INTERRUPTED:
+            error = Interrupted(f"stopped by {ctx.stop.name or 'a signal to a worker'} at step "
+                                f"{step}; checkpoint saved in {ctx.results.path}, resume with "
+                                f"--resume {ctx.results.path}", everywhere=True)
+            error.summary = self.evaluator.summary(wall)
+            raise error
+
+    def _receive_checkpoint_state(self):
+        comm, replica = self.comm, self.ctx.replica
+        like = replica.optimizer_state()
+        packed = np.empty(sum(np.asarray(v).size for v in like.values()), np.float64)
+        comm.wait(comm.irecv(packed, 1, TAG_STATE, "checkpoint", "the optimizer state"), IDLE)
+        rng = {}
+        width = replica.rng_state().size
+        if width:
+            for w in self.workers:
+                row = np.empty(width, np.int64)
+                comm.wait(comm.irecv(row, w, TAG_RNG, "checkpoint", "the generator state"),
+                          IDLE)
+                rng[w] = row.tolist()
+        return _unpack(packed, like), rng
+
+    def _check_replicas(self, step: int, reports: Dict[int, np.ndarray]) -> None:
+        comm = self.comm
+        sums = {w: int(h[CRC]) for w, h in reports.items()}
+        if checksum(self.weights) != sums[1]:
+            raise ReplicaDrift(f"weights from {comm.name(1)} arrived corrupted at step {step} "
+                               "(checksum mismatch in transit)")
+        drifted = [w for w, s in sums.items() if s != sums[1]]
+        if drifted:
+            names = ", ".join(comm.name(w) for w in drifted)
+            raise ReplicaDrift(f"sync replicas drifted apart at step {step}: weights on "
+                               f"{names} differ from {comm.name(1)}'s; the allreduce "
+                               "delivered different results to different ranks")
 
 
-def _post_report(comm, buf: np.ndarray, worker: int):
-    return comm.irecv(buf, worker, TAG_REPORT, "control", "a progress report")
-
-
-def _evaluate_reports(ctx: Context, evaluator: Evaluator, step: int,
-                      reports: Dict[int, np.ndarray], weights: np.ndarray) -> None:
-    comm = ctx.comm
-    t0 = time.perf_counter()
-    comm.wait(comm.irecv(weights, 1, TAG_WEIGHTS, "pull", "the weights to evaluate"), IDLE)
-    t1 = time.perf_counter()
-    sums = {w: int(h[CRC]) for w, h in reports.items()}
-    if checksum(weights) != sums[1]:
-        raise ReplicaDrift(f"weights from {comm.name(1)} arrived corrupted at step {step} "
-                           "(checksum mismatch in transit)")
-    drifted = [w for w, s in sums.items() if s != sums[1]]
-    if drifted:
-        names = ", ".join(comm.name(w) for w in drifted)
-        raise ReplicaDrift(f"sync replicas drifted apart at step {step}: weights on {names} "
-                           f"differ from {comm.name(1)}'s; the allreduce delivered different "
-                           "results to different ranks")
-    ctx.replica.set_weights(weights)
-    train_loss = float(np.mean([h[LOSS] for h in reports.values()]))
-    elapsed = max(h[ELAPSED] for h in reports.values())
-    evaluator.record(step, train_loss, elapsed)
-    ctx.timer.add(comm=t1 - t0, compute=time.perf_counter() - t1)
+def _serve(ctx: Context, clock: Stopwatch, start_step: int) -> Summary:
+    return Server(ctx, clock).run(start_step)

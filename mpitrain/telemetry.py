@@ -60,7 +60,6 @@ class Sampler:
         self.process = psutil.Process()
         self.process.cpu_percent(None)  # the first call only primes the counter
         if node_leader:
-            psutil.cpu_percent(None)
             self.net0 = _net_totals(psutil)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
@@ -68,6 +67,12 @@ class Sampler:
     def start(self) -> "Sampler":
         self._thread.start()
         return self
+
+    def _run(self) -> None:
+        # psutil keeps cpu_percent()'s reference point per thread: prime it here
+        self.psutil.cpu_percent(None)
+        while not self._stop.wait(self.interval):
+            self.sample()
 
     def sample(self) -> dict:
         row = {"time_s": round(time.time() - self.t0, 3), "rank": self.rank,
@@ -81,15 +86,12 @@ class Sampler:
         self.rows.append(row)
         return row
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
     def stop(self) -> List[dict]:
-        """Stop sampling, take one last sample, and return every row."""
-        self._stop.set()
-        self._thread.join(timeout=5 + self.interval)
-        self.sample()
+        """Stop sampling, take one last sample, and return every row (idempotent)."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(timeout=5 + self.interval)
+            self.sample()
         return self.rows
 
 
@@ -132,20 +134,31 @@ class EpochTimer:
         self.compute = self.comm = self.wait = 0.0
 
 
+def _own_rows(comm, role: str, sampler, timer: EpochTimer) -> Dict[str, list]:
+    tag = {"rank": comm.rank, "host": comm.host, "role": role}
+    return {"telemetry": sampler.stop(),
+            "timing": [{**r, **tag} for r in timer.rows],
+            "comm": [{**r, **tag} for r in comm.traffic.rows()]}
+
+
 def collect(comm, role: str, sampler, timer: EpochTimer, results) -> Dict[str, list]:
     """Gather every rank's telemetry on rank 0 and write the CSV files. Collective.
 
     Returns the gathered rows (on every rank; only rank 0's results writer writes).
     """
-    rows = sampler.stop()
-    mine = {"telemetry": rows,
-            "timing": [{**r, "rank": comm.rank, "host": comm.host, "role": role}
-                       for r in timer.rows],
-            "comm": [{**r, "rank": comm.rank, "host": comm.host, "role": role}
-                     for r in comm.traffic.rows()]}
+    mine = _own_rows(comm, role, sampler, timer)
     gathered = comm.allgather_objects(mine)
     merged = {key: [row for part in gathered for row in part[key]] for key in mine}
     merged["telemetry"].sort(key=lambda r: (r["time_s"], r["rank"]))
+    return _write(results, merged)
+
+
+def write_local(comm, role: str, sampler, timer: EpochTimer, results) -> Dict[str, list]:
+    """Write only this rank's telemetry (the others are gone or unreachable)."""
+    return _write(results, _own_rows(comm, role, sampler, timer))
+
+
+def _write(results, merged: Dict[str, list]) -> Dict[str, list]:
     results.write_csv("telemetry.csv", TELEMETRY_COLUMNS, merged["telemetry"])
     results.write_csv("timing.csv", TIMING_COLUMNS, merged["timing"])
     results.write_csv("comm.csv", COMM_COLUMNS, merged["comm"])

@@ -18,13 +18,16 @@ from .comm import Comm, Role
 from .config import Config
 from .data import Dataset, batches_per_epoch, epoch_batches
 from .replica import Replica
+from .lifecycle import Checkpoint, StopRequest
 from .telemetry import EpochTimer
 
-#: message tags of the worker -> server protocol (both modes)
-TAG_REPORT = 21
-TAG_WEIGHTS = 22
-TAG_GRADIENT = 23
-TAG_DONE = 24
+#: message tags of the worker <-> server protocols (both modes)
+TAG_REPORT = 21  # sync: worker -> server progress and epoch reports
+TAG_WEIGHTS = 22  # sync: worker 1 -> server weights; async: server -> worker leases
+TAG_GRADIENT = 23  # async: worker -> server gradient pushes
+TAG_STOP = 24  # sync: server -> worker, exactly once per run (stop now / stop listening)
+TAG_STATE = 25  # sync: worker 1 -> server optimizer state at checkpoints
+TAG_RNG = 26  # sync: every worker -> server random-generator state at checkpoints
 
 #: workers tell the server they are alive (and how far they are) this often, at least
 HEARTBEAT_SECONDS = 1.0
@@ -41,6 +44,8 @@ class Context:
     data: Dataset  # the splits this rank needs (train shard on workers, test on the server)
     results: object  # RunResults on the serving rank, NullResults elsewhere
     console: object  # Console on the serving rank, NullConsole elsewhere
+    stop: StopRequest = field(default_factory=StopRequest)  # set by SIGTERM/SIGINT/SIGUSR1
+    resume_from: Optional[Checkpoint] = None  # the checkpoint being resumed (serving rank)
     timer: EpochTimer = field(default_factory=EpochTimer)  # this rank's time breakdown
     shard_size: int = 0  # examples in each worker's shard (equal for all workers)
     worker_index: int = 0  # position among the workers (0..workers-1); 0 on the server
@@ -74,19 +79,24 @@ class Summary:
     extra: Dict[str, object] = field(default_factory=dict)
 
 
-def worker_batches(ctx: Context) -> Iterator[Tuple[int, int, np.ndarray, np.ndarray, bool]]:
-    """(epoch, step, x, y, end_of_epoch) for each of this worker's steps.
+def worker_batches(ctx: Context,
+                   start_step: int = 0) -> Iterator[Tuple[int, int, np.ndarray, np.ndarray, bool]]:
+    """(epoch, step, x, y, end_of_epoch) for each of this worker's steps after ``start_step``.
 
-    Shuffled reproducibly per (seed, worker, epoch); stops after
+    Shuffled reproducibly per (seed, worker, epoch), so a resumed run sees the
+    very batches the uninterrupted run would have; stops after
     :attr:`Context.total_steps`, possibly mid-epoch (then end_of_epoch is True
     for the last step so the caller reports it).
     """
     x, y = ctx.data.x_train, ctx.data.y_train
-    step, total, per_epoch = 0, ctx.total_steps, ctx.steps_per_epoch
-    for epoch in range(1, ctx.cfg.epochs + 1):
-        for i, idx in enumerate(epoch_batches(len(y), ctx.cfg.batch_size, ctx.cfg.seed,
-                                              ctx.worker_index, epoch)):
-            step += 1
+    total, per_epoch = ctx.total_steps, ctx.steps_per_epoch
+    for epoch in range(start_step // per_epoch + 1, ctx.cfg.epochs + 1):
+        batches = epoch_batches(len(y), ctx.cfg.batch_size, ctx.cfg.seed, ctx.worker_index,
+                                epoch)
+        for i, idx in enumerate(batches):
+            step = (epoch - 1) * per_epoch + i + 1
+            if step <= start_step:
+                continue
             last = step == total
             yield epoch, step, x[idx], y[idx], last or i == per_epoch - 1
             if last:
@@ -96,6 +106,11 @@ def worker_batches(ctx: Context) -> Iterator[Tuple[int, int, np.ndarray, np.ndar
 def is_eval_point(ctx: Context, epoch: int, step: int) -> bool:
     """Evaluate after every ``eval_every``-th epoch and after the final step."""
     return step == ctx.total_steps or epoch % ctx.cfg.eval_every == 0
+
+
+def is_checkpoint_point(ctx: Context, epoch: int, step: int) -> bool:
+    """Checkpoint after every ``checkpoint_every``-th epoch and after the final step."""
+    return step == ctx.total_steps or epoch % ctx.cfg.checkpoint_every == 0
 
 
 class Evaluator:
@@ -163,13 +178,17 @@ class Evaluator:
 
 
 class Stopwatch:
-    """Wall time since the training start (a shared point: the initial broadcast)."""
+    """Wall time since the training start (a shared point: the initial broadcast).
 
-    def __init__(self):
+    ``offset`` continues the clock of a resumed run where its checkpoint left it.
+    """
+
+    def __init__(self, offset: float = 0.0):
+        self.offset = offset
         self.restart()
 
     def restart(self) -> None:
         self.t0 = time.perf_counter()
 
     def __call__(self) -> float:
-        return time.perf_counter() - self.t0
+        return self.offset + time.perf_counter() - self.t0

@@ -59,10 +59,11 @@ def test_sync_traffic_matches_arithmetic(runs):
     run_dir, row = runs["sync"]
     steps = int(row["steps"])  # per worker; each is one allreduce of the fused gradient
     comm = {(int(r["rank"]), r["kind"]): r for r in read_rows(run_dir / "comm.csv")}
+    fused = (N_PARAMS + 1 + 2) * 4  # gradient + stop flag + one status slot per worker
     for worker in (1, 2):
         allreduce = comm[(worker, "allreduce")]
         assert int(allreduce["sent_msgs"]) == int(allreduce["recv_msgs"]) == steps
-        assert int(allreduce["sent_bytes"]) == int(allreduce["recv_bytes"]) == steps * N_PARAMS * 4
+        assert int(allreduce["sent_bytes"]) == int(allreduce["recv_bytes"]) == steps * fused
     # rank 0 receives the weights once per evaluation (every epoch) from worker 1 only
     assert int(comm[(0, "pull")]["recv_bytes"]) == EPOCHS * N_PARAMS * 4
     assert int(comm[(1, "pull")]["sent_bytes"]) == EPOCHS * N_PARAMS * 4

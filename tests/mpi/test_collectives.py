@@ -55,7 +55,7 @@ def test_fused_allreduce_equals_mean_of_rank_gradients(comm, replica):
     workers = comm.workers
     if workers is None:
         return  # the parameter server is not part of the gradient allreduce
-    grad, _ = replica.grad(*batch(100 + workers.rank))
+    grad, _, _ = replica.grad(*batch(100 + workers.rank))
     every = np.stack(workers.allgather_objects(grad.copy()))
     before = dict(comm.traffic.sent_bytes)
     workers.allreduce_mean_(grad)
@@ -75,7 +75,7 @@ def test_replicas_identical_after_k_steps(comm, replica):
     workers = comm.workers
     if workers is not None:
         for step in range(5):
-            grad, _ = replica.grad(*batch(1000 * step + workers.rank))
+            grad, _, _ = replica.grad(*batch(1000 * step + workers.rank))
             workers.allreduce_mean_(grad)
             replica.apply(grad)
     sums = comm.allgather_objects(checksum(replica.weights()))

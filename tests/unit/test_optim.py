@@ -17,7 +17,7 @@ def test_flat_optimizer_matches_keras(name, lr):
     for _ in range(5):
         x = rng.random((16, 28, 28, 1), dtype=np.float32)
         y = rng.integers(0, 10, 16).astype(np.int32)
-        grad, _ = keras_side.grad_at(weights, x, y)
+        grad, _, _ = keras_side.grad_at(weights, x, y)
         keras_side.apply(grad)
         flat.step(weights, grad)
         np.testing.assert_allclose(weights, keras_side.weights(), rtol=2e-5, atol=2e-7)

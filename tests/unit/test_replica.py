@@ -28,7 +28,7 @@ def test_flat_gradient_matches_per_variable_layout(replica):
     rng = np.random.default_rng(1)
     x = rng.random((8, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, 8).astype(np.int32)
-    flat, loss = replica.grad(x, y)
+    flat, loss, norm = replica.grad(x, y)
     assert flat.dtype == np.float32 and flat.flags.writeable and flat.shape == (7850,)
     with tf.GradientTape() as tape:
         logits = replica.model(x, training=True)
@@ -36,6 +36,10 @@ def test_flat_gradient_matches_per_variable_layout(replica):
             tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
     grads = tape.gradient(expected_loss, replica.variables)
     assert loss == pytest.approx(float(expected_loss), rel=1e-5)
+    assert norm == pytest.approx(float(np.linalg.norm(flat)), rel=1e-5)
+    padded, _, _ = replica.grad(x, y, tail=3)
+    assert padded.shape == (7853,) and np.array_equal(padded[:7850], flat)
+    assert (padded[7850:] == 0).all()
     offset = 0
     for g in grads:
         n = int(np.prod(g.shape))
@@ -54,9 +58,36 @@ def test_apply_equals_fused_step():
         x = rng.random((16, 28, 28, 1), dtype=np.float32)
         y = rng.integers(0, 10, 16).astype(np.int32)
         a.train_step(x, y)
-        g, _ = b.grad(x, y)
+        g, _, _ = b.grad(x, y)
         b.apply(g)
     np.testing.assert_allclose(a.weights(), b.weights(), rtol=1e-6, atol=1e-7)
+
+
+def test_clipping_bounds_the_update():
+    init_tensorflow(1, 0)
+    clipped = Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 1.0, clip_norm=0.01)
+    before = clipped.weights()
+    rng = np.random.default_rng(4)
+    x = rng.random((16, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, 16).astype(np.int32)
+    _, norm = clipped.train_step(x, y)
+    assert norm > 0.01
+    assert np.linalg.norm(clipped.weights() - before) == pytest.approx(0.01, rel=1e-3)
+
+
+def test_optimizer_state_round_trip():
+    init_tensorflow(1, 0)
+    a = Replica(models.get("lr"), (28, 28, 1), 10, "adam", 0.01)
+    rng = np.random.default_rng(5)
+    x = rng.random((16, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, 16).astype(np.int32)
+    a.train_step(x, y)
+    b = Replica(models.get("lr"), (28, 28, 1), 10, "adam", 0.01)
+    b.set_weights(a.weights())
+    b.set_optimizer_state(a.optimizer_state())
+    a.train_step(x, y)
+    b.train_step(x, y)
+    assert np.array_equal(a.weights(), b.weights())
 
 
 def test_checksum_detects_one_flipped_bit():

@@ -1,0 +1,61 @@
+"""Cost of the telemetry sampler: epoch time with sampling on vs off.
+
+Runs sync LR at -np 3 with ``--sample-interval 1`` (the default), ``0.1`` (ten
+times more often) and ``0`` (off), interleaved so machine noise hits all
+alike, and prints the median ratio on/off (target <= 1.03 at the default).
+
+    python -m bench sampler [--quick] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from .common import mnist_dir, mpirun, out_dir, table, write_csv
+
+TARGET = 1.03
+
+
+def one_run(results: Path, interval: str, epochs: int) -> float:
+    mpirun(3, ["-m", "mpitrain", "lr", "--data-dir", mnist_dir(), "--results-dir",
+               str(results), "--epochs", str(epochs), "--quiet", "--sample-interval", interval])
+    with open(results / "runs.csv", newline="") as f:
+        return float(list(csv.DictReader(f))[-1]["wall_time_s"]) / epochs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench sampler", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 repeat of 2 epochs (smoke)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=20)
+    args = parser.parse_args(argv)
+    repeats, epochs = (1, 2) if args.quick else (args.repeats, args.epochs)
+    intervals = ["0", "1", "0.1"]
+    times = {i: [] for i in intervals}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeats):
+            for interval in intervals:
+                times[interval].append(one_run(Path(tmp), interval, epochs))
+    off = statistics.median(times["0"])
+    rows = [{"sample_interval_s": i, "median_s_per_epoch": round(statistics.median(t), 4),
+             "runs": len(t), "ratio_vs_off": round(statistics.median(t) / off, 3)}
+            for i, t in times.items()]
+    path = out_dir() / "sampler.csv"
+    write_csv(path, rows)
+    print(f"Sync LR, -np 3, {epochs} epochs, {repeats} interleaved repeats:")
+    print(table(rows, list(rows[0])))
+    default = rows[1]["ratio_vs_off"]
+    print(f"\nepoch time with sampling every 1 s / without = {default:.3f} "
+          f"(target <= {TARGET}: {'met' if default <= TARGET else 'SHORT'})")
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
