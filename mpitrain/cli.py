@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from pathlib import Path
 from typing import List, Optional
 
 from . import models
@@ -19,6 +20,7 @@ from .config import Config, fields_with_flags, resolve
 from .errors import EXIT_FAILURE, Interrupted, MpitrainError, UsageError
 
 PROG = "mpitrain"
+TOOLS = ("plot", "report")
 EPILOG = """\
 Run under MPI: rank 0 is the parameter server (evaluates, writes results),
 ranks 1..N-1 are workers. Examples:
@@ -66,17 +68,41 @@ def build_parser() -> argparse.ArgumentParser:
                      "sync allreduce or an async parameter server.",
                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="MODEL", required=True,
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                      parser_class=_Parser)
     for spec in models.specs():
-        sub = commands.add_parser(spec.name, help=spec.summary, description=spec.summary)
+        sub = commands.add_parser(spec.name, help=f"train {spec.summary}",
+                                  description=spec.summary)
         _add_training_options(sub, spec)
+    plot = commands.add_parser("plot", help="figures of one run, or a comparison of several",
+                               description="Figures of one run (written into its directory) "
+                               "or a comparison of several runs (into a new directory).")
+    plot.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    plot.add_argument("-o", "--out-dir", type=Path, help="where comparison figures go")
+    report = commands.add_parser("report", help="all figures and a markdown report of a "
+                                 "results directory", description="Figures of every run in "
+                                 "RESULTS_DIR and RESULTS_DIR/report/report.md.")
+    report.add_argument("results_dir", type=Path, metavar="RESULTS_DIR")
     return parser
 
 
-def parse_config(argv: List[str]) -> Config:
+def run_tool(args) -> int:
+    """The commands that do not train (no MPI, no TensorFlow)."""
+    if args.command == "plot":
+        from .plots import plot_runs
+
+        for path in plot_runs(args.run_dirs, args.out_dir):
+            print(path)
+    elif args.command == "report":
+        from .report import write_report
+
+        print(write_report(args.results_dir))
+    return 0
+
+
+def parse_config(argv: List[str], args=None) -> Config:
     """The run's Config from ``argv``; UsageError on bad arguments."""
-    args = build_parser().parse_args(argv)
+    args = args or build_parser().parse_args(argv)
     values = {f.name: getattr(args, f.name) for f in fields_with_flags()}
     cfg = Config(model=args.command, **values)
     if not cfg.resume:
@@ -100,7 +126,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``mpitrain`` and ``python -m mpitrain``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg = parse_config(argv)
+        args = build_parser().parse_args(argv)
+        if args.command in TOOLS:
+            return run_tool(args)
+        cfg = parse_config(argv, args)
         from . import session  # imports TensorFlow and MPI: only once arguments are valid
 
         session.run(cfg, explicit_settings(argv))

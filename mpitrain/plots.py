@@ -15,6 +15,8 @@ file raises :class:`~mpitrain.errors.ResultsError` with one line naming the file
 Optional files (``telemetry.csv`` when sampling was off, ``staleness.csv`` for
 sync runs, ...) may be absent; their figures are then skipped.
 
+Command line: ``python -m mpitrain.plots RUN_DIR [RUN_DIR ...] [-o OUT_DIR]``.
+
 Units: MB are 2**20 bytes (as in ``runs.csv``); host CPU % is the whole host
 (100 = every core busy); process CPU % is of one core (above 100 with threads).
 """
@@ -54,6 +56,8 @@ STYLE = {
     "savefig.facecolor": "white",
 }
 PHASE_COLORS = {"compute": "#4c72b0", "comm": "#dd8452", "wait": "#c44e52", "other": "#bbbbbb"}
+KIND_COLORS = {"allreduce": "C0", "pull": "C1", "push": "C2", "broadcast": "C4",
+               "calibration": "C8", "control": "C7"}
 MODE_STYLE = {"single": ("-", "o"), "sync": ("-", "s"), "async": ("--", "^")}
 DAMAGED = "the file is damaged or half-written; re-run the experiment or restore the file"
 
@@ -183,7 +187,8 @@ def _read_json(path: Path) -> dict:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise results_error(path, f"is not valid JSON (line {e.lineno}: {e.msg})", DAMAGED) from None
+        raise results_error(path, f"is not valid JSON (line {e.lineno}: {e.msg})",
+                            DAMAGED) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("config"), dict):
         raise results_error(path, "has no 'config' section",
                             "it was not written by mpitrain; pass an mpitrain run directory")
@@ -304,8 +309,8 @@ def load_run(path: Path, row: Optional[dict] = None) -> Run:
         raise results_error(path, "is not a directory",
                             "pass a run directory such as results/<time>-<model>-<mode>-np<N>")
     if not (path / "curve.csv").exists() and not (path / "config.json").exists():
-        hint = ("it holds runs.csv, so it is a results directory: use "
-                "mpitrain.report.write_report on it, or pass one of its run directories"
+        hint = ("it holds runs.csv, so it is a results directory: run python -m "
+                "mpitrain.report on it, or pass one of its run directories"
                 if (path / "runs.csv").exists() else
                 "pass a directory made by one mpitrain run (it holds curve.csv and config.json)")
         raise results_error(path, "is not an mpitrain run (no curve.csv or config.json)", hint)
@@ -343,7 +348,14 @@ def save_figure(fig: Figure, path: Path) -> Path:
 
 
 def _run_title(run: Run, what: str) -> str:
-    return f"{what}\n{run.model.upper()} {run.label()} ({run.workers} workers) · {run.name}"
+    workers = f"{run.workers} worker{'s' if run.workers != 1 else ''}"
+    return f"{what}\n{run.model.upper()} {run.label()} ({workers}) · {run.name}"
+
+
+def _from_zero(ax, top: Optional[float] = None) -> None:
+    """Start the y axis at zero, with a sliver below it so lines at zero stay visible."""
+    top = ax.get_ylim()[1] if top is None else top
+    ax.set_ylim(-0.02 * top, top)
 
 
 def _legend_outside(ax, **kwargs) -> None:
@@ -366,27 +378,37 @@ def _no_data(ax, message: str) -> None:
 CURVE_X = {"epoch": ("epoch", "epoch"), "time": ("wall_time_s", "wall time since start (s)")}
 
 
+def _has_data(ax) -> bool:
+    return any(np.isfinite(np.asarray(line.get_ydata(), dtype=float)).any() for line in ax.lines)
+
+
 def fig_curves(run: Run, x: str = "epoch") -> Figure:
     """Train/test loss and test accuracy of one run vs epoch (``x="epoch"``) or wall time."""
     column, xlabel = CURVE_X[x]
-    fig, (loss_ax, acc_ax) = new_figure(_run_title(run, f"Loss and accuracy vs {xlabel.split(' (')[0]}"),
+    what = xlabel.split(" (")[0]
+    fig, (loss_ax, acc_ax) = new_figure(_run_title(run, f"Loss and accuracy vs {what}"),
                                         1, 2, size=(10, 4.5))
     xs, curve = run.curve[column], run.curve
     for name, style in (("train_loss", "--"), ("test_loss", "-")):
         ok = np.isfinite(curve[name])
-        loss_ax.plot(xs[ok], curve[name][ok], style, marker="o", ms=3,
-                     label=name.replace("_", " "))
+        if ok.any():
+            loss_ax.plot(xs[ok], curve[name][ok], style, marker="o", ms=3,
+                         label=name.replace("_", " "))
     acc = curve["test_accuracy"] * 100
-    acc_ax.plot(xs, acc, "-", marker="o", ms=3, color="C2",
-                label=f"test accuracy (final {_last(acc):.2f} %)")
-    _log_loss_axis(loss_ax)
+    if np.isfinite(acc).any():
+        acc_ax.plot(xs, acc, "-", marker="o", ms=3, color="C2",
+                    label=f"test accuracy (final {_last(acc):.2f} %)")
     loss_ax.set(title="Loss (cross-entropy, log scale)", xlabel=xlabel, ylabel="loss")
-    loss_ax.legend()
     acc_ax.set(title="Test accuracy", xlabel=xlabel, ylabel="accuracy (%)")
-    acc_ax.legend(loc="lower right")
-    for ax in (loss_ax, acc_ax):
+    for ax, loc in ((loss_ax, "upper right"), (acc_ax, "lower right")):
+        if not _has_data(ax):
+            _no_data(ax, "not recorded")
+            continue
+        ax.legend(loc=loc)
         if x == "epoch":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if _has_data(loss_ax):
+        _log_loss_axis(loss_ax)
     return fig
 
 
@@ -410,15 +432,23 @@ def _node_series(tel: Table, host: str, column: str) -> Tuple[np.ndarray, np.nda
 
 
 def node_rates(tel: Table, host: str, column: str) -> Tuple[np.ndarray, np.ndarray]:
-    """MB/s over each sampling interval of a cumulative byte counter (time = interval end)."""
+    """MB/s over each sampling interval of a cumulative byte counter, for a post-step plot.
+
+    Returns the start time of every interval plus the end of the last one, and each
+    interval's rate (the last repeated), so ``drawstyle="steps-post"`` draws every
+    interval at its own height.
+    """
     t, total = _node_series(tel, host, column)
     dt, dv = np.diff(t), np.diff(total)
-    ok = dt > 1e-3
-    return t[1:][ok], dv[ok] / dt[ok] / MB
+    ok = (dt > 1e-3) & (dv >= 0)  # a counter that went down (reset) gives no rate
+    if not ok.any():
+        return np.array([]), np.array([])
+    rates = dv[ok] / dt[ok] / MB
+    return np.r_[t[:-1][ok], t[1:][ok][-1]], np.r_[rates, rates[-1]]
 
 
 def node_memory(tel: Table, host: str) -> Tuple[np.ndarray, np.ndarray]:
-    """Sum of the RSS (MB) of the node's ranks, each interpolated onto all the node's sample times."""
+    """Sum of the RSS (MB) of the node's ranks, each interpolated onto the node's sample times."""
     rows = tel.where((tel["host"] == host) & np.isfinite(tel["rss_mb"]))
     grid = np.unique(rows["time_s"])
     total = np.zeros_like(grid)
@@ -444,18 +474,19 @@ def fig_nodes(run: Run) -> Optional[Figure]:
         mem_ax.plot(t, mem, color=color, label=label)
         for column, style, kind in (("net_rx_bytes", "-", "rx"), ("net_tx_bytes", "--", "tx")):
             t, rate = node_rates(tel, host, column)
-            net_ax.plot(t, rate, style, color=color, drawstyle="steps-pre", label=f"{label} {kind}")
+            net_ax.plot(t, rate, style, color=color, drawstyle="steps-post",
+                        label=f"{label} {kind}")
     cpu_ax.set(title="Host CPU (100 % = all cores busy)", ylabel="CPU (%)", ylim=(0, 105))
     mem_ax.set(title="Memory: RSS summed over the node's ranks", ylabel="RSS (MB)")
     net_ax.set(title="Network, all interfaces but loopback (MPI inside a node does not show)",
                ylabel="rate (MB/s)", xlabel="time since start (s)")
-    mem_ax.set_ylim(bottom=0)
-    net_ax.set_ylim(bottom=0)
-    for ax, message in ((cpu_ax, "host CPU not recorded"), (net_ax, "network not recorded")):
-        if not ax.lines or not any(len(line.get_xdata()) for line in ax.lines):
-            _no_data(ax, message)
-    for ax in (cpu_ax, mem_ax, net_ax):
-        _legend_outside(ax)
+    _from_zero(mem_ax)
+    _from_zero(net_ax)
+    for ax, what in ((cpu_ax, "host CPU"), (mem_ax, "memory"), (net_ax, "network")):
+        if _has_data(ax):
+            _legend_outside(ax)
+        else:
+            _no_data(ax, f"{what} not recorded")
     return fig
 
 
@@ -490,12 +521,15 @@ def phase_totals(timing: Table) -> Dict[str, np.ndarray]:
             "other": np.clip(timing["wall_s"] - known, 0, None)}
 
 
-def _stacked_bars(ax, positions, parts: Dict[str, np.ndarray], width: float, legend: bool) -> None:
+def _stacked_bars(ax, positions, parts: Dict[str, np.ndarray], width: float,
+                  legend: bool) -> float:
+    """Stack the phases as bars; returns the tallest total (for the y limits)."""
     bottom = np.zeros(len(positions))
     for phase in PHASES:
         ax.bar(positions, parts[phase], width, bottom=bottom, color=PHASE_COLORS[phase],
                label=phase if legend else None)
         bottom = bottom + parts[phase]
+    return float(bottom.max()) if len(bottom) else 0.0
 
 
 def fig_time_breakdown(run: Run) -> Optional[Figure]:
@@ -531,12 +565,16 @@ def fig_time_per_epoch(run: Run) -> Optional[Figure]:
     nrows = math.ceil(len(ranks) / ncols)
     fig, axes = new_figure(_run_title(run, "Time per epoch and rank"), nrows, ncols,
                            size=(10, 1.2 + 2.6 * nrows), sharex=True, sharey=True)
+    tallest = 0.0
     for ax, rank in zip(axes, ranks):
         mine = timing.where(timing["rank"] == rank)
-        _stacked_bars(ax, mine["epoch"], phase_totals(mine), 0.7, legend=ax is axes[0])
+        tallest = max(tallest, _stacked_bars(ax, mine["epoch"], phase_totals(mine), 0.7,
+                                             legend=ax is axes[0]))
         ax.set_title(_rank_label(run, rank))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(axis="x", visible=False)
+    # explicit limits: zero-height bars stacked on top would otherwise pin the axis top
+    axes[0].set_ylim(0, max(tallest, 1e-9) * 1.05)
     for ax in axes[len(ranks):]:
         ax.set_visible(False)
     for ax in axes[-ncols:]:
@@ -556,29 +594,33 @@ def fig_comm(run: Run) -> Optional[Figure]:
     kinds = sorted(comm.values("kind"))
     fig, axes = new_figure(_run_title(run, "MPI traffic per rank (payload bytes)"), 1, 2,
                            size=(10, 4.8), sharey=True)
+    tallest = 0.0
     for ax, column, title in zip(axes, ("sent_bytes", "recv_bytes"), ("sent", "received")):
         bottom = np.zeros(len(ranks))
         for i, kind in enumerate(kinds):
             mine = comm.where(comm["kind"] == kind)
             mb = np.array([mine[column][mine["rank"] == r].sum() / MB for r in ranks])
-            ax.bar(np.arange(len(ranks)), mb, 0.6, bottom=bottom, color=f"C{i % 10}",
+            ax.bar(np.arange(len(ranks)), mb, 0.6, bottom=bottom,
+                   color=KIND_COLORS.get(kind, f"C{(i + 5) % 10}"),
                    label=kind if ax is axes[0] else None)
-            bottom += mb
+            bottom = bottom + mb
+        tallest = max(tallest, float(bottom.max()))
         ax.set_xticks(np.arange(len(ranks)), [_rank_label(run, r).replace(" (", "\n(")
                                               for r in ranks])
         ax.set(title=title, ylabel="MB" if ax is axes[0] else None)
         ax.grid(axis="x", visible=False)
+    axes[0].set_ylim(0, max(tallest, 1e-9) * 1.08)
     fig.legend(loc="outside right upper", title="kind")
     return fig
 
 
 def staleness_cutoff(stale: Table, share: float = 0.99) -> int:
-    """Staleness below which ``share`` of all updates fall (bounded to 5..30), for the bins."""
+    """Staleness below which ``share`` of all updates fall (bounded to 5..20), for the bins."""
     order = np.argsort(stale["staleness"])
     values, counts = stale["staleness"][order], stale["count"][order]
     cum = np.cumsum(counts) / max(counts.sum(), 1)
-    cutoff = values[np.searchsorted(cum, share)] if len(values) else 0
-    return int(min(max(cutoff, 5), 30, max(values.max() if len(values) else 0, 5)))
+    cutoff = values[min(np.searchsorted(cum, share), len(values) - 1)] if len(values) else 0
+    return int(min(max(cutoff, 5), 20, max(values.max() if len(values) else 0, 5)))
 
 
 def fig_staleness(run: Run) -> Optional[Figure]:
@@ -604,7 +646,9 @@ def fig_staleness(run: Run) -> Optional[Figure]:
     bound = run.setting("staleness")
     if bound is not None and float(bound) <= cutoff:
         ax.axvline(float(bound) + 0.5, color="black", ls=":", label=f"bound K={bound}")
-    ax.set_xticks(bins, [str(b) for b in bins[:-1]] + [f">{cutoff}"])
+    every = 1 if cutoff <= 12 else 2  # keep the tick labels apart
+    ax.set_xticks(bins, [str(b) if b % every == 0 or b == cutoff else "" for b in bins[:-1]]
+                  + [f">{cutoff}"])
     ax.set(xlabel="staleness (server updates between pull and apply)",
            ylabel="share of the worker's gradients (%)")
     ax.grid(axis="x", visible=False)
@@ -642,37 +686,50 @@ def _row_nodes(run: Run, suffix: str) -> List[float]:
     return [v for v in (_row_number(run, k) for k in keys) if math.isfinite(v)]
 
 
+def _total(values: Sequence[float]) -> float:
+    return float(sum(values)) if len(values) else math.nan
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if len(values) else math.nan
+
+
+def _metrics_from_files(run: Run) -> Dict[str, float]:
+    tel, comm = run.tables.get("telemetry"), run.tables.get("comm")
+    metrics = {"wall_time_s": _last(run.curve["wall_time_s"]),
+               "accuracy": _last(run.curve["test_accuracy"]) * 100,
+               "cpu": math.nan, "rss_mb": math.nan, "net_mb": math.nan,
+               "mpi_mb": comm["sent_bytes"].sum() / MB if comm is not None else math.nan}
+    if tel is not None and len(tel):
+        cpu = [_node_series(tel, h, "host_cpu_percent")[1] for h in run.nodes()]
+        net = [_last(_node_series(tel, h, c)[1]) for h in run.nodes()
+               for c in ("net_rx_bytes", "net_tx_bytes")]
+        metrics.update(
+            cpu=_mean([c.mean() for c in cpu if len(c)]),
+            rss_mb=_total([np.nanmean(tel["rss_mb"][tel["rank"] == r]) for r in tel.values("rank")
+                           if np.isfinite(tel["rss_mb"][tel["rank"] == r]).any()]),
+            net_mb=_total([v for v in net if math.isfinite(v)]) / MB)
+    return metrics
+
+
+def _metrics_from_row(run: Run) -> Dict[str, float]:
+    return {"wall_time_s": _row_number(run, "wall_time_s"),
+            "accuracy": _row_number(run, "test_accuracy") * 100,
+            "cpu": _mean(_row_nodes(run, "cpu_avg")),
+            "rss_mb": _total(_row_nodes(run, "rss_mb_avg")),
+            "net_mb": _total(_row_nodes(run, "rx_mb") + _row_nodes(run, "tx_mb")),
+            "mpi_mb": _row_number(run, "mpi_bytes") / MB}
+
+
 def run_metrics(run: Run) -> Dict[str, float]:
     """Summary numbers of a run: from its runs.csv row when known, else from its files.
 
     wall_time_s, accuracy (%), cpu (host CPU %, mean over nodes), rss_mb (sum over
     nodes), net_mb (host rx + tx, all nodes) and mpi_mb (payload sent, all ranks).
     """
-    tel, comm = run.tables.get("telemetry"), run.tables.get("comm")
-    files = {"wall_time_s": _last(run.curve["wall_time_s"]),
-             "accuracy": _last(run.curve["test_accuracy"]) * 100,
-             "cpu": math.nan, "rss_mb": math.nan, "net_mb": math.nan,
-             "mpi_mb": comm["sent_bytes"].sum() / MB if comm is not None else math.nan}
-    if tel is not None and len(tel):
-        cpu = [_node_series(tel, h, "host_cpu_percent")[1] for h in run.nodes()]
-        cpu = [c.mean() for c in cpu if len(c)]
-        files["cpu"] = float(np.mean(cpu)) if cpu else math.nan
-        files["rss_mb"] = sum(float(tel["rss_mb"][tel["rank"] == r].mean())
-                              for r in tel.values("rank"))
-        net = [_last(_node_series(tel, h, c)[1]) for h in run.nodes()
-               for c in ("net_rx_bytes", "net_tx_bytes")]
-        net = [v for v in net if math.isfinite(v)]
-        files["net_mb"] = sum(net) / MB if net else math.nan
-    from_row = {"wall_time_s": _row_number(run, "wall_time_s"),
-                "accuracy": _row_number(run, "test_accuracy") * 100,
-                "cpu": float(np.mean(_row_nodes(run, "cpu_avg"))) if _row_nodes(run, "cpu_avg")
-                else math.nan,
-                "rss_mb": sum(_row_nodes(run, "rss_mb_avg")) if _row_nodes(run, "rss_mb_avg")
-                else math.nan,
-                "net_mb": sum(_row_nodes(run, "rx_mb") + _row_nodes(run, "tx_mb"))
-                if _row_nodes(run, "rx_mb") else math.nan,
-                "mpi_mb": _row_number(run, "mpi_bytes") / MB}
-    return {k: from_row[k] if math.isfinite(from_row[k]) else v for k, v in files.items()}
+    from_row = _metrics_from_row(run)
+    return {key: from_row[key] if math.isfinite(from_row[key]) else value
+            for key, value in _metrics_from_files(run).items()}
 
 
 def _unique_labels(runs: Sequence[Run]) -> List[str]:
@@ -690,18 +747,21 @@ def fig_compare_curves(runs: Sequence[Run], x: str = "epoch") -> Figure:
                            1, 3, size=(13, 5.2))
     for i, (run, label) in enumerate(zip(runs, _unique_labels(runs))):
         style, marker = MODE_STYLE.get(run.mode, ("-.", "d"))
-        color = "black" if run.mode == "single" else f"C{i % 10}"
+        # the baseline: a wide pale line underneath, so runs that match it stay visible
+        look = (dict(color="black", lw=3.5, alpha=0.3, zorder=1) if run.mode == "single" else
+                dict(color=f"C{i % 10}", lw=1.4, zorder=2))
         xs = run.curve[column]
         for ax, name, scale in zip(axes, ("train_loss", "test_loss", "test_accuracy"), (1, 1, 100)):
             ok = np.isfinite(run.curve[name])
-            ax.plot(xs[ok], run.curve[name][ok] * scale, style, marker=marker, ms=3.5, lw=1.4,
-                    color=color, label=label if ax is axes[0] else None)
+            ax.plot(xs[ok], run.curve[name][ok] * scale, style, marker=marker, ms=3.5,
+                    label=label if ax is axes[0] else None, **look)
     for ax, title in zip(axes, ("Train loss (mean over the epoch)", "Test loss", "Test accuracy")):
         ax.set(title=title, xlabel=xlabel)
         if x == "epoch":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes[:2]:
-        _log_loss_axis(ax)
+        if _has_data(ax):
+            _log_loss_axis(ax)
         ax.set_ylabel("loss (log scale)")
     axes[2].set_ylabel("accuracy (%)")
     fig.legend(loc="outside lower center", ncols=min(3, len(runs)))
@@ -721,11 +781,22 @@ SWEEPS = {"batch_size": ("batch size per worker", ("model", "mode", "world_size"
 
 
 def sweep_groups(runs: Sequence[Run], x: str) -> Dict[tuple, List[Run]]:
-    """Runs grouped by what stays fixed while ``x`` (batch_size or workers) varies."""
+    """Runs grouped by what stays fixed while ``x`` (batch_size or workers) varies.
+
+    Keys are (model, mode, np or batch size). Only groups where ``x`` takes two or
+    more values are kept, plus single-node runs as the baseline; sorted by mode.
+    """
     groups: Dict[tuple, List[Run]] = {}
-    for run in runs:
+    for run in (r for r in runs if getattr(r, x) > 0):
         groups.setdefault(tuple(getattr(run, k) for k in SWEEPS[x][1]), []).append(run)
-    return groups
+    swept = {key: members for key, members in groups.items()
+             if len({getattr(r, x) for r in members}) > 1}
+    if not swept:
+        return {}
+    swept.update({key: members for key, members in groups.items() if key[1] == "single"})
+    order = list(MODE_STYLE)
+    return dict(sorted(swept.items(), key=lambda kv: (
+        kv[0][0], order.index(kv[0][1]) if kv[0][1] in order else len(order), kv[0][2])))
 
 
 def fig_sweep(runs: Sequence[Run], x: str) -> Optional[Figure]:
@@ -737,14 +808,14 @@ def fig_sweep(runs: Sequence[Run], x: str) -> Optional[Figure]:
     """
     xlabel, _, group_label = SWEEPS[x]
     groups = sweep_groups(runs, x)
-    if not any(len({getattr(r, x) for r in g}) > 1 for g in groups.values()):
+    if not groups:
         return None
     what = "batch size" if x == "batch_size" else "number of workers"
     fig, axes = new_figure(f"Time, accuracy and resources vs {what}", 2, 3, size=(13, 7.5),
                            sharex=True)
     models = {key[0] for key in groups}
-    all_x = sorted({getattr(r, x) for r in runs})
-    for i, (key, members) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
+    all_x = sorted({getattr(r, x) for members in groups.values() for r in members})
+    for i, (key, members) in enumerate(groups.items()):
         label = group_label(key) + (f" ({key[0]})" if len(models) > 1 else "")
         style, marker = MODE_STYLE.get(key[1], ("-.", "d"))
         xs = np.array([getattr(r, x) for r in members], dtype=float)
@@ -758,13 +829,15 @@ def fig_sweep(runs: Sequence[Run], x: str) -> Optional[Figure]:
                     label=label if ax is axes[0] else None)
             if len(ux) < len(xs):
                 ax.plot(xs, ys, marker, color=f"C{i % 10}", alpha=0.4, ms=4)
-    for ax, (_, title, ylabel) in zip(axes, METRICS):
+    for ax, (name, title, ylabel) in zip(axes, METRICS):
         ax.set(title=title, ylabel=ylabel)
+        if name != "accuracy":
+            _from_zero(ax, 105 if name == "cpu" else None)
         if x == "batch_size":
             ax.set_xscale("log", base=2)
         ax.set_xticks(all_x, [str(v) for v in all_x])
         ax.xaxis.set_minor_locator(NullLocator())
-        if not any(np.isfinite(line.get_ydata()).any() for line in ax.lines):
+        if not _has_data(ax):
             _no_data(ax, "not recorded")
     for ax in axes[3:]:
         ax.set_xlabel(xlabel)
@@ -800,19 +873,26 @@ def _render(specs, subject, out_dir: Path) -> List[Tuple[Path, str]]:
 
 def plot_run(run: Run, out_dir: Optional[Path] = None) -> List[Tuple[Path, str]]:
     """Write one run's figures (default: into its directory); returns (path, caption) pairs."""
-    return _render(RUN_FIGURES, run, _make_dir(Path(out_dir or run.path)))
+    return _render(RUN_FIGURES, run, make_dir(Path(out_dir or run.path)))
 
 
 def plot_comparison(runs: Sequence[Run], out_dir: Path) -> List[Tuple[Path, str]]:
     """Write the comparison figures of several runs into ``out_dir``; (path, caption) pairs."""
-    return _render(COMPARE_FIGURES, list(runs), _make_dir(Path(out_dir)))
+    return _render(COMPARE_FIGURES, list(runs), make_dir(Path(out_dir)))
 
 
-def _make_dir(path: Path, fresh: bool = False) -> Path:
+def make_dir(path: Path, fresh: bool = False) -> Path:
+    """Create ``path`` and its parents (ResultsError if impossible); returns it.
+
+    With ``fresh``, an existing ``path`` raises FileExistsError (to pick another name).
+    """
     try:
         path.mkdir(parents=True, exist_ok=not fresh)
     except FileExistsError:
-        raise
+        if fresh:
+            raise
+        raise results_error(path, "exists and is not a directory",
+                            "pass a directory as the output") from None
     except OSError as e:
         raise results_error(path, f"cannot be created ({e.strerror})",
                             "pass a writable output directory") from None
@@ -820,12 +900,13 @@ def _make_dir(path: Path, fresh: bool = False) -> Path:
 
 
 def _comparison_dir(parent: Path) -> Path:
+    """A new ``comparison-<timestamp>`` directory in ``parent``, never an existing one."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(1, 1000):
         candidate = parent / (f"comparison-{stamp}" if attempt == 1 else
                               f"comparison-{stamp}-{attempt}")
         try:
-            return _make_dir(candidate, fresh=True)
+            return make_dir(candidate, fresh=True)
         except FileExistsError:
             continue
     raise results_error(parent, "has too many comparison directories", "pass out_dir")

@@ -4,14 +4,12 @@ Each bad input must give one clear line, a non-zero exit, and no hang (every
 launch is bounded by run_bounded's timeout, which fails the test if it hangs).
 """
 
-import gzip
 import json
 
-import numpy as np
 import pytest
 
 from conftest import mpirun, read_rows
-from unit.test_data import idx_bytes, write_mnist
+from unit.test_data import write_mnist
 
 
 def error_lines(result):

@@ -1,6 +1,5 @@
 """Run the MPI-tier tests (tests/mpi) under real mpirun at several process counts."""
 
-import sys
 
 import pytest
 

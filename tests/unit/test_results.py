@@ -4,7 +4,6 @@ import csv
 import json
 import multiprocessing
 
-import pytest
 
 from mpitrain.results import CsvLog, NullResults, RunResults, append_run_row, new_run_dir
 

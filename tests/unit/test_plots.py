@@ -1,0 +1,315 @@
+"""Figures and the markdown report, from fake run directories (and the real sample, if present)."""
+
+import csv
+import json
+import re
+import shutil
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import pytest
+
+from mpitrain.errors import ResultsError
+from mpitrain.plots import fig_nodes, load_run, node_label, node_labels, plot_runs
+from mpitrain.cli import main as cli_main
+from mpitrain.report import write_report
+
+SAMPLE = Path("/work/plotlab/results")
+CURVE_FIGS = {"fig-curves-epoch.png", "fig-curves-time.png"}
+SYNC_FIGS = CURVE_FIGS | {"fig-nodes.png", "fig-rank-cpu.png", "fig-time-breakdown.png",
+                          "fig-time-per-epoch.png", "fig-comm.png"}
+ASYNC_FIGS = SYNC_FIGS | {"fig-staleness.png"}
+COMPARE_FIGS = {"fig-compare-curves-epoch.png", "fig-compare-curves-time.png",
+                "fig-compare-batch-size.png", "fig-compare-workers.png"}
+
+
+# --------------------------------------------------------------------------- fake runs
+
+
+def write_csv(path, header, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def make_run(root, name, mode="sync", np_=3, batch=100, epochs=3, hosts=None):
+    """A complete fake run directory in the formats mpitrain writes; returns its path."""
+    run = Path(root) / name
+    run.mkdir(parents=True)
+    hosts = hosts or ["vm"] * np_
+    workers = 1 if mode == "single" else np_ - 1
+    roles = ["single"] if mode == "single" else ["server"] + ["worker"] * workers
+    config = {"config": {"mode": mode, "model": "lr", "workers": workers, "world_size": np_,
+                         "batch_size": batch, "epochs": epochs, "staleness": None},
+              "dataset": {"name": "mnist", "train_size": 20000},
+              "ranks": [{"host": h, "pid": 1000 + r} for r, h in enumerate(hosts)]}
+    (run / "config.json").write_text(json.dumps(config, indent=2))
+    write_csv(run / "curve.csv", ["epoch", "step", "wall_time_s", "train_loss", "test_loss",
+                                  "test_accuracy", "examples_per_s"],
+              [[0, 0, 0, "", 2.3, 0.1, ""]]
+              + [[e, e * 50, 0.4 * e, 1 / (e + 1), 1.1 / (e + 1), 0.8 + e / 100, 50000]
+                 for e in range(1, epochs + 1)])
+    leaders = {h: r for r, h in reversed(list(enumerate(hosts)))}
+    tel = []
+    for i in range(1, 9):
+        for r, host in enumerate(hosts):
+            leader = leaders[host] == r
+            host_cols = [90 + i, i * 2**20, i * 2**19, i * 10, i * 9] if leader else [""] * 5
+            tel.append([round(0.25 * i + 0.01 * r, 3), r, host, roles[r], 40 + r + i,
+                        600 + i + r] + host_cols)
+    write_csv(run / "telemetry.csv", ["time_s", "rank", "host", "role", "cpu_percent", "rss_mb",
+                                      "host_cpu_percent", "net_rx_bytes", "net_tx_bytes",
+                                      "net_rx_packets", "net_tx_packets"], tel)
+    write_csv(run / "timing.csv", ["epoch", "rank", "host", "role", "wall_s", "compute_s",
+                                   "comm_s", "wait_s"],
+              [[e, r, h, roles[r], 0.4, 0.25, 0.1, 0.03] for e in range(1, epochs + 1)
+               for r, h in enumerate(hosts)])
+    kinds = {"single": ["control"], "sync": ["allreduce", "control"], "async": ["push", "pull"]}
+    write_csv(run / "comm.csv", ["rank", "host", "role", "kind", "sent_bytes", "sent_msgs",
+                                 "recv_bytes", "recv_msgs", "wait_s"],
+              [[r, h, roles[r], k, 31400 * 100, 100, 31400 * 90, 90, 0.01]
+               for r, h in enumerate(hosts) for k in kinds[mode]])
+    if mode == "async":
+        write_csv(run / "staleness.csv", ["worker", "staleness", "count"],
+                  [[w, s, max(1, 50 - 8 * abs(s - w - 2))] for w in range(1, np_)
+                   for s in range(0, 9)] + [[1, 120, 1]])
+    return run
+
+
+RUN_SPECS = [("20260101-000000-lr-single-np1", "single", 1, 100),
+             ("20260101-000100-lr-sync-np3", "sync", 3, 100),
+             ("20260101-000200-lr-sync-np4", "sync", 4, 100),
+             ("20260101-000300-lr-async-np4", "async", 4, 100),
+             ("20260101-000400-lr-async-np4", "async", 4, 200)]
+
+
+def make_results(root, specs=RUN_SPECS, missing=()):
+    """Run directories plus runs.csv listing them (and the names in ``missing``, dir-less)."""
+    header = ["run", "model", "mode", "np", "workers", "batch_size", "epochs", "wall_time_s",
+              "test_accuracy", "test_loss", "train_loss", "dataset", "status", "node0_host",
+              "node0_cpu_avg", "node0_cpu_max", "node0_rss_mb_avg", "node0_rss_mb_max",
+              "node0_rx_mb", "node0_tx_mb", "mpi_bytes", "staleness_mean", "staleness_max",
+              "pushes", "engine"]
+    rows = []
+    for name, mode, np_, batch in list(specs) + [(m, "sync", 2, 100) for m in missing]:
+        if name not in missing:
+            make_run(root, name, mode, np_, batch)
+        rows.append([name, "lr", mode, np_, 1 if mode == "single" else np_ - 1, batch, 3, 1.2,
+                     0.83, 0.27, 0.25, "mnist", "ok", "vm", 95, 100, 600 * np_, 610 * np_,
+                     0.5, 0.4, 123456, 3.2 if mode == "async" else "",
+                     120 if mode == "async" else "", 300 if mode == "async" else "", "mpi4py"])
+    write_csv(Path(root) / "runs.csv", header, rows)
+    return Path(root)
+
+
+def assert_png(path):
+    assert path.is_file() and path.stat().st_size > 5000, path
+    image = mpimg.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 500
+
+
+def snapshot(directory):
+    return {p.name: p.read_bytes() for p in Path(directory).iterdir() if p.is_file()}
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def test_sync_run_figures_touch_only_their_pngs(tmp_path):
+    run = make_run(tmp_path, "20260101-000000-lr-sync-np3", "sync", 3)
+    before = snapshot(run)
+    paths = plot_runs([run])
+    assert {p.name for p in paths} == SYNC_FIGS
+    for path in paths:
+        assert path.parent == run
+        assert_png(path)
+    after = snapshot(run)
+    assert {k: after[k] for k in before} == before
+    assert set(after) - set(before) == SYNC_FIGS
+
+
+def test_async_run_has_staleness_histogram(tmp_path):
+    run = make_run(tmp_path, "20260101-000000-lr-async-np4", "async", 4)
+    out = tmp_path / "figs"
+    paths = plot_runs([run], out_dir=out)
+    assert {p.name for p in paths} == ASYNC_FIGS
+    assert all(p.parent == out for p in paths)
+    assert_png(out / "fig-staleness.png")
+
+
+def test_optional_files_missing_skip_their_figures(tmp_path):
+    run = make_run(tmp_path, "20260101-000000-lr-sync-np3", "sync", 3)
+    for name in ("telemetry.csv", "timing.csv", "comm.csv"):
+        (run / name).unlink()
+    assert {p.name for p in plot_runs([run])} == CURVE_FIGS
+
+
+def test_telemetry_with_header_only_is_not_an_error(tmp_path):
+    run = make_run(tmp_path, "20260101-000000-lr-single-np1", "single", 1)
+    (run / "telemetry.csv").write_text("time_s,rank,host,role,cpu_percent,rss_mb\n")
+    names = {p.name for p in plot_runs([run])}
+    assert "fig-nodes.png" not in names and "fig-curves-epoch.png" in names
+
+
+def test_ps_node_is_marked_in_the_legend(tmp_path):
+    assert node_label(0, "hostA", True) == "node0 (PS) – hostA"
+    assert "(PS)" not in node_label(1, "hostB", False)
+    run = load_run(make_run(tmp_path, "r", "async", 4, hosts=["a", "a", "b", "b"]))
+    assert node_labels(run) == {"a": "node0 (PS) – a", "b": "node1 – b"}
+    legend = fig_nodes(run).axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["node0 (PS) – a", "node1 – b"]
+    single = load_run(make_run(tmp_path, "s", "single", 1))
+    assert "(PS)" not in node_labels(single)["vm"]
+
+
+# --------------------------------------------------------------------------- several runs
+
+
+def test_several_runs_make_comparison_figures(tmp_path):
+    root = make_results(tmp_path)
+    dirs = [root / name for name, *_ in RUN_SPECS]
+    paths = plot_runs(dirs)
+    assert {p.name for p in paths} == COMPARE_FIGS
+    assert len({p.parent for p in paths}) == 1
+    assert re.fullmatch(r"comparison-\d{8}-\d{6}(-\d+)?", paths[0].parent.name)
+    assert paths[0].parent.parent == root
+    for path in paths:
+        assert_png(path)
+    assert not any((d / "fig-curves-epoch.png").exists() for d in dirs)
+
+
+def test_comparison_without_a_sweep_skips_sweep_figures(tmp_path):
+    a = make_run(tmp_path, "a", "sync", 3)
+    b = make_run(tmp_path, "b", "async", 4)
+    paths = plot_runs([a, b], out_dir=tmp_path / "cmp")
+    assert {p.name for p in paths} == {"fig-compare-curves-epoch.png",
+                                       "fig-compare-curves-time.png"}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def test_report_tables_and_links(tmp_path):
+    root = make_results(tmp_path, RUN_SPECS[:4], missing=["20260101-000500-lr-sync-np2"])
+    report = write_report(root)
+    assert report == root / "report" / "report.md"
+    text = report.read_text()
+    assert "| run | model | mode | np | workers | batch | epochs | wall time (s) |" in text
+    for name, *_ in RUN_SPECS[:4]:
+        assert f"| `{name}` | lr |" in text
+    assert "20260101-000500-lr-sync-np2" in text and "Warning" in text and "missing" in text
+    assert "node0 (PS)" in text and "staleness mean" in text
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    written = {p.resolve() for p in root.glob("*/fig-*.png")}
+    assert {(report.parent / link).resolve() for link in links} == written
+    assert len(links) == len(written) == 3 + 7 + 7 + 7 + 8  # no batch-size sweep here
+    for link in links:
+        assert_png(report.parent / link)
+    assert (root / RUN_SPECS[0][0] / "fig-nodes.png").is_file()
+
+
+def test_report_skips_names_that_are_not_directory_names(tmp_path):
+    write_csv(tmp_path / "runs.csv", ["run", "mode"], [["../escape", "sync"]])
+    text = write_report(tmp_path).read_text()
+    assert "escape" in text and "skipped" in text
+    assert not (tmp_path.parent / "escape").exists()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def truncate_last_line(run):
+    text = (run / "curve.csv").read_text()
+    (run / "curve.csv").write_text(text[: text.rindex(",", 0, len(text) - 12)] + "\n")
+
+
+def drop_final_newline(run):
+    (run / "curve.csv").write_text((run / "curve.csv").read_text().rstrip("\n"))
+
+
+def non_numeric_cell(run):
+    text = (run / "timing.csv").read_text().splitlines()
+    text[3] = text[3].replace("0.25", "0.2x5", 1)
+    (run / "timing.csv").write_text("\n".join(text) + "\n")
+
+
+def missing_column(run):
+    lines = (run / "comm.csv").read_text().splitlines()
+    (run / "comm.csv").write_text("\n".join(l.split(",", 1)[1] for l in lines) + "\n")
+
+
+CORRUPTIONS = [
+    ("curve.csv", truncate_last_line),
+    ("curve.csv", drop_final_newline),
+    ("timing.csv", non_numeric_cell),
+    ("comm.csv", missing_column),
+    ("telemetry.csv", lambda run: (run / "telemetry.csv").write_text("")),
+    ("curve.csv", lambda run: (run / "curve.csv").write_text("epoch,wall_time_s,train_loss,"
+                                                               "test_loss,test_accuracy\n")),
+    ("staleness.csv", lambda run: (run / "staleness.csv").write_bytes(b"\x89PNG\x00\xff\xfe")),
+    ("config.json", lambda run: (run / "config.json").write_text('{"config": {"mode": ')),
+    ("config.json", lambda run: (run / "config.json").unlink()),
+    ("curve.csv", lambda run: (run / "curve.csv").unlink()),
+]
+
+
+@pytest.mark.parametrize("filename, corrupt", CORRUPTIONS,
+                         ids=[f"{f}-{i}" for i, (f, _) in enumerate(CORRUPTIONS)])
+def test_bad_files_raise_one_line_naming_the_file(tmp_path, filename, corrupt):
+    run = make_run(tmp_path, "20260101-000000-lr-async-np3", "async", 3)
+    corrupt(run)
+    with pytest.raises(ResultsError) as info:
+        plot_runs([run])
+    message = str(info.value)
+    assert filename in message and "\n" not in message and "; " in message
+    assert not list(run.glob("fig-*.png"))
+
+
+def test_not_a_run_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for target, expected in ((tmp_path / "empty", "not an mpitrain run"),
+                             (tmp_path / "nowhere", "not a directory")):
+        with pytest.raises(ResultsError, match=expected) as info:
+            plot_runs([target])
+        assert target.name in str(info.value)
+    make_results(tmp_path / "results", RUN_SPECS[:1])
+    with pytest.raises(ResultsError, match="mpitrain.report"):
+        plot_runs([tmp_path / "results"])
+    with pytest.raises(ResultsError, match="no run directories"):
+        plot_runs([])
+
+
+def test_command_lines_print_one_error_line(tmp_path, capsys):
+    assert cli_main(["plot", str(tmp_path / "nowhere")]) == 1
+    assert cli_main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("mpitrain: error: ") for line in err)
+    assert "nowhere" in err[0] and "runs.csv" in err[1]
+
+
+def test_report_errors_name_runs_csv(tmp_path):
+    with pytest.raises(ResultsError, match="runs.csv"):
+        write_report(tmp_path)
+    root = make_results(tmp_path / "results", RUN_SPECS[:1])
+    text = (root / "runs.csv").read_text().replace(",single,1,", ",single,one,")
+    (root / "runs.csv").write_text(text)
+    with pytest.raises(ResultsError, match=r"runs\.csv: line 2: column np is 'one'"):
+        write_report(root)
+
+
+# --------------------------------------------------------------------------- real sample
+
+
+@pytest.mark.skipif(not (SAMPLE / "runs.csv").is_file(), reason=f"no sample results at {SAMPLE}")
+def test_report_on_real_sample(tmp_path):
+    root = tmp_path / "results"
+    shutil.copytree(SAMPLE, root, ignore=shutil.ignore_patterns("fig-*.png", "report"))
+    text = write_report(root).read_text()
+    names = [p.name for p in root.iterdir() if (p / "curve.csv").is_file()]
+    assert names
+    for name in names:
+        assert f"`{name}`" in text
+        assert (root / name / "fig-curves-epoch.png").is_file()
+    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        assert (root / "report" / link).is_file()
