@@ -126,6 +126,8 @@ SERVING = Backoff(yield_for=0.0, first_sleep=5e-4, max_sleep=1e-3)
 
 #: seconds between calls of Comm.while_waiting during a long wait
 WAITING_CALL_EVERY = 1.0
+#: see Comm._split_workers
+WORKERS_TIMEOUT_FACTOR = 1.5
 #: tag of the one-line failure reports that ranks send rank 0 before the job ends
 TAG_FAILURE = 77
 FAILURE_BYTES = 2048
@@ -235,7 +237,10 @@ class Comm:
         sub = self._c.Split(color, self.rank)  # collective; returns at once on shared memory
         if sub == MPI.COMM_NULL:
             return None
-        return Comm(sub, self.timeout, self.traffic, self.hosts[1:], range(1, self.size))
+        # Workers wait for each other longer than rank 0 waits for their heartbeats,
+        # so that a stall is reported by rank 0, which can name the silent worker.
+        return Comm(sub, WORKERS_TIMEOUT_FACTOR * self.timeout + 2.0, self.traffic,
+                    self.hosts[1:], range(1, self.size))
 
     @property
     def role(self) -> Role:
@@ -476,7 +481,7 @@ def abort_world(code: int) -> None:
         _MPI.COMM_WORLD.Abort(code)
 
 
-def report_failure(message: str, grace: float = 10.0) -> None:
+def report_failure(message: str, grace: float = 3.0) -> None:
     """Tell rank 0 why this rank is failing, then give it ``grace`` seconds to end the job.
 
     Rank 0 records the failure and aborts the job (which ends this process too);

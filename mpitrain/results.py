@@ -144,6 +144,15 @@ class RunResults:
         self.curve = CsvLog(self.dir / "curve.csv", CURVE_COLUMNS)
         self._tensorboard = None
 
+    def set_status(self, status: str, reason: str = "") -> None:
+        """``status.json``: running while training, then ok / failed / interrupted.
+
+        A run whose status.json still says running was killed without warning
+        (SIGKILL, a node lost): its other files hold what it had written.
+        """
+        self.write_json("status.json", {"status": status, "reason": reason,
+                                        "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
     @classmethod
     def reopen(cls, run_dir: Path) -> "RunResults":
         """Continue writing into an existing run directory (a resumed run)."""
@@ -207,4 +216,7 @@ class NullResults:
         pass
 
     def save_checkpoint(self, checkpoint):
+        pass
+
+    def set_status(self, status, reason=""):
         pass

@@ -70,6 +70,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     sampler = start_sampler(cfg, comm)
     if role is Role.SERVER:
         comm.listen_for_failures()
+    results.set_status("running")
     try:
         summary = trainer.train(ctx)
     except MpitrainError as error:
@@ -80,6 +81,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results)
     results.add_run_row({**run_row(cfg, dataset, summary),
                          **telemetry.node_summary(gathered, comm.hosts)})
+    results.set_status("ok")
     console.summary(summary_lines(cfg, summary, results.path))
     return summary
 
@@ -136,23 +138,21 @@ def open_results(cfg: Config, comm: Comm):
 
 
 def record_failure(ctx: Context, error: MpitrainError, sampler) -> None:
-    """Write what the run has (telemetry, its runs.csv row with status and reason).
+    """Write what the run has: its status, telemetry, its runs.csv row with the reason.
 
     When every rank stops together (interrupted, diverged) the telemetry of all
     ranks is gathered as usual; otherwise only this rank's is written.
     """
     status = "interrupted" if isinstance(error, Interrupted) else "failed"
+    ctx.results.set_status(status, str(error))
+    row = run_row(ctx.cfg, ctx.data, getattr(error, "summary", None), status, str(error))
     try:
-        if error.everywhere:
-            gathered = telemetry.collect(ctx.comm, ctx.role.value, sampler, ctx.timer,
-                                         ctx.results)
-        else:
-            gathered = telemetry.write_local(ctx.comm, ctx.role.value, sampler, ctx.timer,
-                                             ctx.results)
-        row = run_row(ctx.cfg, ctx.data, getattr(error, "summary", None), status, str(error))
-        ctx.results.add_run_row({**row, **telemetry.node_summary(gathered, ctx.comm.hosts)})
+        write = telemetry.collect if error.everywhere else telemetry.write_local
+        gathered = write(ctx.comm, ctx.role.value, sampler, ctx.timer, ctx.results)
+        row.update(telemetry.node_summary(gathered, ctx.comm.hosts))
     except MpitrainError:
-        pass  # the original error is what the user must see
+        pass  # peers gone: the row is still written; the original error is what matters
+    ctx.results.add_run_row(row)
 
 
 def start_sampler(cfg: Config, comm: Comm):

@@ -1,0 +1,220 @@
+"""Faults with real processes and real signals: nothing hangs, nothing is lost.
+
+A dead rank (SIGKILL), a stalled rank (SIGSTOP), a stop request (SIGTERM to the
+ranks as SLURM's srun delivers it, SIGUSR1 to mpirun as our job scripts
+forward it), and a diverging run. Every launch is bounded; after each test no
+process of the run may remain.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import LOCAL_HOSTFILE, mpi_env, mpirun, read_rows
+
+pytestmark = pytest.mark.slow
+
+
+class Job:
+    """A training job under mpirun (no -q: mpirun names a rank that dies)."""
+
+    def __init__(self, np_, results, *args, timeout=5, epochs=400):
+        self.results = Path(results)
+        cmd = ["mpirun", "-np", str(np_), "-hostfile", str(LOCAL_HOSTFILE), sys.executable,
+               "-m", "mpitrain", "lr", *args, "--results-dir", str(self.results), "--epochs",
+               str(epochs), "--timeout", str(timeout), "--quiet"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=mpi_env(), start_new_session=True)
+
+    def run_dir(self) -> Path:
+        dirs = [d for d in self.results.iterdir() if d.is_dir()]
+        return dirs[0] if dirs else None
+
+    def wait_for_evaluations(self, rows: int, bound: float = 180) -> None:
+        """Until curve.csv has ``rows`` data rows (training is well under way)."""
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            run = self.run_dir() if self.results.exists() else None
+            if run and (run / "curve.csv").exists() and len(read_rows(run / "curve.csv")) >= rows:
+                return
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            time.sleep(0.2)
+        self.kill()
+        pytest.fail("training did not get going")
+
+    def pid(self, rank: int) -> int:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(self.results) in cmdline and "-m\0mpitrain" in cmdline and \
+                    f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+                return int(entry.name)
+        raise AssertionError(f"rank {rank} not found")
+
+    def finish(self, bound: float) -> tuple:
+        """(exit code, output, seconds); fails the test if the job outlives ``bound``."""
+        t0 = time.monotonic()
+        try:
+            out, _ = self.proc.communicate(timeout=bound)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"job still running {bound} s after the fault (a hang)")
+        return self.proc.returncode, out, time.monotonic() - t0
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        for rank in range(8):
+            try:
+                os.kill(self.pid(rank), signal.SIGKILL)
+            except (AssertionError, OSError):
+                pass
+
+    def assert_no_leftovers(self) -> None:
+        time.sleep(0.5)
+        left = []
+        for rank in range(8):
+            try:
+                left.append(self.pid(rank))
+            except AssertionError:
+                pass
+        assert not left, f"processes left behind: {left}"
+
+
+def check_results_readable(run_dir: Path) -> None:
+    assert len(read_rows(run_dir / "curve.csv")) >= 2
+    with np.load(run_dir / "checkpoint.npz") as ckpt:
+        assert ckpt["weights"].shape == (7850,)
+    json.loads((run_dir / "config.json").read_text())
+
+
+@pytest.mark.parametrize("mode,rank", [("sync", 2), ("async", 2), ("sync", 0), ("async", 0)])
+def test_killed_rank_ends_the_job(mnist, tmp_path, mode, rank):
+    extra = ("--async",) if mode == "async" else ()
+    job = Job(4, tmp_path, "--data-dir", str(mnist), *extra, timeout=20)
+    job.wait_for_evaluations(3)
+    os.kill(job.pid(rank), signal.SIGKILL)
+    code, out, seconds = job.finish(bound=20 + 10)
+    assert code != 0
+    assert f"process rank {rank}" in out and "signal 9" in out, out
+    check_results_readable(job.run_dir())
+    job.assert_no_leftovers()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_stalled_worker_is_named_by_the_watchdog(mnist, tmp_path, mode):
+    extra = ("--async",) if mode == "async" else ()
+    job = Job(4, tmp_path, "--data-dir", str(mnist), *extra, timeout=4)
+    job.wait_for_evaluations(3)
+    victim = job.pid(2)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        code, out, seconds = job.finish(bound=4 + 20)
+    finally:
+        os.kill(victim, signal.SIGCONT) if Path(f"/proc/{victim}").exists() else None
+    assert code != 0
+    lines = [l for l in out.splitlines() if l.startswith("mpitrain: error")]
+    assert lines and "rank 2 on" in lines[0] and "stalled or dead" in lines[0], out
+    run = read_rows(tmp_path / "runs.csv")[-1]
+    assert run["status"] == "failed" and "rank 2 on" in run["reason"]
+    status = json.loads((job.run_dir() / "status.json").read_text())
+    assert status["status"] == "failed"
+    check_results_readable(job.run_dir())
+    job.assert_no_leftovers()
+
+
+def final_weights(run_dir: Path) -> np.ndarray:
+    with np.load(run_dir / "checkpoint.npz") as ckpt:
+        return ckpt["weights"].copy()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to every rank", "SIGUSR1 to mpirun"])
+def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how):
+    epochs = 40
+    job = Job(4, tmp_path / "a", "--data-dir", str(mnist), epochs=epochs)
+    job.wait_for_evaluations(4)
+    if how.startswith("SIGTERM"):
+        for rank in range(4):
+            os.kill(job.pid(rank), signal.SIGTERM)
+    else:
+        os.kill(job.proc.pid, signal.SIGUSR1)
+    code, out, _ = job.finish(bound=60)
+    assert code == 143, out
+    assert "mpitrain: interrupted: stopped by SIG" in out
+    run_dir = job.run_dir()
+    stopped = read_rows(tmp_path / "a" / "runs.csv")[-1]
+    assert stopped["status"] == "interrupted" and 0 < int(stopped["steps"]) < 67 * epochs
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "interrupted"
+    job.assert_no_leftovers()
+
+    resumed = mpirun(4, "lr", "--resume", run_dir, "--quiet", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = read_rows(tmp_path / "a" / "runs.csv")
+    assert [r["status"] for r in rows] == ["interrupted", "ok"] and rows[-1]["resumed"] == "True"
+    curve = read_rows(run_dir / "curve.csv")
+    assert float(curve[-1]["epoch"]) == epochs
+    assert [int(r["step"]) for r in curve] == sorted(int(r["step"]) for r in curve)
+
+    straight = mpirun(4, "lr", "--data-dir", mnist, "--results-dir", tmp_path / "b",
+                      "--epochs", str(epochs), "--quiet", timeout=600)
+    assert straight.returncode == 0
+    reference = final_weights(next(d for d in (tmp_path / "b").iterdir() if d.is_dir()))
+    assert np.array_equal(final_weights(run_dir), reference)
+
+
+def test_stop_and_resume_async(mnist, tmp_path):
+    job = Job(3, tmp_path, "--data-dir", str(mnist), "--async", epochs=60)
+    job.wait_for_evaluations(4)
+    for rank in range(3):
+        os.kill(job.pid(rank), signal.SIGTERM)
+    code, out, _ = job.finish(bound=60)
+    assert code == 143, out
+    run_dir = job.run_dir()
+    stopped = read_rows(tmp_path / "runs.csv")[-1]
+    assert stopped["status"] == "interrupted" and stopped["pushes"] == stopped["applied"]
+    job.assert_no_leftovers()
+    resumed = mpirun(3, "lr", "--resume", run_dir, "--quiet", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    done = read_rows(tmp_path / "runs.csv")[-1]
+    assert done["status"] == "ok" and float(done["epochs"]) == pytest.approx(60, abs=0.05)
+    assert float(done["test_accuracy"]) > 0.85
+
+
+@pytest.mark.parametrize("np_,extra", [(1, ()), (3, ()), (3, ("--async",))])
+def test_divergence_is_caught(mnist, tmp_path, np_, extra):
+    # lr 1e38 overflows float32 logits at the second step. (1e30 does not: logistic
+    # regression's softmax saturates and the loss stays huge but finite.)
+    result = mpirun(np_, "lr", "--lr", "1e38", "--epochs", "2", "--data-dir", mnist,
+                    "--results-dir", tmp_path, *extra, timeout=300)
+    assert result.returncode == 1
+    lines = [l for l in result.stderr.splitlines() if l.startswith("mpitrain: error")]
+    assert len(lines) == 1 and "training diverged: non-finite loss or gradient on" in lines[0]
+    assert "step" in lines[0]
+    run = read_rows(tmp_path / "runs.csv")[-1]
+    assert run["status"] == "failed" and "diverged" in run["reason"]
+
+
+def test_resume_refuses_incompatible_settings(mnist, tmp_path):
+    first = mpirun(3, "lr", "--steps", "3", "--data-dir", mnist, "--results-dir", tmp_path,
+                   "--quiet")
+    assert first.returncode == 0
+    run_dir = next(d for d in tmp_path.iterdir() if d.is_dir())
+    for args, pattern in ((["--batch-size", "50"], "--batch-size was 100 in that run"),
+                          (["--async"], "--async was False"),):
+        bad = mpirun(3, "lr", "--resume", run_dir, *args, timeout=120)
+        assert bad.returncode == 2 and pattern in bad.stderr, bad.stderr
+    wrong_np = mpirun(4, "lr", "--resume", run_dir, timeout=120)
+    assert wrong_np.returncode == 2 and "resume it with mpirun -np 3" in wrong_np.stderr
+    done = mpirun(3, "lr", "--resume", run_dir, timeout=120)
+    assert done.returncode == 2 and "pass a larger --epochs" in done.stderr
