@@ -20,7 +20,7 @@ from .config import Config, fields_with_flags, resolve
 from .errors import EXIT_FAILURE, Interrupted, MpitrainError, UsageError
 
 PROG = "mpitrain"
-TOOLS = ("plot", "report")
+TOOLS = ("plot", "report", "check")
 EPILOG = """\
 Run under MPI: rank 0 is the parameter server (evaluates, writes results),
 ranks 1..N-1 are workers. Examples:
@@ -83,6 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
                                  "results directory", description="Figures of every run in "
                                  "RESULTS_DIR and RESULTS_DIR/report/report.md.")
     report.add_argument("results_dir", type=Path, metavar="RESULTS_DIR")
+    check = commands.add_parser(
+        "check", help="preflight a launch without training",
+        description="Check a launch without training: the hostfile (syntax, slots), -np "
+        "against the slots and the mode, then a short job on those hosts that compares "
+        "every rank's versions and loads the data on every host. Run it as "
+        "'mpitrain check -np 4 -hostfile hostfiles/cluster2 lr --async' (no mpirun).")
+    check.add_argument("-np", "--np", dest="np", type=int, default=1, help="ranks (default 1)")
+    check.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE")
+    check.add_argument("--oversubscribe", action="store_true",
+                       help="allow more ranks than slots (as mpirun --oversubscribe)")
+    check.add_argument("--no-launch", action="store_true",
+                       help="only the checks that need no MPI job")
+    check.add_argument("--in-job", action="store_true", help=argparse.SUPPRESS)
+    check.add_argument("training", nargs=argparse.REMAINDER, metavar="MODEL [OPTIONS]",
+                       help="the training command to check (default: lr)")
     return parser
 
 
@@ -97,17 +112,54 @@ def run_tool(args) -> int:
         from .report import write_report
 
         print(write_report(args.results_dir))
+    elif args.command == "check":
+        return run_check(args)
     return 0
 
 
-def parse_config(argv: List[str], args=None) -> Config:
-    """The run's Config from ``argv``; UsageError on bad arguments."""
+def run_check(args) -> int:
+    """``mpitrain check``: launch-side checks, then a short job that checks every rank."""
+    training = args.training or ["lr"]
+    cfg = parse_config(training, world_size=args.np)  # usage errors in its options
+    if args.in_job:
+        from . import session
+
+        session.preflight(cfg)
+        return 0
+    from .preflight import check_launch
+
+    for line in check_launch(args.np, args.hostfile, args.oversubscribe, cfg.async_mode):
+        print(line)
+    if args.no_launch:
+        return 0
+    import subprocess
+
+    cmd = ["mpirun", "-q", "-np", str(args.np)]
+    cmd += ["-hostfile", args.hostfile] if args.hostfile else []
+    cmd += ["--oversubscribe"] if args.oversubscribe else []
+    cmd += [sys.executable, "-m", "mpitrain", "check", "--in-job", *training]
+    try:
+        return subprocess.run(cmd, timeout=cfg.timeout + 120).returncode
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"the check job did not finish in {cfg.timeout + 120:g} s; a host "
+                         "is unreachable or a rank is stuck starting") from None
+    except FileNotFoundError:
+        raise UsageError("mpirun not found; install Open MPI (bash setup.sh does)") from None
+
+
+def parse_config(argv: List[str], args=None, world_size: Optional[int] = None) -> Config:
+    """The run's Config from ``argv``; UsageError on bad arguments.
+
+    Validated against ``world_size`` (default: the launcher's) to fail fast,
+    before MPI and TensorFlow load; the session re-checks with MPI's own size.
+    """
     args = args or build_parser().parse_args(argv)
+    if args.command in TOOLS:
+        raise UsageError(f"expected a model to train, not {args.command!r}")
     values = {f.name: getattr(args, f.name) for f in fields_with_flags()}
     cfg = Config(model=args.command, **values)
     if not cfg.resume:
-        # Fail fast, before MPI and TensorFlow load; the session re-checks with MPI's size.
-        resolve(cfg, models.get(cfg.model).defaults, launcher_world_size())
+        resolve(cfg, models.get(cfg.model).defaults, world_size or launcher_world_size())
     return cfg
 
 

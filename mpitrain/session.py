@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import __version__, async_trainer, data, models, sync_trainer, telemetry
+from . import preflight as preflight_checks
 from .comm import Comm, Role, library_versions
 from .config import Config, resolve
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError
@@ -40,6 +41,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     if cfg.resume:
         cfg, checkpoint = prepare_resume(cfg, explicit, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
+    preflight_checks.check_ranks(comm, preflight_checks.local_versions())
     role = comm.role
     console = Console(cfg.quiet) if role.serves else NullConsole()
     threads = place_on_cpus(cfg, comm)
@@ -84,6 +86,22 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     results.set_status("ok")
     console.summary(summary_lines(cfg, summary, results.path))
     return summary
+
+
+def preflight(cfg: Config) -> None:
+    """``mpitrain check``'s job: every in-job check of a training run, without training."""
+    comm = Comm.world(cfg.timeout)
+    spec = models.get(cfg.model)
+    cfg = resolve(cfg, spec.defaults, comm.size)
+    versions = preflight_checks.local_versions()
+    preflight_checks.check_ranks(comm, versions)
+    dataset, shard_size, _ = load_data(cfg, comm, spec)
+    if comm.rank == 0:
+        hosts = sorted(set(comm.hosts))
+        print(f"preflight ok: {comm.size} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)}); "
+              + ", ".join(f"{k} {v}" for k, v in versions.items())
+              + f"; {dataset.name} ({dataset.train_size} training examples, "
+              f"{shard_size} per worker) readable on every host", flush=True)
 
 
 def load_data(cfg: Config, comm: Comm, spec):

@@ -1,0 +1,96 @@
+"""Checks that fail fast with one clear line instead of hanging or crashing later.
+
+Two halves:
+
+* :func:`check_launch` runs before mpirun, without MPI (``mpitrain check``): the
+  hostfile exists, is readable and well formed (line and reason), -np fits its
+  slots (or oversubscription is allowed), -np suits the mode. mpirun itself
+  rejects these cases with multi-line banners (and a malformed ``slots=x``
+  as an "internal error"), before any rank could explain.
+* :func:`check_ranks` runs inside every job (training runs and ``mpitrain
+  check``'s own short job): rank 0 compares the versions every rank runs
+  (Python, TensorFlow, numpy, mpi4py, mpitrain) and names the host that
+  differs. Data on every host is checked by :func:`mpitrain.data.load`, which
+  makes the ranks agree on what they loaded.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections import defaultdict
+from importlib import metadata
+from typing import Dict, List, Optional
+
+from . import __version__, hostfile
+from .errors import UsageError
+
+COMPARED = ("python", "tensorflow", "numpy", "mpi4py", "mpitrain")
+
+
+def installed_version(*distributions: str) -> str:
+    """The installed version of the first of ``distributions`` found, without importing it."""
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "missing"
+
+
+def local_versions() -> Dict[str, str]:
+    """What this process runs, as compared across ranks."""
+    return {"python": platform.python_version(),
+            "tensorflow": installed_version("tensorflow-cpu", "tensorflow"),
+            "numpy": installed_version("numpy"), "mpi4py": installed_version("mpi4py"),
+            "mpitrain": __version__}
+
+
+def check_launch(np_: int, hostfile_path: Optional[str], oversubscribe: bool,
+                 async_mode: bool) -> List[str]:
+    """Validate a launch before mpirun; returns the rank -> role -> host lines.
+
+    Raises UsageError (one line) for a missing/unreadable/malformed hostfile,
+    -np larger than its slots without oversubscription, or -np too small.
+    """
+    if np_ < 1:
+        raise UsageError(f"-np must be at least 1 (got {np_})")
+    if async_mode and np_ < 2:
+        raise UsageError("--async needs a parameter server and at least one worker: "
+                         "run with -np 2 or more")
+    if hostfile_path is None:
+        hosts = [hostfile.Host(platform.node(), np_)]
+    else:
+        hosts = hostfile.read(hostfile_path)
+        if not oversubscribe:
+            hostfile.placement(hosts, np_)  # raises if -np exceeds the slots
+    placement = _round_robin(hosts, np_) if oversubscribe else hostfile.placement(hosts, np_)
+    roles = ["single"] if np_ == 1 else ["parameter server"] + ["worker"] * (np_ - 1)
+    return [f"rank {r}: {role} on {host}" for r, (role, host) in enumerate(zip(roles, placement))]
+
+
+def _round_robin(hosts, np_: int) -> List[str]:
+    # mpirun --oversubscribe keeps filling slots in order and wraps around
+    slots = [h.name for h in hosts for _ in range(h.slots)]
+    return [slots[r % len(slots)] for r in range(np_)]
+
+
+def check_ranks(comm, versions: Dict[str, str]) -> None:
+    """Collective: UsageError on every rank if ranks run different versions."""
+    everyone = comm.allgather_objects({k: versions.get(k, "missing") for k in COMPARED})
+    for key in COMPARED:
+        seen = defaultdict(list)
+        for rank, v in enumerate(everyone):
+            seen[v[key]].append(rank)
+        if len(seen) > 1:
+            parts = [f"{key} {version} on {_where(comm, ranks)}"
+                     for version, ranks in sorted(seen.items(), key=lambda kv: kv[1][0])]
+            raise UsageError("ranks run different versions: " + "; ".join(parts) +
+                             "; install the same environment on every host")
+
+
+def _where(comm, ranks: List[int]) -> str:
+    by_host = defaultdict(list)
+    for r in ranks:
+        by_host[comm.hosts[r]].append(str(r))
+    return ", ".join(f"{host} (rank{'s' if len(rs) > 1 else ''} {','.join(rs)})"
+                     for host, rs in by_host.items())
