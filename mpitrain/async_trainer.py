@@ -197,7 +197,8 @@ class Server:
         self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
         n = ctx.replica.n_params
         self.weights = ctx.replica.weights()
-        self.optimizer = optim.make(ctx.cfg.optimizer, n, ctx.cfg.effective_lr)
+        self.optimizer = optim.make(ctx.cfg.optimizer, n, ctx.cfg.effective_lr,
+                                    ctx.decay_steps)
         self.version = 0
         self.ending = 0  # INTERRUPTED and/or DIVERGED once the run must stop early
         self.diverged_at: List[str] = []

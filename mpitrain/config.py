@@ -19,6 +19,7 @@ MODES = ("single", "sync", "async")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("auto", "mnist", "digits", "synthetic")
 LR_SCALINGS = ("linear", "none")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 def _opt(doc: str, default=None, *, flag: Optional[str] = None, **cli):
@@ -54,6 +55,9 @@ class Config:
     lr_scaling: str = _opt(
         "how the learning rate follows the worker count in sync mode",
         "linear", flag="--lr-scaling", choices=LR_SCALINGS)
+    lr_schedule: Optional[str] = _opt(
+        "constant, or cosine: decay the learning rate to 0 over the run's updates",
+        flag="--lr-schedule", choices=LR_SCHEDULES)
     optimizer: Optional[str] = _opt(
         "optimizer: sgd, momentum (SGD with momentum 0.9) or adam",
         flag="--optimizer", choices=OPTIMIZERS)
@@ -64,6 +68,12 @@ class Config:
         "8x8 digits upscaled to 28x28 (says so); mnist: MNIST or fail; digits: the "
         "bundled digits; synthetic: random ImageNet-shaped data",
         flag="--dataset", choices=DATASETS)
+    image_size: Optional[int] = _opt(
+        "synthetic data: image height and width (AlexNet's is 224; 32 or 64 for quick runs)",
+        flag="--image-size", type=int, metavar="PX")
+    synthetic_size: int = _opt(
+        "synthetic data: training examples in an epoch (drawn from a pool of 64 random "
+        "images per worker)", 1280, flag="--synthetic-size", type=int, metavar="N")
     data_dir: Optional[str] = _opt(
         "directory with MNIST (IDX files, gzipped or raw, or mnist.npz); "
         "default: $MPITRAIN_DATA_DIR, then the Keras cache, then download",
@@ -152,6 +162,10 @@ class Config:
             raise UsageError(f"--lr must be a positive number (got {self.lr})")
         if self.threads < 0:
             raise UsageError(f"--threads must be 0 (auto) or positive (got {self.threads})")
+        if self.image_size is not None and self.image_size < 8:
+            raise UsageError(f"--image-size must be at least 8 (got {self.image_size})")
+        if self.synthetic_size < 1:
+            raise UsageError(f"--synthetic-size must be positive (got {self.synthetic_size})")
         if self.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every must be a positive integer "
                              f"(got {self.checkpoint_every})")

@@ -237,16 +237,56 @@ def digits_upscaled(seed: int = 0) -> Dict[str, np.ndarray]:
             "x_test": images[test], "y_test": labels[test]}
 
 
+class RepeatingImages:
+    """``n`` images that cycle through a small pool of distinct ones (synthetic data).
+
+    Throughput benchmarks feed random ImageNet-shaped input; storing a whole
+    shard at 224x224x3 would take ~0.6 MB per image, so a pool of random images
+    stands in for every example: example i is pool[(offset + i) % pool size].
+    Indexing with an array gives a real batch; slicing gives a view (a shard).
+    """
+
+    def __init__(self, pool: np.ndarray, n: int, offset: int = 0):
+        self.pool, self.n, self.offset = pool, n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return (self.n,) + self.pool.shape[1:]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, _ = index.indices(self.n)
+            return self.pool[(self.offset + np.arange(start, stop)) % len(self.pool)]
+        return self.pool[(self.offset + np.asarray(index)) % len(self.pool)]
+
+    def shard(self, start: int, stop: int) -> "RepeatingImages":
+        return RepeatingImages(self.pool, stop - start, self.offset + start)
+
+
+def take_shard(array, start: int, stop: int):
+    """A worker's own copy of its shard (a view for synthetic data, which has no copies)."""
+    if isinstance(array, RepeatingImages):
+        return array.shard(start, stop)
+    return array[start:stop].copy()
+
+
 def synthetic(n_train: int, n_test: int, image_size: int, channels: int, num_classes: int,
-              seed: int, splits=("train", "test")) -> Dict[str, np.ndarray]:
-    """Random images with random labels, generated in memory (throughput runs)."""
-    out = {}
+              seed: int, splits=("train", "test"), pool: int = 64) -> Dict[str, object]:
+    """Random images with random labels, generated in memory without I/O.
+
+    Every rank generates the same data from ``seed`` (a worker keeps its shard).
+    """
+    out: Dict[str, object] = {}
     for split, n in (("train", n_train), ("test", n_test)):
+        rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+        out["y_" + split] = rng.integers(0, num_classes, n, dtype=np.int32)
         if split in splits:
-            rng = np.random.default_rng([seed, 0 if split == "train" else 1])
-            out["x_" + split] = rng.random((n, image_size, image_size, channels),
-                                           dtype=np.float32)
-            out["y_" + split] = rng.integers(0, num_classes, n, dtype=np.int32)
+            images = rng.random((min(pool, n), image_size, image_size, channels),
+                                dtype=np.float32)
+            out["x_" + split] = RepeatingImages(images, n)
     return out
 
 
@@ -257,7 +297,8 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
          seed: int = 0, synthetic_shape: Optional[dict] = None) -> Dataset:
     """Load ``splits`` of ``dataset`` on this rank. Collective over ``comm``.
 
-    Contract: every rank calls it with the same ``dataset``; on return every rank
+    ``synthetic_shape`` (image_size, channels, num_classes, n_train, n_test)
+    describes ``--dataset synthetic``. Contract: every rank calls it with the same ``dataset``; on return every rank
     holds the same dataset (same name and training-set size), or every rank raises
     the first rank's error (naming that rank and host).
     """
@@ -269,12 +310,12 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
             result = _from_arrays("digits", "scikit-learn load_digits (8x8, upscaled)",
                                   digits_upscaled(seed))
         elif dataset == "synthetic":
-            shape = synthetic_shape or {}
-            arrays = synthetic(seed=seed, splits=[s for s in ("train", "test") if s in splits],
-                               **shape)
-            result = Dataset("synthetic", "generated in memory", shape["num_classes"],
-                             (shape["image_size"], shape["image_size"], shape["channels"]),
-                             shape["n_train"], **_as_float(arrays))
+            shape = dict(synthetic_shape)
+            arrays = synthetic(seed=seed, splits=splits, **shape)
+            size = (shape["image_size"], shape["image_size"], shape["channels"])
+            result = Dataset("synthetic", f"random {size[0]}x{size[1]}x{size[2]} images, "
+                             f"{shape['num_classes']} classes, seed {seed}",
+                             shape["num_classes"], size, shape["n_train"], **arrays)
         else:
             raise UsageError(f"unknown dataset {dataset!r}")
     except (DataError, UsageError) as e:

@@ -15,18 +15,32 @@ Adam moments, iteration count) lives in the optimizer and is exposed by
 
 from __future__ import annotations
 
-from typing import Dict
+import math
+from typing import Dict, Optional
 
 import numpy as np
+
+
+def cosine_factor(step: int, decay_steps: int) -> float:
+    """Keras' CosineDecay: 0.5 (1 + cos(pi min(step, T) / T))."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(step, decay_steps) / decay_steps))
 
 
 class FlatOptimizer:
     """Base: in-place update of a flat weight vector from a flat gradient."""
 
-    def __init__(self, n_params: int, lr: float):
-        self.lr = np.float32(lr)
+    def __init__(self, n_params: int, lr: float, decay_steps: Optional[int] = None):
+        self.base_lr = lr
+        self.decay_steps = decay_steps  # cosine schedule over this many updates, or None
         self.iterations = 0
         self.n_params = n_params
+
+    @property
+    def lr(self) -> np.float32:
+        """The learning rate of the next update (Keras evaluates it before counting it)."""
+        if self.decay_steps:
+            return np.float32(self.base_lr * cosine_factor(self.iterations, self.decay_steps))
+        return np.float32(self.base_lr)
 
     def step(self, weights: np.ndarray, grad: np.ndarray) -> None:
         raise NotImplementedError
@@ -41,8 +55,8 @@ class FlatOptimizer:
 class SGD(FlatOptimizer):
     """w -= lr * g"""
 
-    def __init__(self, n_params, lr):
-        super().__init__(n_params, lr)
+    def __init__(self, n_params, lr, decay_steps=None):
+        super().__init__(n_params, lr, decay_steps)
         self._scratch = np.empty(n_params, np.float32)
 
     def step(self, weights, grad):
@@ -54,8 +68,8 @@ class SGD(FlatOptimizer):
 class Momentum(FlatOptimizer):
     """Keras SGD(momentum=m): v = m * v - lr * g; w += v"""
 
-    def __init__(self, n_params, lr, momentum=0.9):
-        super().__init__(n_params, lr)
+    def __init__(self, n_params, lr, decay_steps=None, momentum=0.9):
+        super().__init__(n_params, lr, decay_steps)
         self.momentum = np.float32(momentum)
         self.velocity = np.zeros(n_params, np.float32)
         self._scratch = np.empty(n_params, np.float32)
@@ -78,8 +92,8 @@ class Momentum(FlatOptimizer):
 class Adam(FlatOptimizer):
     """Keras Adam: bias-corrected step size, epsilon outside the square root."""
 
-    def __init__(self, n_params, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-        super().__init__(n_params, lr)
+    def __init__(self, n_params, lr, decay_steps=None, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+        super().__init__(n_params, lr, decay_steps)
         self.beta_1, self.beta_2 = np.float32(beta_1), np.float32(beta_2)
         self.epsilon = np.float32(epsilon)
         self.m = np.zeros(n_params, np.float32)
@@ -87,9 +101,10 @@ class Adam(FlatOptimizer):
         self._scratch = np.empty(n_params, np.float32)
 
     def step(self, weights, grad):
+        lr = self.lr
         self.iterations += 1
         t = self.iterations
-        alpha = self.lr * np.sqrt(1 - self.beta_2 ** t) / (1 - self.beta_1 ** t)
+        alpha = lr * np.sqrt(1 - self.beta_2 ** t) / (1 - self.beta_1 ** t)
         self.m += (grad - self.m) * (1 - self.beta_1)
         np.square(grad, out=self._scratch)
         self.v += (self._scratch - self.v) * (1 - self.beta_2)
@@ -108,6 +123,7 @@ class Adam(FlatOptimizer):
         self.v[:] = state["v"]
 
 
-def make(name: str, n_params: int, lr: float) -> FlatOptimizer:
-    """The flat optimizer for ``--optimizer name``."""
-    return {"sgd": SGD, "momentum": Momentum, "adam": Adam}[name](n_params, lr)
+def make(name: str, n_params: int, lr: float,
+         decay_steps: Optional[int] = None) -> FlatOptimizer:
+    """The flat optimizer for ``--optimizer name`` (cosine-decayed over ``decay_steps``)."""
+    return {"sgd": SGD, "momentum": Momentum, "adam": Adam}[name](n_params, lr, decay_steps)

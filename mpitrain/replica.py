@@ -43,9 +43,12 @@ def checksum(flat: np.ndarray) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(flat)).cast("B"))
 
 
-def make_optimizer(name: str, lr: float):
+def make_optimizer(name: str, lr: float, decay_steps: Optional[int] = None):
+    """A Keras optimizer; with ``decay_steps``, its learning rate follows cosine decay."""
     import keras
 
+    if decay_steps:
+        lr = keras.optimizers.schedules.CosineDecay(lr, decay_steps)
     if name == "sgd":
         return keras.optimizers.SGD(lr)
     if name == "momentum":
@@ -59,7 +62,7 @@ class Replica:
     """A model, its optimizer, and compiled step functions over flat float32 vectors."""
 
     def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float,
-                 clip_norm: Optional[float] = None):
+                 clip_norm: Optional[float] = None, decay_steps: Optional[int] = None):
         import tensorflow as tf
         import keras
 
@@ -71,7 +74,7 @@ class Replica:
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.n_params = int(sum(self.sizes))
-        self.optimizer = make_optimizer(optimizer, lr)
+        self.optimizer = make_optimizer(optimizer, lr, decay_steps)
         self.optimizer.build(self.variables)
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         batch_spec = [tf.TensorSpec((None,) + tuple(input_shape), tf.float32),

@@ -26,7 +26,7 @@ from .lifecycle import Checkpoint, StopRequest, resumed_config
 from .console import Console, NullConsole
 from .replica import Replica, init_tensorflow
 from .results import NullResults, RunResults
-from .trainer import Context, Summary
+from .trainer import Context, Summary, decay_steps
 
 
 def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
@@ -54,7 +54,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
 
     init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
     replica = Replica(spec, dataset.input_shape, dataset.num_classes, cfg.optimizer,
-                      cfg.effective_lr, cfg.clip_grad_norm)
+                      cfg.effective_lr, cfg.clip_grad_norm, decay_steps(cfg, shard_size))
     ranks = comm.allgather_objects(rank_facts(threads))
     results = open_results(cfg, comm)
     results.write_json("config.json" if checkpoint is None else
@@ -108,15 +108,18 @@ def load_data(cfg: Config, comm: Comm, spec):
     """This rank's splits (a worker keeps only its shard); shard size; worker index."""
     role = comm.role
     splits = (("train",) if role.trains else ()) + (("test",) if role.serves else ())
+    shape = {**spec.synthetic, "n_train": cfg.synthetic_size}
+    if cfg.image_size:
+        shape["image_size"] = cfg.image_size
     dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
-                        synthetic_shape=spec.synthetic or None)
+                        synthetic_shape=shape)
     shard_size = data.check_shards(dataset.train_size, cfg.workers, cfg.batch_size)
     worker_index = 0 if comm.size == 1 else comm.rank - 1
     if role.trains:
         start, stop = data.shard_range(dataset.train_size, cfg.workers, worker_index)
-        # copies, so the full training set each rank read can be freed
-        dataset.x_train = dataset.x_train[start:stop].copy()
-        dataset.y_train = dataset.y_train[start:stop].copy()
+        # its own copy, so the full training set each rank read can be freed
+        dataset.x_train = data.take_shard(dataset.x_train, start, stop)
+        dataset.y_train = data.take_shard(dataset.y_train, start, stop)
     return dataset, shard_size, worker_index
 
 

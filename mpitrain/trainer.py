@@ -60,10 +60,22 @@ class Context:
         return self.cfg.workers
 
     @property
+    def decay_steps(self) -> Optional[int]:
+        return decay_steps(self.cfg, self.shard_size)
+
+    @property
     def total_steps(self) -> int:
         """Steps each worker runs: all epochs, or the --steps/--dry-run cap."""
         total = self.steps_per_epoch * self.cfg.epochs
         return total if self.cfg.max_steps is None else min(total, self.cfg.max_steps)
+
+
+def decay_steps(cfg: Config, shard_size: int) -> Optional[int]:
+    """Updates over which a cosine schedule decays (all the run's updates), or None."""
+    if cfg.lr_schedule != "cosine":
+        return None
+    updates_per_step = cfg.workers if cfg.mode == "async" else 1
+    return batches_per_epoch(shard_size, cfg.batch_size) * cfg.epochs * updates_per_step
 
 
 @dataclass

@@ -7,12 +7,14 @@ from mpitrain import models, optim
 from mpitrain.replica import Replica, init_tensorflow
 
 
-@pytest.mark.parametrize("name,lr", [("sgd", 0.5), ("momentum", 0.1), ("adam", 0.01)])
-def test_flat_optimizer_matches_keras(name, lr):
+@pytest.mark.parametrize("name,lr,decay", [("sgd", 0.5, None), ("momentum", 0.1, None),
+                                           ("adam", 0.01, None), ("momentum", 0.1, 4),
+                                           ("adam", 0.01, 3)])
+def test_flat_optimizer_matches_keras(name, lr, decay):
     init_tensorflow(1, 0)
-    keras_side = Replica(models.get("lr"), (28, 28, 1), 10, name, lr)
+    keras_side = Replica(models.get("lr"), (28, 28, 1), 10, name, lr, decay_steps=decay)
     weights = keras_side.weights()
-    flat = optim.make(name, keras_side.n_params, lr)
+    flat = optim.make(name, keras_side.n_params, lr, decay)
     rng = np.random.default_rng(3)
     for _ in range(5):
         x = rng.random((16, 28, 28, 1), dtype=np.float32)
