@@ -20,7 +20,7 @@ from .config import Config, fields_with_flags, resolve
 from .errors import EXIT_FAILURE, Interrupted, MpitrainError, UsageError
 
 PROG = "mpitrain"
-TOOLS = ("plot", "report", "check")
+TOOLS = ("plot", "report", "check", "sweep")
 EPILOG = """\
 Run under MPI: rank 0 is the parameter server (evaluates, writes results),
 ranks 1..N-1 are workers. Examples:
@@ -98,6 +98,25 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--in-job", action="store_true", help=argparse.SUPPRESS)
     check.add_argument("training", nargs=argparse.REMAINDER, metavar="MODEL [OPTIONS]",
                        help="the training command to check (default: lr)")
+    sweep = commands.add_parser(
+        "sweep", help="run a grid of trainings (models x modes x -np x batch sizes)",
+        description="Run every combination, one mpirun after another, into one results "
+        "directory with a manifest; run it again to resume a sweep that was stopped "
+        "(finished runs are skipped). Ends by writing the report. Give a TOML spec "
+        "(see experiments/) and/or the lists below (which override the spec's).")
+    sweep.add_argument("spec", nargs="?", type=Path, help="a TOML sweep spec")
+    for name, kind in (("models", str), ("modes", str), ("np", int), ("batch_sizes", int),
+                       ("batches_per_epoch", int), ("epochs", int)):
+        sweep.add_argument(f"--{name.replace('_', '-')}", metavar="A,B,...",
+                           help=f"comma-separated {name.replace('_', ' ')}")
+    sweep.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                       help="an mpitrain option for every run, e.g. --set steps=20 "
+                       "--set image_size=64 (repeatable)")
+    sweep.add_argument("--results-dir", type=Path, help="default: results/sweep-<name>")
+    sweep.add_argument("--cluster", choices=("local", "cloudlab"), default="local",
+                       help="local: hostfiles/local; cloudlab: hostfiles/single, cluster, "
+                       "cluster2 for -np 1, 3, 4")
+    sweep.add_argument("--hostfile", help="one hostfile for every run instead")
     return parser
 
 
@@ -114,7 +133,37 @@ def run_tool(args) -> int:
         print(write_report(args.results_dir))
     elif args.command == "check":
         return run_check(args)
+    elif args.command == "sweep":
+        return run_sweep(args)
     return 0
+
+
+def run_sweep(args) -> int:
+    """``mpitrain sweep``: the grid from a spec and/or lists, run resumably."""
+    from . import sweep
+
+    spec = sweep.load_spec(args.spec) if args.spec else {"grid": {}}
+    grid = dict(spec.get("grid", {}))
+    for key, name, kind in (("model", "models", str), ("mode", "modes", str),
+                            ("np", "np", int), ("batch_size", "batch_sizes", int),
+                            ("batches_per_epoch", "batches_per_epoch", int),
+                            ("epochs", "epochs", int)):
+        value = sweep.parse_list(getattr(args, name), kind)
+        if value:
+            grid[key] = value
+    options = dict(spec.get("options", {}))
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--set {item}: expected OPTION=VALUE")
+        options[key.replace("-", "_")] = sweep.parse_value(value)
+    name = spec.get("name") or (args.spec.stem if args.spec else "sweep")
+    results = args.results_dir or Path("results") / f"sweep-{name}"
+    runs = sweep.expand(grid)
+    for run in runs:  # every run's options are checked before any starts
+        parse_config(run.args(options), world_size=run.np)
+    failed = sweep.Sweep(runs, results, options, args.cluster, args.hostfile).run()
+    return 1 if failed else 0
 
 
 def run_check(args) -> int:

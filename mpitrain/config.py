@@ -48,6 +48,10 @@ class Config:
     batch_size: Optional[int] = _opt(
         "examples per step PER WORKER; the global batch is workers x this",
         flag="--batch-size", type=int, metavar="B")
+    batches_per_epoch: Optional[int] = _opt(
+        "instead of --batch-size: the batch size that gives each worker this many steps "
+        "per epoch (batch = ceil(shard / K)); 1 = full-shard batches",
+        flag="--batches-per-epoch", type=int, metavar="K")
     lr: Optional[float] = _opt(
         "learning rate for one worker; with --lr-scaling linear, sync mode multiplies "
         "it by the number of workers (the global batch grows by that factor)",
@@ -151,8 +155,11 @@ class Config:
 
     def validate(self) -> "Config":
         """Raise :class:`UsageError` naming the first bad setting; return self."""
-        positive_ints = {"--epochs": self.epochs, "--batch-size": self.batch_size,
-                         "--eval-every": self.eval_every}
+        positive_ints = {"--epochs": self.epochs, "--eval-every": self.eval_every}
+        if self.batches_per_epoch is None or self.batch_size is not None:
+            positive_ints["--batch-size"] = self.batch_size
+        if self.batches_per_epoch is not None:
+            positive_ints["--batches-per-epoch"] = self.batches_per_epoch
         if self.steps is not None:
             positive_ints["--steps"] = self.steps
         for flag, value in positive_ints.items():
@@ -210,4 +217,8 @@ def resolve(cfg: Config, defaults: dict, world_size: int) -> Config:
     """
     filled = {name: value for name, value in defaults.items()
               if getattr(cfg, name, None) is None}
+    if cfg.batches_per_epoch is not None:
+        if cfg.batch_size is not None:
+            raise UsageError("give --batch-size or --batches-per-epoch, not both")
+        filled.pop("batch_size", None)  # derived from the data size by the session
     return dataclasses.replace(cfg, world_size=world_size, **filled).validate()

@@ -9,6 +9,7 @@ step is bounded by ``--timeout``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import subprocess
@@ -48,7 +49,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
 
     # Data before TensorFlow: a missing or corrupt file fails in a second, not
     # after every rank has spent seconds importing TensorFlow.
-    dataset, shard_size, worker_index = load_data(cfg, comm, spec)
+    cfg, dataset, shard_size, worker_index = load_data(cfg, comm, spec)
     for line in data.describe(dataset):
         (console.note if line == dataset.note else console.info)(line)
 
@@ -95,7 +96,7 @@ def preflight(cfg: Config) -> None:
     cfg = resolve(cfg, spec.defaults, comm.size)
     versions = preflight_checks.local_versions()
     preflight_checks.check_ranks(comm, versions)
-    dataset, shard_size, _ = load_data(cfg, comm, spec)
+    cfg, dataset, shard_size, _ = load_data(cfg, comm, spec)
     if comm.rank == 0:
         hosts = sorted(set(comm.hosts))
         print(f"preflight ok: {comm.size} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)}); "
@@ -105,7 +106,10 @@ def preflight(cfg: Config) -> None:
 
 
 def load_data(cfg: Config, comm: Comm, spec):
-    """This rank's splits (a worker keeps only its shard); shard size; worker index."""
+    """(config, this rank's splits, shard size, worker index); a worker keeps its shard.
+
+    With --batches-per-epoch the batch size is only known now, from the data size.
+    """
     role = comm.role
     splits = (("train",) if role.trains else ()) + (("test",) if role.serves else ())
     shape = {**spec.synthetic, "n_train": cfg.synthetic_size}
@@ -113,6 +117,9 @@ def load_data(cfg: Config, comm: Comm, spec):
         shape["image_size"] = cfg.image_size
     dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
                         synthetic_shape=shape)
+    if cfg.batches_per_epoch:
+        shard = dataset.train_size // cfg.workers
+        cfg = dataclasses.replace(cfg, batch_size=max(1, -(-shard // cfg.batches_per_epoch)))
     shard_size = data.check_shards(dataset.train_size, cfg.workers, cfg.batch_size)
     worker_index = 0 if comm.size == 1 else comm.rank - 1
     if role.trains:
@@ -120,7 +127,7 @@ def load_data(cfg: Config, comm: Comm, spec):
         # its own copy, so the full training set each rank read can be freed
         dataset.x_train = data.take_shard(dataset.x_train, start, stop)
         dataset.y_train = data.take_shard(dataset.y_train, start, stop)
-    return dataset, shard_size, worker_index
+    return cfg, dataset, shard_size, worker_index
 
 
 def prepare_resume(cfg: Config, explicit: frozenset, comm: Comm):
