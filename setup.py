@@ -16,9 +16,14 @@ setup(
         "tensorflow>=2.16,<2.19; platform_machine!='x86_64'",
         "psutil>=5.9,<8",
         "scikit-learn>=1.3,<2",  # bundled 8x8 digits: the offline fallback dataset
+        "matplotlib>=3.7,<4",  # mpitrain plot / report
     ],
     extras_require={
-        "test": ["pytest>=7,<10", "pytest-timeout>=2.1,<3"],
+        "test": ["pytest>=7,<10", "pytest-timeout>=2.1,<3", "matplotlib>=3.7,<4"],
+        # --allreduce horovod; build it against the installed TensorFlow and MPI:
+        # HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1
+        # HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install --no-build-isolation ...
+        "horovod": ["horovod==0.28.1"],
     },
     entry_points={"console_scripts": ["mpitrain=mpitrain.cli:main"]},
 )

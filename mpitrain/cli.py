@@ -113,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an mpitrain option for every run, e.g. --set steps=20 "
                        "--set image_size=64 (repeatable)")
     sweep.add_argument("--results-dir", type=Path, help="default: results/sweep-<name>")
-    sweep.add_argument("--cluster", choices=("local", "cloudlab"), default="local",
+    sweep.add_argument("--cluster", choices=("local", "cloudlab", "slurm"), default="local",
                        help="local: hostfiles/local; cloudlab: hostfiles/single, cluster, "
-                       "cluster2 for -np 1, 3, 4")
+                       "cluster2 for -np 1, 3, 4; slurm: the allocation the sweep runs in")
     sweep.add_argument("--hostfile", help="one hostfile for every run instead")
     return parser
 

@@ -20,6 +20,10 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("auto", "mnist", "digits", "synthetic")
 LR_SCALINGS = ("linear", "none")
 LR_SCHEDULES = ("constant", "cosine")
+ENGINES = ("mpi", "horovod")
+HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
+                   "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
+                   "--no-build-isolation horovod==0.28.1")
 
 
 def _opt(doc: str, default=None, *, flag: Optional[str] = None, **cli):
@@ -36,6 +40,13 @@ class Config:
         "asynchronous parameter-server training (rank 0 applies each worker's "
         "gradient as it arrives); default is synchronous allreduce",
         False, flag="--async", action="store_true")
+    allreduce: str = _opt(
+        "sync gradient averaging engine: mpi (mpi4py, one fused in-place allreduce) or "
+        "horovod (Horovod's allreduce over the workers, same fused buffer)", "mpi",
+        flag="--allreduce", choices=ENGINES)
+    horovod_timeline: bool = _opt(
+        "with --allreduce horovod: write Horovod's timeline (Chrome trace JSON) to the "
+        "run directory", False, flag="--horovod-timeline", action="store_true")
     staleness: Optional[int] = _opt(
         "async only: bound on staleness (server updates between the version a gradient "
         "was computed at and its application). 0 = one worker computes at a time on the "
@@ -190,6 +201,17 @@ class Config:
                 raise UsageError(f"--staleness must be 0 or more (got {self.staleness})")
             if not self.async_mode:
                 raise UsageError("--staleness bounds the async parameter server: add --async")
+        if self.allreduce == "horovod":
+            if self.async_mode:
+                raise UsageError("--allreduce horovod is for sync training: Horovod has no "
+                                 "parameter-server mode (drop --async or use --allreduce mpi)")
+            from importlib.util import find_spec
+
+            if find_spec("horovod") is None:
+                raise UsageError("Horovod is not installed in this environment; install it "
+                                 f"with: {HOROVOD_INSTALL} (bash setup.sh does this)")
+        elif self.horovod_timeline:
+            raise UsageError("--horovod-timeline needs --allreduce horovod")
         if self.async_mode and self.world_size < 2:
             raise UsageError(
                 "--async needs a parameter server and at least one worker: "

@@ -66,8 +66,10 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
                  f"{cfg.epochs} epoch(s); results in {results.path}"
                  + (f" (resuming at step {checkpoint.step})" if checkpoint else ""))
 
+    run_dir = comm.allgather_objects(str(results.path) if results.path else None)[0]
     ctx = Context(cfg, comm, role, replica, dataset, results, console, stop=stop,
-                  resume_from=checkpoint, shard_size=shard_size, worker_index=worker_index)
+                  resume_from=checkpoint, run_dir=run_dir, shard_size=shard_size,
+                  worker_index=worker_index)
     check_resumable(ctx, comm)
     trainer = async_trainer if cfg.async_mode else sync_trainer
     sampler = start_sampler(cfg, comm)
@@ -256,13 +258,23 @@ def run_row(cfg: Config, dataset, summary: Optional[Summary], status: str = "ok"
            "workers": cfg.workers, "batch_size": cfg.batch_size,
            "global_batch": cfg.global_batch, "optimizer": cfg.optimizer,
            "lr": cfg.effective_lr, "dataset": dataset.name, "status": status,
-           "reason": reason, "resumed": bool(cfg.resume)}
+           "reason": reason, "resumed": bool(cfg.resume), "engine": engine_name(cfg),
+           "horovod_version": (preflight_checks.installed_version("horovod")
+                               if cfg.allreduce == "horovod" else ""),
+           "slurm_job_id": os.environ.get("SLURM_JOB_ID", "")}
     if summary is not None:
         row.update(epochs=summary.epochs_done, steps=summary.steps,
                    wall_time_s=round(summary.wall_time_s, 3),
                    test_accuracy=summary.test_accuracy, test_loss=summary.test_loss,
                    train_loss=summary.train_loss, **summary.extra)
     return row
+
+
+def engine_name(cfg: Config) -> str:
+    """What moved the gradients: mpi or horovod (sync), ps (async), none (one worker)."""
+    if cfg.mode == "async":
+        return "ps"
+    return cfg.allreduce if cfg.workers > 1 else "none"
 
 
 def summary_lines(cfg: Config, summary: Summary, path) -> list:

@@ -132,9 +132,12 @@ class Sweep:
         self.manifest_path = self.results_dir / "manifest.json"
         self.logs = self.results_dir / "sweep-logs"
 
-    def hostfile_for(self, np_: int) -> str:
+    def hostfile_for(self, np_: int) -> Optional[str]:
+        """The hostfile for a run of ``np_`` ranks; None inside a SLURM allocation."""
         if self.hostfile:
             return self.hostfile
+        if self.cluster == "slurm":
+            return None  # mpirun takes the nodes from the allocation
         if self.cluster == "cloudlab":
             if np_ not in CLOUDLAB:
                 raise UsageError(f"no CloudLab hostfile for -np {np_} (single: 1, cluster: 3, "
@@ -179,7 +182,8 @@ class Sweep:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         for run in self.runs:  # preflight every launch before starting any
-            check_launch(run.np, self.hostfile_for(run.np), False, run.mode == "async")
+            check_launch(run.np, self.hostfile_for(run.np), self.cluster == "slurm",
+                         run.mode == "async")
         manifest = self.load_manifest()
         manifest["planned"] = [r.key for r in self.runs]
         failures = 0
@@ -220,7 +224,8 @@ class Sweep:
             return False
 
     def _launch(self, run: Run):
-        cmd = ["mpirun", "-np", str(run.np), "-hostfile", self.hostfile_for(run.np),
+        hostfile = self.hostfile_for(run.np)
+        cmd = ["mpirun", "-np", str(run.np), *(["-hostfile", hostfile] if hostfile else []),
                self.python, "-m", "mpitrain", *run.args(self.options),
                "--results-dir", str(self.results_dir), "--quiet"]
         env = dict(os.environ)

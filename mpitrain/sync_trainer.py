@@ -128,7 +128,8 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
     replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
     n, n_workers, me = replica.n_params, workers.size, workers.rank
     alone = n_workers == 1  # nothing to average: use the fused one-call step
-    transfer = 0.0 if alone else allreduce_cost(workers, n + 1 + n_workers)
+    engine = workers if alone else gradient_engine(ctx)
+    transfer = 0.0 if alone else allreduce_cost(workers, engine, n + 1 + n_workers)
     loss_sum, n_batches, step = 0.0, 0, start_step
     mark = timer.restart()  # every second of an epoch is accounted from here on
     for epoch, step, x, y, end_of_epoch in worker_batches(ctx, start_step):
@@ -143,7 +144,7 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
             buf[n] = 1.0 if ctx.stop else 0.0
             buf[n + 1 + me] = loss + 0.0 * norm  # NaN if the loss or the gradient is
             t1 = time.perf_counter()
-            workers.allreduce_mean_(buf)
+            engine.allreduce_mean_(buf)
             t2 = time.perf_counter()
             stop, losses = bool(buf[n] > 0), list(buf[n + 1:] * n_workers)
         diverged = [w for w, value in enumerate(losses) if not math.isfinite(value)]
@@ -201,7 +202,17 @@ def _divergence_message(ctx: Context, world_ranks: List[int], step: int) -> str:
             f"(epoch {step / ctx.steps_per_epoch:.2f}); lower --lr or set --clip-grad-norm")
 
 
-def allreduce_cost(workers, size: int) -> float:
+def gradient_engine(ctx: Context):
+    """What averages the workers' gradients: the MPI communicator, or Horovod on it."""
+    if ctx.cfg.allreduce != "horovod":
+        return ctx.comm.workers
+    from .comm import HorovodAllreduce
+
+    timeline = f"{ctx.run_dir}/horovod-timeline.json" if ctx.cfg.horovod_timeline else None
+    return HorovodAllreduce(ctx.comm.workers, timeline, stall_seconds=ctx.cfg.timeout)
+
+
+def allreduce_cost(workers, engine, size: int) -> float:
     """Seconds one gradient allreduce takes when nobody is late (measured back to back).
 
     Lets the timing split a step's time in the allreduce into moving data
@@ -211,10 +222,10 @@ def allreduce_cost(workers, size: int) -> float:
     buf = np.zeros(size, np.float32)
     repeats = 3 if buf.nbytes > 16 * 2**20 else 20
     workers.barrier("the allreduce calibration")
-    workers.allreduce_mean_(buf, kind="calibration")  # warm up (connections, buffers)
+    engine.allreduce_mean_(buf, kind="calibration")  # warm up (connections, buffers)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        workers.allreduce_mean_(buf, kind="calibration")
+        engine.allreduce_mean_(buf, kind="calibration")
     return (time.perf_counter() - t0) / repeats
 
 

@@ -46,6 +46,7 @@ class Context:
     console: object  # Console on the serving rank, NullConsole elsewhere
     stop: StopRequest = field(default_factory=StopRequest)  # set by SIGTERM/SIGINT/SIGUSR1
     resume_from: Optional[Checkpoint] = None  # the checkpoint being resumed (serving rank)
+    run_dir: Optional[str] = None  # the run directory (rank 0's), known on every rank
     timer: EpochTimer = field(default_factory=EpochTimer)  # this rank's time breakdown
     shard_size: int = 0  # examples in each worker's shard (equal for all workers)
     worker_index: int = 0  # position among the workers (0..workers-1); 0 on the server

@@ -79,3 +79,19 @@ def test_config_is_immutable_and_serialisable():
         cfg.epochs = 3
     d = cfg.to_dict()
     assert d["mode"] == "sync" and d["workers"] == 3 and d["effective_lr"] == pytest.approx(1.5)
+
+
+def test_horovod_missing_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UsageError, match="Horovod is not installed.*HOROVOD_WITH_TENSORFLOW=1.*"
+                                         "horovod==0.28.1"):
+        resolved(3, allreduce="horovod")
+
+
+def test_horovod_options():
+    with pytest.raises(UsageError, match="Horovod has no parameter-server mode"):
+        resolved(3, allreduce="horovod", async_mode=True)
+    with pytest.raises(UsageError, match="--horovod-timeline needs --allreduce horovod"):
+        resolved(3, horovod_timeline=True)

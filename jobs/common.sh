@@ -1,0 +1,51 @@
+# Shared by the batch scripts in jobs/: launch one mpitrain command inside a
+# SLURM allocation and stop it cleanly when SLURM asks.
+#
+# Environment (all optional):
+#   MPITRAIN_HOME      the checkout (default: the directory sbatch was run from)
+#   MPITRAIN_PYTHON    its interpreter (default: $MPITRAIN_HOME/.venv/bin/python)
+#   MPITRAIN_RESULTS   results directory (default: $MPITRAIN_HOME/results)
+#   MPITRAIN_LAUNCHER  mpirun (default) or srun
+#   MPITRAIN_DATA_DIR  MNIST location, passed to every rank
+#
+# Launcher: mpirun inside the allocation takes the nodes and task counts from
+# SLURM (no -np, no hostfile: a hostfile would fight the allocation), works the
+# same as outside SLURM, and forwards SIGUSR1 to every rank on every node.
+# `srun --mpi=pmix` also works with Debian's Slurm and Open MPI (pmi2 does not).
+#
+# Stopping: with #SBATCH --signal=B:TERM@60, SLURM sends the batch shell SIGTERM
+# 60 s before the time limit; `scancel --batch --signal=TERM <job>` does the same
+# by hand. The trap turns it into SIGUSR1 for mpirun, which forwards it to every
+# rank and waits: every rank stops at the same step, rank 0 writes a checkpoint
+# and the results, and the job ends with exit code 143 (resume with --resume).
+# (SIGTERM straight to mpirun would kill the ranks about a second later.)
+
+MPITRAIN_HOME=${MPITRAIN_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
+MPITRAIN_PYTHON=${MPITRAIN_PYTHON:-$MPITRAIN_HOME/.venv/bin/python}
+MPITRAIN_RESULTS=${MPITRAIN_RESULTS:-$MPITRAIN_HOME/results}
+MPITRAIN_LAUNCHER=${MPITRAIN_LAUNCHER:-mpirun}
+if [ "$(id -u)" -eq 0 ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+[ -n "${MPITRAIN_DATA_DIR:-}" ] && export MPITRAIN_DATA_DIR
+
+mpitrain_run() {
+    # mpitrain_run ARGS...  -- runs `python -m mpitrain ARGS` on every task of the job
+    cd "$MPITRAIN_HOME" || exit 1
+    case "$MPITRAIN_LAUNCHER" in
+        mpirun) mpirun "$MPITRAIN_PYTHON" -m mpitrain "$@" --results-dir "$MPITRAIN_RESULTS" & ;;
+        srun) srun --mpi=pmix "$MPITRAIN_PYTHON" -m mpitrain "$@" \
+                  --results-dir "$MPITRAIN_RESULTS" & ;;
+        *) echo "mpitrain job: MPITRAIN_LAUNCHER must be mpirun or srun" >&2; exit 2 ;;
+    esac
+    local launcher=$!
+    trap 'echo "mpitrain job: stop requested, checkpointing" >&2; kill -USR1 '"$launcher" TERM INT
+    local code
+    while true; do  # `wait` returns early when a trapped signal arrives
+        wait "$launcher"
+        code=$?
+        kill -0 "$launcher" 2>/dev/null || break
+    done
+    trap - TERM INT
+    return "$code"
+}
