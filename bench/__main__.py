@@ -1,22 +1,56 @@
-"""``python -m bench NAME [options]``: run one benchmark (``--help`` lists them)."""
+"""``python -m bench NAME [--quick]`` runs one benchmark; ``python -m bench all`` runs them all.
+
+Every benchmark measures its comparisons side by side in one run and prints
+ratios; ``all`` writes everything into one ``results/bench/<timestamp>/`` with a
+``summary.md`` (each ratio with its target and whether it is met).
+"""
 
 import importlib
 import sys
+import time
+
+from .common import out_dir, write_summary
+from .figures import draw
 
 BENCHMARKS = {
+    "comm": "allreduce bus bandwidth vs raw mpi4py and memcpy (LR, LeNet, AlexNet sizes)",
+    "engines": "sync epoch time and accuracy: mpitrain vs Horovod vs MultiWorkerMirrored",
+    "async_engines": "async epoch time and accuracy: mpitrain vs ParameterServerStrategy",
+    "scaling": "throughput at 1/2/3 workers per model and mode; peak memory per rank",
     "sync_step": "sync LR step time at -np 1..4 and the allreduce's share of a step",
     "async_ps": "async server update rate vs the raw-MPI bound; async vs sync epoch time",
     "sampler": "epoch time with the telemetry sampler on vs off",
+    "netns": "LR and LeNet epoch time on the emulated 3-node cluster, 10 GbE vs 1 GbE",
 }
+ALL = ["comm", "engines", "async_engines", "scaling", "sync_step", "async_ps", "sampler",
+       "netns"]
 
 
 def main(argv):
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
-        print("usage: python -m bench NAME [--quick] [options]\n\nbenchmarks:")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*BENCHMARKS, "all"):
+        print(__doc__ + "\nbenchmarks:")
         for name, summary in BENCHMARKS.items():
             print(f"  {name:14s} {summary}")
+        print(f"  {'all':14s} every one above, in that order, then summary.md")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return importlib.import_module(f"bench.{argv[0]}").main(argv[1:])
+    names = ALL if argv[0] == "all" else [argv[0]]
+    out = out_dir()
+    checks, failed, started = [], [], time.time()
+    for name in names:
+        print(f"\n=== {name}: {BENCHMARKS[name]} ===", flush=True)
+        try:
+            result = importlib.import_module(f"bench.{name}").main(argv[1:], out) or {}
+        except Exception as exc:  # one broken benchmark must not cost the others' results
+            print(f"bench {name}: FAILED: {exc}", file=sys.stderr, flush=True)
+            failed.append(name)
+            result = {"checks": [{"benchmark": name, "ratio": "ran to completion",
+                                  "value": f"failed: {str(exc).splitlines()[0][:120]}",
+                                  "target": "runs", "met": False}]}
+        checks += result.get("checks", [])
+    summary = write_summary(out, checks, names, time.time() - started, argv[1:])
+    figures = draw(out)
+    print(f"\nsummary: {summary}\nfigures: {', '.join(p.name for p in figures) or 'none'}")
+    return 1 if failed else 0
 
 
 sys.exit(main(sys.argv[1:]))

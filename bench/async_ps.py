@@ -104,7 +104,7 @@ def cli_run(np_: int, epochs: int, results: Path, *extra) -> dict:
         return list(csv.DictReader(f))[-1]
 
 
-def main(argv=None) -> int:
+def main(argv=None, out=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench async_ps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small runs (smoke)")
@@ -114,8 +114,8 @@ def main(argv=None) -> int:
     updates = 2000 if args.quick else args.updates
     if args.rank_side:
         rank_side(args.rank_side, updates)
-        return 0
-    out = out_dir()
+        return {}
+    out = out or out_dir()
     rows = []
     def rate(np_, mode, env=None):
         result = mpirun(np_, ["-m", "bench.async_ps", "--rank-side", mode, "--updates",
@@ -160,7 +160,21 @@ def main(argv=None) -> int:
               f"process {100 * float(asyn['server_cpu_share']):.1f}% of a core (protocol "
               f"loop {100 * float(asyn['server_loop_cpu_share']):.1f}%, target <= 15%)")
     print(f"\nresults: {out}")
-    return 0
+    checks = [{"benchmark": "async_ps", "ratio": f"server updates/s, workers pushing zeros / "
+               f"raw MPI bound, -np {r['np']}", "value": r["ratio"], "target": f">= {TARGET}",
+               "met": r["ratio"] >= TARGET} for r in rows]
+    for t in timing:
+        if t["mode"] == "async":
+            loop = float(t["server_loop_cpu_share"])
+            checks.append({"benchmark": "async_ps", "ratio": f"async server protocol loop CPU "
+                           f"(share of a core), LR -np {t['np']}", "value": loop,
+                           "target": "<= 0.15", "met": loop <= 0.15})
+    for np_ in (3, 4):
+        sync, asyn = [t for t in timing if t["np"] == np_]
+        checks.append({"benchmark": "async_ps", "ratio": f"async / sync LR epoch time, -np {np_}",
+                       "value": round(asyn["s_per_epoch"] / sync["s_per_epoch"], 3),
+                       "target": "reported", "met": None})
+    return {"checks": checks}
 
 
 if __name__ == "__main__":

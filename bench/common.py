@@ -42,6 +42,24 @@ def mpirun(np_: int, args: List[str], timeout: float = 1800,
     return result
 
 
+def train(np_: int, args: List[str], results: Path, timeout: float = 3600,
+          hostfile: Path = LOCAL_HOSTFILE, mpirun_args: List[str] = ()) -> Dict[str, str]:
+    """One real ``mpirun ... python -m mpitrain ARGS`` run; returns its runs.csv row
+    (plus ``run_dir``). Raises if the run fails."""
+    results.mkdir(parents=True, exist_ok=True)
+    cmd = ["mpirun", "-q", *mpirun_args, "-np", str(np_), "-hostfile", str(hostfile),
+           sys.executable, "-m", "mpitrain", *map(str, args), "--results-dir", str(results),
+           "--quiet"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), cwd=REPO,
+                            timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n"
+                           f"{result.stderr[-2000:]}")
+    with open(results / "runs.csv", newline="") as f:
+        row = list(csv.DictReader(f))[-1]
+    return {**row, "run_dir": str(results / row["run"])}
+
+
 def last_json_line(text: str) -> dict:
     """The last line of ``text`` that is a JSON object (what a rank-side script prints)."""
     for line in reversed(text.splitlines()):
@@ -71,3 +89,34 @@ def table(rows: List[Dict], columns: List[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
     return "\n".join(lines)
+
+
+def print_checks(checks: List[Dict]) -> None:
+    """One line per check: its value, target and verdict."""
+    for c in checks:
+        value = c["value"]
+        shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+        verdict = "reported" if c.get("met") is None else ("met" if c["met"] else "SHORT")
+        print(f"{c['ratio']}: {shown} (target {c.get('target', '-')}: {verdict})")
+
+
+def write_summary(out: Path, checks: List[Dict], names: List[str], seconds: float,
+                  argv: List[str]) -> Path:
+    """summary.md: every ratio with its target and whether it is met."""
+    import os
+    import platform
+
+    lines = [f"# Benchmark summary ({time.strftime('%Y-%m-%d %H:%M')})", "",
+             f"Command: `python -m bench {'all' if len(names) > 1 else names[0]} "
+             f"{' '.join(argv)}`  ", f"Machine: {platform.node()}, {os.cpu_count()} cores, "
+             f"Python {platform.python_version()}; took {seconds / 60:.1f} min.", "",
+             "| benchmark | ratio | value | target | |", "| --- | --- | --- | --- | --- |"]
+    for c in checks:
+        value = c["value"]
+        shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+        verdict = "" if c.get("met") is None else ("met" if c["met"] else "**short**")
+        lines.append(f"| {c['benchmark']} | {c['ratio']} | {shown} | {c.get('target', '')} "
+                     f"| {verdict} |")
+    path = out / "summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -28,7 +28,7 @@ def one_run(results: Path, interval: str, epochs: int) -> float:
         return float(list(csv.DictReader(f))[-1]["wall_time_s"]) / epochs
 
 
-def main(argv=None) -> int:
+def main(argv=None, out=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench sampler", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 repeat of 2 epochs (smoke)")
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     rows = [{"sample_interval_s": i, "median_s_per_epoch": round(statistics.median(t), 4),
              "runs": len(t), "ratio_vs_off": round(statistics.median(t) / off, 3)}
             for i, t in times.items()]
-    path = out_dir() / "sampler.csv"
+    path = (out or out_dir()) / "sampler.csv"
     write_csv(path, rows)
     print(f"Sync LR, -np 3, {epochs} epochs, {repeats} interleaved repeats:")
     print(table(rows, list(rows[0])))
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     print(f"\nepoch time with sampling every 1 s / without = {default:.3f} "
           f"(target <= {TARGET}: {'met' if default <= TARGET else 'SHORT'})")
     print(f"results: {path}")
-    return 0
+    return {"checks": [{"benchmark": "sampler", "ratio": "epoch time, sampling every 1 s / off",
+                        "value": default, "target": f"<= {TARGET}", "met": default <= TARGET}]}
 
 
 if __name__ == "__main__":

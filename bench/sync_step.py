@@ -96,7 +96,7 @@ def rank_side(steps: int, data_dir: str) -> None:
     comm.barrier()
 
 
-def main(argv=None) -> int:
+def main(argv=None, out=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench sync_step", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1000)
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     steps = 200 if args.quick else args.steps
     if args.rank_side:
         rank_side(steps, mnist_dir())
-        return 0
+        return {}
     rows = []
     for np_ in (1, 2, 3, 4):
         r = last_json_line(mpirun(np_, ["-m", "bench.sync_step", "--rank-side",
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                      "us_per_example": round(1e3 * r["step_ms"] / (100 * workers), 2),
                      "eval_report_share_of_epoch": round(
                          r["report_ms"] / (epoch_steps * r["step_ms"]), 5)})
-    path = out_dir() / "sync_step.csv"
+    path = (out or out_dir()) / "sync_step.csv"
     write_csv(path, rows)
     print(table(rows, list(rows[0])))
     single = rows[0]["step_ms"]
@@ -142,7 +142,14 @@ def main(argv=None) -> int:
             line += "; no allreduce (one worker: rank 0 does not join the step)"
         print(line)
     print(f"\nresults: {path}")
-    return 0
+    return {"checks": [
+        {"benchmark": "sync_step", "ratio": f"allreduce transfer share of a sync LR step, "
+         f"-np {r['np']}", "value": r["transfer_share"], "target": "<= 0.10",
+         "met": r["transfer_share"] <= TARGET_ALLREDUCE_SHARE}
+        for r in rows if r["workers"] > 1] + [
+        {"benchmark": "sync_step", "ratio": f"sync LR step / single-node step, -np {r['np']}",
+         "value": round(r["step_ms"] / single, 3), "target": "reported", "met": None}
+        for r in rows[1:]]}
 
 
 if __name__ == "__main__":

@@ -38,24 +38,44 @@ def job_env(tmp_path, mnist, args=""):
                    MPITRAIN_DATA_DIR=mnist, MPITRAIN_ARGS=args)
 
 
-def submit(script, tmp_path, env, *extra):
-    """sbatch --wait; returns (job id, exit code, job output)."""
+class Job:
+    """A submitted batch job, polled every 0.5 s (sbatch --wait backs off to 10 s
+    between polls, which cost each test ~20 s of idle waiting)."""
+
+    DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+
+    def __init__(self, job_id: str, log: Path):
+        self.id, self.log = job_id, log
+
+    def poll(self):
+        """The job's exit code once it has finished, else None."""
+        out = subprocess.run(["scontrol", "-o", "show", "job", self.id], capture_output=True,
+                             text=True, timeout=30).stdout
+        state = re.search(r"JobState=(\S+)", out)
+        if not state or state.group(1) not in self.DONE:
+            return None
+        return int(re.search(r"ExitCode=(\d+):(\d+)", out).group(1))
+
+    def finish(self, bound=600):
+        deadline = time.monotonic() + bound
+        while (code := self.poll()) is None:
+            if time.monotonic() > deadline:
+                subprocess.run(["scancel", self.id], timeout=30)
+                pytest.fail(f"job {self.id} still running after {bound} s")
+            time.sleep(0.5)
+        return code
+
+    def output(self) -> str:
+        return self.log.read_text()[-3000:] if self.log.exists() else "no job output"
+
+
+def submit(script, tmp_path, env, *extra) -> Job:
     out = tmp_path / "job-%j.out"
-    proc = subprocess.Popen(["sbatch", "--wait", *ONE_HOST, f"--output={out}",
-                             REPO / "jobs" / script, *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    first = proc.stdout.readline()
-    job_id = re.search(r"Submitted batch job (\d+)", first).group(1)
-    return job_id, proc, Path(str(out).replace("%j", job_id))
-
-
-def finish(proc, bound=600):
-    try:
-        rest, _ = proc.communicate(timeout=bound)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"sbatch --wait still waiting after {bound} s")
-    return proc.returncode
+    job_id = subprocess.run(["sbatch", "--parsable", *ONE_HOST, f"--output={out}",
+                             REPO / "jobs" / script, *extra], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=60, check=True).stdout.strip()
+    return Job(job_id, Path(str(out).replace("%j", job_id)))
 
 
 @pytest.mark.parametrize("script,args,model,mode", [
@@ -65,9 +85,9 @@ def finish(proc, bound=600):
     ("alexnet.sbatch", "--steps 2 --image-size 32", "alexnet", "sync"),
 ])
 def test_job_scripts_complete(slurm, tmp_path, mnist, script, args, model, mode):
-    job_id, proc, log = submit(script, tmp_path, job_env(tmp_path, mnist, args))
-    code = finish(proc)
-    assert code == 0, log.read_text()[-3000:] if log.exists() else "no job output"
+    job = submit(script, tmp_path, job_env(tmp_path, mnist, args))
+    assert job.finish() == 0, job.output()
+    job_id = job.id
     run = read_rows(tmp_path / "results" / "runs.csv")[-1]
     assert (run["model"], run["mode"], run["np"], run["status"]) == (model, mode, "4", "ok")
     assert run["slurm_job_id"] == job_id
@@ -81,27 +101,25 @@ def test_sweep_job(slurm, tmp_path, mnist):
                     'np = [3]\n[options]\nsteps = 3\n')
     env = job_env(tmp_path, mnist)
     env["SPEC"] = str(spec)
-    job_id, proc, log = submit("sweep.sbatch", tmp_path, env)
-    assert finish(proc) == 0, log.read_text()[-3000:]
+    job = submit("sweep.sbatch", tmp_path, env)
+    assert job.finish() == 0, job.output()
     manifest = json.loads((tmp_path / "results" / "sweep-tiny" / "manifest.json").read_text())
     assert [e["status"] for e in manifest["runs"].values()] == ["done", "done"]
     assert (tmp_path / "results" / "sweep-tiny" / "report" / "report.md").is_file()
 
 
 def test_scancel_stops_cleanly_with_a_checkpoint(slurm, tmp_path, mnist):
-    job_id, proc, log = submit("lr-sync.sbatch", tmp_path,
-                               job_env(tmp_path, mnist, "--epochs 500"))
+    job = submit("lr-sync.sbatch", tmp_path, job_env(tmp_path, mnist, "--epochs 500"))
     deadline = time.monotonic() + 300
     while True:  # wait until training is under way
         runs = [d for d in (tmp_path / "results").glob("*-lr-sync-np4")]
         if runs and len(read_rows(runs[0] / "curve.csv")) >= 3:
             break
-        assert proc.poll() is None and time.monotonic() < deadline, "job did not start"
+        assert job.poll() is None and time.monotonic() < deadline, "job did not start"
         time.sleep(0.5)
-    subprocess.run(["scancel", "--batch", "--signal=TERM", job_id], check=True)
-    code = finish(proc, bound=120)
-    assert code == 143, log.read_text()[-3000:]
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job.id], check=True)
+    assert job.finish(bound=120) == 143, job.output()
     run = read_rows(tmp_path / "results" / "runs.csv")[-1]
-    assert run["status"] == "interrupted" and run["slurm_job_id"] == job_id
+    assert run["status"] == "interrupted" and run["slurm_job_id"] == job.id
     assert (runs[0] / "checkpoint.npz").is_file()
-    assert "mpitrain: interrupted: stopped by SIGUSR1" in log.read_text()
+    assert "mpitrain: interrupted: stopped by SIGUSR1" in job.log.read_text()

@@ -68,7 +68,8 @@ def test_sync_traffic_matches_arithmetic(runs):
     assert int(comm[(0, "pull")]["recv_bytes"]) == EPOCHS * N_PARAMS * 4
     assert int(comm[(1, "pull")]["sent_bytes"]) == EPOCHS * N_PARAMS * 4
     assert (2, "pull") not in comm
-    assert int(comm[(0, "broadcast")]["sent_bytes"]) == N_PARAMS * 4
+    # the starting position (step, clock offset: two float64), then the initial weights
+    assert int(comm[(0, "broadcast")]["sent_bytes"]) == 2 * 8 + N_PARAMS * 4
 
 
 def test_async_traffic_matches_arithmetic(runs):

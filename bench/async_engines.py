@@ -1,0 +1,63 @@
+"""Async engines side by side: mpitrain's parameter server vs TensorFlow's
+ParameterServerStrategy, on LR and LeNet.
+
+Two workers each (mpitrain at -np 3: rank 0 is the server; PSS: a coordinator,
+one parameter server and two workers over gRPC on localhost), the same model,
+data, per-worker batch, number of applied updates and (unscaled) learning rate.
+Epoch time excludes process start-up on both sides. Target: mpitrain <= 0.5x
+PSS's epoch time at equal accuracy (within 1 pp).
+
+    python -m bench async_engines [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from .common import out_dir, print_checks, table, write_csv
+from .engines import mpitrain_run, tf_baseline
+
+CASES = {
+    "lr": (["--epochs", "10", "--batch-size", "100"],
+           ["--epochs", "10", "--batch-size", "100", "--optimizer", "sgd", "--lr", "0.5"]),
+    "lenet": (["--epochs", "2", "--batch-size", "64"],
+              ["--epochs", "2", "--batch-size", "64", "--optimizer", "adam", "--lr", "0.001",
+               "--lr-schedule", "cosine"]),
+}
+TARGET = 0.5
+
+
+def main(argv=None, out=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench async_engines", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few steps each (smoke)")
+    args = parser.parse_args(argv)
+    out = out or out_dir()
+    rows, checks = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, (ours, theirs) in CASES.items():
+            mine = mpitrain_run(model, ours, args.quick, Path(tmp) / model, "--async")
+            pss = tf_baseline("ps", model, theirs, args.quick)
+            for engine, m in (("mpitrain-async", mine), ("ParameterServerStrategy", pss)):
+                rows.append({"model": model, "engine": engine,
+                             "epoch_time_s": round(m["epoch_time_s"], 4),
+                             "wall_time_s": round(m["wall_time_s"], 3),
+                             "test_accuracy": round(m["test_accuracy"], 4)})
+            ratio = round(mine["epoch_time_s"] / pss["epoch_time_s"], 3)
+            gap = round(100 * (mine["test_accuracy"] - pss["test_accuracy"]), 2)
+            checks.append({"benchmark": "async_engines", "ratio": f"{model}: mpitrain async / "
+                           "ParameterServerStrategy epoch time", "value": ratio,
+                           "target": f"<= {TARGET}", "met": ratio <= TARGET})
+            checks.append({"benchmark": "async_engines", "ratio": f"{model}: mpitrain async - "
+                           "ParameterServerStrategy test accuracy (pp)", "value": gap,
+                           "target": "within 1", "met": None if args.quick else abs(gap) <= 1})
+    write_csv(out / "async_engines.csv", rows)
+    print(table(rows, list(rows[0])))
+    print_checks(checks)
+    return {"rows": rows, "checks": checks}
+
+
+if __name__ == "__main__":
+    main()

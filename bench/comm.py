@@ -1,0 +1,109 @@
+"""Communication vs the limit: fused allreduce bus bandwidth at LR, LeNet and AlexNet
+gradient sizes, -np 2/3/4.
+
+For each size and process count, side by side in one job: mpitrain's
+``Comm.allreduce_mean_`` (nonblocking, yield-then-sleep wait, in-place scale),
+a raw mpi4py ``Allreduce(IN_PLACE)`` on the same buffer, and (one process) a
+memcpy of the same size. Bus bandwidth = 2 (N-1) / N x bytes / time, the
+standard measure (what each rank must move in a ring allreduce).
+Ratios: mpitrain / raw MPI (target >= 0.9); raw MPI / memcpy (the machine's
+limit, reported).
+
+    python -m bench comm [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from .common import last_json_line, mpirun, out_dir, table, write_csv
+
+SIZES = {"lr": 7850 + 4, "lenet": 61706 + 4, "alexnet": 61100840 + 4}  # + status tail
+TARGET = 0.9
+
+
+def _time(fn, seconds: float, min_reps: int) -> float:
+    fn()  # warm up
+    reps, t0 = 0, time.perf_counter()
+    while reps < min_reps or time.perf_counter() - t0 < seconds:
+        fn()
+        reps += 1
+    return (time.perf_counter() - t0) / reps
+
+
+def rank_side(seconds: float) -> None:
+    from mpi4py import MPI
+
+    from mpitrain.comm import Comm
+
+    comm = Comm.world(timeout=600)
+    raw = MPI.COMM_WORLD
+    out = {}
+    for name, n in SIZES.items():
+        buf = np.ones(n, np.float32)
+        reps = 3 if buf.nbytes > 2**24 else 50
+        raw.Barrier()
+        t_raw = _time(lambda: raw.Allreduce(MPI.IN_PLACE, buf), seconds, reps)
+        raw.Barrier()
+        t_ours = _time(lambda: comm.allreduce_mean_(buf), seconds, reps)
+        times = raw.gather((t_raw, t_ours), root=0)
+        if raw.rank == 0:
+            out[name] = {"bytes": buf.nbytes, "raw_s": max(t[0] for t in times),
+                         "mpitrain_s": max(t[1] for t in times)}
+    if raw.rank == 0:
+        print(json.dumps(out))
+
+
+def memcpy_seconds(nbytes: int, seconds: float) -> float:
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    return _time(lambda: np.copyto(dst, src), seconds, 3 if nbytes > 2**24 else 50)
+
+
+def main(argv=None, out=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench comm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    seconds = 0.1 if args.quick else args.seconds
+    if args.rank_side:
+        rank_side(seconds)
+        return {}
+    rows = []
+    for np_ in (2, 3, 4):
+        measured = last_json_line(mpirun(np_, ["-m", "bench.comm", "--rank-side", "--seconds",
+                                               str(seconds)]).stdout)
+        for name, m in measured.items():
+            bus = 2 * (np_ - 1) / np_ * m["bytes"]
+            memcpy = memcpy_seconds(m["bytes"], seconds)
+            rows.append({"np": np_, "model": name, "bytes": m["bytes"],
+                         "mpitrain_us": round(1e6 * m["mpitrain_s"], 1),
+                         "raw_mpi_us": round(1e6 * m["raw_s"], 1),
+                         "memcpy_us": round(1e6 * memcpy, 1),
+                         "mpitrain_busbw_GBs": round(bus / m["mpitrain_s"] / 1e9, 3),
+                         "raw_busbw_GBs": round(bus / m["raw_s"] / 1e9, 3),
+                         "memcpy_GBs": round(m["bytes"] / memcpy / 1e9, 3),
+                         "mpitrain_over_raw": round(m["raw_s"] / m["mpitrain_s"], 3),
+                         "raw_over_memcpy": round(memcpy / m["raw_s"] * 2 * (np_ - 1) / np_, 3)})
+    out = out or out_dir()
+    write_csv(out / "comm.csv", rows)
+    print("Fused allreduce bus bandwidth (2(N-1)/N x bytes / time):")
+    print(table(rows, list(rows[0])))
+    worst = min(r["mpitrain_over_raw"] for r in rows)
+    print(f"\nmpitrain / raw MPI bandwidth: worst {worst:.2f} (target >= {TARGET}: "
+          f"{'met' if worst >= TARGET else 'SHORT'})")
+    return {"rows": rows, "checks": [
+        {"benchmark": "comm", "ratio": "mpitrain / raw MPI allreduce bandwidth (worst)",
+         "value": worst, "target": f">= {TARGET}", "met": worst >= TARGET}]}
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

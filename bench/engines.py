@@ -1,0 +1,109 @@
+"""Sync engines side by side: mpitrain's MPI allreduce vs Horovod vs TensorFlow's
+MultiWorkerMirroredStrategy, on LR, LeNet and AlexNet (small images).
+
+Two workers each (mpitrain at -np 3: rank 0 is the parameter server and does not
+take part in the gradient allreduce; MWMS: two worker processes over gRPC on
+localhost), the same model, data, per-worker batch, global batch, epochs and
+(linearly scaled) learning rate. Epoch time is training time / epochs, process
+start-up excluded on every side. Ratios: mpi / horovod (targets <= 0.5 on LR,
+where Horovod's ~1 ms cycle dominates, and <= 1.0 on LeNet and AlexNet);
+mpi / MWMS (target <= 0.5 on all three); accuracy within 0.5 pp of each other.
+
+    python -m bench engines [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .common import (REPO, mnist_dir, mpi_env, out_dir, print_checks, table, train,
+                     write_csv)
+
+WORKERS = 2
+# model: (mpitrain options, tf_baselines options); the learning rate given to MWMS
+# is the one mpitrain uses after linear scaling by the number of workers
+CASES = {
+    "lr": (["--epochs", "10", "--batch-size", "100"],
+           ["--epochs", "10", "--batch-size", "100", "--optimizer", "sgd", "--lr", "1.0"]),
+    "lenet": (["--epochs", "2", "--batch-size", "64"],
+              ["--epochs", "2", "--batch-size", "64", "--optimizer", "adam", "--lr", "0.002",
+               "--lr-schedule", "cosine"]),
+    "alexnet": (["--epochs", "1", "--batch-size", "32", "--image-size", "32",
+                 "--synthetic-size", "640"],
+                ["--epochs", "1", "--batch-size", "32", "--image-size", "32",
+                 "--synthetic-size", "640", "--optimizer", "momentum", "--lr", "0.02"]),
+}
+QUICK = {"lr": ["--steps", "20"], "lenet": ["--steps", "10"], "alexnet": ["--steps", "2"]}
+TARGET_HOROVOD = {"lr": 0.5, "lenet": 1.0, "alexnet": 1.0}
+TARGET_MWMS = 0.5
+
+
+def tf_baseline(strategy: str, model: str, args, quick: bool, timeout=3600) -> dict:
+    """Run bench/tf_baselines.py (TensorFlow alone) and return its JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        extra = ["--steps", QUICK[model][1]] if quick else []
+        cmd = [sys.executable, str(REPO / "bench" / "tf_baselines.py"), "--strategy", strategy,
+               "--model", model, "--workers", str(WORKERS), "--data-dir", mnist_dir(),
+               "--json-out", str(out), *args, *extra]
+        result = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(),
+                                timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        return json.loads(out.read_text())
+
+
+def mpitrain_run(model: str, args, quick: bool, results: Path, *extra) -> dict:
+    row = train(WORKERS + 1, [model, *args, *(QUICK[model] if quick else []), "--data-dir",
+                              mnist_dir(), *extra], results)
+    epochs = float(row["epochs"])
+    return {"wall_time_s": float(row["wall_time_s"]),
+            "epoch_time_s": float(row["wall_time_s"]) / epochs,
+            "test_accuracy": float(row["test_accuracy"]), "epochs": epochs}
+
+
+def main(argv=None, out=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench engines", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few steps each (smoke)")
+    parser.add_argument("--models", default="lr,lenet,alexnet")
+    args = parser.parse_args(argv)
+    out = out or out_dir()
+    rows, checks = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            ours, theirs = CASES[model]
+            measured = {
+                "mpi": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-mpi"),
+                "horovod": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-hvd",
+                                        "--allreduce", "horovod"),
+                "mwms": tf_baseline("mwms", model, theirs, args.quick),
+            }
+            for engine, m in measured.items():
+                rows.append({"model": model, "engine": engine, "workers": WORKERS,
+                             "epoch_time_s": round(m["epoch_time_s"], 4),
+                             "wall_time_s": round(m["wall_time_s"], 3),
+                             "test_accuracy": round(m["test_accuracy"], 4)})
+            mpi = measured["mpi"]
+            for engine, target in (("horovod", TARGET_HOROVOD[model]), ("mwms", TARGET_MWMS)):
+                ratio = round(mpi["epoch_time_s"] / measured[engine]["epoch_time_s"], 3)
+                gap = round(100 * (mpi["test_accuracy"] - measured[engine]["test_accuracy"]), 2)
+                checks.append({"benchmark": "engines", "ratio": f"{model}: mpi / {engine} epoch "
+                               "time", "value": ratio, "target": f"<= {target}",
+                               "met": ratio <= target})
+                checks.append({"benchmark": "engines", "ratio": f"{model}: mpi - {engine} test "
+                               "accuracy (pp)", "value": gap, "target": "within 0.5",
+                               "met": None if args.quick else abs(gap) <= 0.5})
+    write_csv(out / "engines.csv", rows)
+    print(table(rows, list(rows[0])))
+    print_checks(checks)
+    return {"rows": rows, "checks": checks}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""LR and LeNet epoch time on the emulated 3-node cluster2 (network namespaces),
+with links shaped to 10 GbE and to 1 GbE.
+
+Ranks on different "nodes" talk over real TCP through shaped veth links
+(scripts/netns-cluster); all nodes still share this machine's cores. Prints the
+ratio 1 GbE / 10 GbE per model and mode. Note: on 2 cores TCP itself tops out
+below 10 Gbit/s, so the 10 GbE shaping does not bind here; and the kernel has
+no netem, so links are rate-limited but not delayed.
+
+    python -m bench netns [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .common import REPO, mnist_dir, out_dir, table, train, write_csv
+
+NETNS = REPO / "scripts" / "netns-cluster"
+MODELS = {"lr": ["--epochs", "3"], "lenet": ["--epochs", "1"]}
+QUICK = {"lr": ["--steps", "20"], "lenet": ["--steps", "10"]}
+
+
+def main(argv=None, out=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench netns", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    out = out or out_dir()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for link in ("10gbit", "1gbit"):
+            up = subprocess.run([NETNS, "up", "--link", link], capture_output=True, text=True)
+            if up.returncode == 77:
+                print("skipped: " + (up.stdout + up.stderr).strip())
+                return {"checks": [{"benchmark": "netns", "ratio": "emulated cluster",
+                                    "value": "skipped", "target": up.stderr.strip()[:80],
+                                    "met": None}]}
+            if up.returncode != 0:
+                raise RuntimeError(up.stdout + up.stderr)
+            try:
+                mpirun_args = subprocess.run([NETNS, "mpirun-args"], capture_output=True,
+                                             text=True, check=True).stdout.split()
+                hostfile = subprocess.run([NETNS, "hostfile", "cluster2"], capture_output=True,
+                                          text=True, check=True).stdout.strip()
+                for model, epochs in MODELS.items():
+                    for mode in ("sync", "async"):
+                        run_args = [model, *epochs, *(QUICK[model] if args.quick else []),
+                                    "--data-dir", mnist_dir()]
+                        if mode == "async":
+                            run_args.append("--async")
+                        row = train(4, run_args, Path(tmp) / f"{link}-{model}-{mode}",
+                                    hostfile=Path(hostfile), mpirun_args=mpirun_args)
+                        rows.append({"link": link, "model": model, "mode": mode,
+                                     "s_per_epoch": round(float(row["wall_time_s"]) /
+                                                          float(row["epochs"]), 4),
+                                     "node0_mb": round(float(row["node0_rx_mb"]) +
+                                                       float(row["node0_tx_mb"]), 2)})
+            finally:
+                subprocess.run([NETNS, "down"], capture_output=True)
+    write_csv(out / "netns.csv", rows)
+    print(table(rows, list(rows[0])))
+    checks = []
+    for model in MODELS:
+        for mode in ("sync", "async"):
+            fast, slow = [r["s_per_epoch"] for r in rows if r["model"] == model
+                          and r["mode"] == mode]
+            checks.append({"benchmark": "netns", "ratio": f"{model} {mode} epoch time on "
+                           "emulated cluster2, 1 GbE / 10 GbE", "value": round(slow / fast, 3),
+                           "target": "reported", "met": None})
+            print(f"{checks[-1]['ratio']}: {checks[-1]['value']:.2f}")
+    return {"rows": rows, "checks": checks}
+
+
+if __name__ == "__main__":
+    main()
