@@ -28,11 +28,29 @@ TARGET = 0.9
 
 
 def _time(fn, seconds: float, min_reps: int) -> float:
+    """Seconds per call of ``fn`` (single process)."""
     fn()  # warm up
     reps, t0 = 0, time.perf_counter()
     while reps < min_reps or time.perf_counter() - t0 < seconds:
         fn()
         reps += 1
+    return (time.perf_counter() - t0) / reps
+
+
+def _time_collective(raw, max_op, fn, seconds: float, min_reps: int) -> float:
+    """Seconds per call of the collective ``fn``: every rank must run the same number
+    of calls, so rank 0 sizes the run from a calibration and tells the others."""
+    fn()  # warm up
+    raw.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(min_reps):
+        fn()
+    per_call = raw.allreduce((time.perf_counter() - t0) / min_reps, op=max_op)
+    reps = max(min_reps, int(seconds / max(per_call, 1e-9)))
+    raw.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
     return (time.perf_counter() - t0) / reps
 
 
@@ -47,10 +65,8 @@ def rank_side(seconds: float) -> None:
     for name, n in SIZES.items():
         buf = np.ones(n, np.float32)
         reps = 3 if buf.nbytes > 2**24 else 50
-        raw.Barrier()
-        t_raw = _time(lambda: raw.Allreduce(MPI.IN_PLACE, buf), seconds, reps)
-        raw.Barrier()
-        t_ours = _time(lambda: comm.allreduce_mean_(buf), seconds, reps)
+        t_raw = _time_collective(raw, MPI.MAX, lambda: raw.Allreduce(MPI.IN_PLACE, buf), seconds, reps)
+        t_ours = _time_collective(raw, MPI.MAX, lambda: comm.allreduce_mean_(buf), seconds, reps)
         times = raw.gather((t_raw, t_ours), root=0)
         if raw.rank == 0:
             out[name] = {"bytes": buf.nbytes, "raw_s": max(t[0] for t in times),
