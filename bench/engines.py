@@ -59,8 +59,11 @@ def tf_baseline(strategy: str, model: str, args, quick: bool, timeout=3600) -> d
 
 
 def mpitrain_run(model: str, args, quick: bool, results: Path, *extra) -> dict:
+    """One mpitrain run with two workers. It evaluates once, at the end, like the
+    TensorFlow baselines (by default it would evaluate every epoch)."""
+    epochs = args[args.index("--epochs") + 1]
     row = train(WORKERS + 1, [model, *args, *(QUICK[model] if quick else []), "--data-dir",
-                              mnist_dir(), *extra], results)
+                              mnist_dir(), "--eval-every", epochs, *extra], results)
     epochs = float(row["epochs"])
     return {"wall_time_s": float(row["wall_time_s"]),
             "epoch_time_s": float(row["wall_time_s"]) / epochs,

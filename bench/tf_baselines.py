@@ -73,6 +73,7 @@ EVAL_BATCH = 2000
 IDX = {"x_train": "train-images-idx3-ubyte", "y_train": "train-labels-idx1-ubyte",
        "x_test": "t10k-images-idx3-ubyte", "y_test": "t10k-labels-idx1-ubyte"}
 ERROR_TAG = "TF_BASELINES_CHILD_ERROR:"
+PS_INTER_OP_THREADS = 2
 
 
 class Failure(Exception):
@@ -312,7 +313,7 @@ class Launcher:
             for i in range(W):
                 self.spawn(f"worker{i}", "mwms-worker", cluster, "worker", i,
                            result_file if i == 0 else None)
-            main = self.procs[0]
+            main = self.procs[0][1]
         else:
             ports = free_ports(W + 2)
             cluster = {"chief": [f"localhost:{ports[0]}"], "ps": [f"localhost:{ports[1]}"],
@@ -321,14 +322,14 @@ class Launcher:
             for i in range(W):
                 self.spawn(f"worker{i}", "ps-server", cluster, "worker", i)
             self.spawn("chief", "ps-chief", cluster, "chief", 0, result_file)
-            main = self.procs[-1]
+            main = self.procs[-1][1]
         servers_run_forever = args.strategy == "ps"
         while True:
             if time.monotonic() > deadline:
                 self.dump_stacks()
                 raise Failure(f"timed out after {args.timeout:.0f} s (--timeout); killed "
                               f"every process; logs in {self.logdir}")
-            done = main[1].poll() is not None
+            done = main.poll() is not None
             for name, proc, log in self.procs:
                 rc = proc.poll()
                 if rc is None or rc == 0 and (not servers_run_forever or proc is main):
@@ -660,10 +661,14 @@ def ps_server(args):
 
     threads = threads_per_process(args.workers)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    # Two inter-op threads, not one: a worker task runs a closure whose ops wait on
+    # the PS (variable reads, the atomic step increment) while its iterator op runs;
+    # with a single inter-op thread every closure hung (observed: coordinator.join
+    # never returned, all tasks idle).
+    tf.config.threading.set_inter_op_parallelism_threads(PS_INTER_OP_THREADS)
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads,
-                                      inter_op_parallelism_threads=1)
+                                      inter_op_parallelism_threads=PS_INTER_OP_THREADS)
     server = tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type,
                                   task_index=resolver.task_id, protocol="grpc",
                                   config=config, start=True)
