@@ -1,4 +1,4 @@
-"""``python -m bench NAME [--quick]`` runs one benchmark; ``python -m bench all`` runs them all.
+"""``python -m bench NAME[,NAME...] [--quick]`` runs benchmarks; ``python -m bench all`` runs them all.
 
 Every benchmark measures its comparisons side by side in one run and prints
 ratios; ``all`` writes everything into one ``results/bench/<timestamp>/`` with a
@@ -27,13 +27,14 @@ ALL = ["comm", "engines", "async_engines", "scaling", "sync_step", "async_ps", "
 
 
 def main(argv):
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*BENCHMARKS, "all"):
+    known = (*BENCHMARKS, "all")
+    if not argv or argv[0] in ("-h", "--help") or not set(argv[0].split(",")) <= set(known):
         print(__doc__ + "\nbenchmarks:")
         for name, summary in BENCHMARKS.items():
             print(f"  {name:14s} {summary}")
         print(f"  {'all':14s} every one above, in that order, then summary.md")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    names = ALL if argv[0] == "all" else [argv[0]]
+    names = ALL if argv[0] == "all" else argv[0].split(",")
     out = out_dir()
     checks, failed, started = [], [], time.time()
     for name in names:
@@ -47,7 +48,7 @@ def main(argv):
                                   "value": f"failed: {str(exc).splitlines()[0][:120]}",
                                   "target": "runs", "met": False}]}
         checks += result.get("checks", [])
-    summary = write_summary(out, checks, names, time.time() - started, argv[1:])
+    summary = write_summary(out, checks, argv, time.time() - started)
     figures = draw(out)
     print(f"\nsummary: {summary}\nfigures: {', '.join(p.name for p in figures) or 'none'}")
     return 1 if failed else 0

@@ -33,11 +33,13 @@ def main(argv=None, out=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench async_engines", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few steps each (smoke)")
+    parser.add_argument("--models", default="lr,lenet")
     args = parser.parse_args(argv)
     out = out or out_dir()
     rows, checks = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for model, (ours, theirs) in CASES.items():
+        for model in args.models.split(","):
+            ours, theirs = CASES[model]
             mine = mpitrain_run(model, ours, args.quick, Path(tmp) / model, "--async")
             pss = tf_baseline("ps", model, theirs, args.quick)
             for engine, m in (("mpitrain-async", mine), ("ParameterServerStrategy", pss)):

@@ -100,15 +100,14 @@ def print_checks(checks: List[Dict]) -> None:
         print(f"{c['ratio']}: {shown} (target {c.get('target', '-')}: {verdict})")
 
 
-def write_summary(out: Path, checks: List[Dict], names: List[str], seconds: float,
-                  argv: List[str]) -> Path:
+def write_summary(out: Path, checks: List[Dict], argv: List[str], seconds: float) -> Path:
     """summary.md: every ratio with its target and whether it is met."""
     import os
     import platform
 
     lines = [f"# Benchmark summary ({time.strftime('%Y-%m-%d %H:%M')})", "",
-             f"Command: `python -m bench {'all' if len(names) > 1 else names[0]} "
-             f"{' '.join(argv)}`  ", f"Machine: {platform.node()}, {os.cpu_count()} cores, "
+             f"Command: `python -m bench {' '.join(argv)}`  ",
+             f"Machine: {platform.node()}, {os.cpu_count()} cores, "
              f"Python {platform.python_version()}; took {seconds / 60:.1f} min.", "",
              "| benchmark | ratio | value | target | |", "| --- | --- | --- | --- | --- |"]
     for c in checks:

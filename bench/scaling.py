@@ -76,8 +76,12 @@ def main(argv=None, out=None) -> dict:
             base = None
             label = model + (" (1 thread/rank)" if extra else "")
             for workers, np_ in SHAPES[mode].items():
+                epochs = MODELS[model][MODELS[model].index("--epochs") + 1]
+                # evaluate once, at the end: rank 0's per-epoch evaluation would take a
+                # core from the workers and measure the 10,000-image test pass instead
                 args_ = [model, *MODELS[model], *(QUICK[model] if args.quick else []),
-                         "--data-dir", mnist_dir(), "--sample-interval", "0.25", *extra]
+                         "--data-dir", mnist_dir(), "--sample-interval", "0.25",
+                         "--eval-every", epochs, *extra]
                 if mode == "async":
                     args_.append("--async")
                 row = train(np_, args_, Path(tmp) / f"{label}-{mode}-{np_}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import numpy as np
@@ -153,4 +152,4 @@ def main(argv=None, out=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()  # returns the checks for bench/__main__.py; exit status 0

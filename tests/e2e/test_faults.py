@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import LOCAL_HOSTFILE, mpi_env, mpirun, read_rows
+from conftest import LOCAL_HOSTFILE, mnist_dir, mpi_env, mpirun, read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -139,9 +139,22 @@ def final_weights(run_dir: Path) -> np.ndarray:
         return ckpt["weights"].copy()
 
 
+RESUME_EPOCHS = 40
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_weights(tmp_path_factory):
+    """Final weights of an uninterrupted sync LR run (the resume tests' reference)."""
+    results = tmp_path_factory.mktemp("straight")
+    straight = mpirun(4, "lr", "--data-dir", mnist_dir(), "--results-dir", results,
+                      "--epochs", str(RESUME_EPOCHS), "--quiet", timeout=600)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    return final_weights(next(d for d in results.iterdir() if d.is_dir()))
+
+
 @pytest.mark.parametrize("how", ["SIGTERM to every rank", "SIGUSR1 to mpirun"])
-def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how):
-    epochs = 40
+def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how, uninterrupted_weights):
+    epochs = RESUME_EPOCHS
     job = Job(4, tmp_path / "a", "--data-dir", str(mnist), epochs=epochs)
     job.wait_for_evaluations(4)
     if how.startswith("SIGTERM"):
@@ -165,12 +178,7 @@ def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how):
     curve = read_rows(run_dir / "curve.csv")
     assert float(curve[-1]["epoch"]) == epochs
     assert [int(r["step"]) for r in curve] == sorted(int(r["step"]) for r in curve)
-
-    straight = mpirun(4, "lr", "--data-dir", mnist, "--results-dir", tmp_path / "b",
-                      "--epochs", str(epochs), "--quiet", timeout=600)
-    assert straight.returncode == 0
-    reference = final_weights(next(d for d in (tmp_path / "b").iterdir() if d.is_dir()))
-    assert np.array_equal(final_weights(run_dir), reference)
+    assert np.array_equal(final_weights(run_dir), uninterrupted_weights)
 
 
 def test_stop_and_resume_async(mnist, tmp_path):
