@@ -93,7 +93,7 @@ def main(argv=None, out=None) -> dict:
                              "physical_cap": min(workers, cores),
                              "test_accuracy": float(row["test_accuracy"])})
                 server, worker = peak_rss(row["run_dir"])
-                memory.append({"model": model, "mode": rows[-1]["mode"], "np": np_,
+                memory.append({"model": label, "mode": rows[-1]["mode"], "np": np_,
                                "server_peak_mb": round(server, 1),
                                "worker_peak_mb": round(worker, 1)})
     write_csv(out / "scaling.csv", rows)
