@@ -1,4 +1,5 @@
-"""``python -m bench NAME[,NAME...] [--quick]`` runs benchmarks; ``python -m bench all`` runs them all.
+"""``python -m bench NAME[,NAME...] [--quick]`` runs benchmarks; ``python -m bench all``
+runs them all.
 
 Every benchmark measures its comparisons side by side in one run and prints
 ratios; ``all`` writes everything into one ``results/bench/<timestamp>/`` with a

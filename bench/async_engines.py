@@ -12,12 +12,11 @@ PSS's epoch time at equal accuracy (within 1 pp).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
-from .common import out_dir, print_checks, table, write_csv
-from .engines import mpitrain_run, tf_baseline
+from .common import bench_parser, out_dir, print_checks, table, write_csv
+from .engines import comparison, engine_row, mpitrain_run, tf_baseline
 
 CASES = {
     "lr": (["--epochs", "10", "--batch-size", "100"],
@@ -30,9 +29,7 @@ TARGET = 0.5
 
 
 def main(argv=None, out=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench async_engines", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few steps each (smoke)")
+    parser = bench_parser("async_engines", __doc__)
     parser.add_argument("--models", default="lr,lenet")
     args = parser.parse_args(argv)
     out = out or out_dir()
@@ -42,19 +39,10 @@ def main(argv=None, out=None) -> dict:
             ours, theirs = CASES[model]
             mine = mpitrain_run(model, ours, args.quick, Path(tmp) / model, "--async")
             pss = tf_baseline("ps", model, theirs, args.quick)
-            for engine, m in (("mpitrain-async", mine), ("ParameterServerStrategy", pss)):
-                rows.append({"model": model, "engine": engine,
-                             "epoch_time_s": round(m["epoch_time_s"], 4),
-                             "wall_time_s": round(m["wall_time_s"], 3),
-                             "test_accuracy": round(m["test_accuracy"], 4)})
-            ratio = round(mine["epoch_time_s"] / pss["epoch_time_s"], 3)
-            gap = round(100 * (mine["test_accuracy"] - pss["test_accuracy"]), 2)
-            checks.append({"benchmark": "async_engines", "ratio": f"{model}: mpitrain async / "
-                           "ParameterServerStrategy epoch time", "value": ratio,
-                           "target": f"<= {TARGET}", "met": ratio <= TARGET})
-            checks.append({"benchmark": "async_engines", "ratio": f"{model}: mpitrain async - "
-                           "ParameterServerStrategy test accuracy (pp)", "value": gap,
-                           "target": "within 1", "met": None if args.quick else abs(gap) <= 1})
+            rows += [engine_row(model, "mpitrain-async", mine),
+                     engine_row(model, "ParameterServerStrategy", pss)]
+            checks += comparison("async_engines", f"{model}: mpitrain async / "
+                                 "ParameterServerStrategy", mine, pss, TARGET, 1, args.quick)
     write_csv(out / "async_engines.csv", rows)
     print(table(rows, list(rows[0])))
     print_checks(checks)

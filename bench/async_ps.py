@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import last_json_line, mnist_dir, mpirun, out_dir, table, write_csv
+from .common import bench_parser, last_json_line, mnist_dir, mpirun, out_dir, table, write_csv
 
 TARGET = 0.5
 
@@ -104,9 +104,7 @@ def cli_run(np_: int, epochs: int, results: Path, *extra) -> dict:
 
 
 def main(argv=None, out=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench async_ps", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small runs (smoke)")
+    parser = bench_parser("async_ps", __doc__, "small runs (smoke)")
     parser.add_argument("--rank-side", choices=["raw", "mpitrain"], help=argparse.SUPPRESS)
     parser.add_argument("--updates", type=int, default=20000)
     args = parser.parse_args(argv)

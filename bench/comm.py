@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .common import last_json_line, mpirun, out_dir, table, write_csv
+from .common import bench_parser, last_json_line, mpirun, out_dir, table, write_csv
 
 SIZES = {"lr": 7850 + 4, "lenet": 61706 + 4, "alexnet": 61100840 + 4}  # + status tail
 TARGET = 0.9
@@ -65,7 +65,8 @@ def rank_side(seconds: float) -> None:
     for name, n in SIZES.items():
         buf = np.ones(n, np.float32)
         reps = 3 if buf.nbytes > 2**24 else 50
-        t_raw = _time_collective(raw, MPI.MAX, lambda: raw.Allreduce(MPI.IN_PLACE, buf), seconds, reps)
+        t_raw = _time_collective(raw, MPI.MAX, lambda: raw.Allreduce(MPI.IN_PLACE, buf),
+                                 seconds, reps)
         t_ours = _time_collective(raw, MPI.MAX, lambda: comm.allreduce_mean_(buf), seconds, reps)
         times = raw.gather((t_raw, t_ours), root=0)
         if raw.rank == 0:
@@ -82,9 +83,7 @@ def memcpy_seconds(nbytes: int, seconds: float) -> float:
 
 
 def main(argv=None, out=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench comm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
+    parser = bench_parser("comm", __doc__)
     parser.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=1.0)
     args = parser.parse_args(argv)

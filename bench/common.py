@@ -16,6 +16,16 @@ LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
 DEFAULT_MNIST = REPO.parent / "shared" / "data" / "mnist"
 
 
+def bench_parser(name: str, doc: str, quick_help: str = "a few steps each (smoke)"):
+    """The command line of ``python -m bench NAME``: its docstring as help, and --quick."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=f"python -m bench {name}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    return p
+
+
 def mnist_dir() -> str:
     return os.environ.get("MPITRAIN_DATA_DIR", str(DEFAULT_MNIST))
 

@@ -12,12 +12,11 @@ no netem, so links are rate-limited but not delayed.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import tempfile
 from pathlib import Path
 
-from .common import REPO, mnist_dir, out_dir, table, train, write_csv
+from .common import bench_parser, REPO, mnist_dir, out_dir, table, train, write_csv
 
 NETNS = REPO / "scripts" / "netns-cluster"
 MODELS = {"lr": ["--epochs", "3"], "lenet": ["--epochs", "1"]}
@@ -25,9 +24,7 @@ QUICK = {"lr": ["--steps", "20"], "lenet": ["--steps", "10"]}
 
 
 def main(argv=None, out=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench netns", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
+    parser = bench_parser("netns", __doc__)
     args = parser.parse_args(argv)
     out = out or out_dir()
     rows = []

@@ -9,13 +9,12 @@ alike, and prints the median ratio on/off (target <= 1.03 at the default).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import statistics
 import tempfile
 from pathlib import Path
 
-from .common import mnist_dir, mpirun, out_dir, table, write_csv
+from .common import bench_parser, mnist_dir, mpirun, out_dir, table, write_csv
 
 TARGET = 1.03
 
@@ -28,9 +27,7 @@ def one_run(results: Path, interval: str, epochs: int) -> float:
 
 
 def main(argv=None, out=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench sampler", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 repeat of 2 epochs (smoke)")
+    parser = bench_parser("sampler", __doc__, "1 repeat of 2 epochs (smoke)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--epochs", type=int, default=20)
     args = parser.parse_args(argv)

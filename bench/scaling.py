@@ -1,33 +1,32 @@
-"""Scaling and memory: throughput at 1, 2 and 3 workers for each model and mode,
-and peak memory per rank.
+"""Scaling and memory: throughput at 1, 2 and 3 workers for each model and mode, and
+peak memory per rank.
 
 Every point is a real mpitrain run with telemetry (sync, 1 worker: -np 1, the
-single-process run; async, 1 worker: -np 2; 2 workers: -np 3; 3 workers: -np 4;
-rank 0 is the parameter server wherever there is one). Throughput = examples processed / training time; speed-up over the
-1-worker run. The physical cap on this machine is min(workers, cores): with 2
-cores, 3 workers cannot be faster than 2. A second series pins every rank to
-one TensorFlow thread (--threads 1) for LeNet sync, the issue's 2-vs-1-worker
-measure (target >= 1.6x): the single-node run then uses one core, and the two
-workers one each, while the parameter server sleeps in bounded waits (a few
-percent of a core) instead of spinning.
+single-process run; async, 1 worker: -np 2; 2 workers: -np 3; 3 workers: -np 4; rank
+0 is the parameter server wherever there is one). Throughput = examples processed /
+training time; speed-up over the 1-worker run. The physical cap on this machine is
+min(workers, cores): with 2 cores, 3 workers cannot be faster than 2. A second
+series pins every rank to one TensorFlow thread (--threads 1) for LeNet sync, the
+issue's 2-vs-1-worker measure (target >= 1.6x): the single-node run then uses one
+core, and the two workers one each, while the parameter server sleeps in bounded
+waits (a few percent of a core) instead of spinning.
 
-Memory: peak RSS of the parameter server and of a worker in each run, against
-the single-process run of the same model; the sync server must not grow with
-the number of workers.
+Memory: peak RSS of the parameter server and of a worker in each run, against the
+single-process run of the same model; the sync server must not grow with the number
+of workers.
 
     python -m bench scaling [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from .common import mnist_dir, out_dir, table, train, write_csv
+from .common import bench_parser, mnist_dir, out_dir, table, train, write_csv
 
 MODELS = {
     "lr": ["--epochs", "10"],
@@ -62,9 +61,7 @@ def peak_rss(run_dir: str):
 
 
 def main(argv=None, out=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench scaling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few steps each (smoke)")
+    parser = bench_parser("scaling", __doc__)
     args = parser.parse_args(argv)
     out = out or out_dir()
     cores = os.cpu_count() or 1

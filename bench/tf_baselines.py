@@ -334,8 +334,9 @@ class Launcher:
                 rc = proc.poll()
                 if rc is None or rc == 0 and (not servers_run_forever or proc is main):
                     continue
-                raise Failure(f"{name} {'died' if servers_run_forever and proc is not main else 'failed'}"
-                              f" (exit status {rc}): {last_error(log)}; logs in {self.logdir}")
+                how = "died" if servers_run_forever and proc is not main else "failed"
+                raise Failure(f"{name} {how} (exit status {rc}): {last_error(log)}; "
+                              f"logs in {self.logdir}")
             if done and all(p.poll() is not None for _, p, _ in self.procs
                             if not servers_run_forever or p is main):
                 break
