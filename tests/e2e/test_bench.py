@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mpi_env
+from conftest import REPO, mnist_dir, mpi_env
 
 pytestmark = pytest.mark.slow
 
 
 def bench(*args, timeout=600):
-    result = subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO, env=mpi_env(),
+    # the benchmarks read MNIST from MPITRAIN_DATA_DIR: the same copy the tests use
+    result = subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO,
+                            env=mpi_env(MPITRAIN_DATA_DIR=str(mnist_dir())),
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = Path(result.stdout.split("summary: ")[-1].split()[0])
