@@ -200,8 +200,8 @@ class LargeAllreduceRing:
     changes. Anything unexpected (another MPI, no MPI_T, the user set the variable
     with ``OMPI_MCA_...``) turns it into a no-op and Open MPI's own choice stands.
     Every rank of a collective must make the same choice, which holds when they
-    run the same Open MPI build and the same
-    environment (mpirun forwards ``-x`` variables to all of them).
+    run the same Open MPI build in the same environment (mpirun forwards ``-x``
+    variables to all of them).
     """
 
     VARIABLE = "coll_libnbc_iallreduce_algorithm"
