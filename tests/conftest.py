@@ -65,3 +65,23 @@ def mpirun(np_: int, *args, timeout: float = 300, env=None, **kw) -> subprocess.
 def read_rows(path: Path) -> list:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="session")
+def lr_accuracy(tmp_path_factory):
+    """``lr_accuracy(np, *options)``: test accuracy of a default LR run on the real
+    MNIST (30 epochs), run once per distinct (np, options) in the whole session:
+    the sync and async accuracy tests compare against the same sync runs."""
+    results = tmp_path_factory.mktemp("lr-accuracy")
+    found = {}
+
+    def accuracy(np_: int, *options) -> float:
+        key = (np_, *options)
+        if key not in found:
+            result = mpirun(np_, "lr", "--data-dir", mnist_dir(), "--results-dir", results,
+                            "--quiet", *options, timeout=600)
+            assert result.returncode == 0, result.stderr[-2000:]
+            found[key] = float(read_rows(results / "runs.csv")[-1]["test_accuracy"])
+        return found[key]
+
+    return accuracy

@@ -47,14 +47,9 @@ def test_async_usage_errors(args, pattern):
 
 
 @pytest.mark.slow
-def test_async_accuracy_close_to_sync(mnist, tmp_path):
+def test_async_accuracy_close_to_sync(lr_accuracy):
     """Async LR at -np 3 and 4 within 1 pp of sync; --staleness 0 within 0.5 pp."""
-    def accuracy(np_, *extra):
-        result = mpirun(np_, "lr", "--data-dir", mnist, "--results-dir", tmp_path,
-                        "--quiet", *extra, timeout=600)
-        assert result.returncode == 0, result.stderr[-2000:]
-        return float(last_run(tmp_path)["test_accuracy"])
-
+    accuracy = lr_accuracy
     found = {}
     for np_ in (3, 4):
         found[f"sync{np_}"] = sync = accuracy(np_)

@@ -121,14 +121,9 @@ def test_offline_auto_falls_back_to_digits(tmp_path):
 
 # ---- acceptance: accuracy on the real MNIST -------------------------------------------
 @pytest.mark.slow
-def test_sync_accuracy_matches_single_node(mnist, tmp_path):
+def test_sync_accuracy_matches_single_node(lr_accuracy):
     """Single-node LR >= 91%; sync at -np 2/3/4 within 0.5 pp at the same epochs."""
-    accuracy = {}
-    for np_ in (1, 2, 3, 4):
-        result = mpirun(np_, "lr", "--data-dir", mnist, "--results-dir", tmp_path, "--quiet",
-                        timeout=600)
-        assert result.returncode == 0, result.stderr[-2000:]
-        accuracy[np_] = float(read_rows(tmp_path / "runs.csv")[-1]["test_accuracy"])
+    accuracy = {np_: lr_accuracy(np_) for np_ in (1, 2, 3, 4)}
     print("LR test accuracy by -np:", accuracy)
     assert accuracy[1] >= 0.91
     for np_ in (2, 3, 4):

@@ -29,9 +29,10 @@ def replica():
     return Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
 
 
-#: model -> (input shape, classes); AlexNet at 32x32 still has its 61.1M parameters,
-#: so its 244 MB gradient takes the large-buffer (ring) allreduce path
-SHAPES = {"lr": ((28, 28, 1), 10), "lenet": ((28, 28, 1), 10), "alexnet": ((32, 32, 3), 1000)}
+#: model -> (input shape, classes). AlexNet is left to tests/e2e/test_models.py: its
+#: 61.1M parameters cost ~2 GB and ~20 s per rank at every process count here, and
+#: its sync runs there check the replicas' checksums at every evaluation too.
+SHAPES = {"lr": ((28, 28, 1), 10), "lenet": ((28, 28, 1), 10)}
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
