@@ -58,7 +58,7 @@ from .comm import HOT, IDLE, SERVING, Backoff, Role
 from .errors import CommTimeout, Divergence, Interrupted
 from .lifecycle import Checkpoint
 from .trainer import (TAG_GRADIENT, TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary,
-                      worker_batches)
+                      diverged, interrupted, worker_batches)
 
 # Header: 8 float32 slots in front of every message; ints are stored bit-exact
 # through an int32 view (a float32 would lose versions above 2**24).
@@ -275,20 +275,10 @@ class Server:
         return summary
 
     def _raise_if_ending(self, summary: Summary) -> None:
-        ctx = self.ctx
         if self.ending & DIVERGED:
-            error = Divergence(f"training diverged: non-finite loss or gradient on "
-                               f"{', '.join(self.diverged_at)}; lower --lr or set "
-                               "--clip-grad-norm", everywhere=True)
-        elif self.ending & INTERRUPTED:
-            error = Interrupted(f"stopped by {ctx.stop.name or 'a signal to a worker'} after "
-                                f"{self.version} updates; checkpoint saved in "
-                                f"{ctx.results.path}, resume with --resume {ctx.results.path}",
-                                everywhere=True)
-        else:
-            return
-        error.summary = summary
-        raise error
+            raise diverged(", ".join(self.diverged_at), summary)
+        if self.ending & INTERRUPTED:
+            raise interrupted(self.ctx, f"after {self.version} updates", summary)
 
     def _next_push(self) -> WorkerLedger:
         holders = [w for w in self.workers.values() if w.base is not None]

@@ -565,7 +565,6 @@ class HorovodAllreduce:
         hvd.init(comm=workers._c)
         self.hvd, self.tf, self.workers = hvd, tf, workers
         self.size = hvd.size()
-        self.version = __import__("horovod").__version__
 
     def allreduce_mean_(self, buf: np.ndarray, what: str = "the gradient allreduce",
                         kind: str = "allreduce") -> np.ndarray:

@@ -52,8 +52,8 @@ from .errors import CommTimeout, Divergence, Interrupted, ReplicaDrift
 from .lifecycle import Checkpoint
 from .replica import checksum
 from .trainer import (HEARTBEAT_SECONDS, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP,
-                      TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary,
-                      is_checkpoint_point, is_eval_point, worker_batches)
+                      TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary, diverged,
+                      interrupted, is_checkpoint_point, is_eval_point, worker_batches)
 
 PROGRESS, REPORT = 0.0, 1.0
 HEADER_LEN = 6
@@ -147,15 +147,15 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
             engine.allreduce_mean_(buf)
             t2 = time.perf_counter()
             stop, losses = bool(buf[n] > 0), list(buf[n + 1:] * n_workers)
-        diverged = [w for w, value in enumerate(losses) if not math.isfinite(value)]
-        if not alone and not diverged:
+        nonfinite = [w for w, value in enumerate(losses) if not math.isfinite(value)]
+        if not alone and not nonfinite:
             replica.apply(buf[:n])
         loss_sum += float(np.mean(losses))
         n_batches += 1
         t3 = time.perf_counter()
         link.after_step(step, loss_sum / n_batches)
-        flags = _flags(ctx, epoch, step, end_of_epoch, stop, me in diverged)
-        if diverged or stop:
+        flags = _flags(ctx, epoch, step, end_of_epoch, stop, me in nonfinite)
+        if nonfinite or stop:
             flags |= FINAL
         if flags:
             link.report(step, loss_sum / n_batches, flags)
@@ -168,10 +168,9 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
         if end_of_epoch or flags & FINAL:
             timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
             loss_sum, n_batches = 0.0, 0
-        if diverged:
+        if nonfinite:
             link.close(step)
-            raise Divergence(_divergence_message(ctx, [w + 1 for w in diverged], step),
-                             everywhere=True)
+            raise diverged_at(ctx, [w + 1 for w in nonfinite], step)
         if stop:
             link.close(step)
             raise Interrupted(f"stopped by {ctx.stop.name or 'a peer'} at step {step}; "
@@ -195,11 +194,10 @@ def _flags(ctx: Context, epoch: int, step: int, end_of_epoch: bool, stop: bool,
     return flags
 
 
-def _divergence_message(ctx: Context, world_ranks: List[int], step: int) -> str:
+def diverged_at(ctx: Context, world_ranks: List[int], step: int) -> Divergence:
     where = ", ".join(ctx.comm.name(r) if ctx.comm.size > 1 else "the single rank"
                       for r in world_ranks)
-    return (f"training diverged: non-finite loss or gradient on {where} at step {step} "
-            f"(epoch {step / ctx.steps_per_epoch:.2f}); lower --lr or set --clip-grad-norm")
+    return diverged(f"{where} at step {step} (epoch {step / ctx.steps_per_epoch:.2f})")
 
 
 def gradient_engine(ctx: Context):
@@ -271,7 +269,7 @@ class ServerLink:
         self.comm = ctx.comm
         self.sends = []  # (pending, buffer) pairs: buffers must live until sent
         self.next_beat = 0.0
-        self.step = 0
+        self.step, self.loss = 0, float("nan")  # what the heartbeats report
         self.sends_weights = ctx.worker_index == 0
         self.stop_msg = np.zeros(1, np.float64)
         self.stop_recv = self.comm.irecv(self.stop_msg, 0, TAG_STOP, "control",
@@ -291,7 +289,7 @@ class ServerLink:
 
     def _beat(self) -> None:
         self.next_beat = self.clock() + HEARTBEAT_SECONDS
-        self._send_header(PROGRESS, self.step, getattr(self, "loss", float("nan")), 0, 0)
+        self._send_header(PROGRESS, self.step, self.loss, 0, 0)
 
     def report(self, step: int, train_loss: float, flags: int) -> None:
         replica = self.ctx.replica
@@ -426,13 +424,13 @@ class Server:
         union = 0
         for f in flags.values():
             union |= f
-        diverged = [w for w, f in flags.items() if f & DIVERGED]
+        nonfinite = [w for w, f in flags.items() if f & DIVERGED]
         t0 = time.perf_counter()
         comm.wait(comm.irecv(self.weights, 1, TAG_WEIGHTS, "pull", "the weights"), IDLE)
         state = self._receive_checkpoint_state() if union & CHECKPOINT else None
         timer.add(comm=time.perf_counter() - t0)
-        if diverged:
-            raise Divergence(_divergence_message(ctx, diverged, step), everywhere=True)
+        if nonfinite:
+            raise diverged_at(ctx, nonfinite, step)
         self._check_replicas(step, reports)
         t1 = time.perf_counter()
         ctx.replica.set_weights(self.weights)
@@ -447,11 +445,7 @@ class Server:
         timer.add(compute=time.perf_counter() - t1)
         timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
         if union & INTERRUPTED:
-            error = Interrupted(f"stopped by {ctx.stop.name or 'a signal to a worker'} at step "
-                                f"{step}; checkpoint saved in {ctx.results.path}, resume with "
-                                f"--resume {ctx.results.path}", everywhere=True)
-            error.summary = self.evaluator.summary(wall)
-            raise error
+            raise interrupted(ctx, f"at step {step}", self.evaluator.summary(wall))
 
     def _receive_checkpoint_state(self):
         comm, replica = self.comm, self.ctx.replica

@@ -17,6 +17,7 @@ import numpy as np
 from .comm import Comm, Role
 from .config import Config
 from .data import Dataset, batches_per_epoch, epoch_batches
+from .errors import Divergence, Interrupted
 from .replica import Replica
 from .lifecycle import Checkpoint, StopRequest
 from .telemetry import EpochTimer
@@ -119,6 +120,24 @@ def worker_batches(ctx: Context,
 def is_eval_point(ctx: Context, epoch: int, step: int) -> bool:
     """Evaluate after every ``eval_every``-th epoch and after the final step."""
     return step == ctx.total_steps or epoch % ctx.cfg.eval_every == 0
+
+
+def interrupted(ctx: Context, when: str, summary: Optional[Summary] = None) -> Interrupted:
+    """The serving rank's error when a stop signal ended the run (every rank stops)."""
+    path = ctx.results.path
+    error = Interrupted(f"stopped by {ctx.stop.name or 'a signal to a worker'} {when}; "
+                        f"checkpoint saved in {path}, resume with --resume {path}",
+                        everywhere=True)
+    error.summary = summary
+    return error
+
+
+def diverged(where: str, summary: Optional[Summary] = None) -> Divergence:
+    """The error when a non-finite loss or gradient stopped the run (every rank stops)."""
+    error = Divergence(f"training diverged: non-finite loss or gradient on {where}; "
+                       "lower --lr or set --clip-grad-norm", everywhere=True)
+    error.summary = summary
+    return error
 
 
 def is_checkpoint_point(ctx: Context, epoch: int, step: int) -> bool:
