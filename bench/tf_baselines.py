@@ -482,6 +482,15 @@ def make_optimizer(keras, args, decay_steps: int):
     return keras.optimizers.Adam(lr)
 
 
+def build_in_scope(strategy, keras, args, plan):
+    """(model, built optimizer, loss) with the variables placed by ``strategy``."""
+    with strategy.scope():
+        model = build_model(keras, args.model, args.image_size)
+        optimizer = make_optimizer(keras, args, plan.decay_steps)
+        optimizer.build(model.trainable_variables)
+    return model, optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
 def train_arrays(args):
     """(images, labels, pool_size or 0) of the whole training set, as numpy.
 
@@ -592,11 +601,7 @@ def mwms_worker(args):
     if strategy.num_replicas_in_sync != args.workers:
         raise Failure(f"{strategy.num_replicas_in_sync} replicas in sync, expected "
                       f"{args.workers} (one per worker process)")
-    with strategy.scope():
-        model = build_model(keras, args.model, args.image_size)
-        optimizer = make_optimizer(keras, args, plan.decay_steps)
-        optimizer.build(model.trainable_variables)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model, optimizer, loss_fn = build_in_scope(strategy, keras, args, plan)
 
     def dataset_fn(ctx):
         assert ctx.num_input_pipelines == args.workers and ctx.input_pipeline_id == index
@@ -684,10 +689,7 @@ def ps_chief(args):
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    with strategy.scope():
-        model = build_model(keras, args.model, args.image_size)
-        optimizer = make_optimizer(keras, args, plan.decay_steps)
-        optimizer.build(model.trainable_variables)
+    model, optimizer, loss_fn = build_in_scope(strategy, keras, args, plan)
     # Keras 3 increments its step counter with a read-then-write (Variable.assign_add
     # is assign(self + value)): concurrent workers lose increments, so the schedule and
     # Adam's bias correction would lag the real number of updates. Make it atomic.
@@ -697,7 +699,6 @@ def ps_chief(args):
         return _var.value.assign_add(tf.cast(value, _var.value.dtype))
 
     counter.assign_add = atomic_assign_add
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def dataset_fn(ctx=None):
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()

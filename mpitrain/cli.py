@@ -21,6 +21,10 @@ from .errors import EXIT_FAILURE, Interrupted, MpitrainError, UsageError
 
 PROG = "mpitrain"
 TOOLS = ("plot", "report", "check", "sweep")
+#: the grid lists ``mpitrain sweep`` takes on its command line: (grid key, option, type)
+SWEEP_LISTS = (("model", "models", str), ("mode", "modes", str), ("np", "np", int),
+               ("batch_size", "batch_sizes", int), ("batches_per_epoch", "batches_per_epoch", int),
+               ("epochs", "epochs", int))
 EPILOG = """\
 Run under MPI: rank 0 is the parameter server (evaluates, writes results),
 ranks 1..N-1 are workers. Examples:
@@ -105,8 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(finished runs are skipped). Ends by writing the report. Give a TOML spec "
         "(see experiments/) and/or the lists below (which override the spec's).")
     sweep.add_argument("spec", nargs="?", type=Path, help="a TOML sweep spec")
-    for name, kind in (("models", str), ("modes", str), ("np", int), ("batch_sizes", int),
-                       ("batches_per_epoch", int), ("epochs", int)):
+    for _, name, _ in SWEEP_LISTS:
         sweep.add_argument(f"--{name.replace('_', '-')}", metavar="A,B,...",
                            help=f"comma-separated {name.replace('_', ' ')}")
     sweep.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
@@ -144,10 +147,7 @@ def run_sweep(args) -> int:
 
     spec = sweep.load_spec(args.spec) if args.spec else {"grid": {}}
     grid = dict(spec.get("grid", {}))
-    for key, name, kind in (("model", "models", str), ("mode", "modes", str),
-                            ("np", "np", int), ("batch_size", "batch_sizes", int),
-                            ("batches_per_epoch", "batches_per_epoch", int),
-                            ("epochs", "epochs", int)):
+    for key, name, kind in SWEEP_LISTS:
         value = sweep.parse_list(getattr(args, name), kind)
         if value:
             grid[key] = value
