@@ -6,14 +6,18 @@ setup(
     description="MPI data-parallel training for TensorFlow: sync allreduce or an async "
                 "parameter server, with telemetry, results and plots",
     packages=find_packages(include=["mpitrain", "mpitrain.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=[
         "mpi4py>=4.0,<5",
-        "numpy>=1.26,<2.1",
-        # Horovod 0.28.1 (the --allreduce horovod engine) builds only against
-        # TensorFlow 2.15-2.18; 2.19+ lacks the XLA headers it needs.
-        "tensorflow-cpu>=2.16,<2.19; platform_machine=='x86_64'",
-        "tensorflow>=2.16,<2.19; platform_machine!='x86_64'",
+        "numpy>=1.26,<3",
+        # Any TensorFlow with Keras 3 (2.16+); pip picks the newest one that has
+        # wheels for this Python (3.13: 2.20+). Horovod, the optional second sync
+        # engine, needs <= 2.18: setup.sh builds it in its own environment.
+        "tensorflow-cpu>=2.16,<3; platform_machine=='x86_64'",
+        "tensorflow>=2.16,<3; platform_machine!='x86_64'",
+        # tf.summary needs it; TensorFlow stopped installing it in 2.20
+        "tensorboard>=2.16,<3",
+        "tomli>=2; python_version<'3.11'",  # sweep specs (tomllib is 3.11+)
         "psutil>=5.9,<8",
         "scikit-learn>=1.3,<2",  # bundled 8x8 digits: the offline fallback dataset
         "matplotlib>=3.7,<4",  # mpitrain plot / report

@@ -108,7 +108,10 @@ def expand(grid: Dict[str, list]) -> List[Run]:
 
 def load_spec(path: Path) -> dict:
     """A TOML sweep spec: name, [grid], [options]; UsageError naming the file if bad."""
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
+        import tomli as tomllib
 
     try:
         spec = tomllib.loads(Path(path).read_text())
