@@ -4,17 +4,40 @@
 #   bash setup.sh            install everything, then train sync LR on 4 ranks
 #   bash setup.sh --no-run   install only
 #
-# Installs Open MPI (apt-get) when mpirun or mpicc is missing, creates .venv and
-# installs mpitrain into it with its test extras. Safe to run again.
+# Two environments, so that the optional Horovod engine never pins the core:
+#   .venv          mpitrain on the newest TensorFlow pip has for python3
+#                  (3.10-3.13; TensorFlow 2.21 today). The main job and the tests run here.
+#   .venv-horovod  mpitrain on TensorFlow 2.18.1 with Horovod 0.28.1 built from
+#                  source (Horovod's last release builds against TF <= 2.18 only,
+#                  and TF 2.18 has no Python 3.13 wheels: it uses the first
+#                  Python 3.10-3.12 found). MPITRAIN_NO_HOROVOD=1 skips it.
+# Installs Open MPI (apt-get) when mpirun or mpicc is missing. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+PYTHON="${PYTHON:-python3}"
+HOROVOD_TF="tensorflow-cpu==2.18.1"
+[ "$(uname -m)" = x86_64 ] || HOROVOD_TF="tensorflow==2.18.1"
+
+# A Python that TensorFlow 2.18 (and so Horovod 0.28.1) supports, or nothing.
+horovod_python() {
+    local candidate
+    for candidate in "$PYTHON" python3.12 python3.11 python3.10; do
+        if command -v "$candidate" >/dev/null 2>&1 &&
+           "$candidate" -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 12))' \
+               2>/dev/null; then
+            command -v "$candidate"
+            return
+        fi
+    done
+}
 
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 packages=()
 command -v mpirun >/dev/null 2>&1 || packages+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || packages+=(libopenmpi-dev)
-python3 -c "import ensurepip, venv" >/dev/null 2>&1 || packages+=(python3-venv)
+"$PYTHON" -c "import ensurepip, venv" >/dev/null 2>&1 || packages+=(python3-venv)
 if [ -z "${MPITRAIN_NO_HOROVOD:-}" ]; then  # Horovod is compiled from source
     command -v cmake >/dev/null 2>&1 || packages+=(cmake)
     command -v g++ >/dev/null 2>&1 || packages+=(g++)
@@ -25,27 +48,53 @@ if [ ${#packages[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${packages[@]}" >/dev/null
 fi
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+# A venv at $1 made with Python $2, with pip up to date.
+make_venv() {
+    [ -x "$1/bin/python" ] || "$2" -m venv "$1"
+    "$1/bin/python" -m pip install -q --upgrade pip
+}
+
+make_venv .venv "$PYTHON"
 .venv/bin/python -m pip install -q -e ".[test]"
 
-# Horovod (--allreduce horovod): built from source against the TensorFlow and
-# Open MPI installed above (~90 s on 2 cores; pip caches the wheel, so a rerun
-# takes seconds). 0.28.1 builds against TensorFlow 2.15-2.18 only, hence the pin.
-if [ -z "${MPITRAIN_NO_HOROVOD:-}" ] && ! .venv/bin/python -c "import horovod.tensorflow" 2>/dev/null; then
-    echo "setup: building Horovod 0.28.1 (set MPITRAIN_NO_HOROVOD=1 to skip)"
+# Horovod (--allreduce horovod), built against TensorFlow 2.18.1 and the Open MPI
+# installed above (~90 s on 2 cores; pip caches the wheel, so a rerun takes seconds).
+if [ -n "${MPITRAIN_NO_HOROVOD:-}" ]; then
+    echo "setup: Horovod skipped (MPITRAIN_NO_HOROVOD=1)"
+elif [ -z "$(horovod_python)" ]; then
+    echo "setup: Horovod skipped: it needs Python 3.10-3.12 (TensorFlow 2.18 has no wheels" \
+         "for $("$PYTHON" -V)); install python3.12 and run bash setup.sh again"
+elif ! .venv-horovod/bin/python -c "import horovod.tensorflow" 2>/dev/null; then
+    echo "setup: building Horovod 0.28.1 against $HOROVOD_TF in .venv-horovod" \
+         "(set MPITRAIN_NO_HOROVOD=1 to skip)"
+    make_venv .venv-horovod "$(horovod_python)"
+    .venv-horovod/bin/python -m pip install -q -e ".[test]" "$HOROVOD_TF"
     HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 \
     HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 MAKEFLAGS="-j$(nproc)" \
-        .venv/bin/python -m pip install -q --no-build-isolation -e ".[horovod]"
+        .venv-horovod/bin/python -m pip install -q --no-build-isolation -e ".[horovod]" \
+        "$HOROVOD_TF"
 fi
 
 if [ "$(id -u)" -eq 0 ]; then
     # Open MPI refuses to start as root unless told it is deliberate (containers, CI).
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-    grep -q OMPI_ALLOW_RUN_AS_ROOT .venv/bin/activate ||
-        echo 'export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1' >> .venv/bin/activate
+    for venv in .venv .venv-horovod; do
+        if [ -f "$venv/bin/activate" ] && ! grep -q OMPI_ALLOW_RUN_AS_ROOT "$venv/bin/activate"
+        then
+            echo 'export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1' \
+                >> "$venv/bin/activate"
+        fi
+    done
 fi
-echo "setup: done ($(.venv/bin/python -m mpitrain --version), $(mpirun --version | head -1))"
+versions() {
+    "$1" -c 'import platform, tensorflow as tf; print(f"Python {platform.python_version()}, TensorFlow {tf.__version__}", end="")' 2>/dev/null
+}
+echo "setup: done: .venv: $(.venv/bin/python -m mpitrain --version), $(versions .venv/bin/python);" \
+     "$(mpirun --version | head -1)"
+if [ -x .venv-horovod/bin/python ]; then
+    echo "setup: .venv-horovod: $(versions .venv-horovod/bin/python)," \
+         "Horovod $(.venv-horovod/bin/python -c 'import horovod; print(horovod.__version__)')"
+fi
 
 if [ "${1:-}" != "--no-run" ]; then
     echo "setup: running the main job: mpirun -np 4 -hostfile hostfiles/local python -m mpitrain lr"

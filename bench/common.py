@@ -52,13 +52,23 @@ def mpirun(np_: int, args: List[str], timeout: float = 1800,
     return result
 
 
+def horovod_python() -> str:
+    """The Horovod environment's interpreter (setup.sh's .venv-horovod: TensorFlow 2.18,
+    the newest Horovod 0.28.1 builds against; $MPITRAIN_HOROVOD_PYTHON overrides)."""
+    path = Path(os.environ.get("MPITRAIN_HOROVOD_PYTHON", REPO / ".venv-horovod/bin/python"))
+    if not path.is_file():
+        raise RuntimeError(f"no Horovod environment at {path}: bash setup.sh builds it")
+    return str(path)
+
+
 def train(np_: int, args: List[str], results: Path, timeout: float = 3600,
-          hostfile: Path = LOCAL_HOSTFILE, mpirun_args: List[str] = ()) -> Dict[str, str]:
+          hostfile: Path = LOCAL_HOSTFILE, mpirun_args: List[str] = (),
+          python: str = sys.executable) -> Dict[str, str]:
     """One real ``mpirun ... python -m mpitrain ARGS`` run; returns its runs.csv row
     (plus ``run_dir``). Raises if the run fails."""
     results.mkdir(parents=True, exist_ok=True)
     cmd = ["mpirun", "-q", *mpirun_args, "-np", str(np_), "-hostfile", str(hostfile),
-           sys.executable, "-m", "mpitrain", *map(str, args), "--results-dir", str(results),
+           python, "-m", "mpitrain", *map(str, args), "--results-dir", str(results),
            "--quiet"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), cwd=REPO,
                             timeout=timeout)

@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import (REPO, bench_parser, mnist_dir, mpi_env, out_dir, print_checks, table,
-                     train, write_csv)
+from .common import (REPO, bench_parser, horovod_python, mnist_dir, mpi_env, out_dir,
+                     print_checks, table, train, write_csv)
 
 WORKERS = 2
 # model: (mpitrain options, tf_baselines options); the learning rate given to MWMS
@@ -57,12 +57,14 @@ def tf_baseline(strategy: str, model: str, args, quick: bool, timeout=3600) -> d
         return json.loads(out.read_text())
 
 
-def mpitrain_run(model: str, args, quick: bool, results: Path, *extra) -> dict:
+def mpitrain_run(model: str, args, quick: bool, results: Path, *extra,
+                 python: str = sys.executable) -> dict:
     """One mpitrain run with two workers. It evaluates once, at the end, like the
     TensorFlow baselines (by default it would evaluate every epoch)."""
     epochs = args[args.index("--epochs") + 1]
     row = train(WORKERS + 1, [model, *args, *(QUICK[model] if quick else []), "--data-dir",
-                              mnist_dir(), "--eval-every", epochs, *extra], results)
+                              mnist_dir(), "--eval-every", epochs, *extra], results,
+                python=python)
     epochs = float(row["epochs"])
     return {"wall_time_s": float(row["wall_time_s"]),
             "epoch_time_s": float(row["wall_time_s"]) / epochs,
@@ -100,8 +102,10 @@ def main(argv=None, out=None) -> dict:
             ours, theirs = CASES[model]
             measured = {
                 "mpi": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-mpi"),
+                # in setup.sh's Horovod environment (TensorFlow 2.18): Horovod builds
+                # against nothing newer
                 "horovod": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-hvd",
-                                        "--allreduce", "horovod"),
+                                        "--allreduce", "horovod", python=horovod_python()),
                 "mwms": tf_baseline("mwms", model, theirs, args.quick),
             }
             rows += [engine_row(model, engine, m, workers=WORKERS)

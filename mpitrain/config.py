@@ -24,6 +24,19 @@ ENGINES = ("mpi", "horovod")
 HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
                    "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
                    "--no-build-isolation horovod==0.28.1")
+#: the environment setup.sh builds Horovod in (TensorFlow 2.18: Horovod's newest that builds)
+HOROVOD_VENV = ".venv-horovod"
+
+
+def horovod_missing() -> str:
+    """The one-line error for --allreduce horovod where Horovod is not installed."""
+    from .preflight import installed_version
+
+    tf = installed_version("tensorflow-cpu", "tensorflow")
+    return (f"Horovod is not installed in this environment (TensorFlow {tf}); Horovod 0.28.1 "
+            "builds only against TensorFlow 2.16-2.18 (Python 3.10-3.12): bash setup.sh "
+            f"builds it into {HOROVOD_VENV}, so run {HOROVOD_VENV}/bin/python -m mpitrain "
+            "under mpirun, or install tensorflow-cpu==2.18.1 and then: " + HOROVOD_INSTALL)
 
 
 def _opt(doc: str, default=None, *, flag: Optional[str] = None, **cli):
@@ -208,8 +221,7 @@ class Config:
             from importlib.util import find_spec
 
             if find_spec("horovod") is None:
-                raise UsageError("Horovod is not installed in this environment; install it "
-                                 f"with: {HOROVOD_INSTALL} (bash setup.sh does this)")
+                raise UsageError(horovod_missing())
         elif self.horovod_timeline:
             raise UsageError("--horovod-timeline needs --allreduce horovod")
         if self.async_mode and self.world_size < 2:

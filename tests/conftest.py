@@ -52,9 +52,22 @@ def run_bounded(cmd, timeout: float, env=None, cwd=None) -> subprocess.Completed
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def mpirun_cmd(np_: int, *args, hostfile: Path = LOCAL_HOSTFILE, module="mpitrain") -> list:
-    return ["mpirun", "-q", "-np", np_, "-hostfile", hostfile, sys.executable, "-m",
-            module, *args]
+def mpirun_cmd(np_: int, *args, hostfile: Path = LOCAL_HOSTFILE, module="mpitrain",
+               python=sys.executable) -> list:
+    return ["mpirun", "-q", "-np", np_, "-hostfile", hostfile, python, "-m", module, *args]
+
+
+def horovod_python() -> Path:
+    """The interpreter of the Horovod environment setup.sh builds (TensorFlow 2.18 +
+    Horovod 0.28.1; $MPITRAIN_HOROVOD_PYTHON overrides). Skips where the set-up was
+    told not to build it; fails in CI otherwise, so a missing build step shows."""
+    path = Path(os.environ.get("MPITRAIN_HOROVOD_PYTHON", REPO / ".venv-horovod/bin/python"))
+    if path.is_file():
+        return path
+    message = f"no Horovod environment at {path} (bash setup.sh builds it)"
+    if os.environ.get("CI") and not os.environ.get("MPITRAIN_NO_HOROVOD"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def mpirun(np_: int, *args, timeout: float = 300, env=None, **kw) -> subprocess.CompletedProcess:

@@ -1,0 +1,73 @@
+"""A fresh install, as a new user makes it, on the Pythons the package supports.
+
+Each case makes an empty venv with that Python, ``pip install``s this source tree
+(not editable: what a user gets), and trains LR under ``mpirun -np 3`` from a
+directory outside the tree, so the installed package is what runs. pip picks
+the newest TensorFlow with wheels for that Python (3.13: 2.20+). Python 3.13
+is what today's Debian stable ships; 3.10 is the oldest supported (tomllib
+fallback). A missing interpreter skips, except 3.13 in CI.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, mpirun_cmd, read_rows, run_bounded
+
+pytestmark = pytest.mark.slow
+
+
+def candidates(version: str):
+    """python3.X on PATH, then pyenv's installs of 3.X (its shims run only when selected)."""
+    yield shutil.which(f"python{version}")
+    pyenv = shutil.which("pyenv")
+    if pyenv:
+        listed = subprocess.run([pyenv, "versions", "--bare"], capture_output=True, text=True)
+        root = subprocess.run([pyenv, "root"], capture_output=True, text=True).stdout.strip()
+        for installed in listed.stdout.split():
+            if installed.startswith(version + "."):
+                yield os.path.join(root, "versions", installed, "bin", f"python{version}")
+
+
+def interpreter(version: str) -> str:
+    for found in candidates(version):
+        if found and subprocess.run([found, "-c", "import venv, ensurepip"],
+                                    capture_output=True).returncode == 0:
+            return found
+    message = f"no python{version} with venv on this machine"
+    if version == "3.13" and os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.mark.parametrize("version", ["3.13", "3.10"])
+def test_fresh_install_trains_under_mpirun(mnist, tmp_path, version):
+    python = interpreter(version)
+    venv = tmp_path / "venv"
+    made = run_bounded([python, "-m", "venv", venv], timeout=120)
+    assert made.returncode == 0, made.stderr
+    pip = run_bounded([venv / "bin/python", "-m", "pip", "install", "-q", REPO], timeout=1200)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+
+    work = tmp_path / "elsewhere"  # not the source tree: the installed package runs
+    work.mkdir()
+    cmd = mpirun_cmd(3, "lr", "--steps", "60", "--data-dir", mnist, "--results-dir",
+                     work / "results", "--quiet", python=venv / "bin/python")
+    result = run_bounded(cmd, timeout=300, cwd=work)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = read_rows(work / "results/runs.csv")[-1]
+    assert row["status"] == "ok" and int(row["steps"]) == 60
+    assert float(row["test_accuracy"]) > 0.8  # LR on MNIST after 60 sync steps: ~0.88
+    meta = json.loads((work / "results" / row["run"] / "config.json").read_text())
+    versions = meta["versions"]
+    assert versions["python"].startswith(version + ".")
+    major, minor = (int(part) for part in versions["tensorflow"].split(".")[:2])
+    if version == "3.13":
+        assert (major, minor) >= (2, 20)  # the first TensorFlow with 3.13 wheels
+    print(f"python {versions['python']}: tensorflow {versions['tensorflow']}, keras "
+          f"{versions['keras']}, numpy {versions['numpy']}; test accuracy "
+          f"{row['test_accuracy']}", file=sys.stderr)
