@@ -1,0 +1,200 @@
+"""``mpitrain launch``: run a training job under mpirun and restart it when it fails.
+
+    mpitrain launch -np 4 -hostfile hostfiles/cluster2 --max-restarts 3 lr --async
+
+The launcher runs the launch preflight (hostfile, slots, -np against the mode;
+see :mod:`mpitrain.preflight`), starts ``mpirun ... python -m mpitrain ARGS``
+and waits. When the job fails (a rank killed, a stalled rank named by the
+watchdog, the parameter server lost), it restarts it with ``--resume RUN_DIR``
+from the run's last checkpoint, up to ``--max-restarts`` times, so the run
+continues in the same results directory with one continuous curve. A sync run
+resumed this way ends with the same weights, bit for bit, as one that never
+failed (see :mod:`mpitrain.lifecycle`); it loses at most the steps since the
+last checkpoint (``--checkpoint-every``).
+
+What is never restarted: success (exit 0), a usage error (2: the same
+arguments would fail again), a run stopped by a signal (143), and anything
+after the launcher itself was asked to stop. Signals: SIGUSR1, SIGTERM and
+SIGINT to the launcher are passed to mpirun as SIGUSR1, which mpirun forwards
+to every rank and then waits, so the ranks stop at one step and checkpoint
+(SLURM's ``--signal=B:TERM@60`` ends here); a second signal, or no exit
+within ``STOP_GRACE`` seconds, kills the job's whole process group. mpirun
+runs in a session of its own that the launcher kills on any exit, so no rank
+outlives it.
+
+Exit codes: 0 the run finished (after N restarts, printed); 1 it still failed
+after the last restart, or failed before writing any checkpoint twice; 2 usage
+error; 143 stopped by a signal (resume with ``--resume`` or launch again).
+
+The run directory of a failed attempt is found as the one new directory under
+``--results-dir`` (rank 0 writes it; on a multi-host cluster the results
+directory must be on the launcher's host or a shared filesystem, as for
+``mpitrain report``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
+from .lifecycle import CHECKPOINT, STOP_SIGNALS
+
+PROG = "mpitrain launch"
+#: seconds the job gets to checkpoint and exit after a stop signal before it is killed
+STOP_GRACE = 120.0
+
+
+def add_parser(commands) -> None:
+    """The ``launch`` sub-command's options (the same launch shape as ``check``)."""
+    launch = commands.add_parser(
+        "launch", help="run a training job under mpirun, restarting it from its checkpoint "
+        "when it fails",
+        description="Preflight the launch, run 'mpirun ... python -m mpitrain MODEL "
+        "[OPTIONS]', and when the job fails restart it with --resume from its last "
+        "checkpoint, up to --max-restarts times. Run it as 'mpitrain launch -np 4 -hostfile "
+        "hostfiles/cluster2 lr --async' (no mpirun). Exit codes: 0 done, 1 failed after "
+        "the last restart, 2 usage error, 143 stopped by a signal.")
+    launch.add_argument("-np", "--np", dest="np", type=int, default=1, help="ranks (default 1)")
+    launch.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE")
+    launch.add_argument("--oversubscribe", action="store_true",
+                        help="allow more ranks than slots (as mpirun --oversubscribe)")
+    launch.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                        help="restarts after failures before giving up (default 3)")
+    launch.add_argument("--mpirun-arg", action="append", default=[], metavar="ARG",
+                        help="an extra argument for mpirun, e.g. --mpirun-arg=--bind-to "
+                        "--mpirun-arg=none (repeatable)")
+    launch.add_argument("training", nargs="...", metavar="MODEL [OPTIONS]",
+                        help="the training command (as after 'python -m mpitrain')")
+
+
+def run(args, cfg) -> int:
+    """Entry point for ``mpitrain launch`` once the training arguments parsed as ``cfg``."""
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
+    from .preflight import check_launch
+
+    for line in check_launch(args.np, args.hostfile, args.oversubscribe, cfg.async_mode):
+        print(f"{PROG}: {line}", flush=True)
+    mpirun = ["mpirun", "-q", "-np", str(args.np)]
+    mpirun += ["-hostfile", args.hostfile] if args.hostfile else []
+    mpirun += ["--oversubscribe"] if args.oversubscribe else []
+    mpirun += list(args.mpirun_arg)
+    launcher = Launcher(mpirun + [sys.executable, "-m", "mpitrain"], list(args.training),
+                        Path(cfg.results_dir), cfg.resume, args.max_restarts)
+    return launcher.run()
+
+
+class Launcher:
+    """Runs one job to completion through restarts; see the module docstring."""
+
+    def __init__(self, command: List[str], training: List[str], results_dir: Path,
+                 resume: Optional[str], max_restarts: int):
+        self.command, self.training = command, training
+        self.results_dir, self.resume = results_dir, resume
+        self.max_restarts = max_restarts
+        self.proc: Optional[subprocess.Popen] = None
+        self.stop_signal: Optional[int] = None
+        self.kill_at: Optional[float] = None
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            return self._attempts()
+        finally:
+            self._kill_job()  # whatever happened: no rank outlives the launcher
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _attempts(self) -> int:
+        started, without_checkpoint = time.monotonic(), 0
+        for attempt in range(self.max_restarts + 1):
+            before = run_dirs(self.results_dir)
+            argv = self.training + (["--resume", self.resume] if self.resume else [])
+            code = self._run_job(argv)
+            self._kill_job()  # a rank that outlived mpirun must not hold on to its shard
+            if code == 0:
+                if attempt:
+                    say(f"the run finished after {attempt} restart(s) "
+                        f"({time.monotonic() - started:.0f} s in all)")
+                return 0
+            if self.stop_signal is not None or code == EXIT_INTERRUPTED:
+                say(f"stopped (exit {code}); the run can be resumed" +
+                    (f" with --resume {self.resume}" if self.resume else ""))
+                return EXIT_INTERRUPTED
+            if code == EXIT_USAGE:
+                return EXIT_USAGE
+            run_dir = self._failed_run_dir(before)
+            if run_dir is not None and (run_dir / CHECKPOINT).is_file():
+                self.resume = str(run_dir)
+            elif self.resume is None:
+                without_checkpoint += 1  # nothing saved yet: start it again from scratch
+                if without_checkpoint > 1:
+                    say(f"the job failed (exit {code}) twice before its first checkpoint; "
+                        "giving up (see the error above)")
+                    return EXIT_FAILURE
+            left = self.max_restarts - attempt
+            if left == 0:
+                say(f"the job failed (exit {code}) and no restarts are left "
+                    f"(--max-restarts {self.max_restarts}); giving up")
+                return EXIT_FAILURE
+            where = f"from the checkpoint in {self.resume}" if self.resume else "from scratch"
+            say(f"the job failed (exit {code}); restarting {where} ({left} restart(s) left)")
+        return EXIT_FAILURE
+
+    def _failed_run_dir(self, before: set) -> Optional[Path]:
+        """The run directory the failed attempt wrote in (its own, or the resumed one)."""
+        if self.resume:
+            return Path(self.resume)
+        new = sorted(run_dirs(self.results_dir) - before)
+        return new[-1] if new else None
+
+    def _run_job(self, argv: Sequence[str]) -> int:
+        say("$ " + " ".join(self.command + list(argv)))
+        # a session of its own: one killpg reaches mpirun and every local rank
+        self.proc = subprocess.Popen(self.command + list(argv), start_new_session=True)
+        while True:
+            try:
+                return self.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                if self.kill_at is not None and time.monotonic() >= self.kill_at:
+                    say(f"the job did not stop within {STOP_GRACE:g} s; killing it")
+                    self._kill_job()
+
+    def _on_signal(self, signum, frame) -> None:
+        first = self.stop_signal is None
+        self.stop_signal = signum
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if first:
+            say(f"{signal.Signals(signum).name}: asking every rank to stop and checkpoint")
+            self.proc.send_signal(signal.SIGUSR1)  # mpirun forwards it and waits
+            self.kill_at = time.monotonic() + STOP_GRACE
+        else:
+            self._kill_job()
+
+    def _kill_job(self) -> None:
+        """Kill the job's session: mpirun if alive, and any rank it left behind."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing left in it
+            pass
+        self.proc.wait()
+
+
+def run_dirs(results_dir: Path) -> set:
+    """The run directories under ``results_dir`` (those with a config.json)."""
+    if not results_dir.is_dir():
+        return set()
+    return {p for p in results_dir.iterdir() if (p / "config.json").is_file()}
+
+
+def say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)

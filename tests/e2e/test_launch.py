@@ -1,0 +1,164 @@
+"""``mpitrain launch``: real mpirun jobs, real SIGKILLs and signals, real restarts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from conftest import LOCAL_HOSTFILE, REPO, mpi_env, mpirun, read_rows, run_bounded
+
+# LR with small batches: ~1,300 steps per epoch per worker at -np 4, a few seconds
+# an epoch, so a kill lands mid-run, after the first checkpoint
+TRAINING = ["lr", "--batch-size", "5", "--lr", "0.05", "--epochs", "4", "--quiet"]
+
+
+def launch_cmd(*args):
+    return [sys.executable, "-m", "mpitrain", "launch", *map(str, args)]
+
+
+def start_launch(*args) -> subprocess.Popen:
+    return subprocess.Popen(launch_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=mpi_env(), cwd=REPO, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"mpitrain launch hung for {timeout} s:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def the_run_dir(results: Path) -> Path:
+    return wait_for(lambda: next((p for p in results.glob("*-lr-*") if p.is_dir()), None),
+                    120, "the run directory")
+
+
+def checkpoint_step(run_dir: Path) -> int:
+    from mpitrain.lifecycle import Checkpoint
+
+    try:
+        return Checkpoint.load(run_dir).step
+    except Exception:  # not written yet (or being replaced)
+        return 0
+
+
+def rank_pids(run_dir: Path, after: float) -> list:
+    """The pids of the attempt whose metadata was written after ``after`` (config.json
+    for the first, resumed-*.json for the restarts)."""
+    def newest():
+        files = [p for p in [run_dir / "config.json", *run_dir.glob("resumed-*.json")]
+                 if p.is_file() and p.stat().st_mtime > after]
+        return max(files, key=lambda p: p.stat().st_mtime) if files else None
+    meta = wait_for(newest, 120, "the attempt's metadata")
+    return [rank["pid"] for rank in json.loads(meta.read_text())["ranks"]]
+
+
+def leftovers(marker: str) -> list:
+    """Processes still running whose command line mentions ``marker``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if marker in " ".join(proc.info["cmdline"] or []):
+            found.append(proc.pid)
+    return found
+
+
+def final_weights(results: Path) -> np.ndarray:
+    row = read_rows(results / "runs.csv")[-1]
+    with np.load(results / row["run"] / "checkpoint.npz") as ckpt:
+        return ckpt["weights"].copy()
+
+
+@pytest.mark.slow
+def test_sync_run_survives_a_killed_worker_then_a_killed_server(mnist, tmp_path):
+    """kill -9 worker 2 after the first checkpoint, then rank 0 (the parameter server)
+    after the restart's next checkpoint: the run completes after two restarts, in one
+    results directory with one curve, and (sync resume is bit-exact) ends with the
+    very weights of a run that was never interrupted."""
+    reference = tmp_path / "reference"
+    clean = mpirun(4, *TRAINING, "--data-dir", mnist, "--results-dir", reference, timeout=600)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+
+    results = tmp_path / "launched"
+    t0 = time.time()
+    proc = start_launch("-np", 4, "-hostfile", LOCAL_HOSTFILE, *TRAINING, "--data-dir", mnist,
+                        "--results-dir", results)
+    run_dir = the_run_dir(results)
+    first = wait_for(lambda: checkpoint_step(run_dir), 300, "the first checkpoint")
+    os.kill(rank_pids(run_dir, t0)[2], signal.SIGKILL)
+    t1 = time.time()
+    wait_for(lambda: checkpoint_step(run_dir) > first, 300, "a checkpoint after the restart")
+    os.kill(rank_pids(run_dir, t1)[0], signal.SIGKILL)
+    code, _, err = finish(proc, 600)
+
+    assert code == 0, err[-3000:]
+    assert err.count("the job failed") == 2 and "finished after 2 restart(s)" in err, err
+    assert [p.name for p in results.iterdir() if p.is_dir()] == [run_dir.name]
+    rows = read_rows(results / "runs.csv")
+    assert rows[-1]["status"] == "ok" and float(rows[-1]["epochs"]) == 4
+    curve = read_rows(run_dir / "curve.csv")
+    steps = [int(r["step"]) for r in curve]
+    assert steps == sorted(set(steps)) and steps[-1] == int(rows[-1]["steps"])
+    np.testing.assert_array_equal(final_weights(results), final_weights(reference))
+    assert leftovers(str(results)) == []
+
+
+def test_stop_signal_checkpoints_and_is_not_restarted(mnist, tmp_path):
+    """SIGTERM to the launcher (what SLURM sends) becomes a graceful stop of every rank:
+    exit 143, a checkpoint, no restart, no process left behind."""
+    results = tmp_path / "results"
+    proc = start_launch("-np", 3, "-hostfile", LOCAL_HOSTFILE, *TRAINING, "--data-dir", mnist,
+                        "--results-dir", results)
+    run_dir = the_run_dir(results)
+    wait_for(lambda: (run_dir / "curve.csv").is_file() and
+             len(read_rows(run_dir / "curve.csv")) >= 1, 120, "training to start")
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc, 300)
+    assert code == 143, err[-3000:]
+    assert "the job failed" not in err and "stopped (exit 143)" in err
+    assert read_rows(results / "runs.csv")[-1]["status"] == "interrupted"
+    assert (run_dir / "checkpoint.npz").is_file()
+    assert leftovers(str(results)) == []
+
+
+def test_a_job_failing_before_any_checkpoint_is_not_retried_forever(tmp_path):
+    bad = tmp_path / "no-mnist-here"
+    bad.mkdir()
+    result = run_bounded(launch_cmd("-np", 2, "--max-restarts", 5, "lr", "--dataset", "mnist",
+                                    "--data-dir", bad, "--results-dir", tmp_path / "r"),
+                         timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.count("mpitrain: error:") == 2  # the first attempt and one retry
+    assert "failed (exit 1) twice before its first checkpoint; giving up" in result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-np", "5", "-hostfile", "hostfiles/cluster2", "lr"], "needs 5 slots"),
+    (["-np", "1", "lr", "--async"], "--async needs a parameter server"),
+    (["--max-restarts", "-1", "lr"], "--max-restarts must be 0 or more"),
+    (["-np", "2", "lr", "--epochs", "0"], "--epochs must be a positive integer"),
+])
+def test_usage_errors_are_one_line_before_any_launch(args, message):
+    result = run_bounded(launch_cmd(*args), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("mpitrain: error:") == 1 and message in result.stderr
+    assert "$ mpirun" not in result.stderr
