@@ -20,7 +20,7 @@ from .config import Config, fields_with_flags, resolve
 from .errors import EXIT_FAILURE, Interrupted, MpitrainError, UsageError
 
 PROG = "mpitrain"
-TOOLS = ("plot", "report", "check", "sweep")
+TOOLS = ("plot", "report", "check", "sweep", "launch")
 #: the grid lists ``mpitrain sweep`` takes on its command line: (grid key, option, type)
 SWEEP_LISTS = (("model", "models", str), ("mode", "modes", str), ("np", "np", int),
                ("batch_size", "batch_sizes", int), ("batches_per_epoch", "batches_per_epoch", int),
@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local: hostfiles/local; cloudlab: hostfiles/single, cluster, "
                        "cluster2 for -np 1, 3, 4; slurm: the allocation the sweep runs in")
     sweep.add_argument("--hostfile", help="one hostfile for every run instead")
+    from . import launch
+
+    launch.add_parser(commands)
     return parser
 
 
@@ -138,6 +141,10 @@ def run_tool(args) -> int:
         return run_check(args)
     elif args.command == "sweep":
         return run_sweep(args)
+    elif args.command == "launch":
+        from . import launch
+
+        return launch.run(args, parse_config(args.training or ["lr"], world_size=args.np))
     return 0
 
 
