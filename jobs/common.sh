@@ -8,22 +8,26 @@
 #   MPITRAIN_LAUNCHER  mpirun (default) or srun
 #   MPITRAIN_DATA_DIR  MNIST location, passed to every rank
 #
-# Launcher: mpirun inside the allocation takes the nodes and task counts from
-# SLURM (no -np, no hostfile: a hostfile would fight the allocation), works the
-# same as outside SLURM, and forwards SIGUSR1 to every rank on every node.
-# `srun --mpi=pmix` also works with Debian's Slurm and Open MPI (pmi2 does not).
+#   MPITRAIN_MAX_RESTARTS  restarts from the last checkpoint after a failure (default 3)
+#
+# Launcher: `mpitrain launch` (the default) runs mpirun inside the allocation
+# (the nodes and the task count come from SLURM: no hostfile, which would fight
+# the allocation) and, when the job fails (a rank or a node lost), restarts it
+# with --resume from its last checkpoint, up to MPITRAIN_MAX_RESTARTS times.
+# MPITRAIN_LAUNCHER=srun runs `srun --mpi=pmix` once instead (Debian's Slurm and
+# Open MPI; pmi2 does not work), without restarts.
 #
 # Stopping: with #SBATCH --signal=B:TERM@60, SLURM sends the batch shell SIGTERM
 # 60 s before the time limit; `scancel --batch --signal=TERM <job>` does the same
-# by hand. The trap turns it into SIGUSR1 for mpirun, which forwards it to every
-# rank and waits: every rank stops at the same step, rank 0 writes a checkpoint
-# and the results, and the job ends with exit code 143 (resume with --resume).
-# (SIGTERM straight to mpirun would kill the ranks about a second later.)
+# by hand. The trap turns it into SIGUSR1 for the launcher, which mpirun forwards
+# to every rank and then waits: every rank stops at the same step, rank 0 writes
+# a checkpoint and the results, and the job ends with exit code 143 (resume with
+# --resume). (SIGTERM straight to mpirun would kill the ranks a second later.)
 
 MPITRAIN_HOME=${MPITRAIN_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
 MPITRAIN_PYTHON=${MPITRAIN_PYTHON:-$MPITRAIN_HOME/.venv/bin/python}
 MPITRAIN_RESULTS=${MPITRAIN_RESULTS:-$MPITRAIN_HOME/results}
-MPITRAIN_LAUNCHER=${MPITRAIN_LAUNCHER:-mpirun}
+MPITRAIN_LAUNCHER=${MPITRAIN_LAUNCHER:-mpirun}  # mpirun: through mpitrain launch
 if [ "$(id -u)" -eq 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
@@ -33,7 +37,8 @@ mpitrain_run() {
     # mpitrain_run ARGS...  -- runs `python -m mpitrain ARGS` on every task of the job
     cd "$MPITRAIN_HOME" || exit 1
     case "$MPITRAIN_LAUNCHER" in
-        mpirun) mpirun "$MPITRAIN_PYTHON" -m mpitrain "$@" --results-dir "$MPITRAIN_RESULTS" & ;;
+        mpirun) "$MPITRAIN_PYTHON" -m mpitrain launch --max-restarts \
+                    "${MPITRAIN_MAX_RESTARTS:-3}" "$@" --results-dir "$MPITRAIN_RESULTS" & ;;
         srun) srun --mpi=pmix "$MPITRAIN_PYTHON" -m mpitrain "$@" \
                   --results-dir "$MPITRAIN_RESULTS" & ;;
         *) echo "mpitrain job: MPITRAIN_LAUNCHER must be mpirun or srun" >&2; exit 2 ;;

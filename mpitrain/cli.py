@@ -144,7 +144,8 @@ def run_tool(args) -> int:
     elif args.command == "launch":
         from . import launch
 
-        return launch.run(args, parse_config(args.training or ["lr"], world_size=args.np))
+        return launch.run(args, parse_config(args.training or ["lr"],
+                                             world_size=launch.world_size(args)))
     return 0
 
 

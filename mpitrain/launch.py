@@ -60,7 +60,8 @@ def add_parser(commands) -> None:
         "checkpoint, up to --max-restarts times. Run it as 'mpitrain launch -np 4 -hostfile "
         "hostfiles/cluster2 lr --async' (no mpirun). Exit codes: 0 done, 1 failed after "
         "the last restart, 2 usage error, 143 stopped by a signal.")
-    launch.add_argument("-np", "--np", dest="np", type=int, default=1, help="ranks (default 1)")
+    launch.add_argument("-np", "--np", dest="np", type=int, default=None,
+                        help="ranks (default: $SLURM_NTASKS inside a SLURM allocation, else 1)")
     launch.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE")
     launch.add_argument("--oversubscribe", action="store_true",
                         help="allow more ranks than slots (as mpirun --oversubscribe)")
@@ -73,15 +74,24 @@ def add_parser(commands) -> None:
                         help="the training command (as after 'python -m mpitrain')")
 
 
+def world_size(args) -> int:
+    """-np, or the task count of the SLURM allocation the launcher runs in, or 1."""
+    return args.np if args.np is not None else int(os.environ.get("SLURM_NTASKS", "1"))
+
+
 def run(args, cfg) -> int:
     """Entry point for ``mpitrain launch`` once the training arguments parsed as ``cfg``."""
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
     from .preflight import check_launch
 
-    for line in check_launch(args.np, args.hostfile, args.oversubscribe, cfg.async_mode):
-        print(f"{PROG}: {line}", flush=True)
-    mpirun = ["mpirun", "-q", "-np", str(args.np)]
+    np_ = world_size(args)
+    placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode)
+    if args.hostfile is None and os.environ.get("SLURM_JOB_ID"):
+        placement = [f"{np_} ranks on the SLURM allocation of job {os.environ['SLURM_JOB_ID']}"]
+    for line in placement:
+        say(line)
+    mpirun = ["mpirun", "-q", "-np", str(np_)]
     mpirun += ["-hostfile", args.hostfile] if args.hostfile else []
     mpirun += ["--oversubscribe"] if args.oversubscribe else []
     mpirun += list(args.mpirun_arg)
