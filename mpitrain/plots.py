@@ -15,7 +15,7 @@ file raises :class:`~mpitrain.errors.ResultsError` with one line naming the file
 Optional files (``telemetry.csv`` when sampling was off, ``staleness.csv`` for
 sync runs, ...) may be absent; their figures are then skipped.
 
-Command line: ``python -m mpitrain.plots RUN_DIR [RUN_DIR ...] [-o OUT_DIR]``.
+Command line: ``mpitrain plot RUN_DIR [RUN_DIR ...] [-o OUT_DIR]``.
 
 Units: MB are 2**20 bytes (as in ``runs.csv``); host CPU % is the whole host
 (100 = every core busy); process CPU % is of one core (above 100 with threads).
@@ -309,8 +309,8 @@ def load_run(path: Path, row: Optional[dict] = None) -> Run:
         raise results_error(path, "is not a directory",
                             "pass a run directory such as results/<time>-<model>-<mode>-np<N>")
     if not (path / "curve.csv").exists() and not (path / "config.json").exists():
-        hint = ("it holds runs.csv, so it is a results directory: run python -m "
-                "mpitrain.report on it, or pass one of its run directories"
+        hint = ("it holds runs.csv, so it is a results directory: run mpitrain "
+                "report on it, or pass one of its run directories"
                 if (path / "runs.csv").exists() else
                 "pass a directory made by one mpitrain run (it holds curve.csv and config.json)")
         raise results_error(path, "is not an mpitrain run (no curve.csv or config.json)", hint)

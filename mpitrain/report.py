@@ -8,7 +8,7 @@ linked relatively so the ``report/`` folder can be dropped into a write-up next
 to the run directories. Runs listed in ``runs.csv`` whose directory is gone are
 skipped with a warning in the report; anything unreadable raises ResultsError.
 
-Command line: ``python -m mpitrain.report RESULTS_DIR``.
+Command line: ``mpitrain report RESULTS_DIR``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def read_runs(results_dir: Path) -> List[dict]:
     """The rows of ``results_dir/runs.csv`` (one per run, first occurrence of a name wins)."""
     path = results_dir / "runs.csv"
     if not path.is_file():
-        hint = ("it is a run directory: plot it with python -m mpitrain.plots"
+        hint = ("it is a run directory: plot it with mpitrain plot"
                 if (results_dir / "curve.csv").exists() else
                 "pass the directory given to mpitrain as --results-dir (default results/)")
         raise results_error(path, "missing, so this is not a results directory", hint)
@@ -212,7 +212,7 @@ def render_markdown(results_dir: Path, runs: Sequence[Run], warnings: Sequence[s
     report_dir = results_dir / "report"
     out = [f"# Training results: {results_dir.resolve().name}", "",
            f"{len(runs)} run(s) from `{results_dir}`, report written "
-           f"{time.strftime('%Y-%m-%d %H:%M')} by `mpitrain.report`.", ""]
+           f"{time.strftime('%Y-%m-%d %H:%M')} by `mpitrain report`.", ""]
     out += [f"> **Warning:** {w}" for w in warnings] + ([""] if warnings else [])
     out += ["## Runs", "", md_table([h for h, _ in RUN_COLUMNS],
                                     [[cell(r) for _, cell in RUN_COLUMNS] for r in runs]), "",

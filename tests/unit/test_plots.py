@@ -274,7 +274,7 @@ def test_not_a_run_directory(tmp_path):
             plot_runs([target])
         assert target.name in str(info.value)
     make_results(tmp_path / "results", RUN_SPECS[:1])
-    with pytest.raises(ResultsError, match="mpitrain.report"):
+    with pytest.raises(ResultsError, match="run mpitrain report on it"):
         plot_runs([tmp_path / "results"])
     with pytest.raises(ResultsError, match="no run directories"):
         plot_runs([])
