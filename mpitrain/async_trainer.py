@@ -99,18 +99,21 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     """
     comm, replica, n = ctx.comm, ctx.replica, ctx.replica.n_params
     pipelined = ctx.cfg.staleness is None
-    push = np.zeros(HEADER + n, np.float32)
-    leases = [np.zeros(HEADER + n, np.float32), np.zeros(HEADER + n, np.float32)]
+    size = HEADER + replica.n_state  # [header | gradient or weights | buffers]
+    push = np.zeros(size, np.float32)
+    leases = [np.zeros(size, np.float32), np.zeros(size, np.float32)]
     reply_bound = 2 * comm.timeout
     current, in_flight, timer = 0, None, ctx.timer
     comm.wait(comm.irecv(leases[0], 0, TAG_WEIGHTS, "pull", "the initial weights"), IDLE,
               timeout=reply_bound)
     start_step = step = int(_ints(leases[0])[H_STEP])  # > 0 when resuming
+    if replica.n_buffers:  # the statistics the run has so far (a resumed run's)
+        replica.set_buffers(leases[0][HEADER + n:])
     ending = int(_ints(leases[0])[H_FLAGS])  # the server may already be stopping
     mark = timer.restart()
     for _, step, x, y, end_of_epoch in ([] if ending else worker_batches(ctx, start_step)):
         started = time.perf_counter()  # since mark: preparing the batch
-        grad, loss, norm = replica.grad_at(leases[current][HEADER:], x, y)
+        grad, loss, norm = replica.grad_at(leases[current][HEADER:HEADER + n], x, y)
         computed = time.perf_counter()
         version = int(_ints(leases[current])[H_VERSION])
         if in_flight is not None:  # the previous push's reply landed in the other buffer
@@ -124,7 +127,9 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         flags = _push_flags(ctx, step, loss + 0.0 * norm)
         if ending:  # the server is stopping: this gradient is not wanted
             break
-        push[HEADER:] = grad
+        push[HEADER:HEADER + n] = grad
+        if replica.n_buffers:  # this worker's statistics travel with each push
+            push[HEADER + n:] = replica.buffers()
         ints = _ints(push)
         ints[H_VERSION], ints[H_STEP], ints[H_FLAGS] = version, step, flags
         push[H_LOSS], push[H_ELAPSED] = loss + 0.0 * norm, clock()
@@ -176,8 +181,8 @@ class WorkerLedger:
     """What the server knows about one worker."""
 
     rank: int
-    recv: np.ndarray  # [header | gradient] receive buffer
-    send: np.ndarray  # [header | weights] reply buffer
+    recv: np.ndarray  # [header | gradient | buffers] receive buffer
+    send: np.ndarray  # [header | weights | buffers] reply buffer
     posted: object = None  # the pending Irecv for its next push
     sending: object = None  # the pending Isend of its last reply
     base: Optional[int] = None  # version of its lease; None when it holds none
@@ -188,6 +193,7 @@ class WorkerLedger:
     elapsed: float = 0.0
     done: bool = False
     staleness: collections.Counter = field(default_factory=collections.Counter)
+    buffers: Optional[np.ndarray] = None  # its BatchNorm statistics at its latest push
 
 
 class Server:
@@ -196,15 +202,17 @@ class Server:
     def __init__(self, ctx: Context, clock: Stopwatch):
         self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
         n = ctx.replica.n_params
+        size = HEADER + ctx.replica.n_state
         self.weights = ctx.replica.weights()
+        self.buffers = ctx.replica.buffers()  # the workers' mean at the last evaluation
         self.optimizer = optim.make(ctx.cfg.optimizer, n, ctx.cfg.effective_lr,
-                                    ctx.decay_steps)
+                                    ctx.decay_steps, ctx.cfg.clip_grad_norm)
         self.version = 0
         self.ending = 0  # INTERRUPTED and/or DIVERGED once the run must stop early
         self.diverged_at: List[str] = []
         self.bound = ctx.cfg.staleness  # None: unbounded
         self.workers: Dict[int, WorkerLedger] = {
-            r: WorkerLedger(r, np.zeros(HEADER + n, np.float32), np.zeros(HEADER + n, np.float32))
+            r: WorkerLedger(r, np.zeros(size, np.float32), np.zeros(size, np.float32))
             for r in range(1, self.comm.size)}
         self.waiting: Deque[int] = collections.deque(self.workers)
         self.updates_per_epoch = len(self.workers) * ctx.steps_per_epoch
@@ -221,6 +229,8 @@ class Server:
 
     def _restore(self, ckpt: Checkpoint) -> None:
         self.weights = ckpt.weights.astype(np.float32).copy()
+        if ckpt.buffers.size:
+            self.buffers = ckpt.buffers.astype(np.float32).copy()
         self.optimizer.load_state(ckpt.optimizer)
         self.version = ckpt.step
         for rank, w in self.workers.items():
@@ -232,12 +242,26 @@ class Server:
         return Checkpoint(self.weights.copy(), self.optimizer.state(), self.version,
                           self.clock(), {w.rank: w.steps for w in self.workers.values()},
                           {"staleness": {str(w.rank): dict(w.staleness)
-                                         for w in self.workers.values()}})
+                                         for w in self.workers.values()}},
+                          self._average_buffers())
+
+    def _average_buffers(self) -> np.ndarray:
+        """The mean of the workers' latest BatchNorm statistics (each worker's follow its
+        own batches); kept as the server's until the next evaluation or checkpoint."""
+        latest = [w.buffers for w in self.workers.values() if w.buffers is not None]
+        if latest:
+            self.buffers = np.mean(latest, axis=0, dtype=np.float64).astype(np.float32)
+        return self.buffers.copy()
+
+    def _state(self) -> np.ndarray:
+        """A snapshot to evaluate: the weights and the averaged statistics."""
+        buffers = self._average_buffers()
+        return np.concatenate([self.weights, buffers]) if buffers.size else self.weights.copy()
 
     # ---- the loop ---------------------------------------------------------------------
     def run(self) -> Summary:
         if self.ctx.resume_from is None:
-            self.evaluations.submit(0, self.weights.copy(), None, 0.0)
+            self.evaluations.submit(0, self._state(), None, 0.0)
         cpu0, loop_cpu0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
         timer = self.ctx.timer
         self._grant_leases()
@@ -266,7 +290,7 @@ class Server:
         cpu_share = {"server_cpu_share": round((time.process_time() - cpu0) / span, 4),
                      "server_loop_cpu_share": round((time.thread_time() - loop_cpu0) / span, 4)}
         if self.evaluations.last_step != self.version and not self.ending & DIVERGED:
-            self.evaluations.submit(self.version, self.weights.copy(), self._train_loss(), wall)
+            self.evaluations.submit(self.version, self._state(), self._train_loss(), wall)
         if not self.ending & DIVERGED:
             self.evaluations.save(self.checkpoint())
         self.evaluations.close()
@@ -320,7 +344,10 @@ class Server:
         self.ending |= flags & INTERRUPTED
         staleness = self.version - int(ints[H_VERSION])
         w.staleness[staleness] += 1
-        self.optimizer.step(self.weights, w.recv[HEADER:])
+        n = self.weights.size
+        self.optimizer.step(self.weights, w.recv[HEADER:HEADER + n])  # clips first if set
+        if w.recv.size > HEADER + n:
+            w.buffers = w.recv[HEADER + n:].copy()
         self.version += 1
         w.applied += 1
         self.step_time = 0.8 * self.step_time + 0.2 * float(w.recv[H_THINK])
@@ -332,7 +359,7 @@ class Server:
         else:
             self.waiting.append(w.rank)
         if self.version % self.eval_interval == 0:
-            self.evaluations.submit(self.version, self.weights.copy(), self._train_loss(),
+            self.evaluations.submit(self.version, self._state(), self._train_loss(),
                                     self.clock())
         if self.version % self.checkpoint_interval == 0:
             self.evaluations.save(self.checkpoint())
@@ -369,7 +396,8 @@ class Server:
         ints[H_VERSION], ints[H_STEP] = self.version, w.steps  # step: where to resume from
         ints[H_FLAGS] = 0 if with_weights else FINAL | self.ending
         if with_weights:
-            w.send[HEADER:] = self.weights
+            w.send[HEADER:HEADER + self.weights.size] = self.weights
+            w.send[HEADER + self.weights.size:] = self.buffers
             w.sending = self.comm.isend(w.send, w.rank, TAG_WEIGHTS, "pull",
                                         f"{self.comm.name(w.rank)} to take its weights")
         else:
@@ -422,10 +450,11 @@ class BackgroundEvaluator:
         self.thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
         self.thread.start()
 
-    def submit(self, version: int, weights: np.ndarray, train_loss, wall: float) -> None:
-        """Evaluate ``weights`` (a copy the caller will not touch) in the background."""
+    def submit(self, version: int, state: np.ndarray, train_loss, wall: float) -> None:
+        """Evaluate ``state`` (weights and buffers, a copy the caller will not touch) in
+        the background."""
         self.last_step = version
-        self._put(lambda: self._evaluate(version, weights, train_loss, wall))
+        self._put(lambda: self._evaluate(version, state, train_loss, wall))
 
     def save(self, checkpoint: Checkpoint) -> None:
         """Write ``checkpoint`` in the background, in order with the evaluations."""
@@ -436,8 +465,8 @@ class BackgroundEvaluator:
             raise self.error
         self.jobs.put(job)
 
-    def _evaluate(self, version: int, weights: np.ndarray, train_loss, wall: float) -> None:
-        self.ctx.replica.set_weights(weights)
+    def _evaluate(self, version: int, state: np.ndarray, train_loss, wall: float) -> None:
+        self.ctx.replica.set_state(state)
         self.evaluator.record(version, train_loss, wall)
 
     def _run(self) -> None:

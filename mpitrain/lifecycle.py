@@ -85,6 +85,14 @@ class Checkpoint:
     wall_time_s: float  # training time before this checkpoint (the clock continues)
     worker_steps: Dict[int, int] = field(default_factory=dict)  # async: steps per worker rank
     extra: Dict[str, object] = field(default_factory=dict)  # e.g. async staleness counts
+    #: the model's float non-trainable state (BatchNorm statistics), flat; empty for most
+    buffers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+
+    @property
+    def state(self) -> np.ndarray:
+        """Weights then buffers, as :meth:`mpitrain.replica.Replica.state` orders them."""
+        return np.concatenate([self.weights, self.buffers]) if self.buffers.size \
+            else self.weights
 
     def save(self, run_dir: Path) -> Path:
         """Write ``checkpoint.npz`` atomically; the previous checkpoint stays until replaced."""
@@ -95,7 +103,7 @@ class Checkpoint:
                 "extra": self.extra, "optimizer_keys": sorted(self.optimizer)}
         arrays = {f"opt_{k}": np.asarray(v) for k, v in self.optimizer.items()}
         with open(tmp, "wb") as f:
-            np.savez(f, weights=self.weights, meta=np.frombuffer(
+            np.savez(f, weights=self.weights, buffers=self.buffers, meta=np.frombuffer(
                 json.dumps(meta).encode(), dtype=np.uint8), **arrays)
             f.flush()
             os.fsync(f.fileno())
@@ -110,6 +118,7 @@ class Checkpoint:
                 meta = json.loads(f["meta"].tobytes().decode())
                 optimizer = {k: f[f"opt_{k}"] for k in meta["optimizer_keys"]}
                 weights = f["weights"]
+                buffers = f["buffers"] if "buffers" in f.files else np.zeros(0, np.float32)
         except FileNotFoundError:
             raise ResultsError(f"{path}: no checkpoint in this run directory (it stopped "
                                "before its first checkpoint); start a new run") from None
@@ -118,7 +127,7 @@ class Checkpoint:
                 from None
         return cls(weights, optimizer, int(meta["step"]), float(meta["wall_time_s"]),
                    {int(k): int(v) for k, v in meta["worker_steps"].items()},
-                   dict(meta.get("extra", {})))
+                   dict(meta.get("extra", {})), buffers)
 
 
 def saved_config(run_dir: Path) -> dict:

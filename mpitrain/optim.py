@@ -10,7 +10,10 @@ both modes.
 
 Contract: ``step(weights, grad)`` updates ``weights`` in place; state (momentum,
 Adam moments, iteration count) lives in the optimizer and is exposed by
-:meth:`state`/:meth:`load_state` for checkpoints.
+:meth:`state`/:meth:`load_state` for checkpoints. The gradient goes through the
+same chain as on the Keras path (:class:`mpitrain.replica.Replica`): clipped to
+``clip_norm`` by global L2 norm (``--clip-grad-norm``), then the update, so
+every mode (single, sync, async) transforms gradients the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +24,16 @@ from typing import Dict, Optional
 import numpy as np
 
 
+def clip_by_global_norm_(grad: np.ndarray, clip_norm: float) -> np.ndarray:
+    """Scale ``grad`` in place to at most ``clip_norm`` in L2 norm, as the Keras path does:
+    g * min(1, clip / (||g|| + 1e-12)), in float32."""
+    norm = np.float32(np.sqrt(np.dot(grad, grad)))
+    factor = min(np.float32(1.0), np.float32(clip_norm) / (norm + np.float32(1e-12)))
+    if factor < 1.0:
+        grad *= np.float32(factor)
+    return grad
+
+
 def cosine_factor(step: int, decay_steps: int) -> float:
     """Keras' CosineDecay: 0.5 (1 + cos(pi min(step, T) / T))."""
     return 0.5 * (1.0 + math.cos(math.pi * min(step, decay_steps) / decay_steps))
@@ -29,9 +42,11 @@ def cosine_factor(step: int, decay_steps: int) -> float:
 class FlatOptimizer:
     """Base: in-place update of a flat weight vector from a flat gradient."""
 
-    def __init__(self, n_params: int, lr: float, decay_steps: Optional[int] = None):
+    def __init__(self, n_params: int, lr: float, decay_steps: Optional[int] = None,
+                 clip_norm: Optional[float] = None):
         self.base_lr = lr
         self.decay_steps = decay_steps  # cosine schedule over this many updates, or None
+        self.clip_norm = clip_norm  # --clip-grad-norm, applied before every update
         self.iterations = 0
         self.n_params = n_params
 
@@ -43,6 +58,12 @@ class FlatOptimizer:
         return np.float32(self.base_lr)
 
     def step(self, weights: np.ndarray, grad: np.ndarray) -> None:
+        """One update of ``weights`` from ``grad`` (clipped in place first, if configured)."""
+        if self.clip_norm:
+            clip_by_global_norm_(grad, self.clip_norm)
+        self.update(weights, grad)
+
+    def update(self, weights: np.ndarray, grad: np.ndarray) -> None:
         raise NotImplementedError
 
     def state(self) -> Dict[str, np.ndarray]:
@@ -55,11 +76,11 @@ class FlatOptimizer:
 class SGD(FlatOptimizer):
     """w -= lr * g"""
 
-    def __init__(self, n_params, lr, decay_steps=None):
-        super().__init__(n_params, lr, decay_steps)
+    def __init__(self, n_params, lr, decay_steps=None, clip_norm=None):
+        super().__init__(n_params, lr, decay_steps, clip_norm)
         self._scratch = np.empty(n_params, np.float32)
 
-    def step(self, weights, grad):
+    def update(self, weights, grad):
         np.multiply(grad, self.lr, out=self._scratch)
         weights -= self._scratch
         self.iterations += 1
@@ -68,13 +89,13 @@ class SGD(FlatOptimizer):
 class Momentum(FlatOptimizer):
     """Keras SGD(momentum=m): v = m * v - lr * g; w += v"""
 
-    def __init__(self, n_params, lr, decay_steps=None, momentum=0.9):
-        super().__init__(n_params, lr, decay_steps)
+    def __init__(self, n_params, lr, decay_steps=None, clip_norm=None, momentum=0.9):
+        super().__init__(n_params, lr, decay_steps, clip_norm)
         self.momentum = np.float32(momentum)
         self.velocity = np.zeros(n_params, np.float32)
         self._scratch = np.empty(n_params, np.float32)
 
-    def step(self, weights, grad):
+    def update(self, weights, grad):
         self.velocity *= self.momentum
         np.multiply(grad, self.lr, out=self._scratch)
         self.velocity -= self._scratch
@@ -92,15 +113,16 @@ class Momentum(FlatOptimizer):
 class Adam(FlatOptimizer):
     """Keras Adam: bias-corrected step size, epsilon outside the square root."""
 
-    def __init__(self, n_params, lr, decay_steps=None, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-        super().__init__(n_params, lr, decay_steps)
+    def __init__(self, n_params, lr, decay_steps=None, clip_norm=None, beta_1=0.9,
+                 beta_2=0.999, epsilon=1e-7):
+        super().__init__(n_params, lr, decay_steps, clip_norm)
         self.beta_1, self.beta_2 = np.float32(beta_1), np.float32(beta_2)
         self.epsilon = np.float32(epsilon)
         self.m = np.zeros(n_params, np.float32)
         self.v = np.zeros(n_params, np.float32)
         self._scratch = np.empty(n_params, np.float32)
 
-    def step(self, weights, grad):
+    def update(self, weights, grad):
         lr = self.lr
         self.iterations += 1
         t = self.iterations
@@ -123,7 +145,9 @@ class Adam(FlatOptimizer):
         self.v[:] = state["v"]
 
 
-def make(name: str, n_params: int, lr: float,
-         decay_steps: Optional[int] = None) -> FlatOptimizer:
-    """The flat optimizer for ``--optimizer name`` (cosine-decayed over ``decay_steps``)."""
-    return {"sgd": SGD, "momentum": Momentum, "adam": Adam}[name](n_params, lr, decay_steps)
+def make(name: str, n_params: int, lr: float, decay_steps: Optional[int] = None,
+         clip_norm: Optional[float] = None) -> FlatOptimizer:
+    """The flat optimizer for ``--optimizer name`` (cosine-decayed over ``decay_steps``,
+    gradients clipped to ``clip_norm``)."""
+    return {"sgd": SGD, "momentum": Momentum, "adam": Adam}[name](n_params, lr, decay_steps,
+                                                                  clip_norm)

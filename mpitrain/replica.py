@@ -9,6 +9,15 @@ Cross-rank contract: replicas built from the same spec, given the same initial
 flat weights (:meth:`set_weights`) and then the same sequence of flat gradients
 (:meth:`apply`), hold bit-identical weights: every update is elementwise and
 deterministic on CPU. :func:`checksum` lets ranks verify it.
+
+State that is not trained comes in two kinds, kept apart from the weights:
+*buffers*, the float variables a model updates itself in training (BatchNorm's
+moving mean and variance), exposed as one flat float32 vector
+(:meth:`buffers`); and random-generator state (Dropout's seeds, ints:
+:meth:`rng_state`). Buffers follow each replica's own batches, so replicas'
+buffers differ between the points where the trainers average them; the
+*state* vector (:meth:`state`: weights, then buffers) is what a model is
+evaluated, checkpointed and compared with.
 """
 
 from __future__ import annotations
@@ -67,9 +76,6 @@ class Replica:
         import keras
 
         self.model = spec.build(tuple(input_shape), num_classes)
-        if self.model.non_trainable_weights:
-            raise ValueError(f"model {spec.name} has non-trainable state; the registry "
-                             "contract forbids it (replicas would drift)")
         self.variables = list(self.model.trainable_variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
@@ -133,7 +139,10 @@ class Replica:
         self._eval_batch, self._set_weights = eval_batch, set_weights
         self._tail = None
         trainable = {id(v) for v in self.variables}
-        self._rng_variables = [v for v in self.model.variables if id(v) not in trainable]
+        untrained = [v for v in self.model.variables if id(v) not in trainable]
+        self._buffer_variables = [v for v in untrained if "float" in str(v.dtype)]
+        self._rng_variables = [v for v in untrained if "float" not in str(v.dtype)]
+        self.n_buffers = int(sum(np.prod(v.shape) for v in self._buffer_variables))
 
     # ---- training -------------------------------------------------------------------
     def grad(self, x: np.ndarray, y: np.ndarray,
@@ -194,6 +203,38 @@ class Replica:
             n = int(np.prod(v.shape))
             v.assign(state[offset:offset + n].reshape(v.shape).astype(v.dtype))
             offset += n
+
+    # ---- buffers (BatchNorm statistics) and the whole state --------------------------
+    def buffers(self) -> np.ndarray:
+        """A flat float32 copy of the float non-trainable variables (empty for most models)."""
+        parts = [np.asarray(v.numpy(), np.float32).reshape(-1) for v in self._buffer_variables]
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def set_buffers(self, flat: np.ndarray) -> None:
+        """Overwrite the buffers from a flat vector (inverse of :meth:`buffers`)."""
+        if flat.shape != (self.n_buffers,):
+            raise ValueError(f"expected {self.n_buffers} buffer values, got {flat.shape}")
+        offset = 0
+        for v in self._buffer_variables:
+            n = int(np.prod(v.shape))
+            v.assign(flat[offset:offset + n].reshape(v.shape))
+            offset += n
+
+    @property
+    def n_state(self) -> int:
+        return self.n_params + self.n_buffers
+
+    def state(self) -> np.ndarray:
+        """Weights then buffers, one float32 vector: what is evaluated and checkpointed."""
+        if not self.n_buffers:
+            return self.weights()
+        return np.concatenate([self.weights(), self.buffers()])
+
+    def set_state(self, flat: np.ndarray) -> None:
+        """Inverse of :meth:`state`."""
+        self.set_weights(flat[:self.n_params])
+        if self.n_buffers:
+            self.set_buffers(flat[self.n_params:])
 
     # ---- weights --------------------------------------------------------------------
     def weights(self) -> np.ndarray:

@@ -85,10 +85,10 @@ def _start(ctx: Context):
     """Share the starting state from rank 0; returns (start step, clock offset)."""
     comm, replica, ckpt = ctx.comm, ctx.replica, ctx.resume_from
     if ckpt is not None:
-        replica.set_weights(ckpt.weights)
+        replica.set_state(ckpt.state)
     position = np.array([ckpt.step, ckpt.wall_time_s] if ckpt else [0, 0.0], np.float64)
     comm.bcast_(position)
-    replica.set_weights(comm.bcast_(replica.weights()))
+    replica.set_state(comm.bcast_(replica.state()))
     if position[0] > 0:  # resuming: the optimizer and generators continue too
         state = _pack(ckpt.optimizer) if ckpt else _pack(replica.optimizer_state())
         replica.set_optimizer_state(_unpack(comm.bcast_(state), replica.optimizer_state()))
@@ -157,6 +157,8 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
         flags = _flags(ctx, epoch, step, end_of_epoch, stop, me in nonfinite)
         if nonfinite or stop:
             flags |= FINAL
+        if flags & (EVALUATE | CHECKPOINT) and not (alone or nonfinite):
+            average_buffers(replica, workers)  # every worker: the same step, the same flags
         if flags:
             link.report(step, loss_sum / n_batches, flags)
         t4 = time.perf_counter()
@@ -192,6 +194,22 @@ def _flags(ctx: Context, epoch: int, step: int, end_of_epoch: bool, stop: bool,
     if diverged_here:
         flags = (flags | DIVERGED) & ~(EVALUATE | CHECKPOINT)
     return flags
+
+
+def average_buffers(replica, workers) -> None:
+    """Make every worker's BatchNorm statistics their mean across the workers.
+
+    Each replica updates its moving statistics from its own batches, so between
+    evaluation points they differ (the trained weights never do). At every
+    evaluation and checkpoint point the workers average them with one small
+    allreduce and all continue from the mean, so the state rank 0 evaluates
+    and checkpoints is every worker's state, and a resumed run continues
+    exactly as an uninterrupted one. Collective over the workers; a no-op for
+    models without buffers.
+    """
+    if replica.n_buffers:
+        replica.set_buffers(workers.allreduce_mean_(replica.buffers(), "the buffers allreduce",
+                                                    kind="buffers"))
 
 
 def diverged_at(ctx: Context, world_ranks: List[int], step: int) -> Divergence:
@@ -253,7 +271,8 @@ class LocalEvaluation:
             rng = replica.rng_state()
             self.ctx.results.save_checkpoint(Checkpoint(
                 replica.weights(), replica.optimizer_state(), step, self.clock(),
-                extra={"rng": {0: rng.tolist()} if rng.size else {}}))
+                extra={"rng": {0: rng.tolist()} if rng.size else {}},
+                buffers=replica.buffers()))
 
     def close(self, step: int) -> Summary:
         return self.evaluator.summary(self.clock())
@@ -293,7 +312,7 @@ class ServerLink:
 
     def report(self, step: int, train_loss: float, flags: int) -> None:
         replica = self.ctx.replica
-        weights = replica.weights()
+        weights = replica.state()  # buffers averaged at every report point: identical too
         self._send_header(REPORT, step, train_loss, checksum(weights), flags)
         payloads = []
         if self.sends_weights:
@@ -344,7 +363,7 @@ class Server:
         self.headers = {w: np.zeros(HEADER_LEN, np.float64) for w in self.workers}
         self.posted = {w: self._post(w) for w in self.workers}
         self.last_heard = {w: time.monotonic() for w in self.workers}
-        self.weights = np.empty(ctx.replica.n_params, np.float32)
+        self.weights = np.empty(ctx.replica.n_state, np.float32)  # weights, then buffers
         self.reports: Dict[int, Dict[int, np.ndarray]] = {}
         self.finished = set()
         self.stop_sent: Dict[int, object] = {}
@@ -433,15 +452,17 @@ class Server:
             raise diverged_at(ctx, nonfinite, step)
         self._check_replicas(step, reports)
         t1 = time.perf_counter()
-        ctx.replica.set_weights(self.weights)
+        ctx.replica.set_state(self.weights)
         train_loss = float(np.mean([h[LOSS] for h in reports.values()]))
         wall = max(h[ELAPSED] for h in reports.values())
         if union & EVALUATE:
             self.evaluator.record(step, train_loss, wall)
         if state is not None:
             optimizer, rng = state
-            ctx.results.save_checkpoint(Checkpoint(self.weights.copy(), optimizer, step, wall,
-                                                   extra={"rng": rng}))
+            n = ctx.replica.n_params
+            ctx.results.save_checkpoint(Checkpoint(self.weights[:n].copy(), optimizer, step,
+                                                   wall, extra={"rng": rng},
+                                                   buffers=self.weights[n:].copy()))
         timer.add(compute=time.perf_counter() - t1)
         timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
         if union & INTERRUPTED:
