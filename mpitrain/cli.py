@@ -31,6 +31,9 @@ ranks 1..N-1 are workers. Examples:
   mpirun -np 1 python -m mpitrain lr                               # single node
   mpirun -np 4 -hostfile hostfiles/local python -m mpitrain lr     # sync, 3 workers
   mpirun -np 4 -hostfile hostfiles/local python -m mpitrain lr --async
+  mpirun -np 3 python -m mpitrain ./my_model.py:build --data my.npz   # your model
+MODEL is a registered name or your own FILE.py:FUNCTION / module:FUNCTION,
+FUNCTION(input_shape, num_classes) returning a keras.Model that outputs logits.
 Add -q to mpirun to hide Open MPI's own banner when a run fails.
 """
 
@@ -65,7 +68,13 @@ def _add_training_options(parser: argparse.ArgumentParser, spec) -> None:
         parser.add_argument(f.metadata["flag"], dest=f.name, default=f.default, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def user_model_in(argv: List[str]) -> Optional[str]:
+    """The user's model spec (FILE.py:FUNCTION, module:FUNCTION) ``argv`` trains, if any."""
+    return argv[0] if argv and models.is_spec(argv[0]) else None
+
+
+def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole CLI; ``user_model`` adds a training command for that model spec."""
     from . import __version__
 
     parser = _Parser(prog=PROG, description="MPI data-parallel training for TensorFlow: "
@@ -74,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                      parser_class=_Parser)
-    for spec in models.specs():
+    user = ([models.ModelSpec(user_model, None, f"your model {user_model}",
+                              dict(models.USER_DEFAULTS))] if user_model else [])
+    for spec in models.specs() + user:
         sub = commands.add_parser(spec.name, help=f"train {spec.summary}",
                                   description=spec.summary)
         _add_training_options(sub, spec)
@@ -210,11 +221,11 @@ def parse_config(argv: List[str], args=None, world_size: Optional[int] = None) -
     Validated against ``world_size`` (default: the launcher's) to fail fast,
     before MPI and TensorFlow load; the session re-checks with MPI's own size.
     """
-    args = args or build_parser().parse_args(argv)
+    args = args or build_parser(user_model_in(argv)).parse_args(argv)
     if args.command in TOOLS:
         raise UsageError(f"expected a model to train, not {args.command!r}")
     values = {f.name: getattr(args, f.name) for f in fields_with_flags()}
-    cfg = Config(model=args.command, **values)
+    cfg = Config(model=models.canonical(args.command), **values)
     if not cfg.resume:
         resolve(cfg, models.get(cfg.model).defaults, world_size or launcher_world_size())
     return cfg
@@ -235,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``mpitrain`` and ``python -m mpitrain``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(user_model_in(argv)).parse_args(argv)
         if args.command in TOOLS:
             return run_tool(args)
         cfg = parse_config(argv, args)

@@ -21,6 +21,7 @@ DATASETS = ("auto", "mnist", "digits", "synthetic")
 LR_SCALINGS = ("linear", "none")
 LR_SCHEDULES = ("constant", "cosine")
 ENGINES = ("mpi", "horovod")
+OUTPUTS = ("logits", "probabilities")
 HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
                    "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
                    "--no-build-isolation horovod==0.28.1")
@@ -89,6 +90,10 @@ class Config:
     optimizer: Optional[str] = _opt(
         "optimizer: sgd, momentum (SGD with momentum 0.9) or adam",
         flag="--optimizer", choices=OPTIMIZERS)
+    outputs: str = _opt(
+        "what the model's last layer outputs: logits (no activation; recommended) or "
+        "probabilities (it ends in a softmax); the loss and evaluation follow",
+        "logits", flag="--outputs", choices=OUTPUTS)
     seed: int = _opt("random seed for initial weights, shuffling and synthetic data",
                      42, flag="--seed", type=int)
     dataset: Optional[str] = _opt(

@@ -1,4 +1,5 @@
-"""The model registry: names -> Keras models and their training defaults.
+"""The model registry: names -> Keras models and their training defaults; and the
+user's own models, named ``FILE.py:FUNCTION`` or ``package.module:FUNCTION``.
 
 Trainers never look inside a model: they ask the registry for a :class:`ModelSpec`
 by name, build it, and treat it as a function from images to logits with a list
@@ -8,14 +9,29 @@ of trainable variables. Registering a model is one decorated builder::
     def logistic_regression(input_shape, num_classes):
         ...return a keras.Model producing logits...
 
-Contract for builders: output unnormalised logits (the trainer applies softmax
-cross-entropy) and hold no non-trainable state, so that replicas that apply the
-same gradients hold bit-identical weights.
+Contract for builders: ``build(input_shape, num_classes)`` returns a
+``keras.Model`` whose output is (batch, num_classes) unnormalised logits (the
+trainer applies softmax cross-entropy; ``--outputs probabilities`` for a model
+ending in softmax). Non-trainable float state (BatchNorm statistics) is
+allowed: the trainers keep it consistent (see :mod:`mpitrain.replica`).
+
+A user's builder is loaded by :func:`get` from its spec: a file path (``.py``,
+or any path with a ``/``) is imported as a module of its own; otherwise the
+module is imported the way ``python -m`` would (the current directory first on
+``sys.path``). Every problem (missing file, import error, no such function, a
+result that is not a Keras model, the wrong output shape) is one UsageError
+naming the spec. Specs take :data:`USER_DEFAULTS`.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
+import re
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict
 
 from .errors import UsageError
@@ -47,15 +63,136 @@ def register(name: str, summary: str, defaults: Dict[str, object], **synthetic):
     return add
 
 
+#: training defaults of a user's model (Config fields left unset)
+USER_DEFAULTS = dict(optimizer="adam", lr=0.001, batch_size=64, epochs=5, dataset="auto",
+                     lr_schedule="constant")
+
+
+def is_spec(name: str) -> bool:
+    """True for ``FILE.py:FUNCTION`` / ``module:FUNCTION`` (a user's model), not a name."""
+    return ":" in name and not name.startswith("-")
+
+
 def get(name: str) -> ModelSpec:
-    """The spec registered as ``name``; UsageError listing the choices otherwise."""
+    """The registered model ``name``, or the user's model of spec ``name``.
+
+    UsageError listing the choices for an unknown name, or naming the spec and
+    the problem for a spec that cannot be loaded.
+    """
+    if is_spec(name):
+        return _user_spec(name)
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise UsageError(f"unknown model {name!r}; choose one of {', '.join(names())}") from None
+        raise UsageError(f"unknown model {name!r}; choose one of {', '.join(names())}, or "
+                         "give your own as FILE.py:FUNCTION or module:FUNCTION") from None
+
+
+def canonical(name: str) -> str:
+    """A spec with its file made absolute (a resumed run finds it from anywhere)."""
+    if not is_spec(name):
+        return name
+    target, _, function = name.rpartition(":")
+    if _is_file(target):
+        target = str(Path(target).expanduser().resolve())
+    return f"{target}:{function}"
+
+
+def run_name(name: str) -> str:
+    """A file-name-safe label for run directories: ``lr``, ``my_model-build``."""
+    if not is_spec(name):
+        return name
+    target, _, function = name.rpartition(":")
+    stem = Path(target).stem if _is_file(target) else target
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{stem}-{function}")
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or os.sep in target or "/" in target
+
+
+_LOADED: Dict[str, ModelSpec] = {}
+
+
+def _user_spec(spec: str) -> ModelSpec:
+    if spec not in _LOADED:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the user's file may import TF
+        target, _, function = spec.rpartition(":")
+        module = _import_file(spec, target) if _is_file(target) else _import_module(spec, target)
+        builder = getattr(module, function, None)
+        if builder is None:
+            raise UsageError(f"model {spec}: {target} has no function {function!r}; define "
+                             f"def {function}(input_shape, num_classes) returning a keras.Model")
+        if not callable(builder):
+            raise UsageError(f"model {spec}: {function} is not a function")
+        _LOADED[spec] = ModelSpec(spec, _checked(spec, builder), f"your model {spec}",
+                                  dict(USER_DEFAULTS))
+    return _LOADED[spec]
+
+
+def _import_file(spec: str, target: str):
+    path = Path(target).expanduser()
+    if not path.is_file():
+        raise UsageError(f"model {spec}: no such file {path}")
+    name = f"mpitrain_user_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}"
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    _run_import(spec, lambda: loader_spec.loader.exec_module(module))
+    return module
+
+
+def _import_module(spec: str, target: str):
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as python -m does
+    try:
+        return _run_import(spec, lambda: importlib.import_module(target), target)
+    except UsageError:
+        raise
+    except ModuleNotFoundError as e:
+        raise UsageError(f"model {spec}: no module named {e.name!r} (run from the directory "
+                         "that holds it, or install it)") from None
+
+
+def _run_import(spec: str, load, module: str = ""):
+    """``load()``, its errors as one UsageError (except ``module`` itself not found)."""
+    try:
+        return load()
+    except SyntaxError as e:
+        raise UsageError(f"model {spec}: syntax error in {e.filename} line {e.lineno}: "
+                         f"{e.msg}") from None
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            raise
+        raise UsageError(f"model {spec}: importing it failed: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's code: any error is theirs to see
+        raise UsageError(f"model {spec}: importing it failed ({type(e).__name__}: {e})") \
+            from None
+
+
+def _checked(spec: str, builder: Callable) -> Callable:
+    """``builder`` with its result checked: a keras.Model with a (None, classes) output."""
+    def build(input_shape, num_classes):
+        import keras
+
+        try:
+            model = builder(tuple(input_shape), num_classes)
+        except Exception as e:  # noqa: BLE001 - the user's code
+            raise UsageError(f"model {spec}: building it for input {tuple(input_shape)} and "
+                             f"{num_classes} classes failed ({type(e).__name__}: {e})") from None
+        if not isinstance(model, keras.Model):
+            raise UsageError(f"model {spec}: returned {type(model).__name__}, not a "
+                             "keras.Model")
+        shape = tuple(model.output_shape) if hasattr(model, "output_shape") else None
+        if shape is None or len(shape) != 2 or shape[1] != num_classes:
+            raise UsageError(f"model {spec}: its output has shape {shape}; expected (None, "
+                             f"{num_classes}): one score per class for {num_classes} classes")
+        return model
+    return build
 
 
 def names():
+    """The registered model names."""
     return sorted(_REGISTRY)
 
 
@@ -144,3 +281,37 @@ def alexnet(input_shape, num_classes):
         L.Dense(4096, activation="relu"),
         L.Dense(num_classes, name="logits"),
     ], name="alexnet")
+
+
+@register("resnet", "ResNet-20 for CIFAR-style 32x32 images: 3 stages x 3 basic blocks, "
+          "16/32/64 filters, BatchNorm (272,474 parameters at 32x32x3, 10 classes)",
+          defaults=dict(optimizer="momentum", lr=0.05, batch_size=64, epochs=10,
+                        dataset="synthetic", lr_schedule="cosine"),
+          image_size=32, channels=3, num_classes=10, n_test=512)
+def resnet(input_shape, num_classes):
+    """He et al.'s CIFAR ResNet-20 (Sec. 4.2): a 3x3 conv, then 3 stages of 3 basic
+    blocks (two 3x3 conv + BatchNorm, identity shortcut; a strided 1x1 conv + BatchNorm
+    shortcut where the stage halves the map), global average pooling, dense logits."""
+    import keras
+
+    L = keras.layers
+
+    def conv_bn(x, filters, strides=1, relu=True, kernel=3):
+        x = L.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False,
+                     kernel_initializer="he_normal")(x)
+        x = L.BatchNormalization()(x)
+        return L.ReLU()(x) if relu else x
+
+    inputs = keras.Input(input_shape)
+    x = conv_bn(inputs, 16)
+    for stage, filters in enumerate((16, 32, 64)):
+        for block in range(3):
+            strides = 2 if stage > 0 and block == 0 else 1
+            shortcut = x if strides == 1 else conv_bn(x, filters, strides, relu=False,
+                                                      kernel=1)
+            y = conv_bn(x, filters, strides)
+            y = conv_bn(y, filters, relu=False)
+            x = L.ReLU()(L.Add()([y, shortcut]))
+    x = L.GlobalAveragePooling2D()(x)
+    outputs = L.Dense(num_classes, name="logits")(x)
+    return keras.Model(inputs, outputs, name="resnet20")

@@ -28,6 +28,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from .errors import UsageError
+
 EVAL_BATCH = 2000
 
 
@@ -52,6 +54,15 @@ def checksum(flat: np.ndarray) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(flat)).cast("B"))
 
 
+def ends_in_softmax(model) -> bool:
+    """True if the model's last layer is a softmax (its outputs are probabilities)."""
+    import keras
+
+    last = model.layers[-1] if model.layers else None
+    return isinstance(last, keras.layers.Softmax) or \
+        getattr(last, "activation", None) is keras.activations.softmax
+
+
 def make_optimizer(name: str, lr: float, decay_steps: Optional[int] = None):
     """A Keras optimizer; with ``decay_steps``, its learning rate follows cosine decay."""
     import keras
@@ -71,18 +82,23 @@ class Replica:
     """A model, its optimizer, and compiled step functions over flat float32 vectors."""
 
     def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float,
-                 clip_norm: Optional[float] = None, decay_steps: Optional[int] = None):
+                 clip_norm: Optional[float] = None, decay_steps: Optional[int] = None,
+                 from_logits: bool = True):
         import tensorflow as tf
         import keras
 
         self.model = spec.build(tuple(input_shape), num_classes)
+        if from_logits and ends_in_softmax(self.model):
+            raise UsageError(f"model {spec.name} ends in a softmax: pass --outputs "
+                             "probabilities, or drop the softmax and output logits (more "
+                             "stable in float32)")
         self.variables = list(self.model.trainable_variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.n_params = int(sum(self.sizes))
         self.optimizer = make_optimizer(optimizer, lr, decay_steps)
         self.optimizer.build(self.variables)
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
         batch_spec = [tf.TensorSpec((None,) + tuple(input_shape), tf.float32),
                       tf.TensorSpec((None,), tf.int32)]
         flat_spec = [tf.TensorSpec((self.n_params,), tf.float32)]
@@ -126,7 +142,8 @@ class Replica:
         @tf.function(input_signature=batch_spec)
         def eval_batch(x, y):
             logits = model(x, training=False)
-            losses = tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            losses = keras.losses.sparse_categorical_crossentropy(y, logits,
+                                                                  from_logits=from_logits)
             correct = tf.equal(tf.argmax(logits, axis=1, output_type=tf.int32), y)
             return tf.reduce_sum(losses), tf.reduce_sum(tf.cast(correct, tf.int32))
 

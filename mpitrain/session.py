@@ -55,7 +55,8 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
 
     init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
     replica = Replica(spec, dataset.input_shape, dataset.num_classes, cfg.optimizer,
-                      cfg.effective_lr, cfg.clip_grad_norm, decay_steps(cfg, shard_size))
+                      cfg.effective_lr, cfg.clip_grad_norm, decay_steps(cfg, shard_size),
+                      from_logits=cfg.outputs == "logits")
     ranks = comm.allgather_objects(rank_facts(threads))
     results = open_results(cfg, comm)
     results.write_json("config.json" if checkpoint is None else
@@ -164,7 +165,7 @@ def open_results(cfg: Config, comm: Comm):
         return NullResults()
     if cfg.resume:
         return RunResults.reopen(Path(cfg.resume))
-    return RunResults(cfg.results_dir, f"{cfg.model}-{cfg.mode}-np{comm.size}")
+    return RunResults(cfg.results_dir, f"{models.run_name(cfg.model)}-{cfg.mode}-np{comm.size}")
 
 
 def record_failure(ctx: Context, error: MpitrainError, sampler) -> None:
