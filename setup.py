@@ -21,6 +21,7 @@ setup(
         "psutil>=5.9,<8",
         "scikit-learn>=1.3,<2",  # bundled 8x8 digits: the offline fallback dataset
         "matplotlib>=3.7,<4",  # mpitrain plot / report
+        "Pillow>=9,<13",  # --data image folders
     ],
     extras_require={
         "test": ["pytest>=7,<10", "pytest-timeout>=2.1,<3", "matplotlib>=3.7,<4"],

@@ -101,8 +101,14 @@ class Config:
         "8x8 digits upscaled to 28x28 (says so); mnist: MNIST or fail; digits: the "
         "bundled digits; synthetic: random ImageNet-shaped data",
         flag="--dataset", choices=DATASETS)
+    data: Optional[str] = _opt(
+        "your own data: an .npz with x_train, y_train, x_test, y_test; a directory of class "
+        "sub-folders of PNG/JPEG images (train/ and test/ inside, or 10%% of each class held "
+        "out); or CIFAR-10's python batches. Input shape and classes are inferred",
+        flag="--data", metavar="PATH")
     image_size: Optional[int] = _opt(
-        "synthetic data: image height and width (AlexNet's is 224; 32 or 64 for quick runs)",
+        "synthetic data and --data image folders: image height and width (AlexNet's is 224; "
+        "32 or 64 for quick runs); images are resized to it",
         flag="--image-size", type=int, metavar="PX")
     synthetic_size: int = _opt(
         "synthetic data: training examples in an epoch (drawn from a pool of 64 random "
@@ -256,6 +262,10 @@ def resolve(cfg: Config, defaults: dict, world_size: int) -> Config:
     """
     filled = {name: value for name, value in defaults.items()
               if getattr(cfg, name, None) is None}
+    if cfg.data:
+        if cfg.dataset not in (None, "auto", "file"):
+            raise UsageError(f"--data gives the dataset: drop --dataset {cfg.dataset}")
+        filled["dataset"] = "file"  # the model's default dataset does not apply
     if cfg.batches_per_epoch is not None:
         if cfg.batch_size is not None:
             raise UsageError("give --batch-size or --batches-per-epoch, not both")

@@ -12,7 +12,18 @@ directory may hold the four standard IDX files (gzipped or raw) or ``mnist.npz``
 ranks agree on what was loaded, so a host without data fails the whole job
 with one message rather than training on different data.
 
-Images are float32 in [0, 1] shaped (N, H, W, C); labels are int32.
+The user's own data comes with ``--data PATH`` (:func:`read_user_data`): an
+``.npz`` with ``x_train, y_train, x_test, y_test`` (any image or feature shape,
+integer labels 0..K-1); a directory of class sub-folders of PNG/JPEG images
+(with ``train/`` and ``test/`` inside, or else a fixed stratified 10% of each
+class held out as the test set), decoded with Pillow and resized to
+``--image-size``; or CIFAR-10's python batches (``data_batch_1..5`` and
+``test_batch``, or their parent ``cifar-10-batches-py/``). The input shape and
+the number of classes are inferred. Every rank holds its splits in memory:
+data larger than memory is out of scope.
+
+Images are float32 in [0, 1] shaped (N, H, W, C) (uint8 pixels are scaled;
+float data is kept as it is); labels are int32.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import pickle
 import urllib.request
 import zlib
 from dataclasses import dataclass
@@ -63,6 +75,7 @@ class Dataset:
     x_test: Optional[np.ndarray] = None
     y_test: Optional[np.ndarray] = None
     note: str = ""  # a line the user must see (e.g. the offline fallback)
+    classes: Optional[List[str]] = None  # class names, where the data names them
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,10 +304,241 @@ def synthetic(n_train: int, n_test: int, image_size: int, channels: int, num_cla
 
 
 # ---------------------------------------------------------------------------------------
+# The user's data: --data PATH
+# ---------------------------------------------------------------------------------------
+USER_FORMATS = ("an .npz with x_train, y_train, x_test, y_test; a directory of class "
+                "sub-folders of PNG/JPEG images; or CIFAR-10's python batches "
+                "(data_batch_1..5, test_batch)")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+CIFAR_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
+#: an image folder without train/ and test/ holds out this share of each class as test
+HOLDOUT = 0.1
+
+
+def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None) -> Dataset:
+    """The dataset at ``path`` (see the module docstring), with the ``splits`` this
+    rank needs; labels of both splits always (they fix the number of classes).
+    DataError naming the file for anything missing, corrupt or inconsistent."""
+    where = Path(path).expanduser()
+    try:
+        if where.is_file() and where.suffix == ".npz":
+            return _user_npz(where, splits)
+        if where.is_dir():
+            cifar = _cifar_dir(where)
+            if cifar is not None:
+                return _user_cifar(cifar, splits)
+            return _user_images(where, splits, image_size)
+    except MemoryError:
+        raise DataError(f"--data {where}: does not fit in memory; data larger than memory is "
+                        "not supported (use a subset)") from None
+    if not where.exists():
+        raise DataError(f"--data {where}: no such file or directory; give {USER_FORMATS}")
+    raise DataError(f"--data {where}: not a dataset mpitrain reads; give {USER_FORMATS}")
+
+
+def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
+                  classes: Optional[List[str]] = None) -> Dataset:
+    """A Dataset from the user's arrays: labels checked, pixels as float32."""
+    for split in SPLITS:
+        y = arrays["y_" + split]
+        if y.ndim == 2 and y.shape[1] == 1:
+            y = y[:, 0]
+        if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or
+                               (np.issubdtype(y.dtype, np.floating) and
+                                np.array_equal(y, np.round(y)))):
+            raise DataError(f"{source}: y_{split} must be integer class labels, one per "
+                            f"example (got {y.dtype} of shape {y.shape})")
+        if len(y) and y.min() < 0:
+            raise DataError(f"{source}: y_{split} has negative labels; classes are 0..K-1")
+        if "x_" + split in arrays and len(arrays["x_" + split]) != len(y):
+            raise DataError(f"{source}: {len(arrays['x_' + split])} {split} examples but "
+                            f"{len(y)} labels")
+        arrays["y_" + split] = y.astype(np.int32)
+    if not len(arrays["y_train"]) or not len(arrays["y_test"]):
+        raise DataError(f"{source}: the training and the test set must not be empty")
+    num_classes = len(classes) if classes else \
+        int(max(arrays["y_train"].max(), arrays["y_test"].max())) + 1
+    missing = set(np.unique(arrays["y_test"])) - set(np.unique(arrays["y_train"]))
+    if missing:
+        raise DataError(f"{source}: the test set has classes {sorted(missing)} that the "
+                        "training set never shows")
+    for key in [k for k in arrays if k.startswith("x_")]:
+        x = arrays[key]
+        if x.dtype == np.uint8:
+            x = x.astype(np.float32) / np.float32(255.0)
+        arrays[key] = (x[..., None] if x.ndim == 3 else x).astype(np.float32, copy=False)
+        if arrays[key].ndim < 2:
+            raise DataError(f"{source}: {key} must hold one array per example (got shape "
+                            f"{x.shape})")
+    any_x = next(v for k, v in arrays.items() if k.startswith("x_"))
+    return Dataset(kind, str(source), num_classes, tuple(any_x.shape[1:]),
+                   len(arrays["y_train"]), classes=classes, **arrays)
+
+
+def _user_npz(path: Path, splits) -> Dataset:
+    keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {key: np.asarray(f[key]) for key in keys}
+    except KeyError as e:
+        raise DataError(f"{path}: missing array {e}; an npz for --data holds x_train, "
+                        "y_train, x_test and y_test") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # zipfile.BadZipFile, ValueError, OSError, EOFError...
+        raise DataError(f"{path}: cannot read ({type(e).__name__}: {e}); the file is "
+                        "corrupt or truncated, replace it") from None
+    return _user_dataset("npz", path, arrays)
+
+
+def _cifar_dir(path: Path) -> Optional[Path]:
+    for candidate in (path, path / "cifar-10-batches-py"):
+        if (candidate / "test_batch").is_file() or (candidate / "data_batch_1").is_file():
+            return candidate
+    return None
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles CIFAR's batches (dicts of bytes, lists and numpy arrays) and nothing
+    else: a pickle that names any other class is refused, not executed."""
+
+    ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"),
+               ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray",
+                                                           "_reconstruct"),
+               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def _cifar_batch(path: Path, with_images: bool):
+    if not path.is_file():
+        raise DataError(f"{path}: missing; CIFAR-10's python layout has data_batch_1..5 and "
+                        "test_batch")
+    try:
+        with open(path, "rb") as f:
+            batch = _CifarUnpickler(f, encoding="bytes").load()
+        labels = np.asarray(batch[b"labels"], np.int64)
+        images = np.asarray(batch[b"data"], np.uint8) if with_images else None
+    except Exception as e:  # noqa: BLE001 - truncated, not a pickle, wrong contents
+        raise DataError(f"{path}: not a CIFAR-10 batch ({type(e).__name__}: {e}); the file "
+                        "is corrupt or truncated, replace it") from None
+    if images is not None:
+        if images.ndim != 2 or images.shape != (len(labels), 3072):
+            raise DataError(f"{path}: data has shape {images.shape}, expected "
+                            f"({len(labels)}, 3072): 32x32x3 images, one row each")
+        images = images.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return images, labels
+
+
+def _user_cifar(directory: Path, splits) -> Dataset:
+    arrays = {}
+    for split, names in (("train", CIFAR_BATCHES), ("test", ("test_batch",))):
+        parts = [_cifar_batch(directory / name, split in splits) for name in names]
+        arrays["y_" + split] = np.concatenate([labels for _, labels in parts])
+        if split in splits:
+            arrays["x_" + split] = np.concatenate([images for images, _ in parts])
+    classes = None
+    meta = directory / "batches.meta"
+    if meta.is_file():
+        try:
+            with open(meta, "rb") as f:
+                names = _CifarUnpickler(f, encoding="bytes").load()[b"label_names"]
+            classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+        except Exception as e:  # noqa: BLE001
+            raise DataError(f"{meta}: unreadable ({type(e).__name__}: {e}); replace or "
+                            "remove it") from None
+    return _user_dataset("cifar10", directory, arrays, classes)
+
+
+def _class_folders(directory: Path) -> List[Path]:
+    return sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _images_in(folder: Path) -> List[Path]:
+    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def _user_images(directory: Path, splits, image_size: Optional[int]) -> Dataset:
+    """A folder of class folders (or train/ and test/ each holding them)."""
+    if (directory / "train").is_dir() and (directory / "test").is_dir():
+        classes = [p.name for p in _class_folders(directory / "train")]
+        test_classes = [p.name for p in _class_folders(directory / "test")]
+        if set(test_classes) - set(classes):
+            raise DataError(f"{directory / 'test'}: classes {sorted(set(test_classes) - set(classes))} "
+                            f"are not in {directory / 'train'}")
+        files = {split: [(f, classes.index(c.name)) for c in _class_folders(directory / split)
+                         for f in _images_in(c)] for split in SPLITS}
+    else:
+        folders = _class_folders(directory)
+        classes = [p.name for p in folders]
+        files = {"train": [], "test": []}
+        for index, folder in enumerate(folders):
+            images = _images_in(folder)
+            # a fixed split, whatever --seed: the test set is the same in every run
+            order = np.random.default_rng(index).permutation(len(images))
+            n_test = max(1, int(round(HOLDOUT * len(images)))) if len(images) > 1 else 0
+            files["test"] += [(images[i], index) for i in sorted(order[:n_test])]
+            files["train"] += [(images[i], index) for i in sorted(order[n_test:])]
+    if len(classes) < 2 or not files["train"]:
+        raise DataError(f"--data {directory}: expected class sub-folders holding PNG/JPEG "
+                        f"images (found {len(classes)} folder(s), {len(files['train'])} "
+                        f"images); or give {USER_FORMATS}")
+    mode = _image_mode([f for split in SPLITS for f, _ in files[split]])
+    arrays = {"y_" + split: np.array([c for _, c in files[split]], np.int64)
+              for split in SPLITS}
+    for split in splits:
+        arrays["x_" + split] = _decode(files[split], mode, image_size)
+    return _user_dataset("images", directory, arrays, classes)
+
+
+def _image_mode(paths: List[Path]) -> str:
+    """RGB if any image has colour, else grayscale (L)."""
+    from PIL import Image
+
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                if image.mode not in ("1", "L", "LA", "I", "I;16", "F"):
+                    return "RGB"
+        except Exception as e:  # noqa: BLE001 - Pillow raises many kinds
+            raise DataError(f"{path}: not a readable image ({type(e).__name__}: {e}); "
+                            "replace or remove it") from None
+    return "L"
+
+
+def _decode(files, mode: str, image_size: Optional[int]) -> np.ndarray:
+    from PIL import Image
+
+    out, first = [], None
+    for path, _ in files:
+        try:
+            with Image.open(path) as image:
+                image = image.convert(mode)
+                if image_size:
+                    image = image.resize((image_size, image_size), Image.BILINEAR)
+                pixels = np.asarray(image, np.uint8)
+        except Exception as e:  # noqa: BLE001
+            raise DataError(f"{path}: not a readable image ({type(e).__name__}: {e}); "
+                            "replace or remove it") from None
+        if first is None:
+            first = (path, pixels.shape)
+        elif pixels.shape != first[1]:
+            raise DataError(f"{path}: image is {pixels.shape[1]}x{pixels.shape[0]} but "
+                            f"{first[0]} is {first[1][1]}x{first[1][0]}; pass --image-size "
+                            "PX to resize every image to PX x PX")
+        out.append(pixels)
+    return np.stack(out) if out else np.zeros((0, 1, 1), np.uint8)
+
+
+# ---------------------------------------------------------------------------------------
 # Loading for a run (collective)
 # ---------------------------------------------------------------------------------------
 def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
-         seed: int = 0, synthetic_shape: Optional[dict] = None) -> Dataset:
+         seed: int = 0, synthetic_shape: Optional[dict] = None,
+         user_data: Optional[str] = None, image_size: Optional[int] = None) -> Dataset:
     """Load ``splits`` of ``dataset`` on this rank. Collective over ``comm``.
 
     ``synthetic_shape`` (image_size, channels, num_classes, n_train, n_test)
@@ -304,7 +548,9 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
     """
     result, error = None, None
     try:
-        if dataset in ("auto", "mnist"):
+        if user_data:
+            result = read_user_data(user_data, splits, image_size)
+        elif dataset in ("auto", "mnist"):
             result = _load_mnist(dataset, data_dir, comm, splits)
         elif dataset == "digits":
             result = _from_arrays("digits", "scikit-learn load_digits (8x8, upscaled)",
@@ -386,12 +632,15 @@ def _from_arrays(name: str, source: str, arrays: Dict[str, np.ndarray],
 
 
 def _agree_on_dataset(result: Dataset, comm) -> None:
-    summaries = comm.allgather_objects((result.name, result.train_size))
+    summaries = comm.allgather_objects((result.name, result.train_size, result.num_classes,
+                                        result.input_shape))
     if len(set(summaries)) > 1:
-        lines = [f"{comm.name(r)} has {name} with {size} training images"
-                 for r, (name, size) in enumerate(summaries)]
+        lines = [f"{comm.name(r)} has {name} with {size} training examples of shape "
+                 f"{shape} in {classes} classes"
+                 for r, (name, size, classes, shape) in enumerate(summaries)]
         raise DataError("ranks loaded different data (" + "; ".join(lines) + "); give every "
-                        "host the same MNIST files (--data-dir or $MPITRAIN_DATA_DIR)")
+                        "host the same files (--data, or MNIST via --data-dir or "
+                        "$MPITRAIN_DATA_DIR)")
 
 
 # ---------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def load_data(cfg: Config, comm: Comm, spec):
     if cfg.image_size:
         shape["image_size"] = cfg.image_size
     dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
-                        synthetic_shape=shape)
+                        synthetic_shape=shape, user_data=cfg.data, image_size=cfg.image_size)
     if cfg.batches_per_epoch:
         shard = dataset.train_size // cfg.workers
         cfg = dataclasses.replace(cfg, batch_size=max(1, -(-shard // cfg.batches_per_epoch)))
@@ -243,7 +243,9 @@ def run_metadata(cfg: Config, dataset, replica, ranks) -> dict:
 
     return {"config": cfg.to_dict(), "argv": sys.argv,
             "dataset": {"name": dataset.name, "source": dataset.source,
-                        "train_size": dataset.train_size, "note": dataset.note},
+                        "train_size": dataset.train_size, "note": dataset.note,
+                        "input_shape": list(dataset.input_shape),
+                        "num_classes": dataset.num_classes, "classes": dataset.classes},
             "model": {"name": cfg.model, "parameters": replica.n_params},
             "versions": {**{k: ranks[0][k] for k in ("python", "tensorflow", "numpy",
                                                      "mpi4py", "mpi_library", "mpitrain")},
@@ -258,7 +260,9 @@ def run_row(cfg: Config, dataset, summary: Optional[Summary], status: str = "ok"
     row = {"model": cfg.model, "mode": cfg.mode, "np": cfg.world_size,
            "workers": cfg.workers, "batch_size": cfg.batch_size,
            "global_batch": cfg.global_batch, "optimizer": cfg.optimizer,
-           "lr": cfg.effective_lr, "dataset": dataset.name, "status": status,
+           "lr": cfg.effective_lr, "dataset": dataset.name,
+           "input_shape": "x".join(map(str, dataset.input_shape)),
+           "num_classes": dataset.num_classes, "status": status,
            "reason": reason, "resumed": bool(cfg.resume), "engine": engine_name(cfg),
            "horovod_version": (preflight_checks.installed_version("horovod")
                                if cfg.allreduce == "horovod" else ""),
