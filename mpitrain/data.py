@@ -315,10 +315,30 @@ CIFAR_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 HOLDOUT = 0.1
 
 
+#: ``mpitrain.fit``'s arrays, by the name its config records for them
+_IN_MEMORY: Dict[str, Dict[str, np.ndarray]] = {}
+IN_MEMORY = "<arrays given to mpitrain.fit>"
+
+
+def provide_arrays(train, test) -> str:
+    """Make ``(x, y)`` pairs readable as ``--data`` in this process; returns the name."""
+    try:
+        (x_train, y_train), (x_test, y_test) = train, test
+    except (TypeError, ValueError):
+        raise UsageError("train= and test= take (x, y) pairs of arrays") from None
+    _IN_MEMORY[IN_MEMORY] = {"x_train": np.asarray(x_train), "y_train": np.asarray(y_train),
+                             "x_test": np.asarray(x_test), "y_test": np.asarray(y_test)}
+    return IN_MEMORY
+
+
 def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None) -> Dataset:
     """The dataset at ``path`` (see the module docstring), with the ``splits`` this
     rank needs; labels of both splits always (they fix the number of classes).
     DataError naming the file for anything missing, corrupt or inconsistent."""
+    if path in _IN_MEMORY:
+        given = _IN_MEMORY[path]
+        keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
+        return _user_dataset("arrays", path, {k: given[k] for k in keys})
     where = Path(path).expanduser()
     try:
         if where.is_file() and where.suffix == ".npz":

@@ -114,6 +114,18 @@ def _is_file(target: str) -> bool:
 _LOADED: Dict[str, ModelSpec] = {}
 
 
+def from_callable(builder: Callable) -> str:
+    """Make a builder function (``mpitrain.fit``'s model) loadable by :func:`get` in
+    this process; returns its name, ``SCRIPT.py:FUNCTION`` for a script's function."""
+    module = getattr(builder, "__module__", None) or "model"
+    if module == "__main__" and sys.argv and sys.argv[0].endswith(".py"):
+        module = str(Path(sys.argv[0]).resolve())
+    name = f"{module}:{getattr(builder, '__qualname__', 'build')}"
+    _LOADED[name] = ModelSpec(name, _checked(name, builder), f"your model {name}",
+                              dict(USER_DEFAULTS))
+    return name
+
+
 def _user_spec(spec: str) -> ModelSpec:
     if spec not in _LOADED:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the user's file may import TF

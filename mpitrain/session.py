@@ -89,6 +89,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
                          **telemetry.node_summary(gathered, comm.hosts)})
     results.set_status("ok")
     console.summary(summary_lines(cfg, summary, results.path))
+    summary.run_dir = str(results.path) if results.path else None
     return summary
 
 

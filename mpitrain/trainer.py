@@ -91,6 +91,7 @@ class Summary:
     test_accuracy: float
     train_loss: float
     extra: Dict[str, object] = field(default_factory=dict)
+    run_dir: Optional[str] = None  # where the serving rank wrote the results; None elsewhere
 
 
 def worker_batches(ctx: Context,

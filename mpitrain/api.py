@@ -1,0 +1,115 @@
+"""``mpitrain.fit``: train from your own script under mpirun, the way Horovod users work.
+
+    # train.py, run as: mpirun -np 4 python train.py
+    import mpitrain
+
+    def build(input_shape, num_classes):
+        ...return a keras.Model producing logits...
+
+    result = mpitrain.fit(build, train=(x_train, y_train), test=(x_test, y_test),
+                          mode="async", epochs=5, batch_size=64)
+    if result:  # rank 0 only
+        print(result.test_accuracy, result.run_dir)
+
+It is the CLI's training run (:func:`mpitrain.session.run`) with the model and
+the data handed over in memory: the same typed configuration (every option of
+``mpitrain MODEL --help``, by its field name), the same roles, protocols,
+results files, telemetry, checkpoints and fault handling.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Tuple, Union
+
+from .config import Config, fields_with_flags
+from .errors import MpitrainError, UsageError
+
+MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What a run reached, as rank 0 (the parameter server) saw it."""
+
+    test_accuracy: float
+    test_loss: float
+    train_loss: Optional[float]
+    epochs: float
+    steps: int
+    wall_time_s: float
+    run_dir: Path  # config.json, curve.csv, checkpoint.npz, telemetry... (runs.csv beside it)
+
+
+def fit(model: Union[Callable, str], train: Optional[Tuple] = None, test: Optional[Tuple] = None,
+        *, mode: str = "sync", data: Optional[str] = None, **options) -> Optional[FitResult]:
+    """Train ``model`` data-parallel over the MPI job this script runs in.
+
+    Cross-rank contract: every rank of the job calls ``fit`` once, with the same
+    arguments (the same arrays: each rank may load them itself); rank 0 becomes
+    the parameter server, the others workers, as with the CLI. At ``mpirun -np
+    1`` it trains on its own (``mode`` does not matter).
+
+    ``model``: a function ``(input_shape, num_classes) -> keras.Model`` producing
+    logits, a registered name (``"lenet"``) or a ``"FILE.py:FUNCTION"`` spec.
+    ``train``/``test``: ``(x, y)`` arrays (images (N, H, W[, C]) or features
+    (N, D); integer labels 0..K-1; uint8 pixels are scaled to [0, 1]), or instead
+    ``data=`` a path as for ``--data``. ``mode``: ``"sync"`` (allreduce) or
+    ``"async"`` (parameter server). ``options``: any training option by its
+    config field name (``epochs``, ``batch_size``, ``lr``, ``optimizer``,
+    ``staleness``, ``results_dir``, ``clip_grad_norm``, ``outputs``...).
+
+    Returns a :class:`FitResult` on rank 0 and ``None`` on the other ranks.
+    Raises an :class:`mpitrain.errors.MpitrainError` (usage, data, divergence,
+    interruption) identically on every rank; an error only one rank can see
+    (a stalled peer, a local crash) is printed and ends the whole job, as in the
+    CLI, so no rank is left waiting.
+    """
+    cfg, explicit = _config(model, train, test, mode, data, options)
+    from . import cli, session
+
+    try:
+        summary = session.run(cfg, explicit)
+    except MpitrainError as error:
+        if not error.everywhere:
+            cli._fail(error)  # reports to rank 0, which aborts the job
+        raise
+    except Exception:  # a crash on one rank must not leave the others waiting
+        from .comm import abort_world, world_rank_if_running
+
+        sys.stderr.write(f"mpitrain: internal error on rank {world_rank_if_running()}:\n")
+        traceback.print_exc()
+        abort_world(1)
+        raise
+    if summary.run_dir is None:
+        return None
+    return FitResult(summary.test_accuracy, summary.test_loss, summary.train_loss,
+                     summary.epochs_done, summary.steps, summary.wall_time_s,
+                     Path(summary.run_dir))
+
+
+def _config(model, train, test, mode, data, options):
+    """The run's Config and the names of the settings given, from fit's arguments."""
+    from . import data as datasets, models
+
+    if mode not in MODES:
+        raise UsageError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+    names = {f.name for f in fields_with_flags()} - {"async_mode", "data"}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise UsageError(f"fit() got unknown option(s) {', '.join(unknown)}; options are the "
+                         f"training settings: {', '.join(sorted(names))}")
+    if (train is None) != (test is None) or (train is None) == (data is None):
+        raise UsageError("give fit() train=(x, y) and test=(x, y), or data=PATH")
+    if callable(model):
+        model = models.from_callable(model)
+    elif not isinstance(model, str):
+        raise UsageError("model must be a function (input_shape, num_classes) -> keras.Model, "
+                         "a registered name or a FILE.py:FUNCTION spec")
+    source = datasets.provide_arrays(train, test) if data is None else data
+    cfg = Config(model=models.canonical(model), async_mode=mode == "async", data=source,
+                 **options)
+    return cfg, frozenset(options) | {"data"} | ({"async_mode"} if mode == "async" else set())
