@@ -243,6 +243,7 @@ def lenet(input_shape, num_classes):
     momentum SGD collapsed at the scaled lr (sync -np 4) and with stale gradients."""
     import keras
 
+    _image_input("lenet", input_shape, 12)  # 12: the second pooling still has a 1x1 map
     L = keras.layers
     return keras.Sequential([
         keras.Input(input_shape),
@@ -272,6 +273,7 @@ def alexnet(input_shape, num_classes):
     import keras
 
     L = keras.layers
+    _image_input("alexnet", input_shape)
     size = int(input_shape[0])
     if size < 32:
         raise UsageError(f"--image-size {size} is too small for alexnet; use 32 or more")
@@ -307,6 +309,7 @@ def resnet(input_shape, num_classes):
     import keras
 
     L = keras.layers
+    _image_input("resnet", input_shape)
 
     def conv_bn(x, filters, strides=1, relu=True, kernel=3):
         x = L.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False,
