@@ -69,8 +69,95 @@ USER_DEFAULTS = dict(optimizer="adam", lr=0.001, batch_size=64, epochs=5, datase
 
 
 def is_spec(name: str) -> bool:
-    """True for ``FILE.py:FUNCTION`` / ``module:FUNCTION`` (a user's model), not a name."""
-    return ":" in name and not name.startswith("-")
+    """True for ``FILE.py:FUNCTION`` / ``module:FUNCTION`` (a user's model), not a name.
+
+    A bare ``FILE.py`` or path counts too, so that it gets the error saying to add
+    ``:FUNCTION`` rather than "invalid choice"."""
+    return (":" in name or name.endswith(".py") or "/" in name) and not name.startswith("-")
+
+
+def _split(spec: str):
+    """(target, function) of a spec; function is '' when the spec names none."""
+    target, colon, function = spec.rpartition(":")
+    return (target, function) if colon else (spec, "")
+
+
+def defaults_for(name: str) -> Dict[str, object]:
+    """The training defaults of ``name`` without loading a user's model (no import)."""
+    return dict(USER_DEFAULTS) if is_spec(name) else get(name).defaults
+
+
+def precheck(spec: str) -> None:
+    """What can be checked of a user's spec without running its code (so before MPI
+    and TensorFlow start): the function is named; the file exists and parses (syntax
+    errors name the line) and defines the function; a module can be found.
+    UsageError naming the spec otherwise. Loading and building it is checked later,
+    collectively, by every rank (:mod:`mpitrain.session`)."""
+    target, function = _split(spec)
+    if not function or not target:
+        raise UsageError(f"model {spec}: name the builder function too, as "
+                         f"{target or 'FILE.py'}:{function or 'build'} (FILE.py:FUNCTION or "
+                         "module:FUNCTION)")
+    if not function.isidentifier():
+        raise UsageError(f"model {spec}: {function!r} is not a Python function name")
+    if _is_file(target):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise UsageError(f"model {spec}: no such file {path} (give the path of your "
+                             "model's .py file, relative to this directory or absolute)")
+        _precheck_source(spec, path, function)
+        return
+    if not all(part.isidentifier() for part in target.split(".")):
+        raise UsageError(f"model {spec}: {target!r} is neither a .py file nor a module name")
+    top = target.split(".")[0]
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as python -m does
+    found = importlib.util.find_spec(top)
+    if found is None:
+        raise UsageError(f"model {spec}: no module named {top!r} (run from the directory "
+                         "that holds it, install it, or give the file as FILE.py:FUNCTION)")
+    if "." not in target and found.origin and found.origin.endswith(".py"):
+        _precheck_source(spec, Path(found.origin), function)
+
+
+def _precheck_source(spec: str, path: Path, function: str) -> None:
+    import ast
+
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except SyntaxError as e:
+        raise UsageError(f"model {spec}: syntax error in {e.filename} line {e.lineno}: "
+                         f"{e.msg}") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"model {spec}: cannot read {path} ({e})") from None
+    bound, dynamic = set(), False
+    for node in tree.body:  # top-level names only; a star import or __getattr__ may add any
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                dynamic |= alias.name == "*"
+                bound.add((alias.asname or alias.name).split(".")[0])
+        else:
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                    bound.add(sub.id)
+                elif isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+                    bound.add(sub.name)
+    if function not in bound and not dynamic and "__getattr__" not in bound:
+        defined = sorted(n.name for n in tree.body if isinstance(n, ast.FunctionDef))
+        raise UsageError(f"model {spec}: {path} has no function {function!r} (it defines "
+                         f"{', '.join(defined) or 'no functions'}); define "
+                         f"def {function}(input_shape, num_classes) returning a keras.Model")
+
+
+def same_model(given: str, saved: str) -> bool:
+    """Whether ``given`` (a resumed run's command line) names the run's ``saved`` model:
+    equal names, or user specs of the same file name and function (the saved, absolute
+    path is what is loaded, so resuming from another directory works)."""
+    if given == saved or not (is_spec(given) and is_spec(saved)):
+        return given == saved
+    return run_name(given) == run_name(saved)
 
 
 def get(name: str) -> ModelSpec:
@@ -92,19 +179,19 @@ def canonical(name: str) -> str:
     """A spec with its file made absolute (a resumed run finds it from anywhere)."""
     if not is_spec(name):
         return name
-    target, _, function = name.rpartition(":")
+    target, function = _split(name)
     if _is_file(target):
         target = str(Path(target).expanduser().resolve())
-    return f"{target}:{function}"
+    return f"{target}:{function}" if function else target
 
 
 def run_name(name: str) -> str:
     """A file-name-safe label for run directories: ``lr``, ``my_model-build``."""
     if not is_spec(name):
         return name
-    target, _, function = name.rpartition(":")
+    target, function = _split(name)
     stem = Path(target).stem if _is_file(target) else target
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{stem}-{function}")
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{stem}-{function}" if function else stem)
 
 
 def _is_file(target: str) -> bool:
@@ -129,14 +216,18 @@ def from_callable(builder: Callable) -> str:
 def _user_spec(spec: str) -> ModelSpec:
     if spec not in _LOADED:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the user's file may import TF
-        target, _, function = spec.rpartition(":")
+        target, function = _split(spec)
+        if not function or not target:
+            precheck(spec)  # raises: the spec names no function
         module = _import_file(spec, target) if _is_file(target) else _import_module(spec, target)
         builder = getattr(module, function, None)
         if builder is None:
             raise UsageError(f"model {spec}: {target} has no function {function!r}; define "
                              f"def {function}(input_shape, num_classes) returning a keras.Model")
         if not callable(builder):
-            raise UsageError(f"model {spec}: {function} is not a function")
+            raise UsageError(f"model {spec}: {function} is a {type(builder).__name__}, not a "
+                             f"function; define def {function}(input_shape, num_classes) "
+                             "returning a keras.Model")
         _LOADED[spec] = ModelSpec(spec, _checked(spec, builder), f"your model {spec}",
                                   dict(USER_DEFAULTS))
     return _LOADED[spec]
@@ -145,7 +236,8 @@ def _user_spec(spec: str) -> ModelSpec:
 def _import_file(spec: str, target: str):
     path = Path(target).expanduser()
     if not path.is_file():
-        raise UsageError(f"model {spec}: no such file {path}")
+        raise UsageError(f"model {spec}: no such file {path} (give the path of your "
+                         "model's .py file, relative to this directory or absolute)")
     name = f"mpitrain_user_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}"
     loader_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(loader_spec)
@@ -217,6 +309,16 @@ def specs():
 # answers without loading TensorFlow.
 # ---------------------------------------------------------------------------------------
 MNIST_LIKE = dict(image_size=28, channels=1, num_classes=10, n_test=512)
+
+
+def _image_input(model: str, input_shape, min_side: int = 1) -> None:
+    """UsageError unless ``input_shape`` is (H, W, C) images at least ``min_side`` wide
+    (a convolutional model on feature vectors from --data would be a Keras traceback)."""
+    if len(input_shape) != 3 or min(input_shape[:2]) < min_side:
+        raise UsageError(f"{model} needs images of at least {min_side}x{min_side} (H, W, C), "
+                         f"but the data's examples have shape {tuple(input_shape)}; use lr "
+                         "(or your own model) for feature vectors, or give larger images "
+                         "(--image-size for image folders)")
 
 
 @register("lr", "logistic regression: 784 -> 10 softmax (7,850 parameters)",
@@ -299,13 +401,18 @@ def alexnet(input_shape, num_classes):
 
 @register("resnet", "ResNet-20 for CIFAR-style 32x32 images: 3 stages x 3 basic blocks, "
           "16/32/64 filters, BatchNorm (272,474 parameters at 32x32x3, 10 classes)",
-          defaults=dict(optimizer="momentum", lr=0.05, batch_size=64, epochs=10,
+          defaults=dict(optimizer="adam", lr=0.001, batch_size=64, epochs=10,
                         dataset="synthetic", lr_schedule="cosine"),
           image_size=32, channels=3, num_classes=10, n_test=512)
 def resnet(input_shape, num_classes):
     """He et al.'s CIFAR ResNet-20 (Sec. 4.2): a 3x3 conv, then 3 stages of 3 basic
     blocks (two 3x3 conv + BatchNorm, identity shortcut; a strided 1x1 conv + BatchNorm
-    shortcut where the stage halves the map), global average pooling, dense logits."""
+    shortcut where the stage halves the map), global average pooling, dense logits.
+
+    Defaults: Adam 1e-3 with cosine decay, like lenet's, because it holds in sync
+    (linearly scaled) and async (stale gradients) alike; momentum SGD at the
+    paper's 0.1 diverged in async here. BatchNorm momentum 0.9 instead of Keras'
+    0.99, so the moving statistics evaluation uses settle within ~50 steps."""
     import keras
 
     L = keras.layers
@@ -314,7 +421,7 @@ def resnet(input_shape, num_classes):
     def conv_bn(x, filters, strides=1, relu=True, kernel=3):
         x = L.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False,
                      kernel_initializer="he_normal")(x)
-        x = L.BatchNormalization()(x)
+        x = L.BatchNormalization(momentum=0.9)(x)  # statistics settle in short runs too
         return L.ReLU()(x) if relu else x
 
     inputs = keras.Input(input_shape)
