@@ -321,6 +321,16 @@ def _image_input(model: str, input_shape, min_side: int = 1) -> None:
                          "(--image-size for image folders)")
 
 
+def _image_input(model: str, input_shape, min_side: int = 1) -> None:
+    """UsageError unless ``input_shape`` is (H, W, C) images at least ``min_side`` wide
+    (a convolutional model on feature vectors from --data would be a Keras traceback)."""
+    if len(input_shape) != 3 or min(input_shape[:2]) < min_side:
+        raise UsageError(f"{model} needs images of at least {min_side}x{min_side} (H, W, C), "
+                         f"but the data's examples have shape {tuple(input_shape)}; use lr "
+                         "(or your own model) for feature vectors, or give larger images "
+                         "(--image-size for image folders)")
+
+
 @register("lr", "logistic regression: 784 -> 10 softmax (7,850 parameters)",
           defaults=dict(optimizer="sgd", lr=0.5, batch_size=100, epochs=30, dataset="auto",
                         lr_schedule="constant"),
