@@ -283,16 +283,37 @@ def _checked(spec: str, builder: Callable) -> Callable:
             model = builder(tuple(input_shape), num_classes)
         except Exception as e:  # noqa: BLE001 - the user's code
             raise UsageError(f"model {spec}: building it for input {tuple(input_shape)} and "
-                             f"{num_classes} classes failed ({type(e).__name__}: {e})") from None
+                             f"{num_classes} classes failed ({type(e).__name__}: "
+                             f"{_first_line(e)})") from None
         if not isinstance(model, keras.Model):
             raise UsageError(f"model {spec}: returned {type(model).__name__}, not a "
-                             "keras.Model")
-        shape = tuple(model.output_shape) if hasattr(model, "output_shape") else None
-        if shape is None or len(shape) != 2 or shape[1] != num_classes:
-            raise UsageError(f"model {spec}: its output has shape {shape}; expected (None, "
-                             f"{num_classes}): one score per class for {num_classes} classes")
+                             "keras.Model; return keras.Sequential([...]) or "
+                             "keras.Model(inputs, outputs)")
+        # A real forward pass on 2 blank examples: it builds subclassed models too, and
+        # checks what the trainer will see rather than a declared shape.
+        import numpy as np
+
+        batch = np.zeros((2,) + tuple(input_shape), np.float32)
+        try:
+            out = model(batch, training=False)
+        except Exception as e:  # noqa: BLE001 - the user's code
+            raise UsageError(f"model {spec}: calling it on a batch of shape {batch.shape} "
+                             f"failed ({type(e).__name__}: {_first_line(e)}); its input must "
+                             f"be {tuple(input_shape)} per example") from None
+        shape = tuple(out.shape) if hasattr(out, "shape") else type(out).__name__
+        if not hasattr(out, "shape") or len(out.shape) != 2 or out.shape[1] != num_classes:
+            shown = (f"(None, {', '.join(map(str, shape[1:]))})" if isinstance(shape, tuple)
+                     else f"a {shape}")
+            raise UsageError(f"model {spec}: its output is {shown}; expected (None, "
+                             f"{num_classes}): one score per class for {num_classes} classes "
+                             f"(end with Dense({num_classes}))")
         return model
     return build
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else ""
 
 
 def names():
@@ -309,16 +330,6 @@ def specs():
 # answers without loading TensorFlow.
 # ---------------------------------------------------------------------------------------
 MNIST_LIKE = dict(image_size=28, channels=1, num_classes=10, n_test=512)
-
-
-def _image_input(model: str, input_shape, min_side: int = 1) -> None:
-    """UsageError unless ``input_shape`` is (H, W, C) images at least ``min_side`` wide
-    (a convolutional model on feature vectors from --data would be a Keras traceback)."""
-    if len(input_shape) != 3 or min(input_shape[:2]) < min_side:
-        raise UsageError(f"{model} needs images of at least {min_side}x{min_side} (H, W, C), "
-                         f"but the data's examples have shape {tuple(input_shape)}; use lr "
-                         "(or your own model) for feature vectors, or give larger images "
-                         "(--image-size for image folders)")
 
 
 def _image_input(model: str, input_shape, min_side: int = 1) -> None:
