@@ -378,7 +378,8 @@ def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
         raise DataError(f"{source}: the training and the test set must not be empty")
     num_classes = len(classes) if classes else \
         int(max(arrays["y_train"].max(), arrays["y_test"].max())) + 1
-    missing = set(np.unique(arrays["y_test"])) - set(np.unique(arrays["y_train"]))
+    missing = set(np.unique(arrays["y_test"]).tolist()) - \
+        set(np.unique(arrays["y_train"]).tolist())
     if missing:
         raise DataError(f"{source}: the test set has classes {sorted(missing)} that the "
                         "training set never shows")
@@ -399,10 +400,13 @@ def _user_npz(path: Path, splits) -> Dataset:
     keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
     try:
         with np.load(path, allow_pickle=False) as f:
+            missing = [key for key in keys if key not in f.files]
+            if missing:
+                raise DataError(f"{path}: missing array {', '.join(map(repr, missing))}; an "
+                                "npz for --data holds x_train, y_train, x_test and y_test")
             arrays = {key: np.asarray(f[key]) for key in keys}
-    except KeyError as e:
-        raise DataError(f"{path}: missing array {e}; an npz for --data holds x_train, "
-                        "y_train, x_test and y_test") from None
+    except DataError:
+        raise
     except MemoryError:
         raise
     except Exception as e:  # zipfile.BadZipFile, ValueError, OSError, EOFError...
