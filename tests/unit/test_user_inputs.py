@@ -56,7 +56,7 @@ def test_npz_features_any_class_count_and_float_pixels(tmp_path):
     (dict(x_train=np.zeros((4, 3)), y_train=np.array([0.5, 1, 1, 0]),
           x_test=np.zeros((2, 3)), y_test=np.zeros(2, int)), "integer class labels"),
     (dict(x_train=np.zeros((4, 3)), y_train=np.array([0, 1, 1, 0]), x_test=np.zeros((2, 3)),
-          y_test=np.array([0, 2])), "classes [2] that the training set never shows"),
+          y_test=np.array([0, 2])), r"classes \[2\] that the training set never shows"),
 ])
 def test_npz_errors_name_the_file(tmp_path, arrays, message):
     path = tmp_path / "bad.npz"
