@@ -13,13 +13,22 @@ ranks agree on what was loaded, so a host without data fails the whole job
 with one message rather than training on different data.
 
 The user's own data comes with ``--data PATH`` (:func:`read_user_data`): an
-``.npz`` with ``x_train, y_train, x_test, y_test`` (any image or feature shape,
-integer labels 0..K-1); a directory of class sub-folders of PNG/JPEG images
-(with ``train/`` and ``test/`` inside, or else a fixed stratified 10% of each
-class held out as the test set), decoded with Pillow and resized to
-``--image-size``; or CIFAR-10's python batches (``data_batch_1..5`` and
-``test_batch``, or their parent ``cifar-10-batches-py/``). The input shape and
-the number of classes are inferred. Every rank holds its splits in memory:
+``.npz`` with ``x_train, y_train, x_test, y_test`` (examples shaped (H, W),
+which get a channel axis, (H, W, C) or (D,); integer labels 0..K-1); a
+directory of class sub-folders of PNG/JPEG images (with ``train/`` and
+``test/`` inside, each holding the class folders, or else a fixed stratified
+10% of each class, at least one image of every class with two or more, held
+out as the test set, the same in every run whatever ``--seed``), decoded with
+Pillow and resized to ``--image-size`` (all images must otherwise share one
+size; RGB if any image has colour, else grayscale); or CIFAR-10's python
+batches (``data_batch_1..5`` and ``test_batch``, optional ``batches.meta``, or
+their parent ``cifar-10-batches-py/``). The input shape is inferred; the number
+of classes K is the largest label + 1 over both splits (an npz; so a label
+never used still counts as a class), the number of class folders (images) or
+of ``batches.meta``'s names (CIFAR-10, else 10). Class index = position of the
+folder name in sorted order. Every check runs on every rank alike (an npz's
+array shapes are read from their headers, image sizes from every file's
+header), so the ranks fail together. Every rank holds its splits in memory:
 data larger than memory is out of scope.
 
 Images are float32 in [0, 1] shaped (N, H, W, C) (uint8 pixels are scaled;
@@ -339,14 +348,14 @@ def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None) -
         given = _IN_MEMORY[path]
         keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
         return _user_dataset("arrays", path, {k: given[k] for k in keys})
-    where = Path(path).expanduser()
+    where = Path(path).expanduser().absolute()
     try:
         if where.is_file() and where.suffix == ".npz":
-            return _user_npz(where, splits)
+            return _ignoring_image_size(_user_npz(where, splits), image_size)
         if where.is_dir():
             cifar = _cifar_dir(where)
             if cifar is not None:
-                return _user_cifar(cifar, splits)
+                return _ignoring_image_size(_user_cifar(cifar, splits), image_size)
             return _user_images(where, splits, image_size)
     except MemoryError:
         raise DataError(f"--data {where}: does not fit in memory; data larger than memory is "
@@ -354,6 +363,13 @@ def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None) -
     if not where.exists():
         raise DataError(f"--data {where}: no such file or directory; give {USER_FORMATS}")
     raise DataError(f"--data {where}: not a dataset mpitrain reads; give {USER_FORMATS}")
+
+
+def _ignoring_image_size(ds: Dataset, image_size: Optional[int]) -> Dataset:
+    if image_size:
+        ds.note = (f"--image-size {image_size} is ignored: only image folders are resized "
+                   f"({ds.name} examples keep their shape {ds.input_shape})")
+    return ds
 
 
 def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
@@ -383,27 +399,70 @@ def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
     if missing:
         raise DataError(f"{source}: the test set has classes {sorted(missing)} that the "
                         "training set never shows")
+    top = int(max(arrays["y_train"].max(), arrays["y_test"].max()))
+    if classes and top >= len(classes):
+        raise DataError(f"{source}: labels go up to {top} but only {len(classes)} classes "
+                        f"are named ({', '.join(classes)}); fix the labels or the names")
     for key in [k for k in arrays if k.startswith("x_")]:
         x = arrays[key]
-        if x.dtype == np.uint8:
-            x = x.astype(np.float32) / np.float32(255.0)
-        arrays[key] = (x[..., None] if x.ndim == 3 else x).astype(np.float32, copy=False)
-        if arrays[key].ndim < 2:
+        if x.ndim < 2:
             raise DataError(f"{source}: {key} must hold one array per example (got shape "
                             f"{x.shape})")
+        if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)
+                or x.dtype == np.bool_):
+            raise DataError(f"{source}: {key} holds {x.dtype}, not numbers; give pixels "
+                            "(uint8 0..255, or floats) or numeric features")
+        if x.dtype == np.uint8:
+            x = x.astype(np.float32) / np.float32(255.0)
+        x = (x[..., None] if x.ndim == 3 else x).astype(np.float32, copy=False)
+        if not np.isfinite(x).all():
+            raise DataError(f"{source}: {key} contains NaN or infinite values; remove or "
+                            "replace them before training")
+        arrays[key] = x
     any_x = next(v for k, v in arrays.items() if k.startswith("x_"))
     return Dataset(kind, str(source), num_classes, tuple(any_x.shape[1:]),
                    len(arrays["y_train"]), classes=classes, **arrays)
+
+
+def _npz_shapes(npz) -> Dict[str, Tuple[int, ...]]:
+    """Shapes of an open NpzFile's arrays from their .npy headers (no data read)."""
+    shapes = {}
+    for name in npz.zip.namelist():
+        if not name.endswith(".npy"):
+            continue  # np.load would not offer it as an array either
+        with npz.zip.open(name) as member:
+            version = np.lib.format.read_magic(member)
+            header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                      else np.lib.format.read_array_header_2_0)
+            shapes[name[:-4]] = tuple(header(member)[0])
+    return shapes
+
+
+def _check_npz_shapes(path: Path, shapes: Dict[str, Tuple[int, ...]]) -> None:
+    """What every rank can check of all four arrays, whichever splits it loads."""
+    missing = [key for key in ("x_train", "y_train", "x_test", "y_test") if key not in shapes]
+    if missing:
+        raise DataError(f"{path}: missing array {', '.join(map(repr, missing))}; an "
+                        "npz for --data holds x_train, y_train, x_test and y_test")
+    for split in SPLITS:
+        x, y = shapes["x_" + split], shapes["y_" + split]
+        if len(x) < 2:
+            raise DataError(f"{path}: x_{split} must hold one array per example, shaped "
+                            f"(N, H, W), (N, H, W, C) or (N, D) (got shape {x})")
+        if len(y) and y[0] != x[0]:
+            raise DataError(f"{path}: {x[0]} {split} examples but {y[0]} labels")
+    if shapes["x_train"][1:] != shapes["x_test"][1:]:
+        raise DataError(f"{path}: training examples are shaped {shapes['x_train'][1:]} but "
+                        f"test examples {shapes['x_test'][1:]}; both splits must share one "
+                        "shape")
 
 
 def _user_npz(path: Path, splits) -> Dataset:
     keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
     try:
         with np.load(path, allow_pickle=False) as f:
-            missing = [key for key in keys if key not in f.files]
-            if missing:
-                raise DataError(f"{path}: missing array {', '.join(map(repr, missing))}; an "
-                                "npz for --data holds x_train, y_train, x_test and y_test")
+            # every rank checks all four arrays' headers, so all ranks fail alike
+            _check_npz_shapes(path, _npz_shapes(f))
             arrays = {key: np.asarray(f[key]) for key in keys}
     except DataError:
         raise
@@ -510,7 +569,13 @@ def _user_images(directory: Path, splits, image_size: Optional[int]) -> Dataset:
         raise DataError(f"--data {directory}: expected class sub-folders holding PNG/JPEG "
                         f"images (found {len(classes)} folder(s), {len(files['train'])} "
                         f"images); or give {USER_FORMATS}")
-    mode = _image_mode([f for split in SPLITS for f, _ in files[split]])
+    seen = {c for _, c in files["train"]}
+    empty = [name for index, name in enumerate(classes) if index not in seen]
+    if empty:
+        where = directory / "train" if (directory / "train").is_dir() else directory
+        raise DataError(f"{where / empty[0]}: no training images (PNG/JPEG) for class "
+                        f"{empty[0]!r}; add some or remove the folder")
+    mode = _image_mode([f for split in SPLITS for f, _ in files[split]], image_size)
     arrays = {"y_" + split: np.array([c for _, c in files[split]], np.int64)
               for split in SPLITS}
     for split in splits:
@@ -518,19 +583,28 @@ def _user_images(directory: Path, splits, image_size: Optional[int]) -> Dataset:
     return _user_dataset("images", directory, arrays, classes)
 
 
-def _image_mode(paths: List[Path]) -> str:
-    """RGB if any image has colour, else grayscale (L)."""
+def _image_mode(paths: List[Path], image_size: Optional[int] = None) -> str:
+    """RGB if any image has colour, else grayscale (L). Reads every file's header
+    (both splits, on every rank): without ``image_size`` all must share one size."""
     from PIL import Image
 
+    mode, first = "L", None
     for path in paths:
         try:
             with Image.open(path) as image:
                 if image.mode not in ("1", "L", "LA", "I", "I;16", "F"):
-                    return "RGB"
+                    mode = "RGB"
+                size = image.size
         except Exception as e:  # noqa: BLE001 - Pillow raises many kinds
             raise DataError(f"{path}: not a readable image ({type(e).__name__}: {e}); "
                             "replace or remove it") from None
-    return "L"
+        if first is None:
+            first = (path, size)
+        elif not image_size and size != first[1]:
+            raise DataError(f"{path}: image is {size[0]}x{size[1]} but {first[0]} is "
+                            f"{first[1][0]}x{first[1][1]}; pass --image-size PX to resize "
+                            "every image to PX x PX")
+    return mode
 
 
 def _decode(files, mode: str, image_size: Optional[int]) -> np.ndarray:
