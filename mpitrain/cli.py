@@ -205,6 +205,7 @@ def run_check(args) -> int:
     cmd = ["mpirun", "-q", "-np", str(args.np)]
     cmd += ["-hostfile", args.hostfile] if args.hostfile else []
     cmd += ["--oversubscribe"] if args.oversubscribe else []
+    training = [models.canonical(training[0]), *training[1:]]  # from any working directory
     cmd += [sys.executable, "-m", "mpitrain", "check", "--in-job", *training]
     try:
         return subprocess.run(cmd, timeout=cfg.timeout + 120).returncode
@@ -225,9 +226,16 @@ def parse_config(argv: List[str], args=None, world_size: Optional[int] = None) -
     if args.command in TOOLS:
         raise UsageError(f"expected a model to train, not {args.command!r}")
     values = {f.name: getattr(args, f.name) for f in fields_with_flags()}
-    cfg = Config(model=models.canonical(args.command), **values)
+    user_model = models.is_spec(args.command)
+    cfg = Config(model=models.canonical(args.command),
+                 model_given=args.command if user_model else None, **values)
+    if user_model and not cfg.resume and launcher_rank() == 0:
+        # Before MPI and TensorFlow: the file is there, parses and defines the function.
+        # Rank 0 alone (it prints; the job ends with it): the other ranks go on to the
+        # collective load in the session, so a host where the file differs is named.
+        models.precheck(cfg.model)
     if not cfg.resume:
-        resolve(cfg, models.get(cfg.model).defaults, world_size or launcher_world_size())
+        resolve(cfg, models.defaults_for(cfg.model), world_size or launcher_world_size())
     return cfg
 
 

@@ -49,7 +49,10 @@ def _opt(doc: str, default=None, *, flag: Optional[str] = None, **cli):
 class Config:
     """Settings of one training run; identical on every rank."""
 
-    model: str = _opt("model to train (see the registry)", "lr", flag=None)
+    model: str = _opt("model to train: a registered name, or the user's FILE.py:FUNCTION "
+                      "(its path made absolute) or module:FUNCTION", "lr", flag=None)
+    model_given: Optional[str] = _opt("the model as given on the command line (a relative "
+                                      "FILE path as typed)", flag=None)
     async_mode: bool = _opt(
         "asynchronous parameter-server training (rank 0 applies each worker's "
         "gradient as it arrives); default is synchronous allreduce",

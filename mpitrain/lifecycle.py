@@ -30,6 +30,7 @@ import numpy as np
 
 from .config import Config
 from .errors import ResultsError, UsageError
+from .models import same_model
 
 CHECKPOINT = "checkpoint.npz"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -152,9 +153,9 @@ def resumed_config(cli: Config, explicit: set, world_size: int) -> Config:
     saved = saved_config(Path(cli.resume))
     fields = {f.name for f in dataclasses.fields(Config)}
     base = {k: v for k, v in saved.items() if k in fields}
-    if base.get("model") != cli.model:
+    if not same_model(cli.model, str(base.get("model"))):
         raise UsageError(f"--resume {cli.resume}: that run trained {base.get('model')}, "
-                         f"not {cli.model}")
+                         f"not {cli.model}")  # a user's model: the saved absolute spec loads
     if base.get("world_size") != world_size:
         raise UsageError(f"--resume {cli.resume}: that run had {base.get('world_size')} "
                          f"ranks; resume it with mpirun -np {base.get('world_size')}")

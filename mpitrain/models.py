@@ -225,9 +225,9 @@ def _user_spec(spec: str) -> ModelSpec:
             raise UsageError(f"model {spec}: {target} has no function {function!r}; define "
                              f"def {function}(input_shape, num_classes) returning a keras.Model")
         if not callable(builder):
-            raise UsageError(f"model {spec}: {function} is a {type(builder).__name__}, not a "
-                             f"function; define def {function}(input_shape, num_classes) "
-                             "returning a keras.Model")
+            raise UsageError(f"model {spec}: {function} is an object of type "
+                             f"{type(builder).__name__}, not a function; define "
+                             f"def {function}(input_shape, num_classes) returning a keras.Model")
         _LOADED[spec] = ModelSpec(spec, _checked(spec, builder), f"your model {spec}",
                                   dict(USER_DEFAULTS))
     return _LOADED[spec]
@@ -242,7 +242,14 @@ def _import_file(spec: str, target: str):
     loader_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module
-    _run_import(spec, lambda: loader_spec.loader.exec_module(module))
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # its own helper modules, as `python FILE.py` would
+    try:
+        _run_import(spec, lambda: loader_spec.loader.exec_module(module))
+    except UsageError:
+        del sys.modules[name]
+        raise
     return module
 
 
@@ -268,10 +275,11 @@ def _run_import(spec: str, load, module: str = ""):
     except ModuleNotFoundError as e:
         if e.name and (module == e.name or module.startswith(e.name + ".")):
             raise
-        raise UsageError(f"model {spec}: importing it failed: {e}") from None
+        raise UsageError(f"model {spec}: importing it failed: {e} (install it, or fix the "
+                         "import)") from None
     except Exception as e:  # noqa: BLE001 - the user's code: any error is theirs to see
-        raise UsageError(f"model {spec}: importing it failed ({type(e).__name__}: {e})") \
-            from None
+        raise UsageError(f"model {spec}: importing it failed ({type(e).__name__}: "
+                         f"{_first_line(e)}{_where(e)})") from None
 
 
 def _checked(spec: str, builder: Callable) -> Callable:
@@ -309,6 +317,15 @@ def _checked(spec: str, builder: Callable) -> Callable:
                              f"(end with Dense({num_classes}))")
         return model
     return build
+
+
+def _where(error: BaseException) -> str:
+    """' at FILE line N': the innermost frame of the user's code that raised."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if f.filename != __file__ and not f.filename.startswith("<")]
+    return f" at {frames[-1].filename} line {frames[-1].lineno}" if frames else ""
 
 
 def _first_line(error: Exception) -> str:

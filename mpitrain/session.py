@@ -37,10 +37,10 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     """
     stop = StopRequest().install()  # first, so a signal during setup is not lost
     comm = Comm.world(cfg.timeout)
-    spec = models.get(cfg.model)
     checkpoint = None
     if cfg.resume:
         cfg, checkpoint = prepare_resume(cfg, explicit, comm)
+    spec = load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
     preflight_checks.check_ranks(comm, preflight_checks.local_versions())
     role = comm.role
@@ -54,9 +54,9 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
         (console.note if line == dataset.note else console.info)(line)
 
     init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
-    replica = Replica(spec, dataset.input_shape, dataset.num_classes, cfg.optimizer,
-                      cfg.effective_lr, cfg.clip_grad_norm, decay_steps(cfg, shard_size),
-                      from_logits=cfg.outputs == "logits")
+    replica = collectively(comm, lambda: Replica(
+        spec, dataset.input_shape, dataset.num_classes, cfg.optimizer, cfg.effective_lr,
+        cfg.clip_grad_norm, decay_steps(cfg, shard_size), from_logits=cfg.outputs == "logits"))
     ranks = comm.allgather_objects(rank_facts(threads))
     results = open_results(cfg, comm)
     results.write_json("config.json" if checkpoint is None else
@@ -96,17 +96,47 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
 def preflight(cfg: Config) -> None:
     """``mpitrain check``'s job: every in-job check of a training run, without training."""
     comm = Comm.world(cfg.timeout)
-    spec = models.get(cfg.model)
+    spec = load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
     versions = preflight_checks.local_versions()
     preflight_checks.check_ranks(comm, versions)
     cfg, dataset, shard_size, _ = load_data(cfg, comm, spec)
+    if models.is_spec(cfg.model):  # the user's model builds, on every host, for this data
+        collectively(comm, lambda: check_model(spec, dataset, cfg.outputs == "logits"))
     if comm.rank == 0:
         hosts = sorted(set(comm.hosts))
         print(f"preflight ok: {comm.size} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)}); "
               + ", ".join(f"{k} {v}" for k, v in versions.items())
               + f"; {dataset.name} ({dataset.train_size} training examples, "
               f"{shard_size} per worker) readable on every host", flush=True)
+
+
+def load_model(name: str, comm: Comm):
+    """The ModelSpec of ``name``; a user's model is imported (and checked) on every
+    rank, collectively: a rank that cannot load it fails the job, named, on all ranks."""
+    return collectively(comm, lambda: models.get(name))
+
+
+def collectively(comm: Comm, make):
+    """``make()`` on every rank; a UsageError on any rank is raised on all of them
+    (rank 0 prints it once) instead of leaving the others waiting."""
+    result, error = None, None
+    try:
+        result = make()
+    except UsageError as e:
+        error = e
+    comm.agree(error)
+    return result
+
+
+def check_model(spec, dataset, from_logits: bool) -> None:
+    """Build the model as training would (output shape, softmax vs --outputs)."""
+    from .replica import ends_in_softmax
+
+    model = spec.build(tuple(dataset.input_shape), dataset.num_classes)
+    if from_logits and ends_in_softmax(model):
+        raise UsageError(f"model {spec.name} ends in a softmax: pass --outputs "
+                         "probabilities, or drop the softmax and output logits")
 
 
 def load_data(cfg: Config, comm: Comm, spec):

@@ -60,7 +60,9 @@ class Run:
         batch = (f"bs{self.batch_size}" if self.batch_size else
                  f"bpe{self.batches_per_epoch}" if self.batches_per_epoch else "bsdefault")
         epochs = f"e{self.epochs}" if self.epochs else "edefault"
-        return f"{self.model}-{self.mode}-np{self.np}-{batch}-{epochs}"
+        from .models import run_name  # a user's FILE.py:FUNCTION, file-name safe
+
+        return f"{run_name(self.model)}-{self.mode}-np{self.np}-{batch}-{epochs}"
 
     def args(self, options: Dict[str, object]) -> List[str]:
         out = [self.model, "--async"] if self.mode == "async" else [self.model]
