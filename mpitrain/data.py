@@ -357,9 +357,9 @@ def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None) -
             if cifar is not None:
                 return _ignoring_image_size(_user_cifar(cifar, splits), image_size)
             return _user_images(where, splits, image_size)
-    except MemoryError:
-        raise DataError(f"--data {where}: does not fit in memory; data larger than memory is "
-                        "not supported (use a subset)") from None
+    except MemoryError as e:
+        raise DataError(f"--data {where}: does not fit in this rank's memory ({e}); data "
+                        "larger than memory is not supported: train on a subset") from None
     if not where.exists():
         raise DataError(f"--data {where}: no such file or directory; give {USER_FORMATS}")
     raise DataError(f"--data {where}: not a dataset mpitrain reads; give {USER_FORMATS}")
@@ -481,16 +481,26 @@ def _cifar_dir(path: Path) -> Optional[Path]:
     return None
 
 
-class _CifarUnpickler(pickle.Unpickler):
-    """Unpickles CIFAR's batches (dicts of bytes, lists and numpy arrays) and nothing
-    else: a pickle that names any other class is refused, not executed."""
+def _latin1(text, encoding="latin1"):
+    """``_codecs.encode`` as Python 3 pickles bytes at protocol 2, latin-1 only."""
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise pickle.UnpicklingError(f"refusing to encode with {encoding!r}")
+    return text.encode("latin1")
 
-    ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"),
-               ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray",
-                                                           "_reconstruct"),
-               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles CIFAR's batches (dicts of bytes, lists and numpy arrays, as Python 2
+    wrote them or as Python 3 rewrites them at any protocol) and nothing else: a
+    pickle that names any other class is refused, not executed."""
+
+    ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype")} | {
+        (f"numpy.{core}.{module}", name) for core in ("core", "_core")
+        for module, name in (("multiarray", "_reconstruct"), ("multiarray", "scalar"),
+                             ("numeric", "_frombuffer"))}
 
     def find_class(self, module, name):
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
