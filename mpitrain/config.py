@@ -268,6 +268,9 @@ def resolve(cfg: Config, defaults: dict, world_size: int) -> Config:
     if cfg.data:
         if cfg.dataset not in (None, "auto", "file"):
             raise UsageError(f"--data gives the dataset: drop --dataset {cfg.dataset}")
+        if cfg.data_dir:
+            raise UsageError("--data-dir tells where MNIST is and --data gives your own "
+                             "data: drop one of them")
         filled["dataset"] = "file"  # the model's default dataset does not apply
     if cfg.batches_per_epoch is not None:
         if cfg.batch_size is not None:

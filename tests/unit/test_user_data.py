@@ -350,3 +350,21 @@ def test_conv_models_on_vectors_are_a_usage_error(model, shape):
     with pytest.raises(UsageError, match=rf"{model} needs images .* shape "
                                          rf"{re.escape(str(shape))}.*use lr"):
         models.get(model).build(shape, 10)
+
+
+# ---- configuration -----------------------------------------------------------------------
+@pytest.mark.parametrize("extra,message", [
+    (dict(dataset="synthetic"), "--data gives the dataset: drop --dataset synthetic"),
+    (dict(data_dir="/somewhere"), "--data-dir tells where MNIST is and --data gives your own "
+                                  "data: drop one of them"),
+])
+def test_data_conflicts_are_usage_errors(extra, message):
+    from mpitrain import models
+    from mpitrain.config import Config, resolve
+    from mpitrain.errors import UsageError
+
+    with pytest.raises(UsageError, match=message):
+        resolve(Config(data="my.npz", **extra), models.get("lenet").defaults, 4)
+    cfg = resolve(Config(model="alexnet", data="my.npz", dataset="auto"),
+                  models.get("alexnet").defaults, 4)
+    assert cfg.dataset == "file"  # alexnet's synthetic default does not apply
