@@ -187,7 +187,7 @@ def run_sweep(args) -> int:
 
 def run_check(args) -> int:
     """``mpitrain check``: launch-side checks, then a short job that checks every rank."""
-    training = args.training or ["lr"]
+    training = _check_options_after_model(args, list(args.training)) or ["lr"]
     cfg = parse_config(training, world_size=args.np)  # usage errors in its options
     if args.in_job:
         from . import session
@@ -214,6 +214,31 @@ def run_check(args) -> int:
                          "is unreachable or a rank is stuck starting") from None
     except FileNotFoundError:
         raise UsageError("mpirun not found; install Open MPI (bash setup.sh does)") from None
+
+
+def _check_options_after_model(args, training: List[str]) -> List[str]:
+    """``check``'s own options written after the training command (``mpitrain check
+    -np 2 ./m.py:build --no-launch``) taken out of it: no training option has their names."""
+    flags = {"--no-launch": "no_launch", "--oversubscribe": "oversubscribe"}
+    valued = {"-np": ("np", int), "--np": ("np", int), "-hostfile": ("hostfile", str),
+              "--hostfile": ("hostfile", str)}
+    rest, i = [], 0
+    while i < len(training):
+        token = training[i]
+        if token in flags and not args.in_job:
+            setattr(args, flags[token], True)
+        elif token in valued and i + 1 < len(training) and not args.in_job:
+            name, kind = valued[token]
+            try:
+                setattr(args, name, kind(training[i + 1]))
+            except ValueError:
+                raise UsageError(f"check: {token} {training[i + 1]}: expected a number") \
+                    from None
+            i += 1
+        else:
+            rest.append(token)
+        i += 1
+    return rest
 
 
 def parse_config(argv: List[str], args=None, world_size: Optional[int] = None) -> Config:
