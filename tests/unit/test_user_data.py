@@ -368,3 +368,21 @@ def test_data_conflicts_are_usage_errors(extra, message):
     cfg = resolve(Config(model="alexnet", data="my.npz", dataset="auto"),
                   models.get("alexnet").defaults, 4)
     assert cfg.dataset == "file"  # alexnet's synthetic default does not apply
+
+
+def test_runs_csv_from_before_data_gains_the_columns(tmp_path):
+    """A runs.csv written before input_shape/num_classes existed: the next row (a --data
+    run, built by session.run_row) adds the columns; the old rows keep empty cells."""
+    from mpitrain import models, results, session
+    from mpitrain.config import Config, resolve
+
+    table = tmp_path / "runs.csv"
+    table.write_text("run,model,mode,np,dataset,status,test_accuracy\n"
+                     "old-run,lr,sync,3,mnist,ok,0.92\n")
+    ds = data.read_user_data(str(write_mnist_npz(tmp_path / "m.npz", 100, 50)), SERVER)
+    cfg = resolve(Config(data=str(tmp_path / "m.npz")), models.get("lr").defaults, 3)
+    results.append_run_row(table, {"run": "new-run", **session.run_row(cfg, ds, None)})
+    old, new = results.read_csv(table)
+    assert (old["run"], old["test_accuracy"], old["input_shape"], old["num_classes"]) == \
+        ("old-run", "0.92", "", "")
+    assert (new["dataset"], new["input_shape"], new["num_classes"]) == ("npz", "28x28x1", "10")
