@@ -383,7 +383,8 @@ def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
                                (np.issubdtype(y.dtype, np.floating) and
                                 np.array_equal(y, np.round(y)))):
             raise DataError(f"{source}: y_{split} must be integer class labels, one per "
-                            f"example (got {y.dtype} of shape {y.shape})")
+                            f"example (got {y.dtype} of shape {y.shape}); for one-hot "
+                            "labels save y.argmax(axis=1)")
         if len(y) and y.min() < 0:
             raise DataError(f"{source}: y_{split} has negative labels; classes are 0..K-1")
         if "x_" + split in arrays and len(arrays["x_" + split]) != len(y):

@@ -154,6 +154,9 @@ def test_npz_shape_errors_are_the_same_on_every_rank(tmp_path, arrays, message):
     (dict(x_train=np.full((8, 3), np.nan)), "x_train contains NaN or infinite values"),
     (dict(y_train=np.array([0, 1] * 3 + [-1, 0])), "negative labels"),
     (dict(y_train=np.linspace(0, 1, 8)), "must be integer class labels"),
+    (dict(y_train=np.eye(2)[[0, 1] * 4]), r"y_train must be integer class labels, one per "
+                                          r"example \(got float64 of shape \(8, 2\)\); for "
+                                          r"one-hot labels save y.argmax\(axis=1\)"),
     (dict(y_test=np.array([0, 7])), r"test set has classes \[7\] that the training set"),
 ])
 def test_npz_content_errors(tmp_path, change, message):
