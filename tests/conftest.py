@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import csv
 import os
+import pickle
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,3 +100,45 @@ def lr_accuracy(tmp_path_factory):
         return found[key]
 
     return accuracy
+
+
+# ---- the user's own data, made by the tests: small and learnable ----------------------
+def learnable_images(n: int, seed: int, size: int = 32, channels: int = 3, classes: int = 10):
+    """uint8 images whose class k is a bright band at rows 3k..3k+2 on noise (and, in
+    colour, in channel k % 3), with their labels: learnable in a few dozen steps."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, n)
+    x = rng.integers(0, 90, (n, size, size, channels)).astype(np.uint8)
+    for i, k in enumerate(y):
+        x[i, 3 * k:3 * k + 3, :, k % channels] = 255
+    return x, y
+
+
+def write_cifar(directory: Path, per_batch: int = 100, n_test: int = 200) -> Path:
+    """A CIFAR-10 python-batches directory (data_batch_1..5, test_batch, batches.meta)."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def dump(name, x, y):
+        rows = x.transpose(0, 3, 1, 2).reshape(len(x), -1)  # CIFAR's channel-first rows
+        with open(directory / name, "wb") as f:
+            pickle.dump({b"data": rows, b"labels": [int(v) for v in y]}, f)
+    for b in range(1, 6):
+        dump(f"data_batch_{b}", *learnable_images(per_batch, b))
+    dump("test_batch", *learnable_images(n_test, 99))
+    with open(directory / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [f"class{k}".encode() for k in range(10)]}, f)
+    return directory
+
+
+def write_image_folder(directory: Path, n: int = 300, size: int = 20, classes: int = 4,
+                       split: bool = False, suffix: str = ".png") -> Path:
+    """Class sub-folders of grayscale images (under train/ and test/ if ``split``)."""
+    from PIL import Image
+
+    x, y = learnable_images(n, 7, size, 1, classes)
+    for i, (image, label) in enumerate(zip(x, y)):
+        part = ("test" if i % 5 == 0 else "train") if split else ""
+        folder = directory / part / f"c{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image[..., 0], "L").save(folder / f"{i}{suffix}")
+    return directory
