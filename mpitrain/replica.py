@@ -83,7 +83,7 @@ class Replica:
 
     def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float,
                  clip_norm: Optional[float] = None, decay_steps: Optional[int] = None,
-                 from_logits: bool = True):
+                 from_logits: bool = True, applies: bool = True):
         import tensorflow as tf
         import keras
 
@@ -96,8 +96,13 @@ class Replica:
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.n_params = int(sum(self.sizes))
-        self.optimizer = make_optimizer(optimizer, lr, decay_steps)
-        self.optimizer.build(self.variables)
+        # Only a rank that applies updates with Keras needs the optimizer and its slots
+        # (sync workers, the single rank): the sync server and every async rank would
+        # hold them for nothing (AlexNet's momentum: 244 MB per rank).
+        self.applies = applies
+        self.optimizer = make_optimizer(optimizer, lr, decay_steps) if applies else None
+        if applies:
+            self.optimizer.build(self.variables)
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
         batch_spec = [tf.TensorSpec((None,) + tuple(input_shape), tf.float32),
                       tf.TensorSpec((None,), tf.int32)]
@@ -188,21 +193,35 @@ class Replica:
 
     def apply(self, flat_grad: np.ndarray) -> None:
         """Apply one flat gradient with the optimizer (one update; clipped if configured)."""
+        self._applying()
         self._apply(flat_grad)
+
+    def _applying(self) -> None:
+        if not self.applies:
+            raise RuntimeError("this replica was built with applies=False: it has no optimizer")
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, float]:
         """Gradient and update in one compiled call (one worker: nothing to average).
 
         Returns (loss, gradient norm before clipping)."""
+        self._applying()
         loss, norm = self._train_step(x, y)
         return float(loss), float(norm)
 
     # ---- state for checkpoints ------------------------------------------------------
     def optimizer_state(self) -> Dict[str, np.ndarray]:
         """The optimizer's variables (step count, slots), in their fixed order."""
+        self._applying()
         return {f"o{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)}
 
+    def optimizer_layout(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """{name: (shape, dtype)} of :meth:`optimizer_state`, without copying any value."""
+        self._applying()
+        return {f"o{i}": (tuple(int(d) for d in v.shape), np.dtype(v.dtype).name)
+                for i, v in enumerate(self.optimizer.variables)}
+
     def set_optimizer_state(self, state: Dict[str, np.ndarray]) -> None:
+        self._applying()
         if len(state) != len(self.optimizer.variables):
             raise ValueError(f"optimizer state has {len(state)} variables, expected "
                              f"{len(self.optimizer.variables)}")

@@ -56,7 +56,8 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
     replica = collectively(comm, lambda: Replica(
         spec, dataset.input_shape, dataset.num_classes, cfg.optimizer, cfg.effective_lr,
-        cfg.clip_grad_norm, decay_steps(cfg, shard_size), from_logits=cfg.outputs == "logits"))
+        cfg.clip_grad_norm, decay_steps(cfg, shard_size), from_logits=cfg.outputs == "logits",
+        applies=role.trains and not cfg.async_mode))  # the ranks that run Keras' optimizer
     ranks = comm.allgather_objects(rank_facts(threads))
     results = open_results(cfg, comm)
     results.write_json("config.json" if checkpoint is None else

@@ -72,31 +72,40 @@ def train(ctx: Context) -> Summary:
     :class:`Divergence` on every rank, at the same step, when training stops
     for those reasons.
     """
-    start_step, offset = _start(ctx)
+    start_step, offset, layout = _start(ctx)
     clock = Stopwatch(offset)
     if ctx.role is Role.SERVER:
-        return _serve(ctx, clock, start_step)
+        return Server(ctx, clock, layout).run(start_step)
     link = LocalEvaluation(ctx, clock, start_step) if ctx.role is Role.SINGLE \
         else ServerLink(ctx, clock)
     return _work(ctx, link, start_step)
 
 
 def _start(ctx: Context):
-    """Share the starting state from rank 0; returns (start step, clock offset)."""
+    """Share the starting state from rank 0; returns (start step, clock offset, the
+    optimizer state's layout).
+
+    Rank 0 serves and has no optimizer (it never applies an update): it learns
+    the layout of the optimizer state it will checkpoint from the workers."""
     comm, replica, ckpt = ctx.comm, ctx.replica, ctx.resume_from
     if ckpt is not None:
         replica.set_state(ckpt.state)
     position = np.array([ckpt.step, ckpt.wall_time_s] if ckpt else [0, 0.0], np.float64)
     comm.bcast_(position)
     replica.set_state(comm.bcast_(replica.state()))
+    mine = replica.optimizer_layout() if replica.applies else None
+    layout = mine if comm.size == 1 else next(
+        found for found in comm.allgather_objects(mine) if found is not None)
     if position[0] > 0:  # resuming: the optimizer and generators continue too
-        state = _pack(ckpt.optimizer) if ckpt else _pack(replica.optimizer_state())
-        replica.set_optimizer_state(_unpack(comm.bcast_(state), replica.optimizer_state()))
+        state = _pack(ckpt.optimizer) if ckpt else np.empty(_packed_size(layout))
+        comm.bcast_(state)
+        if replica.applies:
+            replica.set_optimizer_state(_unpack(state, layout))
         rng = _rng_table(ckpt, comm.size, len(replica.rng_state()))
         comm.bcast_(rng)
         if ctx.role.trains and rng.shape[1]:
             replica.set_rng_state(rng[comm.rank])
-    return int(position[0]), float(position[1])
+    return int(position[0]), float(position[1]), layout
 
 
 def _pack(state: Dict[str, np.ndarray]) -> np.ndarray:
@@ -105,11 +114,17 @@ def _pack(state: Dict[str, np.ndarray]) -> np.ndarray:
         state, key=lambda k: int(k[1:]))]) if state else np.zeros(0)
 
 
-def _unpack(flat: np.ndarray, like: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+def _packed_size(layout) -> int:
+    return int(sum(np.prod(shape, dtype=np.int64) for shape, _ in layout.values()))
+
+
+def _unpack(flat: np.ndarray, layout) -> Dict[str, np.ndarray]:
+    """Inverse of :func:`_pack`, by :meth:`~mpitrain.replica.Replica.optimizer_layout`."""
     out, offset = {}, 0
-    for k in sorted(like, key=lambda k: int(k[1:])):
-        n = int(np.asarray(like[k]).size)
-        out[k] = flat[offset:offset + n].reshape(np.shape(like[k])).astype(like[k].dtype)
+    for k in sorted(layout, key=lambda k: int(k[1:])):
+        shape, dtype = layout[k]
+        n = int(np.prod(shape, dtype=np.int64))
+        out[k] = flat[offset:offset + n].reshape(shape).astype(dtype)
         offset += n
     return out
 
@@ -356,8 +371,9 @@ class ServerLink:
 class Server:
     """Rank 0 in sync mode: evaluates and checkpoints what the workers report."""
 
-    def __init__(self, ctx: Context, clock: Stopwatch):
+    def __init__(self, ctx: Context, clock: Stopwatch, optimizer_layout):
         self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
+        self.optimizer_layout = optimizer_layout  # what worker 1 checkpoints
         self.workers = list(range(1, self.comm.size))
         self.evaluator = Evaluator.for_sync(ctx, clock)
         self.headers = {w: np.zeros(HEADER_LEN, np.float64) for w in self.workers}
@@ -470,8 +486,8 @@ class Server:
 
     def _receive_checkpoint_state(self):
         comm, replica = self.comm, self.ctx.replica
-        like = replica.optimizer_state()
-        packed = np.empty(sum(np.asarray(v).size for v in like.values()), np.float64)
+        layout = self.optimizer_layout
+        packed = np.empty(_packed_size(layout), np.float64)
         comm.wait(comm.irecv(packed, 1, TAG_STATE, "checkpoint", "the optimizer state"), IDLE)
         rng = {}
         width = replica.rng_state().size
@@ -481,7 +497,7 @@ class Server:
                 comm.wait(comm.irecv(row, w, TAG_RNG, "checkpoint", "the generator state"),
                           IDLE)
                 rng[w] = row.tolist()
-        return _unpack(packed, like), rng
+        return _unpack(packed, layout), rng
 
     def _check_replicas(self, step: int, reports: Dict[int, np.ndarray]) -> None:
         comm = self.comm
@@ -496,6 +512,3 @@ class Server:
                                f"{names} differ from {comm.name(1)}'s; the allreduce "
                                "delivered different results to different ranks")
 
-
-def _serve(ctx: Context, clock: Stopwatch, start_step: int) -> Summary:
-    return Server(ctx, clock).run(start_step)
