@@ -25,7 +25,7 @@ from .config import Config, resolve
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError
 from .lifecycle import Checkpoint, StopRequest, resumed_config
 from .console import Console, NullConsole
-from .replica import Replica, init_tensorflow
+from .replica import Replica, ends_in_softmax, init_tensorflow
 from .results import NullResults, RunResults
 from .trainer import Context, Summary, decay_steps
 
@@ -58,6 +58,10 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
         spec, dataset.input_shape, dataset.num_classes, cfg.optimizer, cfg.effective_lr,
         cfg.clip_grad_norm, decay_steps(cfg, shard_size), from_logits=cfg.outputs == "logits",
         applies=role.trains and not cfg.async_mode))  # the ranks that run Keras' optimizer
+    if cfg.outputs == "probabilities" and not ends_in_softmax(replica.model):
+        console.note(f"--outputs probabilities, but the last layer of {cfg.model} is not a "
+                     "softmax: its outputs are taken as probabilities as they are (end it with "
+                     "a softmax, or pass --outputs logits)")
     ranks = comm.allgather_objects(rank_facts(threads))
     results = open_results(cfg, comm)
     results.write_json("config.json" if checkpoint is None else
@@ -132,8 +136,6 @@ def collectively(comm: Comm, make):
 
 def check_model(spec, dataset, from_logits: bool) -> None:
     """Build the model as training would (output shape, softmax vs --outputs)."""
-    from .replica import ends_in_softmax
-
     model = spec.build(tuple(dataset.input_shape), dataset.num_classes)
     if from_logits and ends_in_softmax(model):
         raise UsageError(f"model {spec.name} ends in a softmax: pass --outputs "

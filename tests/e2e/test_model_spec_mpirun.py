@@ -83,7 +83,21 @@ def test_module_spec_and_resume_from_another_directory(cnn, mnist, tmp_path):
         run_dir.name, "8", "True")
 
 
+SOFTMAX = CNN.replace("L.Dense(num_classes)", "L.Dense(num_classes, activation='softmax')")
+
+
+def test_outputs_probabilities_trains_a_softmax_model(tmp_path, mnist):
+    (tmp_path / "soft.py").write_text(SOFTMAX)
+    result = mpirun(2, f"{tmp_path}/soft.py:build", "--outputs", "probabilities", "--steps",
+                    "40", "--data-dir", mnist, "--results-dir", tmp_path / "res", "--quiet")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "note:" not in result.stdout  # it does end in a softmax
+    run = read_rows(tmp_path / "res" / "runs.csv")[0]
+    assert float(run["test_accuracy"]) > 0.5 and float(run["test_loss"]) < 2.0, run
+
+
 BAD_FILES = {
+    "soft.py": SOFTMAX,
     "syntax.py": "import keras\n\ndef build(shape, classes)\n    return None\n",
     "nofunc.py": "def make(shape, classes):\n    return None\n",
     "notcallable.py": "build = 3\n",
@@ -106,6 +120,7 @@ BAD_FILES = {
     ("no_such_module_q7:build", "model no_such_module_q7:build: no module named"),
     ("{tmp}/notcallable.py:build", "build is an object of type int, not a function"),
     ("{tmp}/wrongtype.py:build", "returned str, not a keras.Model"),
+    ("{tmp}/soft.py:build", "ends in a softmax: pass --outputs probabilities"),
     # a check that one rank fails and the others pass: agreed on, the rank named
     ("{tmp}/rank1.py:build", "rank 1 on"),
     ("{tmp}/rank2.py:build", "rank 2 on"),
