@@ -12,7 +12,8 @@ from mpitrain.replica import Replica, init_tensorflow
     ("momentum", 0.1, 4, None), ("adam", 0.01, 3, None),
     # --clip-grad-norm: the same clip-then-update chain on both paths (LR's gradient
     # norms here are ~0.5-2, so both clips below bind)
-    ("sgd", 0.5, None, 0.05), ("adam", 0.01, 3, 0.1)])
+    ("sgd", 0.5, None, 0.05), ("momentum", 0.1, 4, 0.05), ("adam", 0.01, 3, 0.1),
+    ("adam", 0.01, None, 1e-6)])
 def test_flat_optimizer_matches_keras(name, lr, decay, clip):
     init_tensorflow(1, 0)
     keras_side = Replica(models.get("lr"), (28, 28, 1), 10, name, lr, clip_norm=clip,

@@ -95,3 +95,55 @@ def test_checksum_detects_one_flipped_bit():
     other = flat.copy()
     other.view(np.uint32)[500] ^= 1
     assert checksum(flat) == checksum(flat.copy()) != checksum(other)
+
+
+def _bn_spec():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+    import bn_model
+
+    return models.get(bn_model.SPEC)
+
+
+def test_state_that_is_not_trained_is_split_into_buffers_and_generator_state():
+    """BatchNorm statistics are float buffers (one flat vector, after the weights in
+    state()); Dropout's seed is integer generator state; neither is in the weights."""
+    init_tensorflow(1, 0)
+    replica = Replica(_bn_spec(), (12, 12, 1), 4, "adam", 0.01)
+    assert replica.n_buffers == 48 and replica.n_state == replica.n_params + 48
+    buffers = np.random.default_rng(5).random(48).astype(np.float32)
+    replica.set_buffers(buffers)
+    assert np.array_equal(replica.buffers(), buffers)
+    state = replica.state()
+    assert np.array_equal(state[:replica.n_params], replica.weights())
+    assert np.array_equal(state[replica.n_params:], buffers)
+    seeds = replica.rng_state()
+    assert seeds.dtype == np.int64 and seeds.size == 2
+    x = np.random.default_rng(6).random((8, 12, 12, 1), dtype=np.float32)
+    replica.train_step(x, np.zeros(8, np.int32))  # training moves the statistics only
+    assert not np.array_equal(replica.buffers(), buffers)
+    other = Replica(_bn_spec(), (12, 12, 1), 4, "adam", 0.01)
+    other.set_state(replica.state())
+    assert checksum(other.state()) == checksum(replica.state())
+    with pytest.raises(ValueError, match="expected 48 buffer values"):
+        replica.set_buffers(buffers[:-1])
+
+
+def test_ranks_that_never_apply_build_no_optimizer():
+    init_tensorflow(1, 0)
+    reader = Replica(models.get("lr"), (28, 28, 1), 10, "momentum", 0.1, applies=False)
+    applier = Replica(models.get("lr"), (28, 28, 1), 10, "momentum", 0.1)
+    assert reader.optimizer is None
+    # momentum: the step count, the learning rate, one velocity per variable
+    assert [shape for shape, _ in applier.optimizer_layout().values()] == \
+        [(), (), (784, 10), (10,)]
+    x = np.zeros((4, 28, 28, 1), np.float32)
+    y = np.zeros(4, np.int32)
+    grad, _, _ = reader.grad(x, y)  # gradients and evaluation work without one
+    reader.evaluate(x, y)
+    for call in (lambda: reader.apply(grad), lambda: reader.train_step(x, y),
+                 reader.optimizer_state):
+        with pytest.raises(RuntimeError, match="no optimizer"):
+            call()
