@@ -18,6 +18,10 @@ moving mean and variance), exposed as one flat float32 vector
 buffers differ between the points where the trainers average them; the
 *state* vector (:meth:`state`: weights, then buffers) is what a model is
 evaluated, checkpointed and compared with.
+
+Only ranks that apply updates with Keras (sync workers, the single rank) build
+the optimizer and its slots (``applies=True``); the sync server and every async
+rank (the async server updates with :mod:`mpitrain.optim`) never do.
 """
 
 from __future__ import annotations

@@ -36,6 +36,16 @@ Message protocol with rank 0, on the world communicator:
   (rank 0 got the signal) or, at the end, to say that no stop will come; so
   no receive is ever left pending and no message unmatched.
 
+**BatchNorm statistics** (the replica's *buffers*) follow each worker's own
+batches, so they are the one state that differs between replicas. At every
+evaluation or checkpoint point (a step all workers agree on: the flags come
+from the step number and the stop flag of the shared allreduce) the workers
+average them with one small allreduce and all continue from the mean; the
+checksum they report covers weights and buffers, and worker 1 sends both.
+
+Rank 0 never applies an update, so it builds no optimizer (no slots); it learns
+the layout of the optimizer state it checkpoints from the workers at the start.
+
 At -np 1 the single rank trains with the fused step and evaluates itself.
 """
 
