@@ -187,10 +187,19 @@ def prepare_resume(cfg: Config, explicit: frozenset, comm: Comm):
 
 def check_resumable(ctx: Context, comm: Comm) -> None:
     """A finished run cannot be resumed without more epochs (all ranks raise alike)."""
-    done = comm.allgather_objects(ctx.resume_from.step if ctx.resume_from else None)[0]
+    done = comm.allgather_objects(steps_done(ctx.resume_from, ctx.cfg)
+                                  if ctx.resume_from else None)[0]
     if done is not None and done >= ctx.total_steps:
         raise UsageError(f"--resume {ctx.cfg.resume}: that run already did all {done} steps of "
                          f"{ctx.cfg.epochs} epoch(s); pass a larger --epochs to train on")
+
+
+def steps_done(checkpoint: Checkpoint, cfg: Config) -> int:
+    """Steps each worker had done at ``checkpoint``. An async checkpoint's step is the
+    server's update count (all workers' pushes), so there it is the slowest worker's."""
+    if cfg.async_mode and checkpoint.worker_steps:
+        return min(checkpoint.worker_steps.values())
+    return checkpoint.step
 
 
 def open_results(cfg: Config, comm: Comm):

@@ -226,3 +226,18 @@ def test_resume_refuses_incompatible_settings(mnist, tmp_path):
     assert wrong_np.returncode == 2 and "resume it with mpirun -np 3" in wrong_np.stderr
     done = mpirun(3, "lr", "--resume", run_dir, timeout=120)
     assert done.returncode == 2 and "pass a larger --epochs" in done.stderr
+
+
+def test_async_checkpoint_counts_worker_steps(mnist, tmp_path):
+    """An async checkpoint's step counts all workers' updates: a finished 1-epoch run
+    at -np 3 (2 workers) is at 2 epochs' worth of server updates, yet resumes to 2
+    epochs (it was refused as finished), and is refused once it has done them."""
+    first = mpirun(3, "lr", "--async", "--epochs", "1", "--batch-size", "500", "--data-dir",
+                   mnist, "--results-dir", tmp_path, "--quiet")
+    assert first.returncode == 0, first.stderr[-2000:]
+    run_dir = next(d for d in tmp_path.iterdir() if d.is_dir())
+    more = mpirun(3, "lr", "--async", "--resume", run_dir, "--epochs", "2", "--quiet")
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert float(read_rows(tmp_path / "runs.csv")[-1]["epochs"]) == pytest.approx(2, abs=0.05)
+    again = mpirun(3, "lr", "--async", "--resume", run_dir, "--epochs", "2", timeout=120)
+    assert again.returncode == 2 and "pass a larger --epochs" in again.stderr
