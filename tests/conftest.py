@@ -40,18 +40,27 @@ def mpi_env(**extra) -> dict:
     return env
 
 
-def run_bounded(cmd, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; kill the whole group and fail if it hangs."""
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+def start_bounded(cmd, env=None, cwd=None) -> subprocess.Popen:
+    """Start ``cmd`` in a process group of its own (see :func:`finish_bounded`)."""
+    return subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env or mpi_env(),
                             cwd=cwd or REPO, start_new_session=True)
+
+
+def finish_bounded(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for ``proc``; kill its whole process group and fail if it hangs."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"hung for {timeout} s: {' '.join(map(str, cmd))}\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        pytest.fail(f"hung for {timeout} s: {' '.join(map(str, proc.args))}\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_bounded(cmd, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; kill the whole group and fail if it hangs."""
+    return finish_bounded(start_bounded(cmd, env, cwd), timeout)
 
 
 def mpirun_cmd(np_: int, *args, hostfile: Path = LOCAL_HOSTFILE, module="mpitrain",

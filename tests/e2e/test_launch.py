@@ -12,7 +12,8 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import LOCAL_HOSTFILE, REPO, mpi_env, mpirun, read_rows, run_bounded
+from conftest import (LOCAL_HOSTFILE, finish_bounded, mpirun, read_rows, run_bounded,
+                      start_bounded)
 
 # LR with small batches: ~1,300 steps per epoch per worker at -np 4, a few seconds
 # an epoch, so a kill lands mid-run, after the first checkpoint
@@ -24,18 +25,12 @@ def launch_cmd(*args):
 
 
 def start_launch(*args) -> subprocess.Popen:
-    return subprocess.Popen(launch_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=mpi_env(), cwd=REPO, start_new_session=True)
+    return start_bounded(launch_cmd(*args))
 
 
 def finish(proc: subprocess.Popen, timeout: float):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"mpitrain launch hung for {timeout} s:\n{err[-3000:]}")
-    return proc.returncode, out, err
+    done = finish_bounded(proc, timeout)
+    return done.returncode, done.stdout, done.stderr
 
 
 def wait_for(predicate, timeout: float, what: str):
