@@ -10,6 +10,7 @@ step is bounded by ``--timeout``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import subprocess
@@ -76,14 +77,14 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     ctx = Context(cfg, comm, role, replica, dataset, results, console, stop=stop,
                   resume_from=checkpoint, run_dir=run_dir, shard_size=shard_size,
                   worker_index=worker_index)
-    check_resumable(ctx, comm)
+    trained = check_resumable(ctx, comm)  # a run killed after its final checkpoint
     trainer = async_trainer if cfg.async_mode else sync_trainer
     sampler = start_sampler(cfg, comm)
     if role is Role.SERVER:
         comm.listen_for_failures()
     results.set_status("running")
     try:
-        summary = trainer.train(ctx)
+        summary = final_results(ctx) if trained else trainer.train(ctx)
     except MpitrainError as error:
         record_failure(ctx, error, sampler)
         raise
@@ -185,13 +186,41 @@ def prepare_resume(cfg: Config, explicit: frozenset, comm: Comm):
     return comm.allgather_objects(resumed)[0], checkpoint
 
 
-def check_resumable(ctx: Context, comm: Comm) -> None:
-    """A finished run cannot be resumed without more epochs (all ranks raise alike)."""
-    done = comm.allgather_objects(steps_done(ctx.resume_from, ctx.cfg)
-                                  if ctx.resume_from else None)[0]
+def check_resumable(ctx: Context, comm: Comm) -> bool:
+    """True if the resumed run's training is complete but its results were never
+    written (it was killed after its final checkpoint): the session then only
+    writes them. A run that finished cannot be resumed without more epochs (all
+    ranks raise alike)."""
+    facts = None
+    if ctx.resume_from is not None:  # rank 0 holds the checkpoint and the directory
+        facts = (steps_done(ctx.resume_from, ctx.cfg), run_status(Path(ctx.cfg.resume)))
+    done, status = comm.allgather_objects(facts)[0] or (None, None)
+    if done is not None and done >= ctx.total_steps and status != "ok":
+        return True
     if done is not None and done >= ctx.total_steps:
         raise UsageError(f"--resume {ctx.cfg.resume}: that run already did all {done} steps of "
                          f"{ctx.cfg.epochs} epoch(s); pass a larger --epochs to train on")
+
+
+def run_status(run_dir: Path) -> str:
+    """What the run's status.json says (``running`` if it was killed), or ''."""
+    try:
+        return json.loads((run_dir / "status.json").read_text()).get("status", "")
+    except (OSError, ValueError):
+        return ""
+
+
+def final_results(ctx: Context) -> Summary:
+    """The summary of a run whose training the checkpoint already completed: rank 0
+    evaluates the checkpoint's state; nothing is trained."""
+    ckpt, nan = ctx.resume_from, float("nan")
+    if ckpt is None:  # the ranks that do not serve
+        return Summary(0.0, ctx.total_steps, float(ctx.cfg.epochs), nan, nan, nan)
+    ctx.replica.set_state(ckpt.state)
+    loss, accuracy = ctx.replica.evaluate(ctx.data.x_test, ctx.data.y_test)
+    ctx.console.note(f"the run's training was already complete (killed after its final "
+                     f"checkpoint): writing its results")
+    return Summary(ckpt.wall_time_s, ckpt.step, float(ctx.cfg.epochs), loss, accuracy, nan)
 
 
 def steps_done(checkpoint: Checkpoint, cfg: Config) -> int:

@@ -241,3 +241,25 @@ def test_async_checkpoint_counts_worker_steps(mnist, tmp_path):
     assert float(read_rows(tmp_path / "runs.csv")[-1]["epochs"]) == pytest.approx(2, abs=0.05)
     again = mpirun(3, "lr", "--async", "--resume", run_dir, "--epochs", "2", timeout=120)
     assert again.returncode == 2 and "pass a larger --epochs" in again.stderr
+
+
+@pytest.mark.parametrize("extra", [(), ("--async",)])
+def test_resume_of_a_run_killed_after_its_final_checkpoint_writes_its_results(
+        mnist, tmp_path, extra):
+    """A kill between the final checkpoint and the results (found by scripts/soak
+    --launch) leaves status.json at running and no runs.csv row: resuming it trains
+    nothing and writes the row from the checkpoint, with the same accuracy."""
+    args = ["lr", "--epochs", "1", "--batch-size", "500", "--data-dir", mnist, "--quiet", *extra]
+    first = mpirun(3, *args, "--results-dir", tmp_path / "first")
+    assert first.returncode == 0, first.stderr[-2000:]
+    finished = read_rows(tmp_path / "first" / "runs.csv")[-1]
+    run_dir = tmp_path / "first" / finished["run"]
+    (run_dir / "status.json").write_text('{"status": "running", "reason": ""}')
+    (tmp_path / "first" / "runs.csv").unlink()  # as if killed before writing it
+    again = mpirun(3, *args, "--resume", run_dir)
+    assert again.returncode == 0, again.stderr[-2000:]
+    row = read_rows(tmp_path / "first" / "runs.csv")[-1]
+    assert row["status"] == "ok" and row["resumed"] == "True"
+    assert float(row["test_accuracy"]) == pytest.approx(float(finished["test_accuracy"]),
+                                                        abs=1e-6)
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "ok"
