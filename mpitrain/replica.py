@@ -48,8 +48,11 @@ def init_tensorflow(intra_threads: int, seed: int) -> None:
     import tensorflow as tf
     import keras
 
-    tf.config.threading.set_intra_op_parallelism_threads(intra_threads)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    except RuntimeError:  # TensorFlow already ran an op in this process (a test, a script
+        pass              # that built a model first): its pools are fixed by now
     keras.utils.set_random_seed(seed)
 
 
