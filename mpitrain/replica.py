@@ -70,6 +70,13 @@ def ends_in_softmax(model) -> bool:
         getattr(last, "activation", None) is keras.activations.softmax
 
 
+def check_outputs(model, name: str, from_logits: bool) -> None:
+    """UsageError if the loss would take ``model``'s softmax probabilities for logits."""
+    if from_logits and ends_in_softmax(model):
+        raise UsageError(f"model {name} ends in a softmax: pass --outputs probabilities, or "
+                         "drop the softmax and output logits (more stable in float32)")
+
+
 def make_optimizer(name: str, lr: float, decay_steps: Optional[int] = None):
     """A Keras optimizer; with ``decay_steps``, its learning rate follows cosine decay."""
     import keras
@@ -95,10 +102,7 @@ class Replica:
         import keras
 
         self.model = spec.build(tuple(input_shape), num_classes)
-        if from_logits and ends_in_softmax(self.model):
-            raise UsageError(f"model {spec.name} ends in a softmax: pass --outputs "
-                             "probabilities, or drop the softmax and output logits (more "
-                             "stable in float32)")
+        check_outputs(self.model, spec.name, from_logits)
         self.variables = list(self.model.trainable_variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]

@@ -26,7 +26,7 @@ from .config import Config, resolve
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError
 from .lifecycle import Checkpoint, StopRequest, resumed_config
 from .console import Console, NullConsole
-from .replica import Replica, ends_in_softmax, init_tensorflow
+from .replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from .results import NullResults, RunResults
 from .trainer import Context, Summary, decay_steps
 
@@ -137,10 +137,8 @@ def collectively(comm: Comm, make):
 
 def check_model(spec, dataset, from_logits: bool) -> None:
     """Build the model as training would (output shape, softmax vs --outputs)."""
-    model = spec.build(tuple(dataset.input_shape), dataset.num_classes)
-    if from_logits and ends_in_softmax(model):
-        raise UsageError(f"model {spec.name} ends in a softmax: pass --outputs "
-                         "probabilities, or drop the softmax and output logits")
+    check_outputs(spec.build(tuple(dataset.input_shape), dataset.num_classes), spec.name,
+                  from_logits)
 
 
 def load_data(cfg: Config, comm: Comm, spec):
