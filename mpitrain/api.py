@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional, Tuple, Union
 
 from .config import Config, fields_with_flags
-from .errors import MpitrainError, UsageError
+from .errors import Dropped, MpitrainError, UsageError
 
 MODES = ("sync", "async")
 
@@ -62,7 +62,8 @@ def fit(model: Union[Callable, str], train: Optional[Tuple] = None, test: Option
     config field name (``epochs``, ``batch_size``, ``lr``, ``optimizer``,
     ``staleness``, ``results_dir``, ``clip_grad_norm``, ``outputs``...).
 
-    Returns a :class:`FitResult` on rank 0 and ``None`` on the other ranks.
+    Returns a :class:`FitResult` on rank 0 and ``None`` on the other ranks (also on
+    an async worker the server dropped under ``mpirun --enable-recovery``).
     Raises an :class:`mpitrain.errors.MpitrainError` (usage, data, divergence,
     interruption) identically on every rank; an error only one rank can see
     (a stalled peer, a local crash) is printed and ends the whole job, as in the
@@ -73,6 +74,9 @@ def fit(model: Union[Callable, str], train: Optional[Tuple] = None, test: Option
 
     try:
         summary = session.run(cfg, explicit)
+    except Dropped as error:  # async under --enable-recovery: the run went on without it
+        cli._fail(error)
+        return None
     except MpitrainError as error:
         if not error.everywhere:
             cli._fail(error)  # reports to rank 0, which aborts the job

@@ -39,6 +39,22 @@ push has been matched by a receive and every reply received, so no request is
 pending at MPI_Finalize. Every wait is bounded: the server names a lease holder
 that stays silent for ``--timeout`` seconds; a worker waits at most twice that
 for its reply (the server speaks first about a stalled peer).
+
+Lost workers (only under ``mpirun --enable-recovery``, which keeps the other
+ranks alive when one dies): a lease holder whose process is gone (seen
+directly on the server's host) or that stays silent past its liveness bound
+(:class:`Liveness`: 20x its measured step interval, at least 10 s, at most
+``--timeout``) is dropped: its pending receive is cancelled, it gets a
+FINAL|DROPPED reply in case it comes back (it then exits with a message), and
+its remaining steps are reassigned to the workers still training
+(:class:`Quotas`), who run extra passes over their own shards, so the run
+still makes its planned number of updates; the lost worker's shard is not
+visited after its loss (recorded as ``lost_workers`` in runs.csv and
+status.json). Each reply carries the receiving worker's quota (the step
+after which it pushes FINAL). At the end the server kills a lost worker that
+is still alive on its host (a SIGSTOPped one would keep mpirun waiting).
+Without ``--enable-recovery`` mpirun ends the job when a rank dies and a
+silent worker is a CommTimeout, as before.
 """
 
 from __future__ import annotations
@@ -54,8 +70,8 @@ from typing import Deque, Dict, List, Optional
 import numpy as np
 
 from . import optim
-from .comm import HOT, IDLE, SERVING, Backoff, Role
-from .errors import CommTimeout, Divergence, Interrupted
+from .comm import HOT, IDLE, SERVING, Backoff, Role, recovery_enabled
+from .errors import CommTimeout, Divergence, Dropped, Interrupted
 from .lifecycle import Checkpoint
 from .trainer import (TAG_GRADIENT, TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary,
                       diverged, interrupted, worker_batches)
@@ -65,7 +81,8 @@ from .trainer import (TAG_GRADIENT, TAG_WEIGHTS, Context, Evaluator, Stopwatch, 
 HEADER = 8
 H_VERSION, H_STEP, H_FLAGS = 0, 1, 2  # int32 slots
 H_LOSS, H_ELAPSED, H_THINK = 3, 4, 5  # float32 slots
-FINAL, INTERRUPTED, DIVERGED = 1, 2, 4  # header flags (push and reply)
+H_QUOTA = 6  # int32 slot of a reply: the step after which the worker pushes FINAL
+FINAL, INTERRUPTED, DIVERGED, DROPPED = 1, 2, 4, 8  # header flags (push and reply)
 #: workers whose steps take less than this (EWMA) make the server poll, not sleep
 FAST_STEP = 2e-4
 #: how the server polls then: yield for a round trip's worth, then sleep
@@ -110,21 +127,24 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     if replica.n_buffers:  # the statistics the run has so far (a resumed run's)
         replica.set_buffers(leases[0][HEADER + n:])
     ending = int(_ints(leases[0])[H_FLAGS])  # the server may already be stopping
+    quota = int(_ints(leases[0])[H_QUOTA])  # raised when another worker is lost
     mark = timer.restart()
-    for _, step, x, y, end_of_epoch in ([] if ending else worker_batches(ctx, start_step)):
+    for _, step, x, y, end_of_epoch in ([] if ending else worker_batches(ctx, start_step,
+                                                                         endless=True)):
         started = time.perf_counter()  # since mark: preparing the batch
         grad, loss, norm = replica.grad_at(leases[current][HEADER:HEADER + n], x, y)
         computed = time.perf_counter()
         version = int(_ints(leases[current])[H_VERSION])
         if in_flight is not None:  # the previous push's reply landed in the other buffer
-            comm.wait_all(in_flight, HOT, timeout=reply_bound)
+            _complete(comm, in_flight, leases[1 - current], HOT, reply_bound)
             in_flight = None
             target, current = current, 1 - current
             ending = int(_ints(leases[current])[H_FLAGS])
+            quota = int(_ints(leases[current])[H_QUOTA])
         else:
             target = 1 - current if pipelined else current
         waited = time.perf_counter()
-        flags = _push_flags(ctx, step, loss + 0.0 * norm)
+        flags = _push_flags(ctx, step, quota, loss + 0.0 * norm)
         if ending:  # the server is stopping: this gradient is not wanted
             break
         push[HEADER:HEADER + n] = grad
@@ -139,10 +159,11 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
                      comm.isend(push, 0, TAG_GRADIENT, "push", "the server to take a gradient")]
         sent = time.perf_counter()
         if not pipelined:
-            comm.wait_all(in_flight, HOT, timeout=reply_bound)
+            _complete(comm, in_flight, leases[target], HOT, reply_bound)
             in_flight = None
             current = target
             ending = int(_ints(leases[current])[H_FLAGS])
+            quota = int(_ints(leases[current])[H_QUOTA])
         done = time.perf_counter()
         timer.add(compute=computed - mark, wait=(waited - computed) + (done - sent),
                   comm=sent - waited)
@@ -152,9 +173,12 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         if flags & FINAL or ending:
             break
     if in_flight is not None:
-        comm.wait_all(in_flight, IDLE, timeout=reply_bound)
+        _complete(comm, in_flight, leases[1 - current], IDLE, reply_bound)
         current = 1 - current
         ending |= int(_ints(leases[current])[H_FLAGS])
+    if ending & DROPPED:
+        raise Dropped(f"{comm.name(comm.rank)} was dropped by the parameter server after it "
+                      "stopped answering; the run went on without it (this process leaves)")
     if ending & DIVERGED:
         raise Divergence("training diverged (see rank 0's message)", everywhere=True)
     if ending & INTERRUPTED:
@@ -163,14 +187,124 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     return Summary(clock(), step, step / ctx.steps_per_epoch, nan, nan, nan)
 
 
-def _push_flags(ctx: Context, step: int, loss: float) -> int:
-    """FINAL on the last step; also INTERRUPTED on a stop request, DIVERGED on NaN/Inf."""
-    flags = FINAL if step == ctx.total_steps else 0
+def _complete(comm, in_flight, reply_buffer: np.ndarray, backoff: Backoff,
+              bound: float) -> None:
+    """Wait for the reply (into ``reply_buffer``), then for the push (``in_flight =
+    [reply, push]``), unless the reply dismisses this worker: the server cancelled its receive, so that push is
+    never taken (a pending send to a live rank does not stop MPI_Finalize)."""
+    reply, push = in_flight
+    comm.wait(reply, backoff, timeout=bound)
+    if not int(_ints(reply_buffer)[H_FLAGS]) & DROPPED:
+        comm.wait(push, backoff, timeout=bound)
+
+
+def _push_flags(ctx: Context, step: int, quota: int, loss: float) -> int:
+    """FINAL on the last step (``quota``); also INTERRUPTED on a stop request, DIVERGED
+    on NaN/Inf."""
+    flags = FINAL if step >= quota else 0
     if ctx.stop:
         flags |= FINAL | INTERRUPTED
     if not math.isfinite(loss):
         flags |= FINAL | DIVERGED
     return flags
+
+
+# ---------------------------------------------------------------------------------------
+# Lost workers: pure policies (unit-tested without MPI)
+# ---------------------------------------------------------------------------------------
+class Liveness:
+    """When a silent lease holder counts as lost.
+
+    A worker's bound is ``factor`` times the interval between its lease and its
+    push (an EWMA of what it has shown so far), at least ``floor`` seconds (a
+    garbage collection, a page-in or the server's evaluation thread must not
+    cost a worker its place) and at most ``timeout`` (``--timeout``, the stall
+    bound that ends the job). Before its first push (which includes building
+    and tracing the model) a worker gets the whole ``timeout``.
+    """
+
+    def __init__(self, timeout: float, floor: float = 10.0, factor: float = 20.0):
+        self.timeout, self.floor, self.factor = timeout, floor, factor
+        self.interval: Dict[int, float] = {}
+
+    def observe(self, rank: int, seconds: float) -> None:
+        """Record that ``rank`` pushed ``seconds`` after its lease was granted."""
+        previous = self.interval.get(rank)
+        self.interval[rank] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def bound(self, rank: int) -> float:
+        if rank not in self.interval:
+            return self.timeout
+        return min(self.timeout, max(self.floor, self.factor * self.interval[rank]))
+
+
+class Quotas:
+    """How many steps each worker runs before its FINAL push.
+
+    Every worker starts with the run's steps per worker. When one is lost, the
+    steps it had left go to the workers still training, as evenly as possible
+    (lowest ranks first for the remainder), so the run keeps its planned number
+    of updates; if none is left to take them they are counted as ``short``.
+    """
+
+    def __init__(self, ranks, total_steps: int):
+        self.of: Dict[int, int] = {r: total_steps for r in ranks}
+        self.short = 0
+
+    def reassign(self, rank: int, steps_done: int, active) -> Dict[int, int]:
+        """Take ``rank`` out at ``steps_done``; return the steps each of ``active`` gained."""
+        left = max(0, self.of[rank] - steps_done)
+        self.of[rank] = steps_done
+        takers = sorted(r for r in active if r != rank)
+        if not takers:
+            self.short += left
+            return {}
+        share, remainder = divmod(left, len(takers))
+        gained = {r: share + (1 if i < remainder else 0) for i, r in enumerate(takers)}
+        for r, extra in gained.items():
+            self.of[r] += extra
+        return gained
+
+
+#: seconds between the server's checks of its silent workers under --enable-recovery
+LIVENESS_CHECK_EVERY = 1.0
+
+
+class Processes:
+    """The server's view of the worker processes on its own host (psutil handles, which
+    notice pid reuse); workers on other hosts can only be judged by their silence."""
+
+    def __init__(self, comm):
+        import psutil
+
+        self._psutil = psutil
+        self.local: Dict[int, object] = {}
+        for rank, (host, pid) in enumerate(zip(comm.hosts, comm.pids)):
+            if rank != comm.rank and host == comm.host:
+                try:
+                    self.local[rank] = psutil.Process(pid)
+                except psutil.Error:
+                    pass
+
+    def alive(self, rank: int) -> bool:
+        """False when ``rank`` is on this host and its process is gone or a zombie."""
+        proc = self.local.get(rank)
+        if proc is None:
+            return True
+        try:
+            return proc.is_running() and proc.status() != self._psutil.STATUS_ZOMBIE
+        except self._psutil.Error:
+            return False
+
+    def kill(self, rank: int) -> bool:
+        """SIGKILL ``rank`` if it is a live process on this host; True if it was."""
+        if rank not in self.local or not self.alive(rank):
+            return False
+        try:
+            self.local[rank].kill()
+        except self._psutil.Error:
+            return False
+        return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -194,6 +328,8 @@ class WorkerLedger:
     done: bool = False
     staleness: collections.Counter = field(default_factory=collections.Counter)
     buffers: Optional[np.ndarray] = None  # its BatchNorm statistics at its latest push
+    lost: str = ""  # why it was dropped (under --enable-recovery); "" while it is in
+    farewell: object = None  # the pending FINAL|DROPPED reply of a dropped worker
 
 
 class Server:
@@ -224,6 +360,11 @@ class Server:
             len(self.workers) * ctx.total_steps))
         self.step_time = 1.0  # EWMA of the workers' reported seconds of compute per step
         self.checkpoint_interval = ctx.cfg.checkpoint_every * self.updates_per_epoch
+        self.recovery = recovery_enabled() and len(self.workers) > 1
+        self.liveness = Liveness(self.comm.timeout)
+        self.quotas = Quotas(self.workers, ctx.total_steps)
+        self.processes = Processes(self.comm) if self.recovery else None
+        self.next_liveness_check = 0.0
         if ctx.resume_from is not None:
             self._restore(ctx.resume_from)
 
@@ -233,16 +374,23 @@ class Server:
             self.buffers = ckpt.buffers.astype(np.float32).copy()
         self.optimizer.load_state(ckpt.optimizer)
         self.version = ckpt.step
+        quotas = ckpt.extra.get("quotas", {})
         for rank, w in self.workers.items():
             w.start_step = w.steps = ckpt.worker_steps.get(rank, 0)
             for s, c in ckpt.extra.get("staleness", {}).get(str(rank), {}).items():
                 w.staleness[int(s)] += c
+            self.quotas.of[rank] = quotas.get(str(rank), self.quotas.of[rank])
+        self.quotas.short = ckpt.extra.get("updates_short", 0)
+        self.ctx.lost.extend(ckpt.extra.get("lost_workers", []))
 
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(self.weights.copy(), self.optimizer.state(), self.version,
                           self.clock(), {w.rank: w.steps for w in self.workers.values()},
                           {"staleness": {str(w.rank): dict(w.staleness)
-                                         for w in self.workers.values()}},
+                                         for w in self.workers.values()},
+                           "quotas": {str(r): q for r, q in self.quotas.of.items()},
+                           "updates_short": self.quotas.short,
+                           "lost_workers": list(self.ctx.lost)},
                           self._average_buffers())
 
     def _average_buffers(self) -> np.ndarray:
@@ -272,6 +420,8 @@ class Server:
                 self._grant_leases()  # releases the waiting workers
                 continue
             worker = self._next_push()
+            if worker is None:  # a worker was dropped instead
+                continue
             arrived = time.perf_counter()
             self._apply(worker)
             applied = time.perf_counter()
@@ -284,7 +434,9 @@ class Server:
             if self.version % 64 == 0:
                 self.evaluations.evaluator.progress(self.version, self.last_loss)
         for w in self.workers.values():
-            self.comm.wait(w.sending, IDLE)
+            if not w.lost:  # a lost worker's last reply may never be taken; Open MPI
+                self.comm.wait(w.sending, IDLE)  # finalizes with it pending (measured)
+        self._fence_lost()
         wall = self.clock()
         span = max(1e-9, time.perf_counter() - t0)
         cpu_share = {"server_cpu_share": round((time.process_time() - cpu0) / span, 4),
@@ -304,18 +456,89 @@ class Server:
         if self.ending & INTERRUPTED:
             raise interrupted(self.ctx, f"after {self.version} updates", summary)
 
-    def _next_push(self) -> WorkerLedger:
+    def _next_push(self) -> Optional[WorkerLedger]:
+        """The next worker whose push arrived; None when a lost worker was dropped
+        instead (only under --enable-recovery)."""
         holders = [w for w in self.workers.values() if w.base is not None]
+        if self.recovery and time.monotonic() >= self.next_liveness_check:
+            # also while the others push: one silent worker among busy ones is the case
+            self.next_liveness_check = time.monotonic() + LIVENESS_CHECK_EVERY
+            lost = next(((w, why) for w in holders for why in [self._lost_because(w)] if why),
+                        None)
+            if lost:
+                self._drop(*lost)
+                return None
         oldest = min(holders, key=lambda w: w.leased_at)
         silent_for = time.monotonic() - oldest.leased_at
+        wait_for = self.comm.timeout - silent_for
+        if self.recovery:  # wake up in time for the next check
+            wait_for = min(wait_for, LIVENESS_CHECK_EVERY)
         index = self.comm.wait_any([w.posted for w in holders], self._poll_policy(),
-                                   timeout=max(0.0, self.comm.timeout - silent_for))
-        if index is None:
+                                   timeout=max(0.0, wait_for))
+        if index is not None:
+            w = holders[index]
+            self.liveness.observe(w.rank, time.monotonic() - w.leased_at)
+            return w
+        if silent_for >= self.comm.timeout:
             raise CommTimeout(
                 f"{self.comm.name(oldest.rank)} has not pushed a gradient for "
                 f"{self.comm.timeout:g} s; it is stalled or dead (raise --timeout if its steps "
                 "are legitimately that slow)")
-        return holders[index]
+        return None
+
+    def _lost_because(self, w: WorkerLedger) -> str:
+        """Why lease holder ``w`` counts as lost, or '' (it is still in)."""
+        silent_for = time.monotonic() - w.leased_at
+        if not self.processes.alive(w.rank):
+            return f"its process died (no push for {silent_for:.1f} s)"
+        bound = self.liveness.bound(w.rank)
+        if silent_for > bound:
+            return (f"silent for {silent_for:.1f} s, past its liveness bound of {bound:.1f} s "
+                    f"({self.liveness.factor:g}x its step interval, at least "
+                    f"{self.liveness.floor:g} s)")
+        return ""
+
+    def _drop(self, w: WorkerLedger, why: str) -> None:
+        """Go on without ``w``: no request of its left to match, its steps reassigned."""
+        self.comm.cancel(w.posted)
+        w.posted, w.base, w.done, w.lost = None, None, True, why
+        if self.processes.alive(w.rank):  # stalled: if it comes back, it must leave
+            farewell = np.zeros(HEADER, np.float32)
+            _ints(farewell)[H_FLAGS] = FINAL | DROPPED
+            w.farewell = self.comm.isend(farewell, w.rank, TAG_WEIGHTS, "control",
+                                         f"{self.comm.name(w.rank)} to take its dismissal")
+        active = [r for r, v in self.workers.items() if not v.done]
+        gained = self.quotas.reassign(w.rank, w.steps, active)
+        self.ctx.lost.append({"rank": w.rank, "host": self.comm.hosts[w.rank],
+                              "update": self.version, "step": w.steps,
+                              "wall_time_s": round(self.clock(), 3), "reason": why})
+        moved = (f"its {sum(gained.values())} remaining steps go to "
+                 + ", ".join(f"rank {r}" for r in gained) if gained else
+                 f"{self.quotas.short} planned updates will not be made")
+        going_on = (f"training continues with {len(active)} worker(s)" if active else
+                    "the other workers have finished")
+        self.ctx.console.note(
+            f"lost {self.comm.name(w.rank)} at update {self.version}: {why}; {moved}; "
+            + going_on)
+        self.ctx.results.set_status("running", lost_workers=self.ctx.lost)
+        if all(v.lost for v in self.workers.values()):
+            raise CommTimeout(f"every worker was lost (the last: {self.comm.name(w.rank)}, "
+                              f"{why})")
+        self._grant_leases()  # its lease no longer holds the others back (--staleness)
+
+    def _fence_lost(self) -> None:
+        """Kill lost workers still alive on this host (stopped ones would keep mpirun
+        waiting for them forever); name those on other hosts."""
+        for w in self.workers.values():
+            if not w.lost or not self.processes.alive(w.rank):
+                continue
+            if self.processes.kill(w.rank):
+                self.ctx.console.note(f"killed lost {self.comm.name(w.rank)} (pid "
+                                      f"{self.comm.pids[w.rank]}), still alive at the end")
+            else:
+                self.ctx.console.note(
+                    f"lost {self.comm.name(w.rank)} may still be alive (pid "
+                    f"{self.comm.pids[w.rank]} there): if the job does not end, kill it")
 
     def _poll_policy(self) -> Backoff:
         """Yield-poll when workers' steps are shorter than FAST_STEP, else sleep.
@@ -355,6 +578,9 @@ class Server:
         self.losses.append(self.last_loss)
         if flags & FINAL:
             w.done = True
+            if not self.ending and w.steps < self.quotas.of[w.rank]:  # a raise it never saw
+                self.quotas.reassign(w.rank, w.steps,
+                                     [r for r, v in self.workers.items() if not v.done])
             self._reply(w, with_weights=False)
         else:
             self.waiting.append(w.rank)
@@ -380,7 +606,8 @@ class Server:
     def _grant_leases(self) -> None:
         while self.waiting and (self.ending or self._may_grant()):
             w = self.workers[self.waiting.popleft()]
-            if self.ending:  # stopping: no new leases, just the final reply
+            if self.ending or w.steps >= self.quotas.of[w.rank]:
+                # stopping, or (resumed) its steps are done: no lease, the final reply
                 w.done = True
                 self._reply(w, with_weights=False)
                 continue
@@ -394,6 +621,7 @@ class Server:
             self.comm.wait(w.sending, IDLE)  # its last reply was received: completes at once
         ints = _ints(w.send)
         ints[H_VERSION], ints[H_STEP] = self.version, w.steps  # step: where to resume from
+        ints[H_QUOTA] = self.quotas.of[w.rank]
         ints[H_FLAGS] = 0 if with_weights else FINAL | self.ending
         if with_weights:
             w.send[HEADER:HEADER + self.weights.size] = self.weights
@@ -425,6 +653,9 @@ class Server:
             "worker_steps_per_s": round(float(np.mean(
                 [w.steps / max(1e-9, w.elapsed) for w in self.workers.values()])), 1),
             **cpu_share,
+            "lost_workers": "; ".join(f"rank {w['rank']} on {w['host']} at update "
+                                      f"{w['update']} ({w['reason']})" for w in ctx.lost),
+            "updates_short": self.quotas.short,
         }
         ctx.console.info(
             f"async: {self.version} updates from {pushes} pushes; staleness mean "

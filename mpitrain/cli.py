@@ -8,6 +8,7 @@ their defaults and help live in one place. Usage errors are one line
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -17,7 +18,7 @@ from . import models
 from .comm import (abort_world, launcher_rank, launcher_world_size, report_failure,
                    world_rank_if_running, world_size_if_running)
 from .config import Config, fields_with_flags, resolve
-from .errors import EXIT_FAILURE, Interrupted, MpitrainError, UsageError
+from .errors import EXIT_FAILURE, Dropped, Interrupted, MpitrainError, UsageError
 
 PROG = "mpitrain"
 TOOLS = ("plot", "report", "check", "sweep", "launch")
@@ -287,6 +288,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         session.run(cfg, explicit_settings(argv))
         return 0
+    except Dropped as error:
+        _fail(error)
+        # MPI_Finalize would wait for the whole job (Open MPI fences there), and the
+        # server would kill this process at the end; leaving at once is cleaner
+        os._exit(error.exit_code)
     except MpitrainError as error:
         return _fail(error)
     except KeyboardInterrupt:
@@ -310,6 +316,9 @@ def _fail(error: MpitrainError) -> int:
     rank 0, printed and followed by an abort of the whole job.
     """
     rank = world_rank_if_running()
+    if isinstance(error, Dropped):  # the run goes on without this rank: leave quietly
+        print(f"{PROG}: {error}", file=sys.stderr, flush=True)
+        return error.exit_code
     label = "interrupted" if isinstance(error, Interrupted) else "error"
     if error.everywhere or world_size_if_running() <= 1:
         if rank != 0:

@@ -130,6 +130,8 @@ WAITING_CALL_EVERY = 1.0
 WORKERS_TIMEOUT_FACTOR = 1.5
 #: tag of the one-line failure reports that ranks send rank 0 before the job ends
 TAG_FAILURE = 77
+#: tag of :meth:`Comm.gather_objects`
+TAG_GATHER = 78
 FAILURE_BYTES = 2048
 
 
@@ -288,6 +290,8 @@ class Comm:
         #: protocol can tell a watcher "alive, waiting" (the sync workers do)
         self.while_waiting: Optional[Callable[[], None]] = None
         self._failures: Optional[Pending] = None  # rank 0: reports from failing ranks
+        #: process id of every rank (world communicator only; for fencing a lost rank)
+        self.pids: List[int] = []
         self._failure_buf = np.zeros(FAILURE_BYTES, np.uint8)
 
     # ---- construction ---------------------------------------------------------------
@@ -300,8 +304,10 @@ class Comm:
         # knows which ranks share its host (threads per rank, per-node telemetry).
         bootstrap = cls(c, timeout, Traffic(), [MPI.Get_processor_name()] * c.Get_size(),
                         range(c.Get_size()))
-        hosts = bootstrap.allgather_objects(MPI.Get_processor_name(), kind="control")
-        world = cls(c, timeout, bootstrap.traffic, hosts, range(c.Get_size()))
+        where = bootstrap.allgather_objects((MPI.Get_processor_name(), os.getpid()),
+                                            kind="control")
+        world = cls(c, timeout, bootstrap.traffic, [h for h, _ in where], range(c.Get_size()))
+        world.pids = [pid for _, pid in where]
         world._workers = world._split_workers()
         return world
 
@@ -519,6 +525,32 @@ class Comm:
         self.traffic.add_recv(kind, out.nbytes)
         return [pickle.loads(out[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
 
+    def gather_objects(self, obj, skip: Sequence[int] = (), kind: str = "control") -> list:
+        """Every rank's ``obj`` on rank 0 (None in place of the ranks in ``skip``); the
+        other ranks get ``[obj]``. Point to point, bounded.
+
+        Unlike the collectives, it still works after ranks were lost (async training
+        under ``--enable-recovery``): rank 0 passes the lost ranks in ``skip`` and
+        receives from the others only. The ranks that send need not know who was lost.
+        """
+        payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        if self.rank != 0:
+            size = np.array([payload.size], np.int64)
+            self.wait_all([self.isend(size, 0, TAG_GATHER, kind, "rank 0 to take a report"),
+                           self.isend(payload, 0, TAG_GATHER, kind, "rank 0 to take a report")],
+                          IDLE)
+            return [obj]
+        gathered = [obj] + [None] * (self.size - 1)
+        for source in range(1, self.size):
+            if source in skip:
+                continue
+            size = np.zeros(1, np.int64)
+            self.wait(self.irecv(size, source, TAG_GATHER, kind, "a report"), IDLE)
+            buf = np.empty(int(size[0]), np.uint8)
+            self.wait(self.irecv(buf, source, TAG_GATHER, kind, "a report"), IDLE)
+            gathered[source] = pickle.loads(buf.tobytes())
+        return gathered
+
     def agree(self, error: Optional[MpitrainError]) -> None:
         """Collective check that a phase succeeded on every rank.
 
@@ -575,6 +607,14 @@ class HorovodAllreduce:
         self.workers.traffic.add_sent(kind, buf.nbytes)
         self.workers.traffic.add_recv(kind, buf.nbytes)
         return buf
+
+
+def recovery_enabled() -> bool:
+    """True when the job runs under ``mpirun --enable-recovery`` (Open MPI 4.x), which
+    keeps the other ranks running after one dies; an async server may then go on
+    without a lost worker instead of ending the job."""
+    value = os.environ.get("OMPI_MCA_orte_enable_recovery", "").lower()
+    return value in ("1", "true", "yes", "on")
 
 
 def world_size_if_running() -> int:

@@ -70,3 +70,10 @@ class Interrupted(MpitrainError):
     """The run was stopped by a signal after saving what it had."""
 
     exit_code = EXIT_INTERRUPTED
+
+
+class Dropped(MpitrainError):
+    """This async worker was dropped by the server (it stalled past its liveness bound
+    under ``--enable-recovery``); the run went on without it, so it leaves quietly."""
+
+    exit_code = 0

@@ -12,6 +12,11 @@ resumed this way ends with the same weights, bit for bit, as one that never
 failed (see :mod:`mpitrain.lifecycle`); it loses at most the steps since the
 last checkpoint (``--checkpoint-every``).
 
+An async job with two or more workers runs under ``mpirun --enable-recovery``
+(Open MPI 4.x): a worker that dies or stalls is dropped by the parameter
+server and the job finishes without a restart (see :mod:`mpitrain.async_trainer`);
+only the server's loss needs one.
+
 What is never restarted: success (exit 0), a usage error (2: the same
 arguments would fail again), a run stopped by a signal (143), and anything
 after the launcher itself was asked to stop. Signals: SIGUSR1, SIGTERM and
@@ -94,10 +99,24 @@ def run(args, cfg) -> int:
     mpirun = ["mpirun", "-q", "-np", str(np_)]
     mpirun += ["-hostfile", args.hostfile] if args.hostfile else []
     mpirun += ["--oversubscribe"] if args.oversubscribe else []
+    if cfg.async_mode and np_ > 2 and recovery_supported():
+        # the async server goes on without a lost worker instead of the job ending
+        mpirun.append("--enable-recovery")
     mpirun += list(args.mpirun_arg)
     launcher = Launcher(mpirun + [sys.executable, "-m", "mpitrain"], list(args.training),
                         Path(cfg.results_dir), cfg.resume, args.max_restarts)
     return launcher.run()
+
+
+def recovery_supported() -> bool:
+    """True for Open MPI 4.x's mpirun, whose --enable-recovery keeps the other ranks of a
+    job running after one dies (Open MPI 5's prterun spells it differently)."""
+    try:
+        out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True,
+                             timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "(Open MPI) 4." in out
 
 
 class Launcher:

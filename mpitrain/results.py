@@ -143,15 +143,19 @@ class RunResults:
         self.dir = run_dir if run_dir is not None else new_run_dir(self.results_dir, stem)
         self.curve = CsvLog(self.dir / "curve.csv", CURVE_COLUMNS)
         self._tensorboard = None
+        self._status_facts: Dict[str, object] = {}
 
-    def set_status(self, status: str, reason: str = "") -> None:
+    def set_status(self, status: str, reason: str = "", **facts) -> None:
         """``status.json``: running while training, then ok / failed / interrupted.
 
         A run whose status.json still says running was killed without warning
         (SIGKILL, a node lost): its other files hold what it had written.
+        ``facts`` (e.g. ``lost_workers``) are kept in every later status too.
         """
+        self._status_facts.update(facts)
         self.write_json("status.json", {"status": status, "reason": reason,
-                                        "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                        **self._status_facts})
 
     @classmethod
     def reopen(cls, run_dir: Path) -> "RunResults":
@@ -218,5 +222,5 @@ class NullResults:
     def save_checkpoint(self, checkpoint):
         pass
 
-    def set_status(self, status, reason=""):
+    def set_status(self, status, reason="", **facts):
         pass

@@ -90,7 +90,8 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
         raise
     finally:
         comm.stop_listening()
-    gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results)
+    gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results,
+                                 lost=[w["rank"] for w in ctx.lost])
     results.add_run_row({**run_row(cfg, dataset, summary),
                          **telemetry.node_summary(gathered, comm.hosts)})
     results.set_status("ok")
@@ -248,8 +249,12 @@ def record_failure(ctx: Context, error: MpitrainError, sampler) -> None:
     ctx.results.set_status(status, str(error))
     row = run_row(ctx.cfg, ctx.data, getattr(error, "summary", None), status, str(error))
     try:
-        write = telemetry.collect if error.everywhere else telemetry.write_local
-        gathered = write(ctx.comm, ctx.role.value, sampler, ctx.timer, ctx.results)
+        if error.everywhere:
+            gathered = telemetry.collect(ctx.comm, ctx.role.value, sampler, ctx.timer,
+                                         ctx.results, lost=[w["rank"] for w in ctx.lost])
+        else:
+            gathered = telemetry.write_local(ctx.comm, ctx.role.value, sampler, ctx.timer,
+                                             ctx.results)
         row.update(telemetry.node_summary(gathered, ctx.comm.hosts))
     except MpitrainError:
         pass  # peers gone: the row is still written; the original error is what matters

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 TELEMETRY_COLUMNS = ["time_s", "rank", "host", "role", "cpu_percent", "rss_mb",
                      "host_cpu_percent", "net_rx_bytes", "net_tx_bytes", "net_rx_packets",
@@ -141,13 +141,15 @@ def _own_rows(comm, role: str, sampler, timer: EpochTimer) -> Dict[str, list]:
             "comm": [{**r, **tag} for r in comm.traffic.rows()]}
 
 
-def collect(comm, role: str, sampler, timer: EpochTimer, results) -> Dict[str, list]:
-    """Gather every rank's telemetry on rank 0 and write the CSV files. Collective.
+def collect(comm, role: str, sampler, timer: EpochTimer, results,
+            lost: Sequence[int] = ()) -> Dict[str, list]:
+    """Gather every rank's telemetry on rank 0 and write the CSV files. Every rank but
+    the ``lost`` ones (which rank 0 names; async under --enable-recovery) calls it.
 
-    Returns the gathered rows (on every rank; only rank 0's results writer writes).
+    Returns the gathered rows (on rank 0; the others get their own).
     """
     mine = _own_rows(comm, role, sampler, timer)
-    gathered = comm.allgather_objects(mine)
+    gathered = [part for part in comm.gather_objects(mine, skip=lost) if part is not None]
     merged = {key: [row for part in gathered for row in part[key]] for key in mine}
     merged["telemetry"].sort(key=lambda r: (r["time_s"], r["rank"]))
     return _write(results, merged)

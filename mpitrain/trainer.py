@@ -8,9 +8,10 @@ A trainer (:mod:`.sync_trainer`, :mod:`.async_trainer`) is a function
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -51,6 +52,9 @@ class Context:
     timer: EpochTimer = field(default_factory=EpochTimer)  # this rank's time breakdown
     shard_size: int = 0  # examples in each worker's shard (equal for all workers)
     worker_index: int = 0  # position among the workers (0..workers-1); 0 on the server
+    #: workers the async server dropped under --enable-recovery (on rank 0; dicts with
+    #: rank, host, update, step, wall_time_s, reason), also those of earlier sessions
+    lost: List[dict] = field(default_factory=list)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -94,18 +98,23 @@ class Summary:
     run_dir: Optional[str] = None  # where the serving rank wrote the results; None elsewhere
 
 
-def worker_batches(ctx: Context,
-                   start_step: int = 0) -> Iterator[Tuple[int, int, np.ndarray, np.ndarray, bool]]:
+def worker_batches(ctx: Context, start_step: int = 0, endless: bool = False
+                   ) -> Iterator[Tuple[int, int, np.ndarray, np.ndarray, bool]]:
     """(epoch, step, x, y, end_of_epoch) for each of this worker's steps after ``start_step``.
 
     Shuffled reproducibly per (seed, worker, epoch), so a resumed run sees the
     very batches the uninterrupted run would have; stops after
     :attr:`Context.total_steps`, possibly mid-epoch (then end_of_epoch is True
-    for the last step so the caller reports it).
+    for the last step so the caller reports it). ``endless`` goes on with
+    further passes over the shard (the caller decides when to stop: an async
+    worker whose quota grew when another worker was lost).
     """
     x, y = ctx.data.x_train, ctx.data.y_train
-    total, per_epoch = ctx.total_steps, ctx.steps_per_epoch
-    for epoch in range(start_step // per_epoch + 1, ctx.cfg.epochs + 1):
+    total, per_epoch = (0 if endless else ctx.total_steps), ctx.steps_per_epoch
+    last_epoch = None if endless else ctx.cfg.epochs
+    for epoch in itertools.count(start_step // per_epoch + 1):
+        if last_epoch is not None and epoch > last_epoch:
+            return
         batches = epoch_batches(len(y), ctx.cfg.batch_size, ctx.cfg.seed, ctx.worker_index,
                                 epoch)
         for i, idx in enumerate(batches):

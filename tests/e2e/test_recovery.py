@@ -1,0 +1,152 @@
+"""Async training survives a lost worker under ``mpirun --enable-recovery``: real
+mpirun, real SIGKILL / SIGSTOP of a real worker rank, accuracy on real MNIST."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import LOCAL_HOSTFILE, finish_bounded, mnist_dir, start_bounded
+
+pytestmark = pytest.mark.slow
+
+# LeNet async at -np 4 (3 workers): ~3 s an epoch here, so a worker lost after the
+# first epoch is dropped (10 s liveness floor) while the others still train
+TRAINING = ["lenet", "--async", "--epochs", "10", "--quiet"]
+
+
+def start(results: Path, mnist: Path, *mpirun_flags) -> subprocess.Popen:
+    return start_bounded(["mpirun", "-q", *mpirun_flags, "-np", "4", "-hostfile",
+                          LOCAL_HOSTFILE, sys.executable, "-m", "mpitrain", *TRAINING,
+                          "--data-dir", mnist, "--results-dir", results])
+
+
+def run_dir(results: Path, timeout: float = 120) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [p for p in results.glob("*-lenet-*") if (p / "config.json").is_file()]
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    pytest.fail("no run directory appeared")
+
+
+def wait_for_epoch(directory: Path, epoch: int, timeout: float = 180) -> None:
+    """Until curve.csv has the evaluation after ``epoch``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            rows = list(csv.DictReader((directory / "curve.csv").open()))
+        except OSError:
+            rows = []
+        if any(float(r["epoch"]) >= epoch for r in rows):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"epoch {epoch} was not reached in {timeout} s")
+
+
+def lost_ranks(directory: Path) -> list:
+    try:
+        status = json.loads((directory / "status.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [w["rank"] for w in status.get("lost_workers", [])]
+
+
+def rank_pid(directory: Path, rank: int) -> int:
+    return json.loads((directory / "config.json").read_text())["ranks"][rank]["pid"]
+
+
+def last_run(results: Path) -> dict:
+    return list(csv.DictReader((results / "runs.csv").open()))[-1]
+
+
+def alive(pids) -> list:
+    return [p for p in pids if psutil.pid_exists(p)
+            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same run, uninterrupted, with --enable-recovery as well."""
+    results = tmp_path_factory.mktemp("reference")
+    done = finish_bounded(start(results, mnist_dir(), "--enable-recovery"), 300)
+    assert done.returncode == 0, done.stderr
+    row = last_run(results)
+    assert row["lost_workers"] == "" and row["updates_short"] == "0"
+    return row
+
+
+def test_a_killed_worker_is_dropped_and_the_run_finishes(tmp_path, mnist, reference):
+    proc = start(tmp_path, mnist, "--enable-recovery")
+    directory = run_dir(tmp_path)
+    wait_for_epoch(directory, 1)
+    victim = rank_pid(directory, 2)
+    os.kill(victim, signal.SIGKILL)
+    done = finish_bounded(proc, 300)
+    assert done.returncode == 0, done.stderr
+    row = last_run(tmp_path)
+    assert row["status"] == "ok"
+    assert "rank 2" in row["lost_workers"] and "its process died" in row["lost_workers"]
+    # its remaining steps went to the others: the planned number of updates was made
+    assert int(row["steps"]) == int(reference["steps"])
+    assert row["updates_short"] == "0"
+    assert abs(float(row["test_accuracy"]) - float(reference["test_accuracy"])) <= 0.01
+    status = json.loads((directory / "status.json").read_text())
+    assert status["status"] == "ok"
+    [lost] = status["lost_workers"]
+    assert lost["rank"] == 2 and 0 < lost["update"] < int(reference["steps"])
+    assert "lost rank 2" in done.stdout and "training continues with 2 worker(s)" in done.stdout
+    # every rank's telemetry but the lost one's
+    ranks = {r["rank"] for r in csv.DictReader((directory / "timing.csv").open())}
+    assert ranks == {"0", "1", "3"}
+    assert alive(rank_pid(directory, r) for r in range(4)) == []
+
+
+def test_a_stalled_worker_is_dropped_and_leaves_when_it_wakes(tmp_path, mnist, reference):
+    """Through ``mpitrain launch`` (which adds --enable-recovery to async jobs), with no
+    restarts allowed: the run must finish in its one job."""
+    proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "4",
+                          "-hostfile", LOCAL_HOSTFILE, "--max-restarts", "0", *TRAINING,
+                          "--data-dir", mnist, "--results-dir", tmp_path])
+    directory = run_dir(tmp_path)
+    wait_for_epoch(directory, 1)
+    victim = rank_pid(directory, 3)
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    # past the 10 s liveness floor, then it wakes up to its dismissal
+    while 3 not in lost_ranks(directory):
+        assert time.monotonic() - stopped < 60, "the stalled worker was never dropped"
+        time.sleep(0.2)
+    os.kill(victim, signal.SIGCONT)
+    done = finish_bounded(proc, 300)
+    assert done.returncode == 0, done.stderr
+    row = last_run(tmp_path)
+    assert row["status"] == "ok" and "silent for" in row["lost_workers"]
+    assert int(row["steps"]) == int(reference["steps"])
+    assert abs(float(row["test_accuracy"]) - float(reference["test_accuracy"])) <= 0.01
+    assert "rank 3 on" in done.stderr and "was dropped by the parameter server" in done.stderr
+    assert "restart" not in done.stderr.lower()
+    assert alive(rank_pid(directory, r) for r in range(4)) == []
+
+
+def test_a_worker_stopped_for_good_is_killed_at_the_end(tmp_path, mnist, reference):
+    """A SIGSTOPped worker never woken would keep mpirun waiting: the server kills it."""
+    proc = start(tmp_path, mnist, "--enable-recovery")
+    directory = run_dir(tmp_path)
+    wait_for_epoch(directory, 1)
+    victim = rank_pid(directory, 1)
+    os.kill(victim, signal.SIGSTOP)
+    done = finish_bounded(proc, 300)
+    assert done.returncode == 0, done.stderr
+    assert "killed lost rank 1 on" in done.stdout
+    row = last_run(tmp_path)
+    assert "rank 1" in row["lost_workers"] and int(row["steps"]) == int(reference["steps"])
+    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == "zombie"
