@@ -43,16 +43,17 @@ for its reply (the server speaks first about a stalled peer).
 Lost workers (only under ``mpirun --enable-recovery``, which keeps the other
 ranks alive when one dies): a lease holder whose process is gone (seen
 directly on the server's host) or that stays silent past its liveness bound
-(:class:`Liveness`: 20x its measured step interval, at least 10 s, at most
-``--timeout``) is dropped: its pending receive is cancelled, it gets a
+(:class:`Liveness`: 20x its measured step interval, at least
+``--liveness-floor`` (10 s), at most ``--timeout``) is dropped: its pending receive is cancelled, it gets a
 FINAL|DROPPED reply in case it comes back (it then exits with a message), and
 its remaining steps are reassigned to the workers still training
 (:class:`Quotas`), who run extra passes over their own shards, so the run
 still makes its planned number of updates; the lost worker's shard is not
 visited after its loss (recorded as ``lost_workers`` in runs.csv and
 status.json). Each reply carries the receiving worker's quota (the step
-after which it pushes FINAL). At the end the server kills a lost worker that
-is still alive on its host (a SIGSTOPped one would keep mpirun waiting).
+after which it pushes FINAL). A lost worker on the server's host still alive
+``FENCE_GRACE`` (5 s) after it was dropped is killed (a SIGSTOPped one would keep
+mpirun waiting); on another host it is named.
 Without ``--enable-recovery`` mpirun ends the job when a rank dies and a
 silent worker is a CommTimeout, as before.
 """
@@ -268,6 +269,11 @@ class Quotas:
 
 #: seconds between the server's checks of its silent workers under --enable-recovery
 LIVENESS_CHECK_EVERY = 1.0
+#: seconds a dropped worker on the server's host gets to come back and leave by itself
+#: before the server kills it (a SIGSTOPped rank never woken would hold mpirun forever)
+FENCE_GRACE = 5.0
+#: seconds to wait for a killed rank to be reaped, then for its death to reach mpirun
+REAP_WAIT, REAP_SETTLE = 10.0, 1.0
 
 
 class Processes:
@@ -297,13 +303,22 @@ class Processes:
             return False
 
     def kill(self, rank: int) -> bool:
-        """SIGKILL ``rank`` if it is a live process on this host; True if it was."""
+        """SIGKILL ``rank`` if it is a live process on this host and wait (bounded) until
+        its parent, Open MPI's daemon, has reaped it; True if it was alive.
+
+        Waiting matters: a rank that dies while the survivors enter MPI_Finalize's
+        fence, before the daemon has noticed, can leave that fence waiting for it
+        (seen once in three runs with the kill right before the end)."""
         if rank not in self.local or not self.alive(rank):
             return False
         try:
             self.local[rank].kill()
+            self.local[rank].wait(timeout=REAP_WAIT)
+        except self._psutil.TimeoutExpired:
+            pass
         except self._psutil.Error:
             return False
+        time.sleep(REAP_SETTLE)  # for the daemon to tell mpirun
         return True
 
 
@@ -330,6 +345,8 @@ class WorkerLedger:
     buffers: Optional[np.ndarray] = None  # its BatchNorm statistics at its latest push
     lost: str = ""  # why it was dropped (under --enable-recovery); "" while it is in
     farewell: object = None  # the pending FINAL|DROPPED reply of a dropped worker
+    fence_at: float = 0.0  # when the server kills it if it is still alive (its host only)
+    fenced: bool = False
 
 
 class Server:
@@ -361,7 +378,7 @@ class Server:
         self.step_time = 1.0  # EWMA of the workers' reported seconds of compute per step
         self.checkpoint_interval = ctx.cfg.checkpoint_every * self.updates_per_epoch
         self.recovery = recovery_enabled() and len(self.workers) > 1
-        self.liveness = Liveness(self.comm.timeout)
+        self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.liveness_floor)
         self.quotas = Quotas(self.workers, ctx.total_steps)
         self.processes = Processes(self.comm) if self.recovery else None
         self.next_liveness_check = 0.0
@@ -436,7 +453,7 @@ class Server:
         for w in self.workers.values():
             if not w.lost:  # a lost worker's last reply may never be taken; Open MPI
                 self.comm.wait(w.sending, IDLE)  # finalizes with it pending (measured)
-        self._fence_lost()
+        self._fence_lost(at_end=True)
         wall = self.clock()
         span = max(1e-9, time.perf_counter() - t0)
         cpu_share = {"server_cpu_share": round((time.process_time() - cpu0) / span, 4),
@@ -463,6 +480,7 @@ class Server:
         if self.recovery and time.monotonic() >= self.next_liveness_check:
             # also while the others push: one silent worker among busy ones is the case
             self.next_liveness_check = time.monotonic() + LIVENESS_CHECK_EVERY
+            self._fence_lost()
             lost = next(((w, why) for w in holders for why in [self._lost_because(w)] if why),
                         None)
             if lost:
@@ -502,6 +520,7 @@ class Server:
         """Go on without ``w``: no request of its left to match, its steps reassigned."""
         self.comm.cancel(w.posted)
         w.posted, w.base, w.done, w.lost = None, None, True, why
+        w.fence_at = time.monotonic() + FENCE_GRACE
         if self.processes.alive(w.rank):  # stalled: if it comes back, it must leave
             farewell = np.zeros(HEADER, np.float32)
             _ints(farewell)[H_FLAGS] = FINAL | DROPPED
@@ -526,15 +545,21 @@ class Server:
                               f"{why})")
         self._grant_leases()  # its lease no longer holds the others back (--staleness)
 
-    def _fence_lost(self) -> None:
-        """Kill lost workers still alive on this host (stopped ones would keep mpirun
-        waiting for them forever); name those on other hosts."""
+    def _fence_lost(self, at_end: bool = False) -> None:
+        """Kill lost workers still alive on this host ``FENCE_GRACE`` seconds after they
+        were dropped, or at the end (stopped ones would keep mpirun waiting for them
+        forever); name those on other hosts."""
+        now = time.monotonic()
         for w in self.workers.values():
-            if not w.lost or not self.processes.alive(w.rank):
+            if w.fenced or not w.lost or not (at_end or now >= w.fence_at):
+                continue
+            w.fenced = True
+            if not self.processes.alive(w.rank):
                 continue
             if self.processes.kill(w.rank):
                 self.ctx.console.note(f"killed lost {self.comm.name(w.rank)} (pid "
-                                      f"{self.comm.pids[w.rank]}), still alive at the end")
+                                      f"{self.comm.pids[w.rank]}): it was still alive "
+                                      f"{FENCE_GRACE:g} s after it was dropped")
             else:
                 self.ctx.console.note(
                     f"lost {self.comm.name(w.rank)} may still be alive (pid "

@@ -156,6 +156,11 @@ class Config:
     timeout: float = _opt(
         "seconds any rank waits for another before the job is aborted with the "
         "stalled rank named", 300.0, flag="--timeout", type=float, metavar="S")
+    liveness_floor: float = _opt(
+        "async under mpirun --enable-recovery: the least time a silent worker gets "
+        "before the server drops it and goes on without it (its bound is 20x its "
+        "measured step interval, at least this, at most --timeout)", 10.0,
+        flag="--liveness-floor", type=float, metavar="S")
 
     # ---- derived, filled by resolve() -------------------------------------------------
     world_size: int = _opt("number of MPI ranks", 1)
@@ -221,6 +226,9 @@ class Config:
                              f"(got {self.sample_interval})")
         if not self.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds (got {self.timeout})")
+        if not 0 < self.liveness_floor <= self.timeout:
+            raise UsageError(f"--liveness-floor must be positive and at most --timeout "
+                             f"({self.timeout:g} s; got {self.liveness_floor})")
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
         if self.staleness is not None:
