@@ -1,9 +1,10 @@
-"""Figures and the markdown report, from fake run directories (and the real sample, if present)."""
+"""Figures and the markdown report, from fake run directories and from runs written by
+mpitrain's own writers (both made by the tests in tmp_path)."""
 
 import csv
 import json
 import re
-import shutil
+import time
 from pathlib import Path
 
 import matplotlib.image as mpimg
@@ -14,7 +15,6 @@ from mpitrain.plots import fig_nodes, load_run, node_label, node_labels, plot_ru
 from mpitrain.cli import main as cli_main
 from mpitrain.report import write_report
 
-SAMPLE = Path("/work/plotlab/results")
 CURVE_FIGS = {"fig-curves-epoch.png", "fig-curves-time.png"}
 SYNC_FIGS = CURVE_FIGS | {"fig-nodes.png", "fig-rank-cpu.png", "fig-time-breakdown.png",
                           "fig-time-per-epoch.png", "fig-comm.png"}
@@ -298,18 +298,83 @@ def test_report_errors_name_runs_csv(tmp_path):
         write_report(root)
 
 
-# --------------------------------------------------------------------------- real sample
+# --------------------------------------------------------------------------- written by mpitrain
 
 
-@pytest.mark.skipif(not (SAMPLE / "runs.csv").is_file(), reason=f"no sample results at {SAMPLE}")
-def test_report_on_real_sample(tmp_path):
+class _RankComm:
+    """What telemetry.write_local needs of a communicator: a rank, its host, its traffic."""
+
+    def __init__(self, rank, host, kinds):
+        from mpitrain.comm import Traffic
+
+        self.rank, self.host, self.traffic = rank, host, Traffic()
+        for kind in kinds:
+            self.traffic.add_sent(kind, 31400 * (rank + 1))
+            self.traffic.add_recv(kind, 31400)
+
+
+def write_like_mpitrain(root, mode, hosts):
+    """One run written by mpitrain's own writers, as a real run leaves it: RunResults
+    (config.json, curve.csv), telemetry.write_local with a real Sampler and EpochTimer
+    per rank (telemetry.csv, timing.csv, comm.csv), session.run_row and
+    telemetry.node_summary (its runs.csv row) and, for async, the staleness table."""
+    from mpitrain import models, session, telemetry
+    from mpitrain.config import Config, resolve
+    from mpitrain.data import Dataset
+    from mpitrain.results import RunResults
+    from mpitrain.trainer import Summary
+
+    np_ = len(hosts)
+    cfg = resolve(Config(model="lr", async_mode=mode == "async", epochs=2),
+                  models.get("lr").defaults, np_)
+    dataset = Dataset("mnist", "test", 10, (28, 28, 1), 600)
+    results = RunResults(root, f"lr-{cfg.mode}-np{np_}")
+    results.write_json("config.json", {
+        "config": cfg.to_dict(), "dataset": {"name": "mnist", "train_size": 600},
+        "ranks": [{"host": host, "pid": 1000 + rank} for rank, host in enumerate(hosts)]})
+    for epoch in range(3):
+        results.add_curve_row({"epoch": epoch, "step": 3 * epoch, "wall_time_s": 0.5 * epoch,
+                               "train_loss": 1 / epoch if epoch else None,
+                               "test_loss": 2.3 / (epoch + 1), "test_accuracy": 0.1 + 0.3 * epoch,
+                               "examples_per_s": 1200.0 if epoch else None})
+    roles = ["single"] if np_ == 1 else ["server"] + ["worker"] * (np_ - 1)
+    kinds = ["push", "pull"] if mode == "async" else ["allreduce", "control"]
+    merged = {"telemetry": [], "timing": [], "comm": []}
+    for rank, host in enumerate(hosts):
+        sampler = telemetry.Sampler(rank, host, roles[rank], 0.02, hosts.index(host) == rank)
+        sampler.start()
+        time.sleep(0.1)
+        timer = telemetry.EpochTimer()
+        for epoch in (1, 2):
+            timer.add(compute=0.01, comm=0.005, wait=0.001)
+            timer.end_epoch(epoch)
+        rows = telemetry.write_local(_RankComm(rank, host, kinds), roles[rank], sampler, timer,
+                                     results)
+        for key in merged:
+            merged[key] += rows[key]
+    extra = {}
+    if mode == "async":
+        results.write_csv("staleness.csv", ["worker", "staleness", "count"],
+                          [{"worker": w, "staleness": s, "count": 3} for w in range(1, np_)
+                           for s in range(3)])
+        extra = {"staleness_mean": 1.0, "staleness_max": 2, "pushes": 6, "applied": 6}
+    summary = Summary(1.0, 6, 2, 0.8, 0.7, 0.5, extra)
+    results.add_run_row({**session.run_row(cfg, dataset, summary),
+                         **telemetry.node_summary(merged, hosts)})
+    return results.dir
+
+
+def test_report_on_results_written_by_mpitrain(tmp_path):
+    """The readers accept what the writers write: a report of runs made by mpitrain's
+    own writer code (not hand-made files), with every figure a run of its kind has."""
     root = tmp_path / "results"
-    shutil.copytree(SAMPLE, root, ignore=shutil.ignore_patterns("fig-*.png", "report"))
+    runs = {write_like_mpitrain(root, "single", ["a"]): SYNC_FIGS,
+            write_like_mpitrain(root, "sync", ["a", "a", "b"]): SYNC_FIGS,
+            write_like_mpitrain(root, "async", ["a", "b", "b"]): ASYNC_FIGS}
     text = write_report(root).read_text()
-    names = [p.name for p in root.iterdir() if (p / "curve.csv").is_file()]
-    assert names
-    for name in names:
-        assert f"`{name}`" in text
-        assert (root / name / "fig-curves-epoch.png").is_file()
-    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
-        assert (root / "report" / link).is_file()
+    for run, figures in runs.items():
+        assert f"`{run.name}`" in text
+        assert {p.name for p in run.glob("fig-*.png")} == figures
+    assert "node0 (PS)" in text and "staleness mean" in text
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert links and all((root / "report" / link).is_file() for link in links)
