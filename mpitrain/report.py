@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 from urllib.parse import quote
 
+from .atomic import write_text_atomic
 from .plots import (MB, Column, Run, load_run, make_dir, plot_comparison, plot_run,
                     read_table, results_error)
 
@@ -95,10 +96,8 @@ def write_report(results_dir: Path) -> Path:
     comparison = plot_comparison(runs, report_dir) if len(runs) > 1 else []
     path = report_dir / "report.md"
     text = render_markdown(results_dir, runs, warnings, per_run, comparison)
-    tmp = report_dir / ".report.md.tmp"
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
     except OSError as e:
         raise results_error(path, f"cannot be written ({e.strerror})",
                             "check that the directory is writable") from None

@@ -37,7 +37,7 @@ from typing import Dict, List, Optional
 
 from .errors import Interrupted, UsageError
 from .preflight import check_launch
-from .results import write_json_atomic
+from .atomic import write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 GRID_KEYS = ("model", "mode", "np", "batch_size", "batches_per_epoch", "epochs")
