@@ -22,10 +22,7 @@ from typing import Dict, Iterable, List, Optional
 
 from .atomic import atomic_file, write_json_atomic
 from .errors import ResultsError
-
-CURVE_COLUMNS = ["epoch", "step", "wall_time_s", "train_loss", "test_loss", "test_accuracy",
-                 "examples_per_s"]
-
+from .schema import CURVE_COLUMNS
 
 def _csv_line(values: Iterable) -> str:
     buf = io.StringIO()

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from mpitrain import async_trainer, models
+from mpitrain import async_trainer, models, schema
 from mpitrain.comm import Comm, Role
 from mpitrain.config import Config, resolve
 from mpitrain.console import NullConsole
@@ -41,7 +41,17 @@ def replica():
     return Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
 
 
-def context(comm, replica, steps, staleness=None):
+class _RecordingResults(NullResults):
+    """Writes nothing, but remembers the header of every CSV file it is given."""
+
+    def __init__(self):
+        self.headers = {}
+
+    def write_csv(self, name, columns, rows):
+        self.headers[name] = tuple(columns)
+
+
+def context(comm, replica, steps, staleness=None, results=None):
     """A Context for this rank; ``steps`` may differ per rank (unequal batch counts)."""
     cfg = resolve(Config(model="lr", async_mode=True, epochs=50, batch_size=BATCH,
                          steps=steps, staleness=staleness, eval_every=1000),
@@ -52,7 +62,7 @@ def context(comm, replica, steps, staleness=None):
                    y_train=rng.integers(0, 10, SHARD).astype(np.int32),
                    x_test=rng.random((20, 28, 28, 1), dtype=np.float32),
                    y_test=rng.integers(0, 10, 20).astype(np.int32))
-    return Context(cfg, comm, comm.role, replica, data, NullResults(), NullConsole(),
+    return Context(cfg, comm, comm.role, replica, data, results or NullResults(), NullConsole(),
                    shard_size=SHARD, worker_index=max(0, comm.rank - 1))
 
 
@@ -92,7 +102,8 @@ def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica):
     if comm.size == 1:
         pytest.skip(NEEDS_WORKER)
     steps = 5 + 3 * comm.rank  # workers run different numbers of batches
-    server, summary = run_protocol(context(comm, replica, steps))
+    written = _RecordingResults()
+    server, summary = run_protocol(context(comm, replica, steps, results=written))
     reports = comm.allgather_objects(None if server else (comm.rank, summary.steps))
     if server is not None:
         for rank, worker_steps in filter(None, reports):
@@ -101,6 +112,8 @@ def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica):
             assert ledger.done and sum(ledger.staleness.values()) == worker_steps
         assert server.version == sum(s for _, s in filter(None, reports))
         assert summary.extra["pushes"] == summary.extra["applied"] == server.version
+        # the server writes staleness.csv with the columns mpitrain report reads
+        assert written.headers["staleness.csv"] == schema.STALENESS_COLUMNS
     comm.barrier()
 
 

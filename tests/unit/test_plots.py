@@ -14,6 +14,8 @@ from mpitrain.errors import ResultsError
 from mpitrain.plots import fig_nodes, load_run, node_label, node_labels, plot_runs
 from mpitrain.cli import main as cli_main
 from mpitrain.report import write_report
+from mpitrain.schema import (COMM_COLUMNS, CURVE_COLUMNS, STALENESS_COLUMNS, TELEMETRY_COLUMNS,
+                             TIMING_COLUMNS)
 
 CURVE_FIGS = {"fig-curves-epoch.png", "fig-curves-time.png"}
 SYNC_FIGS = CURVE_FIGS | {"fig-nodes.png", "fig-rank-cpu.png", "fig-time-breakdown.png",
@@ -45,8 +47,7 @@ def make_run(root, name, mode="sync", np_=3, batch=100, epochs=3, hosts=None):
               "dataset": {"name": "mnist", "train_size": 20000},
               "ranks": [{"host": h, "pid": 1000 + r} for r, h in enumerate(hosts)]}
     (run / "config.json").write_text(json.dumps(config, indent=2))
-    write_csv(run / "curve.csv", ["epoch", "step", "wall_time_s", "train_loss", "test_loss",
-                                  "test_accuracy", "examples_per_s"],
+    write_csv(run / "curve.csv", CURVE_COLUMNS,
               [[0, 0, 0, "", 2.3, 0.1, ""]]
               + [[e, e * 50, 0.4 * e, 1 / (e + 1), 1.1 / (e + 1), 0.8 + e / 100, 50000]
                  for e in range(1, epochs + 1)])
@@ -58,20 +59,16 @@ def make_run(root, name, mode="sync", np_=3, batch=100, epochs=3, hosts=None):
             host_cols = [90 + i, i * 2**20, i * 2**19, i * 10, i * 9] if leader else [""] * 5
             tel.append([round(0.25 * i + 0.01 * r, 3), r, host, roles[r], 40 + r + i,
                         600 + i + r] + host_cols)
-    write_csv(run / "telemetry.csv", ["time_s", "rank", "host", "role", "cpu_percent", "rss_mb",
-                                      "host_cpu_percent", "net_rx_bytes", "net_tx_bytes",
-                                      "net_rx_packets", "net_tx_packets"], tel)
-    write_csv(run / "timing.csv", ["epoch", "rank", "host", "role", "wall_s", "compute_s",
-                                   "comm_s", "wait_s"],
+    write_csv(run / "telemetry.csv", TELEMETRY_COLUMNS, tel)
+    write_csv(run / "timing.csv", TIMING_COLUMNS,
               [[e, r, h, roles[r], 0.4, 0.25, 0.1, 0.03] for e in range(1, epochs + 1)
                for r, h in enumerate(hosts)])
     kinds = {"single": ["control"], "sync": ["allreduce", "control"], "async": ["push", "pull"]}
-    write_csv(run / "comm.csv", ["rank", "host", "role", "kind", "sent_bytes", "sent_msgs",
-                                 "recv_bytes", "recv_msgs", "wait_s"],
+    write_csv(run / "comm.csv", COMM_COLUMNS,
               [[r, h, roles[r], k, 31400 * 100, 100, 31400 * 90, 90, 0.01]
                for r, h in enumerate(hosts) for k in kinds[mode]])
     if mode == "async":
-        write_csv(run / "staleness.csv", ["worker", "staleness", "count"],
+        write_csv(run / "staleness.csv", STALENESS_COLUMNS,
                   [[w, s, max(1, 50 - 8 * abs(s - w - 2))] for w in range(1, np_)
                    for s in range(0, 9)] + [[1, 120, 1]])
     return run
@@ -354,7 +351,7 @@ def write_like_mpitrain(root, mode, hosts):
             merged[key] += rows[key]
     extra = {}
     if mode == "async":
-        results.write_csv("staleness.csv", ["worker", "staleness", "count"],
+        results.write_csv("staleness.csv", STALENESS_COLUMNS,
                           [{"worker": w, "staleness": s, "count": 3} for w in range(1, np_)
                            for s in range(3)])
         extra = {"staleness_mean": 1.0, "staleness_max": 2, "pushes": 6, "applied": 6}
