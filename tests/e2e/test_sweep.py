@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from conftest import REPO, mpi_env, read_rows, run_bounded
-from mpitrain import sweep
+from mpitrain.tools import sweep
 from mpitrain.errors import UsageError
 
 

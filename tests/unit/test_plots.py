@@ -11,9 +11,9 @@ import matplotlib.image as mpimg
 import pytest
 
 from mpitrain.errors import ResultsError
-from mpitrain.plots import fig_nodes, load_run, node_label, node_labels, plot_runs
+from mpitrain.tools.plots import fig_nodes, load_run, node_label, node_labels, plot_runs
 from mpitrain.cli import main as cli_main
-from mpitrain.report import write_report
+from mpitrain.tools.report import write_report
 from mpitrain.schema import (COMM_COLUMNS, CURVE_COLUMNS, STALENESS_COLUMNS, TELEMETRY_COLUMNS,
                              TIMING_COLUMNS)
 
@@ -283,6 +283,16 @@ def test_command_lines_print_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(line.startswith("mpitrain: error: ") for line in err)
     assert "nowhere" in err[0] and "runs.csv" in err[1]
+
+
+def test_command_lines_write_figures_and_the_report(tmp_path, capsys):
+    root = make_results(tmp_path, RUN_SPECS[:2])
+    run = root / RUN_SPECS[0][0]
+    assert cli_main(["plot", str(run)]) == 0
+    assert cli_main(["report", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert {Path(line).name for line in out[:-1]} == SYNC_FIGS
+    assert out[-1] == str(root / "report" / "report.md") and Path(out[-1]).is_file()
 
 
 def test_report_errors_name_runs_csv(tmp_path):

@@ -39,8 +39,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-from .errors import ResultsError
-from .schema import CURVE, OPTIONAL_TABLES, Column
+from ..errors import ResultsError
+from ..schema import CURVE, OPTIONAL_TABLES, Column
 
 MB = 2**20
 DPI = 120
