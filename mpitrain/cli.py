@@ -141,12 +141,12 @@ def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
 def run_tool(args) -> int:
     """The commands that do not train (no MPI, no TensorFlow)."""
     if args.command == "plot":
-        from .plots import plot_runs
+        from .tools.plots import plot_runs
 
         for path in plot_runs(args.run_dirs, args.out_dir):
             print(path)
     elif args.command == "report":
-        from .report import write_report
+        from .tools.report import write_report
 
         print(write_report(args.results_dir))
     elif args.command == "check":
@@ -163,7 +163,7 @@ def run_tool(args) -> int:
 
 def run_sweep(args) -> int:
     """``mpitrain sweep``: the grid from a spec and/or lists, run resumably."""
-    from . import sweep
+    from .tools import sweep
 
     spec = sweep.load_spec(args.spec) if args.spec else {"grid": {}}
     grid = dict(spec.get("grid", {}))
@@ -195,7 +195,7 @@ def run_check(args) -> int:
 
         session.preflight(cfg)
         return 0
-    from .preflight import check_launch
+    from .tools.preflight import check_launch
 
     for line in check_launch(args.np, args.hostfile, args.oversubscribe, cfg.async_mode):
         print(line)

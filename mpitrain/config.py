@@ -31,7 +31,7 @@ HOROVOD_VENV = ".venv-horovod"
 
 def horovod_missing() -> str:
     """The one-line error for --allreduce horovod where Horovod is not installed."""
-    from .preflight import installed_version
+    from .tools.preflight import installed_version
 
     tf = installed_version("tensorflow-cpu", "tensorflow")
     return (f"Horovod is not installed in this environment (TensorFlow {tf}); Horovod 0.28.1 "

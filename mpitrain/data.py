@@ -49,6 +49,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from .atomic import atomic_file
 from .errors import DataError, UsageError
 
 KERAS_MNIST_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz"
@@ -215,21 +216,20 @@ def download(url: str, dest: Path, sha256: str, timeout: float = 60.0) -> Path:
     """Fetch ``url`` to ``dest`` atomically, verifying its SHA-256; DataError if it fails."""
     dest = Path(dest).expanduser()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     digest = hashlib.sha256()
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
+        # several ranks of one host may download at once: a temporary file each
+        with urllib.request.urlopen(url, timeout=timeout) as response, \
+                atomic_file(dest, "wb", tmp_suffix=f".{os.getpid()}.part") as out:
             for chunk in iter(lambda: response.read(1 << 20), b""):
                 digest.update(chunk)
                 out.write(chunk)
-        if digest.hexdigest() != sha256:
-            raise DataError(f"download of {url}: SHA-256 {digest.hexdigest()} does not match "
-                            f"the expected {sha256}; the mirror or the transfer is corrupt")
-        os.replace(tmp, dest)
+            if digest.hexdigest() != sha256:  # raising here keeps dest as it was
+                raise DataError(f"download of {url}: SHA-256 {digest.hexdigest()} does not "
+                                f"match the expected {sha256}; the mirror or the transfer "
+                                "is corrupt")
     except OSError as e:  # URLError, timeouts and disk errors are all OSErrors
         raise DataError(f"cannot download {url} ({getattr(e, 'reason', e)})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return dest
 
 

@@ -3,7 +3,7 @@
     mpitrain launch -np 4 -hostfile hostfiles/cluster2 --max-restarts 3 lr --async
 
 The launcher runs the launch preflight (hostfile, slots, -np against the mode;
-see :mod:`mpitrain.preflight`), starts ``mpirun ... python -m mpitrain ARGS``
+see :mod:`mpitrain.tools.preflight`), starts ``mpirun ... python -m mpitrain ARGS``
 and waits. When the job fails (a rank killed, a stalled rank named by the
 watchdog, the parameter server lost), it restarts it with ``--resume RUN_DIR``
 from the run's last checkpoint, up to ``--max-restarts`` times, so the run
@@ -88,7 +88,7 @@ def run(args, cfg) -> int:
     """Entry point for ``mpitrain launch`` once the training arguments parsed as ``cfg``."""
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
-    from .preflight import check_launch
+    from .tools.preflight import check_launch
 
     np_ = world_size(args)
     placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode)

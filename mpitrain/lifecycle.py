@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from .atomic import atomic_file
 from .config import Config
 from .errors import ResultsError, UsageError
 from .models import same_model
@@ -99,17 +99,13 @@ class Checkpoint:
     def save(self, run_dir: Path) -> Path:
         """Write ``checkpoint.npz`` atomically; the previous checkpoint stays until replaced."""
         path = Path(run_dir) / CHECKPOINT
-        tmp = path.with_name(f".{CHECKPOINT}.tmp")
         meta = {"step": self.step, "wall_time_s": self.wall_time_s,
                 "worker_steps": {str(k): v for k, v in self.worker_steps.items()},
                 "extra": self.extra, "optimizer_keys": sorted(self.optimizer)}
         arrays = {f"opt_{k}": np.asarray(v) for k, v in self.optimizer.items()}
-        with open(tmp, "wb") as f:
+        with atomic_file(path, "wb") as f:
             np.savez(f, weights=self.weights, buffers=self.buffers, meta=np.frombuffer(
                 json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
         return path
 
     @classmethod

@@ -4,10 +4,10 @@ Only the rank that serves (rank 0) writes; every other rank gets
 :class:`NullResults`, whose methods do nothing, so training code calls the
 same methods on every rank without asking who it is.
 
-Nothing is ever half-written: JSON files are written to a temporary name and
-renamed; CSV files are append-only, one flushed line at a time; ``runs.csv`` is
+Nothing is ever half-written: JSON files are replaced atomically
+(:mod:`mpitrain.atomic`); CSV files are append-only, one flushed line at a time; ``runs.csv`` is
 appended under an exclusive lock and, when a newer mpitrain adds columns, rewritten
-(to a temporary file, then renamed) with the union of the columns.
+(atomically) with the union of the columns.
 """
 
 from __future__ import annotations
@@ -15,28 +15,14 @@ from __future__ import annotations
 import csv
 import fcntl
 import io
-import json
 import os
 import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
+from .atomic import atomic_file, write_json_atomic
 from .errors import ResultsError
-
-CURVE_COLUMNS = ["epoch", "step", "wall_time_s", "train_loss", "test_loss", "test_accuracy",
-                 "examples_per_s"]
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` via a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
+from .schema import CURVE_COLUMNS
 
 def _csv_line(values: Iterable) -> str:
     buf = io.StringIO()
@@ -96,15 +82,11 @@ def append_run_row(path: Path, row: Dict) -> None:
             return
         columns = header + missing
         old_rows = read_csv(path) if header else []
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as f:
+        with atomic_file(path) as f:
             f.write(_csv_line(columns))
             for old in old_rows:
                 f.write(_csv_line(old.get(c, "") for c in columns))
             f.write(_csv_line(_fmt(row.get(c)) for c in columns))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
 
 def read_csv(path: Path) -> List[Dict[str, str]]:

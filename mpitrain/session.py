@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import __version__, async_trainer, data, models, sync_trainer, telemetry
-from . import preflight as preflight_checks
+from .tools import preflight as preflight_checks
 from .comm import Comm, Role, library_versions
 from .config import Config, resolve
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError

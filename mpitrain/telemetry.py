@@ -24,12 +24,7 @@ import time
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence
 
-TELEMETRY_COLUMNS = ["time_s", "rank", "host", "role", "cpu_percent", "rss_mb",
-                     "host_cpu_percent", "net_rx_bytes", "net_tx_bytes", "net_rx_packets",
-                     "net_tx_packets"]
-TIMING_COLUMNS = ["epoch", "rank", "host", "role", "wall_s", "compute_s", "comm_s", "wait_s"]
-COMM_COLUMNS = ["rank", "host", "role", "kind", "sent_bytes", "sent_msgs", "recv_bytes",
-                "recv_msgs", "wait_s"]
+from .schema import COMM_COLUMNS, TELEMETRY_COLUMNS, TIMING_COLUMNS
 
 
 def _net_totals(psutil) -> Dict[str, int]:

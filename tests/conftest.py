@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +31,22 @@ def mnist_dir() -> Path:
 @pytest.fixture
 def mnist() -> Path:
     return mnist_dir()
+
+
+def mnist_size(split: str = "train") -> int:
+    """Examples in the real MNIST's ``split`` (train or test), from its IDX label file's
+    header: expectations follow the files actually used (../shared/data/mnist holds a
+    20,000-image training subset; another MPITRAIN_TEST_MNIST may hold all 60,000)."""
+    prefix = "train" if split == "train" else "t10k"
+    with gzip.open(mnist_dir() / f"{prefix}-labels-idx1-ubyte.gz", "rb") as f:
+        magic, count = struct.unpack(">II", f.read(8))
+    assert magic == 2049, f"{prefix}-labels-idx1-ubyte.gz is not an IDX label file"
+    return count
+
+
+def mnist_shard(workers: int) -> int:
+    """Training examples per worker on the real MNIST (equal shards, remainder dropped)."""
+    return mnist_size("train") // workers
 
 
 def mpi_env(**extra) -> dict:

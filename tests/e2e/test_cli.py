@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import mpirun, read_rows
+from conftest import mnist_shard, mpirun, read_rows
 from unit.test_data import write_mnist
 
 
@@ -69,11 +69,12 @@ def test_async_needs_two_ranks():
 
 
 def test_batch_larger_than_shard(mnist, tmp_path):
-    result = mpirun(4, "lr", "--batch-size", "7000", "--data-dir", mnist,
+    shard = mnist_shard(3)
+    result = mpirun(4, "lr", "--batch-size", str(shard + 1), "--data-dir", mnist,
                     "--results-dir", tmp_path, timeout=120)
     assert result.returncode == 2
     lines = error_lines(result)
-    assert len(lines) == 1 and "larger than a worker's shard (6666 examples" in lines[0]
+    assert len(lines) == 1 and f"larger than a worker's shard ({shard} examples" in lines[0]
     assert not (tmp_path / "runs.csv").exists()
 
 

@@ -2,7 +2,9 @@
 
 Launch-side checks run without MPI; the in-job checks use real mpirun with MPMD
 app contexts to give one rank a different environment (another mpitrain
-version, no data), like a host with a stale checkout.
+version, no data), like a host with a stale checkout. Another Python on one
+rank needs a second environment built with pip (network, minutes): that test
+is in the slow tier.
 """
 
 import shutil
@@ -11,7 +13,8 @@ import time
 
 import pytest
 
-from conftest import LOCAL_HOSTFILE, REPO, mpi_env, run_bounded
+from conftest import LOCAL_HOSTFILE, REPO, mnist_shard, mpi_env, run_bounded
+from mpitrain import __version__
 
 
 def mpitrain(*args, timeout=120, env=None):
@@ -55,7 +58,8 @@ def test_check_job_passes(mnist):
     result = mpitrain("check", "-np", "4", "-hostfile", LOCAL_HOSTFILE, "lr", "--data-dir",
                       mnist, env=mpi_env())
     assert result.returncode == 0, result.stderr
-    assert "preflight ok: 4 rank(s)" in result.stdout and "6666 per worker" in result.stdout
+    assert "preflight ok: 4 rank(s)" in result.stdout
+    assert f"{mnist_shard(3)} per worker" in result.stdout
 
 
 def mpmd(first_np, rest, second_env, module_args, timeout=180):
@@ -90,6 +94,32 @@ def other_environment(tmp_path_factory):
     return venv / "bin" / "python"
 
 
+def test_different_mpitrain_versions_are_named(mnist, tmp_path):
+    """Offline: rank 3 runs a copy of mpitrain with another version (a host with a stale
+    checkout; mpirun's -wdir puts the copy first on its path)."""
+    stale = tmp_path / "stale"
+    shutil.copytree(REPO / "mpitrain", stale / "mpitrain",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    init = stale / "mpitrain" / "__init__.py"
+    init.write_text(init.read_text().replace(f'__version__ = "{__version__}"',
+                                             '__version__ = "0.0.0+stale"'))
+    assert "0.0.0+stale" in init.read_text()
+    args = ["check", "--in-job", "lr", "--data-dir", str(mnist)]
+    cmd = ["mpirun", "-q", "-hostfile", LOCAL_HOSTFILE, "-np", "3", sys.executable, "-m",
+           "mpitrain", *args, ":", "-np", "1", "-wdir", stale, sys.executable, "-m", "mpitrain",
+           *args]
+    t0 = time.monotonic()
+    result = run_bounded(cmd, 180)
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = one_error_line(result)
+    assert f"ranks run different versions: mpitrain {__version__} on" in line
+    assert "mpitrain 0.0.0+stale on" in line
+    assert "(rank 3)" in line and "(ranks 0,1,2)" in line
+    assert "install the same environment on every host" in line
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.slow  # builds a second environment with pip: network and minutes
 def test_different_versions_are_named(mnist, other_environment):
     same = run_bounded([sys.executable, "-c", "import platform; print(platform.python_version())"], 30)
     other = run_bounded([other_environment, "-c", "import platform; print(platform.python_version())"], 30)

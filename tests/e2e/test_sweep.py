@@ -8,10 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import REPO, mpi_env, read_rows, run_bounded
-from mpitrain import sweep
+from mpitrain.tools import sweep
 from mpitrain.errors import UsageError
 
 
@@ -52,12 +53,11 @@ def kill_everything(proc: subprocess.Popen, marker: str) -> None:
     """SIGKILL the sweep, its mpirun and every rank (ranks have process groups of their own)."""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+    for process in psutil.process_iter(["cmdline"]):
+        if any(marker in arg for arg in process.info["cmdline"] or ()):
             try:
-                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except OSError:
+                process.kill()
+            except psutil.Error:
                 pass
 
 

@@ -5,8 +5,8 @@ every rank (LR on small random batches) and check the protocol's promises:
 every pushed gradient is applied exactly once, workers with unequal numbers of
 batches terminate cleanly, a slow worker does not stall the fast ones when
 staleness is unbounded, and with ``--staleness K`` no gradient is older than K
-and fast workers are held back. At one rank they only check that async refuses
-to run (it needs a server and a worker).
+and fast workers are held back. At one rank (plain pytest) they skip: async
+needs a server and a worker, which the first test checks at any process count.
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from mpitrain import async_trainer, models
+from mpitrain import async_trainer, models, schema
 from mpitrain.comm import Comm, Role
 from mpitrain.config import Config, resolve
 from mpitrain.console import NullConsole
@@ -27,6 +27,7 @@ from mpitrain.trainer import Context, Stopwatch
 
 BATCH = 8
 SHARD = 64  # 8 steps per epoch
+NEEDS_WORKER = "async needs a server and a worker: runs under mpirun -np 2+ (test_mpi_tier)"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,17 @@ def replica():
     return Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
 
 
-def context(comm, replica, steps, staleness=None):
+class _RecordingResults(NullResults):
+    """Writes nothing, but remembers the header of every CSV file it is given."""
+
+    def __init__(self):
+        self.headers = {}
+
+    def write_csv(self, name, columns, rows):
+        self.headers[name] = tuple(columns)
+
+
+def context(comm, replica, steps, staleness=None, results=None):
     """A Context for this rank; ``steps`` may differ per rank (unequal batch counts)."""
     cfg = resolve(Config(model="lr", async_mode=True, epochs=50, batch_size=BATCH,
                          steps=steps, staleness=staleness, eval_every=1000),
@@ -51,7 +62,7 @@ def context(comm, replica, steps, staleness=None):
                    y_train=rng.integers(0, 10, SHARD).astype(np.int32),
                    x_test=rng.random((20, 28, 28, 1), dtype=np.float32),
                    y_test=rng.integers(0, 10, 20).astype(np.int32))
-    return Context(cfg, comm, comm.role, replica, data, NullResults(), NullConsole(),
+    return Context(cfg, comm, comm.role, replica, data, results or NullResults(), NullConsole(),
                    shard_size=SHARD, worker_index=max(0, comm.rank - 1))
 
 
@@ -81,18 +92,18 @@ class _Wrapped:
         return self._overrides.get(name) or getattr(self._inner, name)
 
 
-def test_async_needs_a_server_and_a_worker(comm):
-    if comm.size > 1:
-        return
+def test_async_needs_a_server_and_a_worker():
+    # resolve() is told the world size, so this holds on every rank at any -np
     with pytest.raises(UsageError, match="--async needs a parameter server"):
         resolve(Config(model="lr", async_mode=True), models.get("lr").defaults, 1)
 
 
 def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica):
     if comm.size == 1:
-        return
+        pytest.skip(NEEDS_WORKER)
     steps = 5 + 3 * comm.rank  # workers run different numbers of batches
-    server, summary = run_protocol(context(comm, replica, steps))
+    written = _RecordingResults()
+    server, summary = run_protocol(context(comm, replica, steps, results=written))
     reports = comm.allgather_objects(None if server else (comm.rank, summary.steps))
     if server is not None:
         for rank, worker_steps in filter(None, reports):
@@ -101,12 +112,14 @@ def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica):
             assert ledger.done and sum(ledger.staleness.values()) == worker_steps
         assert server.version == sum(s for _, s in filter(None, reports))
         assert summary.extra["pushes"] == summary.extra["applied"] == server.version
+        # the server writes staleness.csv with the columns mpitrain report reads
+        assert written.headers["staleness.csv"] == schema.STALENESS_COLUMNS
     comm.barrier()
 
 
 def test_slow_worker_does_not_stall_fast_ones_when_unbounded(comm, replica):
     if comm.size < 3:
-        return  # needs a slow and a fast worker
+        pytest.skip("needs a slow and a fast worker: runs under mpirun -np 3+ (test_mpi_tier)")
     delay = 0.05 if comm.rank == 1 else 0.0
     server, summary = run_protocol(context(comm, replica, 12), delay)
     elapsed = comm.allgather_objects(None if server else summary.wall_time_s)
@@ -118,7 +131,7 @@ def test_slow_worker_does_not_stall_fast_ones_when_unbounded(comm, replica):
 @pytest.mark.parametrize("bound", [0, 1, 2])
 def test_staleness_bound_holds_and_holds_fast_workers_back(comm, replica, bound):
     if comm.size == 1:
-        return
+        pytest.skip(NEEDS_WORKER)
     delay = 0.05 if comm.rank == 1 else 0.0
     steps = 12
     server, summary = run_protocol(context(comm, replica, steps, staleness=bound), delay)

@@ -69,7 +69,7 @@ def test_bcast_overwrites_with_root_buffer(comm):
 def test_fused_allreduce_equals_mean_of_rank_gradients(comm, replica):
     workers = comm.workers
     if workers is None:
-        return  # the parameter server is not part of the gradient allreduce
+        pytest.skip("rank 0, the parameter server, is not part of the gradient allreduce")
     grad, _, _ = replica.grad(*batch(100 + workers.rank))
     every = np.stack(workers.allgather_objects(grad.copy()))
     before = dict(comm.traffic.sent_bytes)
@@ -138,7 +138,7 @@ def test_wait_is_bounded_and_names_the_peer(comm):
 def test_waiting_does_not_burn_a_core(comm):
     """A rank waiting 1 s for a late peer uses a small fraction of a CPU."""
     if comm.size == 1:
-        return
+        pytest.skip("needs a peer to wait for: runs under mpirun -np 2+ (test_mpi_tier)")
     buf = np.zeros(1, np.float32)
     if comm.rank == 0:
         cpu0, t0 = time.process_time(), time.perf_counter()

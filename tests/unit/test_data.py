@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import mnist_size
 from mpitrain import data
 from mpitrain.errors import DataError, UsageError
 
@@ -65,8 +66,8 @@ def test_idx_round_trip(tmp_path, gz):
 
 def test_real_mnist_shapes(mnist):
     arrays = data.read_mnist_dir(mnist)
-    assert arrays["x_train"].shape == (20000, 28, 28)
-    assert arrays["x_test"].shape == (10000, 28, 28)
+    assert arrays["x_train"].shape == (mnist_size("train"), 28, 28)
+    assert arrays["x_test"].shape == (mnist_size("test"), 28, 28)
     assert set(np.unique(arrays["y_train"])) == set(range(10))
 
 

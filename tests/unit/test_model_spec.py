@@ -13,7 +13,7 @@ from mpitrain import cli, models
 from mpitrain.config import Config, resolve
 from mpitrain.errors import UsageError
 from mpitrain.lifecycle import resumed_config
-from mpitrain.sweep import Run
+from mpitrain.tools.sweep import Run
 
 CNN = '''
 import keras

@@ -1,20 +1,22 @@
-"""Figures and the markdown report, from fake run directories (and the real sample, if present)."""
+"""Figures and the markdown report, from fake run directories and from runs written by
+mpitrain's own writers (both made by the tests in tmp_path)."""
 
 import csv
 import json
 import re
-import shutil
+import time
 from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
 
 from mpitrain.errors import ResultsError
-from mpitrain.plots import fig_nodes, load_run, node_label, node_labels, plot_runs
+from mpitrain.tools.plots import fig_nodes, load_run, node_label, node_labels, plot_runs
 from mpitrain.cli import main as cli_main
-from mpitrain.report import write_report
+from mpitrain.tools.report import write_report
+from mpitrain.schema import (COMM_COLUMNS, CURVE_COLUMNS, STALENESS_COLUMNS, TELEMETRY_COLUMNS,
+                             TIMING_COLUMNS)
 
-SAMPLE = Path("/work/plotlab/results")
 CURVE_FIGS = {"fig-curves-epoch.png", "fig-curves-time.png"}
 SYNC_FIGS = CURVE_FIGS | {"fig-nodes.png", "fig-rank-cpu.png", "fig-time-breakdown.png",
                           "fig-time-per-epoch.png", "fig-comm.png"}
@@ -45,8 +47,7 @@ def make_run(root, name, mode="sync", np_=3, batch=100, epochs=3, hosts=None):
               "dataset": {"name": "mnist", "train_size": 20000},
               "ranks": [{"host": h, "pid": 1000 + r} for r, h in enumerate(hosts)]}
     (run / "config.json").write_text(json.dumps(config, indent=2))
-    write_csv(run / "curve.csv", ["epoch", "step", "wall_time_s", "train_loss", "test_loss",
-                                  "test_accuracy", "examples_per_s"],
+    write_csv(run / "curve.csv", CURVE_COLUMNS,
               [[0, 0, 0, "", 2.3, 0.1, ""]]
               + [[e, e * 50, 0.4 * e, 1 / (e + 1), 1.1 / (e + 1), 0.8 + e / 100, 50000]
                  for e in range(1, epochs + 1)])
@@ -58,20 +59,16 @@ def make_run(root, name, mode="sync", np_=3, batch=100, epochs=3, hosts=None):
             host_cols = [90 + i, i * 2**20, i * 2**19, i * 10, i * 9] if leader else [""] * 5
             tel.append([round(0.25 * i + 0.01 * r, 3), r, host, roles[r], 40 + r + i,
                         600 + i + r] + host_cols)
-    write_csv(run / "telemetry.csv", ["time_s", "rank", "host", "role", "cpu_percent", "rss_mb",
-                                      "host_cpu_percent", "net_rx_bytes", "net_tx_bytes",
-                                      "net_rx_packets", "net_tx_packets"], tel)
-    write_csv(run / "timing.csv", ["epoch", "rank", "host", "role", "wall_s", "compute_s",
-                                   "comm_s", "wait_s"],
+    write_csv(run / "telemetry.csv", TELEMETRY_COLUMNS, tel)
+    write_csv(run / "timing.csv", TIMING_COLUMNS,
               [[e, r, h, roles[r], 0.4, 0.25, 0.1, 0.03] for e in range(1, epochs + 1)
                for r, h in enumerate(hosts)])
     kinds = {"single": ["control"], "sync": ["allreduce", "control"], "async": ["push", "pull"]}
-    write_csv(run / "comm.csv", ["rank", "host", "role", "kind", "sent_bytes", "sent_msgs",
-                                 "recv_bytes", "recv_msgs", "wait_s"],
+    write_csv(run / "comm.csv", COMM_COLUMNS,
               [[r, h, roles[r], k, 31400 * 100, 100, 31400 * 90, 90, 0.01]
                for r, h in enumerate(hosts) for k in kinds[mode]])
     if mode == "async":
-        write_csv(run / "staleness.csv", ["worker", "staleness", "count"],
+        write_csv(run / "staleness.csv", STALENESS_COLUMNS,
                   [[w, s, max(1, 50 - 8 * abs(s - w - 2))] for w in range(1, np_)
                    for s in range(0, 9)] + [[1, 120, 1]])
     return run
@@ -288,6 +285,16 @@ def test_command_lines_print_one_error_line(tmp_path, capsys):
     assert "nowhere" in err[0] and "runs.csv" in err[1]
 
 
+def test_command_lines_write_figures_and_the_report(tmp_path, capsys):
+    root = make_results(tmp_path, RUN_SPECS[:2])
+    run = root / RUN_SPECS[0][0]
+    assert cli_main(["plot", str(run)]) == 0
+    assert cli_main(["report", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert {Path(line).name for line in out[:-1]} == SYNC_FIGS
+    assert out[-1] == str(root / "report" / "report.md") and Path(out[-1]).is_file()
+
+
 def test_report_errors_name_runs_csv(tmp_path):
     with pytest.raises(ResultsError, match="runs.csv"):
         write_report(tmp_path)
@@ -298,18 +305,83 @@ def test_report_errors_name_runs_csv(tmp_path):
         write_report(root)
 
 
-# --------------------------------------------------------------------------- real sample
+# --------------------------------------------------------------------------- written by mpitrain
 
 
-@pytest.mark.skipif(not (SAMPLE / "runs.csv").is_file(), reason=f"no sample results at {SAMPLE}")
-def test_report_on_real_sample(tmp_path):
+class _RankComm:
+    """What telemetry.write_local needs of a communicator: a rank, its host, its traffic."""
+
+    def __init__(self, rank, host, kinds):
+        from mpitrain.comm import Traffic
+
+        self.rank, self.host, self.traffic = rank, host, Traffic()
+        for kind in kinds:
+            self.traffic.add_sent(kind, 31400 * (rank + 1))
+            self.traffic.add_recv(kind, 31400)
+
+
+def write_like_mpitrain(root, mode, hosts):
+    """One run written by mpitrain's own writers, as a real run leaves it: RunResults
+    (config.json, curve.csv), telemetry.write_local with a real Sampler and EpochTimer
+    per rank (telemetry.csv, timing.csv, comm.csv), session.run_row and
+    telemetry.node_summary (its runs.csv row) and, for async, the staleness table."""
+    from mpitrain import models, session, telemetry
+    from mpitrain.config import Config, resolve
+    from mpitrain.data import Dataset
+    from mpitrain.results import RunResults
+    from mpitrain.trainer import Summary
+
+    np_ = len(hosts)
+    cfg = resolve(Config(model="lr", async_mode=mode == "async", epochs=2),
+                  models.get("lr").defaults, np_)
+    dataset = Dataset("mnist", "test", 10, (28, 28, 1), 600)
+    results = RunResults(root, f"lr-{cfg.mode}-np{np_}")
+    results.write_json("config.json", {
+        "config": cfg.to_dict(), "dataset": {"name": "mnist", "train_size": 600},
+        "ranks": [{"host": host, "pid": 1000 + rank} for rank, host in enumerate(hosts)]})
+    for epoch in range(3):
+        results.add_curve_row({"epoch": epoch, "step": 3 * epoch, "wall_time_s": 0.5 * epoch,
+                               "train_loss": 1 / epoch if epoch else None,
+                               "test_loss": 2.3 / (epoch + 1), "test_accuracy": 0.1 + 0.3 * epoch,
+                               "examples_per_s": 1200.0 if epoch else None})
+    roles = ["single"] if np_ == 1 else ["server"] + ["worker"] * (np_ - 1)
+    kinds = ["push", "pull"] if mode == "async" else ["allreduce", "control"]
+    merged = {"telemetry": [], "timing": [], "comm": []}
+    for rank, host in enumerate(hosts):
+        sampler = telemetry.Sampler(rank, host, roles[rank], 0.02, hosts.index(host) == rank)
+        sampler.start()
+        time.sleep(0.1)
+        timer = telemetry.EpochTimer()
+        for epoch in (1, 2):
+            timer.add(compute=0.01, comm=0.005, wait=0.001)
+            timer.end_epoch(epoch)
+        rows = telemetry.write_local(_RankComm(rank, host, kinds), roles[rank], sampler, timer,
+                                     results)
+        for key in merged:
+            merged[key] += rows[key]
+    extra = {}
+    if mode == "async":
+        results.write_csv("staleness.csv", STALENESS_COLUMNS,
+                          [{"worker": w, "staleness": s, "count": 3} for w in range(1, np_)
+                           for s in range(3)])
+        extra = {"staleness_mean": 1.0, "staleness_max": 2, "pushes": 6, "applied": 6}
+    summary = Summary(1.0, 6, 2, 0.8, 0.7, 0.5, extra)
+    results.add_run_row({**session.run_row(cfg, dataset, summary),
+                         **telemetry.node_summary(merged, hosts)})
+    return results.dir
+
+
+def test_report_on_results_written_by_mpitrain(tmp_path):
+    """The readers accept what the writers write: a report of runs made by mpitrain's
+    own writer code (not hand-made files), with every figure a run of its kind has."""
     root = tmp_path / "results"
-    shutil.copytree(SAMPLE, root, ignore=shutil.ignore_patterns("fig-*.png", "report"))
+    runs = {write_like_mpitrain(root, "single", ["a"]): SYNC_FIGS,
+            write_like_mpitrain(root, "sync", ["a", "a", "b"]): SYNC_FIGS,
+            write_like_mpitrain(root, "async", ["a", "b", "b"]): ASYNC_FIGS}
     text = write_report(root).read_text()
-    names = [p.name for p in root.iterdir() if (p / "curve.csv").is_file()]
-    assert names
-    for name in names:
-        assert f"`{name}`" in text
-        assert (root / name / "fig-curves-epoch.png").is_file()
-    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
-        assert (root / "report" / link).is_file()
+    for run, figures in runs.items():
+        assert f"`{run.name}`" in text
+        assert {p.name for p in run.glob("fig-*.png")} == figures
+    assert "node0 (PS)" in text and "staleness mean" in text
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert links and all((root / "report" / link).is_file() for link in links)

@@ -21,8 +21,9 @@ from collections import defaultdict
 from importlib import metadata
 from typing import Dict, List, Optional
 
-from . import __version__, hostfile
-from .errors import UsageError
+from .. import __version__
+from ..errors import UsageError
+from . import hostfile
 
 COMPARED = ("python", "tensorflow", "numpy", "mpi4py", "mpitrain")
 

@@ -19,7 +19,7 @@ mpitrain`` with the hostfile of its shape (``--cluster local``: this machine;
 one after another into one results directory. ``manifest.json`` there records
 each run's state; running the same sweep again skips the runs already done,
 so a sweep that was killed resumes where it stopped. The sweep ends by writing
-the report (:func:`mpitrain.report.write_report`).
+the report (:func:`mpitrain.tools.report.write_report`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .errors import Interrupted, UsageError
+from ..atomic import write_json_atomic
+from ..errors import Interrupted, UsageError
 from .preflight import check_launch
-from .results import write_json_atomic
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GRID_KEYS = ("model", "mode", "np", "batch_size", "batches_per_epoch", "epochs")
 CLOUDLAB = {1: "single", 3: "cluster", 4: "cluster2"}
 
@@ -60,7 +60,7 @@ class Run:
         batch = (f"bs{self.batch_size}" if self.batch_size else
                  f"bpe{self.batches_per_epoch}" if self.batches_per_epoch else "bsdefault")
         epochs = f"e{self.epochs}" if self.epochs else "edefault"
-        from .models import run_name  # a user's FILE.py:FUNCTION, file-name safe
+        from ..models import run_name  # a user's FILE.py:FUNCTION, file-name safe
 
         return f"{run_name(self.model)}-{self.mode}-np{self.np}-{batch}-{epochs}"
 

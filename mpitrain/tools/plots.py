@@ -13,7 +13,8 @@ run directory is touched. Input is read with the ``csv`` module and validated:
 a directory that is not a run, or a missing, empty, half-written or non-numeric
 file raises :class:`~mpitrain.errors.ResultsError` with one line naming the file.
 Optional files (``telemetry.csv`` when sampling was off, ``staleness.csv`` for
-sync runs, ...) may be absent; their figures are then skipped.
+sync runs, ...) may be absent; their figures are then skipped. What each file
+holds, column by column, is :mod:`mpitrain.schema` (shared with the writers).
 
 Command line: ``mpitrain plot RUN_DIR [RUN_DIR ...] [-o OUT_DIR]``.
 
@@ -38,7 +39,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-from .errors import ResultsError
+from ..errors import ResultsError
+from ..schema import CURVE, OPTIONAL_TABLES, Column
 
 MB = 2**20
 DPI = 120
@@ -68,16 +70,6 @@ DAMAGED = "the file is damaged or half-written; re-run the experiment or restore
 def results_error(path: Union[Path, str], problem: str, hint: str) -> ResultsError:
     """A one-line ResultsError: ``<path>: <problem>; <what to do>``."""
     return ResultsError(" ".join(f"{path}: {problem}; {hint}".split("\n")))
-
-
-@dataclass(frozen=True)
-class Column:
-    """One expected CSV column: numeric (float, NaN when blank) unless ``text``."""
-
-    name: str
-    text: bool = False
-    optional: bool = False  # may be absent from the header (older/newer mpitrain)
-    blank_ok: bool = False  # cells may be empty
 
 
 class Table:
@@ -195,26 +187,6 @@ def _read_json(path: Path) -> dict:
     return obj
 
 
-def _cols(*names: str, **flags) -> Tuple[Column, ...]:
-    return tuple(Column(n, **flags) for n in names)
-
-
-CURVE = (_cols("epoch", "wall_time_s")
-         + _cols("train_loss", "test_loss", "test_accuracy", blank_ok=True)
-         + _cols("step", "examples_per_s", optional=True, blank_ok=True))
-TELEMETRY = (_cols("time_s", "rank") + (Column("host", text=True),)
-             + (Column("role", text=True, optional=True, blank_ok=True),)
-             + _cols("cpu_percent", "rss_mb", blank_ok=True)
-             + _cols("host_cpu_percent", "net_rx_bytes", "net_tx_bytes", optional=True,
-                     blank_ok=True))
-TIMING = (_cols("epoch", "rank", "wall_s", "compute_s", "comm_s", "wait_s")
-          + _cols("host", "role", text=True, optional=True, blank_ok=True))
-COMM = (_cols("rank", "sent_bytes", "recv_bytes") + (Column("kind", text=True),)
-        + _cols("host", "role", text=True, optional=True, blank_ok=True))
-STALENESS = _cols("worker", "staleness", "count")
-OPTIONAL_FILES = {"telemetry": TELEMETRY, "timing": TIMING, "comm": COMM, "staleness": STALENESS}
-
-
 # --------------------------------------------------------------------------- runs
 
 
@@ -321,7 +293,7 @@ def load_run(path: Path, row: Optional[dict] = None) -> Run:
                             "the run stopped before its first evaluation; re-run it")
     tables = {name: read_table(path / f"{name}.csv", schema)
               if (path / f"{name}.csv").exists() else None
-              for name, schema in OPTIONAL_FILES.items()}
+              for name, schema in OPTIONAL_TABLES.items()}
     return Run(path, meta, curve, tables, dict(row or {}))
 
 

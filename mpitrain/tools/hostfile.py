@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -15,38 +15,15 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 from urllib.parse import quote
 
-from .plots import (MB, Column, Run, load_run, make_dir, plot_comparison, plot_run,
-                    read_table, results_error)
-
-NODE_COLUMN = re.compile(r"node(\d+)_(\w+)")
-
-
-def _runs_schema(header: List[str]) -> List[Column]:
-    """runs.csv: ``run`` is required; every other column is optional and may be blank.
-
-    The known numeric columns and the node metrics (``node<i>_cpu_avg``, ...) must
-    hold numbers; everything else (model, mode, dataset, node hosts, and columns
-    that later versions add, such as ``engine``) is read as text.
-    """
-    known_numeric = {"np", "workers", "batch_size", "global_batch", "epochs", "steps", "lr",
-                     "wall_time_s", "test_accuracy", "test_loss", "train_loss", "mpi_bytes",
-                     "staleness_mean", "staleness_max", "staleness_bound", "pushes", "applied",
-                     "server_updates_per_s", "worker_steps_per_s", "server_cpu_share",
-                     "server_loop_cpu_share"}
-    columns = [Column("run", text=True)]
-    for name in header:
-        node = NODE_COLUMN.fullmatch(name)
-        numeric = name in known_numeric or bool(node and node.group(2) != "host")
-        if name != "run":
-            columns.append(Column(name, text=not numeric, optional=True, blank_ok=True))
-    return columns
-
+from ..atomic import write_text_atomic
+from ..schema import NODE_COLUMN, runs_columns
+from .plots import (MB, Run, load_run, make_dir, plot_comparison, plot_run, read_table,
+                    results_error)
 
 def read_runs(results_dir: Path) -> List[dict]:
     """The rows of ``results_dir/runs.csv`` (one per run, first occurrence of a name wins)."""
@@ -57,7 +34,7 @@ def read_runs(results_dir: Path) -> List[dict]:
                 "pass the directory given to mpitrain as --results-dir (default results/)")
         raise results_error(path, "missing, so this is not a results directory", hint)
     rows: Dict[str, dict] = {}
-    for row in read_table(path, _runs_schema).rows():
+    for row in read_table(path, runs_columns).rows():
         rows.setdefault(str(row["run"]), row)
     return list(rows.values())
 
@@ -95,10 +72,8 @@ def write_report(results_dir: Path) -> Path:
     comparison = plot_comparison(runs, report_dir) if len(runs) > 1 else []
     path = report_dir / "report.md"
     text = render_markdown(results_dir, runs, warnings, per_run, comparison)
-    tmp = report_dir / ".report.md.tmp"
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
     except OSError as e:
         raise results_error(path, f"cannot be written ({e.strerror})",
                             "check that the directory is writable") from None

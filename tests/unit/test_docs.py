@@ -1,0 +1,72 @@
+"""What the documentation advertises exists: commands, runnable modules, job scripts.
+
+Reads the code in README.md, docs/*.md, the scripts and the docstrings of the
+package and the benchmarks (fenced blocks and `inline` spans), and checks every
+``mpitrain COMMAND`` is a command of the CLI, every ``python -m MODULE`` runs
+(a package with ``__main__`` or a module with a ``__main__`` block), and every
+``jobs/NAME.sbatch`` is in jobs/.
+"""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from mpitrain.cli import build_parser
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SOURCES = [*sorted((REPO / "mpitrain").rglob("*.py")), *sorted((REPO / "bench").glob("*.py")),
+           *sorted((REPO / "scripts").iterdir()), *sorted((REPO / "jobs").iterdir())]
+NOT_OURS = {"pytest", "pip", "venv"}
+
+
+def code_spans(path: Path) -> list:
+    """The code in a file: fenced blocks and `inline` or ``inline`` spans (all of a script)."""
+    text = path.read_text()
+    if path.suffix not in (".md", ".py"):
+        return [text]
+    spans = re.findall(r"```[^\n]*\n(.*?)```", text, re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return spans + re.findall(r"``?([^`\n]+)``?", text)
+
+
+def advertised(pattern: str) -> list:
+    found = {(m.group(1), path.relative_to(REPO))
+             for path in DOCS + SOURCES for span in code_spans(path)
+             for m in re.finditer(pattern, span) if m.group(1) not in NOT_OURS}
+    assert found, pattern
+    return [pytest.param(what, where, id=f"{what} in {where}") for what, where in sorted(found)]
+
+
+def commands():
+    return build_parser()._subparsers._group_actions[0].choices
+
+
+#: a command line (a span, or a line of a block or script) that runs mpitrain COMMAND:
+#: ``mpitrain X``, ``python -m mpitrain X``, ``mpirun ... python -m mpitrain X``
+COMMAND_LINE = r"(?m)^\s*(?:mpirun\b[^\n]*?\s)?(?:\S*python3? -m |\S*/)?mpitrain ([a-z][\w-]*)"
+
+
+@pytest.mark.parametrize("command,where", advertised(COMMAND_LINE))
+def test_advertised_command_exists(command, where):
+    assert command in commands(), f"{where} advertises 'mpitrain {command}'"
+
+
+@pytest.mark.parametrize("module,where", advertised(r"python -m ([A-Za-z_][\w.]*)"))
+def test_advertised_module_runs(module, where):
+    spec = importlib.util.find_spec(module)
+    assert spec is not None, f"{where} advertises 'python -m {module}': no such module"
+    if spec.submodule_search_locations is not None:  # a package runs its __main__
+        assert importlib.util.find_spec(f"{module}.__main__"), \
+            f"{where} advertises 'python -m {module}': the package has no __main__"
+    else:
+        source = Path(spec.origin).read_text()
+        assert re.search(r"^if __name__ == ['\"]__main__['\"]:", source, re.M), \
+            f"{where} advertises 'python -m {module}', which does nothing as a script"
+
+
+@pytest.mark.parametrize("script,where", advertised(r"\b(jobs/[\w.-]+\.sbatch)\b"))
+def test_advertised_job_script_exists(script, where):
+    assert (REPO / script).is_file(), f"{where} names {script}, which is not in jobs/"
