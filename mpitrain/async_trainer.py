@@ -74,6 +74,7 @@ from . import optim
 from .comm import HOT, IDLE, SERVING, Backoff, Role, recovery_enabled
 from .errors import CommTimeout, Divergence, Dropped, Interrupted
 from .lifecycle import Checkpoint
+from .schema import STALENESS_COLUMNS
 from .trainer import (TAG_GRADIENT, TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary,
                       diverged, interrupted, worker_batches)
 
@@ -497,7 +498,7 @@ class Server:
             w = holders[index]
             self.liveness.observe(w.rank, time.monotonic() - w.leased_at)
             return w
-        if silent_for >= self.comm.timeout:
+        if silent_for >= self.comm.timeout and not self.recovery:  # else: dropped above
             raise CommTimeout(
                 f"{self.comm.name(oldest.rank)} has not pushed a gradient for "
                 f"{self.comm.timeout:g} s; it is stalled or dead (raise --timeout if its steps "
@@ -665,7 +666,7 @@ class Server:
             all_staleness.update(w.staleness)
             rows += [{"worker": w.rank, "staleness": s, "count": c}
                      for s, c in sorted(w.staleness.items())]
-        ctx.results.write_csv("staleness.csv", ["worker", "staleness", "count"], rows)
+        ctx.results.write_csv("staleness.csv", list(STALENESS_COLUMNS), rows)
         total = sum(all_staleness.values())
         mean = sum(s * c for s, c in all_staleness.items()) / max(1, total)
         pushes = sum(w.steps - w.start_step for w in self.workers.values())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -629,12 +630,34 @@ def world_rank_if_running() -> int:
     return _MPI.COMM_WORLD.Get_rank() if world_size_if_running() else launcher_rank()
 
 
+#: the processes that start ranks: mpirun on its own host, its daemon on the others
+OPEN_MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "orted")
+
+
 def abort_world(code: int) -> None:
-    """Abort every rank of the job (no-op when MPI is not running)."""
+    """Abort every rank of the job (no-op when MPI is not running).
+
+    Under ``mpirun --enable-recovery`` MPI_Abort ends only the calling process and the
+    others run on (and a SIGSTOPped rank would keep mpirun waiting forever), so the
+    job is ended through the process that started this rank instead: mpirun, or its
+    daemon on another host, ends the whole job on SIGTERM (measured: 2.5 s, with a
+    stopped rank too).
+    """
     if world_size_if_running():
         sys.stdout.flush()
         sys.stderr.flush()
+        if recovery_enabled() and _parent_name() in OPEN_MPI_LAUNCHERS:
+            os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(30.0)  # mpirun ends this process meanwhile; else abort below
         _MPI.COMM_WORLD.Abort(code)
+
+
+def _parent_name() -> str:
+    try:
+        with open(f"/proc/{os.getppid()}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def report_failure(message: str, grace: float = 3.0) -> None:
