@@ -149,3 +149,30 @@ def test_waiting_does_not_burn_a_core(comm):
         time.sleep(1.0)
         comm.wait(comm.isend(buf, 0, 5, "control", "the late message"))
     comm.barrier()
+
+
+def test_gather_objects_brings_every_rank_to_rank_0(comm):
+    """Point-to-point gather (telemetry after training): rank 0 gets each rank's object
+    in rank order, large payloads too; the others get their own."""
+    mine = {"rank": comm.rank, "rows": list(range(5000 * comm.rank))}  # > eager limit
+    gathered = comm.gather_objects(mine)
+    if comm.rank == 0:
+        assert [g["rank"] for g in gathered] == list(range(comm.size))
+        assert [len(g["rows"]) for g in gathered] == [5000 * r for r in range(comm.size)]
+    else:
+        assert gathered == [mine]
+
+
+def test_gather_objects_skips_the_ranks_rank_0_names(comm):
+    """A rank rank 0 skips (a lost async worker) sends nothing and gets None in its slot;
+    the others are still gathered."""
+    if comm.size < 3:
+        pytest.skip("needs a rank to skip and one to gather besides rank 0")
+    lost = comm.size - 1
+    if comm.rank == lost:
+        return_value = None  # this rank plays the lost one: it does not take part
+    else:
+        return_value = comm.gather_objects(comm.rank, skip=[lost])
+    if comm.rank == 0:
+        assert return_value == list(range(comm.size - 1)) + [None]
+    comm.barrier("after the gather with a skipped rank")
