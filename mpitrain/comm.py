@@ -334,6 +334,18 @@ class Comm:
         """The training ranks' communicator; None on the parameter server."""
         return self._workers
 
+    @property
+    def mpi4py_comm(self):
+        """The underlying mpi4py communicator, for an engine that is itself an MPI
+        library (Horovod's init takes one); nothing else of mpitrain may use it."""
+        return self._c
+
+    def with_timeout(self, seconds: float) -> "Comm":
+        """The same communicator with another wait bound (shares the traffic table)."""
+        view = Comm(self._c, seconds, self.traffic, self.hosts, self.world_ranks)
+        view.pids = self.pids
+        return view
+
     def name(self, rank: int) -> str:
         """'rank R on HOST' for messages, with R the world rank."""
         return f"rank {self.world_ranks[rank]} on {self.hosts[rank]}"
@@ -569,45 +581,6 @@ class Comm:
                 error = error_type(where + message)
                 error.everywhere = True
                 raise error
-
-
-class HorovodAllreduce:
-    """Horovod as the sync gradient engine, on the workers' communicator only.
-
-    Horovod is initialised with the workers' sub-communicator, so the
-    parameter server (rank 0) never imports or starts it (Horovod with every
-    rank plus a process set would keep a Horovod thread busy on rank 0).
-    ``allreduce_mean_`` has the same contract as :meth:`Comm.allreduce_mean_`:
-    it sums with Horovod and scales by 1/size itself, exactly like the MPI
-    engine, so the two differ only in how the bytes travel. Horovod's own knobs
-    come from the environment: HOROVOD_CYCLE_TIME (ms, default 1: its latency
-    floor), HOROVOD_FUSION_THRESHOLD, HOROVOD_TIMELINE.
-    """
-
-    def __init__(self, workers: "Comm", timeline: Optional[str] = None,
-                 stall_seconds: float = 300.0):
-        if timeline:
-            os.environ["HOROVOD_TIMELINE"] = timeline  # read by hvd.init
-        # Horovod's allreduce blocks in C++; its stall detector is the bound there
-        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(stall_seconds)))
-        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
-                              str(int(WORKERS_TIMEOUT_FACTOR * stall_seconds + 2)))
-        import horovod.tensorflow as hvd
-        import tensorflow as tf
-
-        hvd.init(comm=workers._c)
-        self.hvd, self.tf, self.workers = hvd, tf, workers
-        self.size = hvd.size()
-
-    def allreduce_mean_(self, buf: np.ndarray, what: str = "the gradient allreduce",
-                        kind: str = "allreduce") -> np.ndarray:
-        total = self.hvd.allreduce(self.tf.constant(buf), op=self.hvd.Sum,
-                                   name="mpitrain_gradient")
-        buf[:] = total.numpy()
-        buf *= np.float32(1.0 / self.size)
-        self.workers.traffic.add_sent(kind, buf.nbytes)
-        self.workers.traffic.add_recv(kind, buf.nbytes)
-        return buf
 
 
 def recovery_enabled() -> bool:

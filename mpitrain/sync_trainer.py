@@ -247,7 +247,7 @@ def gradient_engine(ctx: Context):
     """What averages the workers' gradients: the MPI communicator, or Horovod on it."""
     if ctx.cfg.allreduce != "horovod":
         return ctx.comm.workers
-    from .comm import HorovodAllreduce
+    from .engines import HorovodAllreduce
 
     timeline = f"{ctx.run_dir}/horovod-timeline.json" if ctx.cfg.horovod_timeline else None
     return HorovodAllreduce(ctx.comm.workers, timeline, stall_seconds=ctx.cfg.timeout)

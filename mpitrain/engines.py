@@ -1,0 +1,55 @@
+"""Sync gradient engines besides mpitrain's own MPI allreduce (:meth:`Comm.allreduce_mean_`).
+
+An engine has the same contract as ``Comm.allreduce_mean_(buf)``: every worker
+calls it with its fused gradient buffer and gets the mean of all workers', in
+place. Kept out of :mod:`mpitrain.comm` so that the communication layer never
+imports TensorFlow or Horovod.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from .comm import WORKERS_TIMEOUT_FACTOR, Comm
+
+
+class HorovodAllreduce:
+    """Horovod as the sync gradient engine, on the workers' communicator only.
+
+    Horovod is initialised with the workers' sub-communicator, so the
+    parameter server (rank 0) never imports or starts it (Horovod with every
+    rank plus a process set would keep a Horovod thread busy on rank 0).
+    ``allreduce_mean_`` has the same contract as :meth:`Comm.allreduce_mean_`:
+    it sums with Horovod and scales by 1/size itself, exactly like the MPI
+    engine, so the two differ only in how the bytes travel. Horovod's own knobs
+    come from the environment: HOROVOD_CYCLE_TIME (ms, default 1: its latency
+    floor), HOROVOD_FUSION_THRESHOLD, HOROVOD_TIMELINE.
+    """
+
+    def __init__(self, workers: Comm, timeline: Optional[str] = None,
+                 stall_seconds: float = 300.0):
+        if timeline:
+            os.environ["HOROVOD_TIMELINE"] = timeline  # read by hvd.init
+        # Horovod's allreduce blocks in C++; its stall detector is the bound there
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(stall_seconds)))
+        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                              str(int(WORKERS_TIMEOUT_FACTOR * stall_seconds + 2)))
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+
+        hvd.init(comm=workers.mpi4py_comm)
+        self.hvd, self.tf, self.workers = hvd, tf, workers
+        self.size = hvd.size()
+
+    def allreduce_mean_(self, buf: np.ndarray, what: str = "the gradient allreduce",
+                        kind: str = "allreduce") -> np.ndarray:
+        total = self.hvd.allreduce(self.tf.constant(buf), op=self.hvd.Sum,
+                                   name="mpitrain_gradient")
+        buf[:] = total.numpy()
+        buf *= np.float32(1.0 / self.size)
+        self.workers.traffic.add_sent(kind, buf.nbytes)
+        self.workers.traffic.add_recv(kind, buf.nbytes)
+        return buf
