@@ -50,10 +50,10 @@ its remaining steps are reassigned to the workers still training
 (:class:`Quotas`), who run extra passes over their own shards, so the run
 still makes its planned number of updates; the lost worker's shard is not
 visited after its loss (recorded as ``lost_workers`` in runs.csv and
-status.json). Each reply carries the receiving worker's quota (the step
-after which it pushes FINAL). A lost worker on the server's host still alive
-``FENCE_GRACE`` (5 s) after it was dropped is killed (a SIGSTOPped one would keep
-mpirun waiting); on another host it is named.
+status.json). Each reply carries the steps the receiving worker runs beyond its
+own (those reassigned to it), so it knows when to push FINAL. A lost worker on
+the server's host still alive ``FENCE_GRACE`` (5 s) after it was dropped is
+killed (a SIGSTOPped one would keep mpirun waiting); on another host it is named.
 Without ``--enable-recovery`` mpirun ends the job when a rank dies and a
 silent worker is a CommTimeout, as before.
 """
@@ -83,7 +83,7 @@ from .trainer import (TAG_GRADIENT, TAG_WEIGHTS, Context, Evaluator, Stopwatch, 
 HEADER = 8
 H_VERSION, H_STEP, H_FLAGS = 0, 1, 2  # int32 slots
 H_LOSS, H_ELAPSED, H_THINK = 3, 4, 5  # float32 slots
-H_QUOTA = 6  # int32 slot of a reply: the step after which the worker pushes FINAL
+H_EXTRA = 6  # int32 slot of a reply: steps the worker runs beyond its own (a lost one's)
 FINAL, INTERRUPTED, DIVERGED, DROPPED = 1, 2, 4, 8  # header flags (push and reply)
 #: workers whose steps take less than this (EWMA) make the server poll, not sleep
 FAST_STEP = 2e-4
@@ -129,7 +129,8 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     if replica.n_buffers:  # the statistics the run has so far (a resumed run's)
         replica.set_buffers(leases[0][HEADER + n:])
     ending = int(_ints(leases[0])[H_FLAGS])  # the server may already be stopping
-    quota = int(_ints(leases[0])[H_QUOTA])  # raised when another worker is lost
+    # the step of its FINAL push: its own last, plus steps of lost workers given to it
+    quota = ctx.total_steps + int(_ints(leases[0])[H_EXTRA])
     mark = timer.restart()
     for _, step, x, y, end_of_epoch in ([] if ending else worker_batches(ctx, start_step,
                                                                          endless=True)):
@@ -142,7 +143,7 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
             in_flight = None
             target, current = current, 1 - current
             ending = int(_ints(leases[current])[H_FLAGS])
-            quota = int(_ints(leases[current])[H_QUOTA])
+            quota = ctx.total_steps + int(_ints(leases[current])[H_EXTRA])
         else:
             target = 1 - current if pipelined else current
         waited = time.perf_counter()
@@ -165,7 +166,7 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
             in_flight = None
             current = target
             ending = int(_ints(leases[current])[H_FLAGS])
-            quota = int(_ints(leases[current])[H_QUOTA])
+            quota = ctx.total_steps + int(_ints(leases[current])[H_EXTRA])
         done = time.perf_counter()
         timer.add(compute=computed - mark, wait=(waited - computed) + (done - sent),
                   comm=sent - waited)
@@ -392,12 +393,12 @@ class Server:
             self.buffers = ckpt.buffers.astype(np.float32).copy()
         self.optimizer.load_state(ckpt.optimizer)
         self.version = ckpt.step
-        quotas = ckpt.extra.get("quotas", {})
+        extra = ckpt.extra.get("extra_steps", {})  # relative: --epochs may change on resume
         for rank, w in self.workers.items():
             w.start_step = w.steps = ckpt.worker_steps.get(rank, 0)
             for s, c in ckpt.extra.get("staleness", {}).get(str(rank), {}).items():
                 w.staleness[int(s)] += c
-            self.quotas.of[rank] = quotas.get(str(rank), self.quotas.of[rank])
+            self.quotas.of[rank] += extra.get(str(rank), 0)
         self.quotas.short = ckpt.extra.get("updates_short", 0)
         self.ctx.lost.extend(ckpt.extra.get("lost_workers", []))
 
@@ -406,7 +407,8 @@ class Server:
                           self.clock(), {w.rank: w.steps for w in self.workers.values()},
                           {"staleness": {str(w.rank): dict(w.staleness)
                                          for w in self.workers.values()},
-                           "quotas": {str(r): q for r, q in self.quotas.of.items()},
+                           "extra_steps": {str(r): q - self.ctx.total_steps
+                                           for r, q in self.quotas.of.items()},
                            "updates_short": self.quotas.short,
                            "lost_workers": list(self.ctx.lost)},
                           self._average_buffers())
@@ -632,8 +634,8 @@ class Server:
     def _grant_leases(self) -> None:
         while self.waiting and (self.ending or self._may_grant()):
             w = self.workers[self.waiting.popleft()]
-            if self.ending or w.steps >= self.quotas.of[w.rank]:
-                # stopping, or (resumed) its steps are done: no lease, the final reply
+            if self.ending or (w.applied == 0 and w.steps >= self.quotas.of[w.rank]):
+                # stopping, or resumed with its steps done: no lease, the final reply
                 w.done = True
                 self._reply(w, with_weights=False)
                 continue
@@ -647,7 +649,7 @@ class Server:
             self.comm.wait(w.sending, IDLE)  # its last reply was received: completes at once
         ints = _ints(w.send)
         ints[H_VERSION], ints[H_STEP] = self.version, w.steps  # step: where to resume from
-        ints[H_QUOTA] = self.quotas.of[w.rank]
+        ints[H_EXTRA] = self.quotas.of[w.rank] - self.ctx.total_steps
         ints[H_FLAGS] = 0 if with_weights else FINAL | self.ending
         if with_weights:
             w.send[HEADER:HEADER + self.weights.size] = self.weights
