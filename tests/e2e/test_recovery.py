@@ -84,13 +84,19 @@ def reference(tmp_path_factory):
     return row
 
 
-def test_a_killed_worker_is_dropped_and_the_run_finishes(tmp_path, mnist, reference):
-    proc = start(tmp_path, mnist, "--enable-recovery")
-    directory = run_dir(tmp_path)
+def fault_after_epoch_1(results: Path, mnist: Path, rank: int, sig):
+    """Run the job under --enable-recovery, send ``sig`` to ``rank`` once the first
+    epoch is evaluated; (completed process, run directory, the victim's pid)."""
+    proc = start(results, mnist, "--enable-recovery")
+    directory = run_dir(results)
     wait_for_epoch(directory, 1)
-    victim = rank_pid(directory, 2)
-    os.kill(victim, signal.SIGKILL)
-    done = finish_bounded(proc, 300)
+    victim = rank_pid(directory, rank)
+    os.kill(victim, sig)
+    return finish_bounded(proc, 300), directory, victim
+
+
+def test_a_killed_worker_is_dropped_and_the_run_finishes(tmp_path, mnist, reference):
+    done, directory, _ = fault_after_epoch_1(tmp_path, mnist, 2, signal.SIGKILL)
     assert done.returncode == 0, done.stderr
     row = last_run(tmp_path)
     assert row["status"] == "ok"
@@ -140,12 +146,7 @@ def test_a_stalled_worker_is_dropped_and_leaves_when_it_wakes(tmp_path, mnist, r
 def test_a_worker_stopped_for_good_is_killed(tmp_path, mnist, reference):
     """A SIGSTOPped worker never woken would keep mpirun waiting: the server kills it
     5 s after dropping it."""
-    proc = start(tmp_path, mnist, "--enable-recovery")
-    directory = run_dir(tmp_path)
-    wait_for_epoch(directory, 1)
-    victim = rank_pid(directory, 1)
-    os.kill(victim, signal.SIGSTOP)
-    done = finish_bounded(proc, 300)
+    done, directory, victim = fault_after_epoch_1(tmp_path, mnist, 1, signal.SIGSTOP)
     assert done.returncode == 0, done.stderr
     assert "killed lost rank 1 on" in done.stdout and "still alive 5 s after" in done.stdout
     row = last_run(tmp_path)
