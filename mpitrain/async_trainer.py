@@ -379,6 +379,8 @@ class Server:
             len(self.workers) * ctx.total_steps))
         self.step_time = 1.0  # EWMA of the workers' reported seconds of compute per step
         self.checkpoint_interval = ctx.cfg.checkpoint_every * self.updates_per_epoch
+        # --checkpoint-steps counts each worker's steps: N of theirs are N x workers updates
+        self.checkpoint_steps = (ctx.cfg.checkpoint_steps or 0) * len(self.workers)
         self.recovery = recovery_enabled() and len(self.workers) > 1
         self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.liveness_floor)
         self.quotas = Quotas(self.workers, ctx.total_steps)
@@ -615,7 +617,8 @@ class Server:
         if self.version % self.eval_interval == 0:
             self.evaluations.submit(self.version, self._state(), self._train_loss(),
                                     self.clock())
-        if self.version % self.checkpoint_interval == 0:
+        if self.version % self.checkpoint_interval == 0 or (
+                self.checkpoint_steps and self.version % self.checkpoint_steps == 0):
             self.evaluations.save(self.checkpoint())
 
     def _train_loss(self) -> Optional[float]:

@@ -138,6 +138,10 @@ class Config:
         "rank 0 saves a checkpoint (weights, optimizer state, position) every N epochs "
         "and at the end, into the run directory", 1, flag="--checkpoint-every", type=int,
         metavar="N")
+    checkpoint_steps: Optional[int] = _opt(
+        "also save a checkpoint every N steps (each worker's steps; async: every N x "
+        "workers server updates), so a restart loses at most N steps", None,
+        flag="--checkpoint-steps", type=int, metavar="N")
     resume: Optional[str] = _opt(
         "continue the run in RUN_DIR from its last checkpoint (same settings; you may "
         "change --epochs and other non-training settings), appending to its results",
@@ -216,6 +220,9 @@ class Config:
             raise UsageError(f"--image-size must be at least 8 (got {self.image_size})")
         if self.synthetic_size < 1:
             raise UsageError(f"--synthetic-size must be positive (got {self.synthetic_size})")
+        if self.checkpoint_steps is not None and self.checkpoint_steps < 1:
+            raise UsageError(f"--checkpoint-steps must be a positive integer "
+                             f"(got {self.checkpoint_steps})")
         if self.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every must be a positive integer "
                              f"(got {self.checkpoint_every})")

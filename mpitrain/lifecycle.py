@@ -36,7 +36,8 @@ CHECKPOINT = "checkpoint.npz"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 #: settings a resumed run may change; every other one must match the saved run
-RESUMABLE_CHANGES = ("epochs", "eval_every", "checkpoint_every", "quiet", "timeout",
+RESUMABLE_CHANGES = ("epochs", "eval_every", "checkpoint_every", "checkpoint_steps",
+                     "quiet", "timeout",
                      "liveness_floor",
                      "sample_interval", "threads", "keep_cpu_binding", "data_dir", "resume",
                      "steps", "dry_run")

@@ -210,7 +210,7 @@ def _flags(ctx: Context, epoch: int, step: int, end_of_epoch: bool, stop: bool,
     flags = 0
     if end_of_epoch and is_eval_point(ctx, epoch, step) or stop:
         flags |= EVALUATE
-    if end_of_epoch and is_checkpoint_point(ctx, epoch, step) or stop:
+    if is_checkpoint_point(ctx, epoch, step, end_of_epoch) or stop:
         flags |= CHECKPOINT
     if step == ctx.total_steps:
         flags |= FINAL

@@ -150,9 +150,12 @@ def diverged(where: str, summary: Optional[Summary] = None) -> Divergence:
     return error
 
 
-def is_checkpoint_point(ctx: Context, epoch: int, step: int) -> bool:
-    """Checkpoint after every ``checkpoint_every``-th epoch and after the final step."""
-    return step == ctx.total_steps or epoch % ctx.cfg.checkpoint_every == 0
+def is_checkpoint_point(ctx: Context, epoch: int, step: int, end_of_epoch: bool) -> bool:
+    """Checkpoint after every ``checkpoint_every``-th epoch, every ``checkpoint_steps``
+    steps and after the final step. Every worker computes it alike from its step."""
+    every = ctx.cfg.checkpoint_steps
+    return (step == ctx.total_steps or (end_of_epoch and epoch % ctx.cfg.checkpoint_every == 0)
+            or bool(every and step % every == 0))
 
 
 class Evaluator:

@@ -85,8 +85,8 @@ def final_weights(results: Path) -> np.ndarray:
 
 @pytest.mark.slow
 def test_sync_run_survives_a_killed_worker_then_a_killed_server(mnist, tmp_path):
-    """kill -9 worker 2 after the first checkpoint, then rank 0 (the parameter server)
-    after the restart's next checkpoint: the run completes after two restarts, in one
+    """kill -9 worker 2 after the first checkpoint (--checkpoint-steps), then rank 0 (the
+    parameter server) after the restart's next checkpoint: the run completes after two restarts, in one
     results directory with one curve, and (sync resume is bit-exact) ends with the
     very weights of a run that was never interrupted."""
     reference = tmp_path / "reference"
@@ -95,10 +95,13 @@ def test_sync_run_survives_a_killed_worker_then_a_killed_server(mnist, tmp_path)
 
     results = tmp_path / "launched"
     t0 = time.time()
+    # checkpoints every 300 steps too (mid-epoch: an epoch is ~1,300 steps), which must
+    # not change a single weight, and a restart resumes mid-epoch
     proc = start_launch("-np", 4, "-hostfile", LOCAL_HOSTFILE, *TRAINING, "--data-dir", mnist,
-                        "--results-dir", results)
+                        "--results-dir", results, "--checkpoint-steps", 300)
     run_dir = the_run_dir(results)
     first = wait_for(lambda: checkpoint_step(run_dir), 300, "the first checkpoint")
+    assert first % 300 == 0, first
     os.kill(rank_pids(run_dir, t0)[2], signal.SIGKILL)
     t1 = time.time()
     wait_for(lambda: checkpoint_step(run_dir) > first, 300, "a checkpoint after the restart")
