@@ -233,9 +233,9 @@ class Config:
                              f"(got {self.sample_interval})")
         if not self.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds (got {self.timeout})")
-        if not 0 < self.liveness_floor <= self.timeout:
-            raise UsageError(f"--liveness-floor must be positive and at most --timeout "
-                             f"({self.timeout:g} s; got {self.liveness_floor})")
+        if not self.liveness_floor > 0:  # above --timeout it is --timeout
+            raise UsageError(f"--liveness-floor must be a positive number of seconds "
+                             f"(got {self.liveness_floor})")
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
         if self.staleness is not None:
