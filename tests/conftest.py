@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,10 +71,31 @@ def finish_bounded(proc: subprocess.Popen, timeout: float) -> subprocess.Complet
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        kill_tree(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a grandchild still holds the pipes
+            out, err = "", "(output lost: the pipes stayed open after the kill)"
         pytest.fail(f"hung for {timeout} s: {' '.join(map(str, proc.args))}\n{out}\n{err}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant: ``mpitrain launch`` runs
+    mpirun in a session of its own, which a kill of the launcher's group misses."""
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def run_bounded(cmd, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
