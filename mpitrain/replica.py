@@ -33,6 +33,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from .errors import UsageError
+from .models import import_keras
 
 EVAL_BATCH = 2000
 
@@ -45,8 +46,8 @@ def init_tensorflow(intra_threads: int, seed: int) -> None:
     soon as two ranks share a host.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    keras = import_keras()
     import tensorflow as tf
-    import keras
 
     try:
         tf.config.threading.set_intra_op_parallelism_threads(intra_threads)
