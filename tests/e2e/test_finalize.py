@@ -1,0 +1,54 @@
+"""MPI_Finalize is a wait like any other: bounded, and without Open MPI's closing fence
+under --enable-recovery. Each case runs in a fresh process (MPI initialises once per
+process), as a singleton (no mpirun needed)."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+from conftest import REPO, mpi_env
+
+
+def python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env=mpi_env(**env))
+
+
+def test_a_finalize_that_never_returns_ends_the_process_at_its_bound():
+    done = python("""
+        import time
+        from mpitrain import comm
+        MPI = comm._load_mpi()
+        MPI.Finalize = lambda: time.sleep(60)  # a fence waiting for a rank that left
+        started = time.monotonic()
+        comm.finalize(bound=2)
+        print("returned after", time.monotonic() - started)
+    """)
+    assert done.returncode == -signal.SIGALRM, done.stdout + done.stderr
+    assert "returned" not in done.stdout
+
+
+def test_a_normal_finalize_returns_and_cancels_its_bound():
+    done = python("""
+        import signal, time
+        from mpitrain import comm
+        comm._load_mpi()
+        comm.finalize(bound=2)
+        assert comm.world_size_if_running() == 0
+        assert signal.alarm(0) == 0, "the alarm outlived finalize"
+        time.sleep(3)  # an alarm still armed would end the process here
+        print("finalized")
+    """)
+    assert done.returncode == 0 and "finalized" in done.stdout, done.stderr
+
+
+def test_recovery_jobs_finalize_without_the_fence():
+    code = """
+        import os
+        from mpitrain import comm
+        comm._load_mpi()
+        print(os.environ.get("OMPI_MCA_async_mpi_finalize"))
+    """
+    assert python(code, OMPI_MCA_orte_enable_recovery="1").stdout.split() == ["1"]
+    assert python(code).stdout.split() == ["None"]
