@@ -211,11 +211,28 @@ class Launcher:
         """Kill the job's session: mpirun if alive, and any rank it left behind."""
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # nothing left in it
-            pass
+        kill_tree(self.proc.pid)
         self.proc.wait()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant of ``pid``, including those
+    in sessions of their own (the launcher's mpirun, when ``pid`` is the launcher)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:  # nothing left in it
+        pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def run_dirs(results_dir: Path) -> set:

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
+
+from mpitrain.launch import kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
@@ -78,24 +79,6 @@ def finish_bounded(proc: subprocess.Popen, timeout: float) -> subprocess.Complet
             out, err = "", "(output lost: the pipes stayed open after the kill)"
         pytest.fail(f"hung for {timeout} s: {' '.join(map(str, proc.args))}\n{out}\n{err}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``, its process group and every descendant: ``mpitrain launch`` runs
-    mpirun in a session of its own, which a kill of the launcher's group misses."""
-    try:
-        descendants = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        descendants = []
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    for child in descendants:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
 
 
 def run_bounded(cmd, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
