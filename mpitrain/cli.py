@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from . import models
-from .comm import (abort_world, launcher_rank, launcher_world_size, report_failure,
-                   world_rank_if_running, world_size_if_running)
+from .comm import (abort_world, bound_finalize, launcher_rank, launcher_world_size,
+                   report_failure, world_rank_if_running, world_size_if_running)
 from .config import Config, fields_with_flags, resolve
 from .errors import EXIT_FAILURE, Dropped, Interrupted, MpitrainError, UsageError
 
@@ -286,6 +286,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = parse_config(argv, args)
         from . import session  # imports TensorFlow and MPI: only once arguments are valid
 
+        bound_finalize()  # every rank of a training run reaches its end together
         session.run(cfg, explicit_settings(argv))
         return 0
     except Dropped as error:

@@ -45,6 +45,7 @@ _MPI = None
 
 #: seconds MPI_Finalize may take before the process leaves without it (see finalize)
 FINALIZE_BOUND = 60
+_finalize_bound: Optional[float] = None  # set by bound_finalize()
 
 
 def _load_mpi():
@@ -61,24 +62,37 @@ def _load_mpi():
         from mpi4py import MPI  # noqa: WPS433  (import initialises MPI)
 
         _MPI = MPI
-        # before mpi4py's own exit hook, which would call MPI_Finalize unbounded
+        # runs before mpi4py's own exit hook, which would call MPI_Finalize unbounded
         atexit.register(finalize)
     return _MPI
 
 
-def finalize(bound: float = FINALIZE_BOUND) -> None:
-    """End MPI on this rank (a collective in MPI's terms), never waiting more than
-    ``bound`` seconds: past it the kernel ends the process (SIGALRM's default action)
-    with the run's files already written. A no-op when MPI is not running.
+def bound_finalize(seconds: float = FINALIZE_BOUND) -> None:
+    """Bound the MPI_Finalize at this process's exit by ``seconds``: for programs whose
+    ranks all reach their end together (the CLI). A user's script under mpitrain.fit
+    keeps MPI's own finalize (bounded only under --enable-recovery): its rank 0 may
+    work on long after the other ranks are done and waiting there."""
+    global _finalize_bound
+    _finalize_bound = seconds
+
+
+def finalize(bound: Optional[float] = None) -> None:
+    """End MPI on this rank (a collective in MPI's terms). With a bound (``bound``, or
+    the one set by :func:`bound_finalize`, or FINALIZE_BOUND under --enable-recovery)
+    it never waits longer: past it the kernel ends the process (SIGALRM's default
+    action), the run's files already written. A no-op when MPI is not running.
 
     A plain alarm because MPI_Finalize holds the interpreter: no Python thread or
     handler could run while it waits."""
     if not world_size_if_running():
         return
+    if bound is None:
+        bound = _finalize_bound or (FINALIZE_BOUND if recovery_enabled() else None)
     sys.stdout.flush()
     sys.stderr.flush()
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(max(1, int(bound)))
+    if bound is not None:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(max(1, int(bound)))
     _MPI.Finalize()
     signal.alarm(0)
 

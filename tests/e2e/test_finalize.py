@@ -15,18 +15,33 @@ def python(code: str, **env) -> subprocess.CompletedProcess:
                           text=True, timeout=120, cwd=REPO, env=mpi_env(**env))
 
 
+STUCK = """
+    import time
+    from mpitrain import comm
+    MPI = comm._load_mpi()
+    MPI.Finalize = lambda: time.sleep({seconds})  # a fence waiting for a rank that left
+    {setup}
+    started = time.monotonic()
+    comm.finalize()
+    print("returned after", time.monotonic() - started)
+"""
+
+
 def test_a_finalize_that_never_returns_ends_the_process_at_its_bound():
-    done = python("""
-        import time
-        from mpitrain import comm
-        MPI = comm._load_mpi()
-        MPI.Finalize = lambda: time.sleep(60)  # a fence waiting for a rank that left
-        started = time.monotonic()
-        comm.finalize(bound=2)
-        print("returned after", time.monotonic() - started)
-    """)
-    assert done.returncode == -signal.SIGALRM, done.stdout + done.stderr
-    assert "returned" not in done.stdout
+    """The CLI bounds it (every rank of a training run ends together); so does a job
+    under --enable-recovery."""
+    for setup, env in [("comm.bound_finalize(2)", {}),
+                       ("comm.FINALIZE_BOUND = 2", {"OMPI_MCA_orte_enable_recovery": "1"})]:
+        done = python(STUCK.format(seconds=90, setup=setup), **env)
+        assert done.returncode == -signal.SIGALRM, done.stdout + done.stderr
+        assert "returned" not in done.stdout
+
+
+def test_a_users_script_keeps_mpis_own_finalize():
+    """Under mpitrain.fit, rank 0 may work on long after the other ranks wait in
+    MPI_Finalize: no bound there outside --enable-recovery."""
+    done = python(STUCK.format(seconds=3, setup=""))
+    assert done.returncode == 0 and "returned after 3" in done.stdout, done.stderr
 
 
 def test_a_normal_finalize_returns_and_cancels_its_bound():
