@@ -266,8 +266,8 @@ def _import_module(spec: str, target: str):
 
 
 #: imported by Keras 3 at start-up for features mpitrain never uses (its scikit-learn
-#: wrappers, its image-gallery plot): 1.1 s of CPU on every rank of every launch here
-#: (python -X importtime: 6.5 s -> 5.4 s for import tensorflow, keras)
+#: wrappers, its image-gallery plot): about 2 s of CPU on every rank of every launch
+#: here (CPU time of import tensorflow, keras: 6.4-6.5 s with them, 4.0-4.4 s without)
 KERAS_OPTIONAL_IMPORTS = ("sklearn", "matplotlib")
 
 
