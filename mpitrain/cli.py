@@ -291,8 +291,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     except Dropped as error:
         _fail(error)
-        # MPI_Finalize would wait for the whole job (Open MPI fences there), and the
-        # server would kill this process at the end; leaving at once is cleaner
+        # the job goes on without this rank: it leaves at once, without MPI_Finalize
+        # (which would still find its last push pending; under --enable-recovery
+        # Open MPI lets a rank leave so)
         os._exit(error.exit_code)
     except MpitrainError as error:
         return _fail(error)

@@ -90,9 +90,11 @@ def finalize(bound: Optional[float] = None) -> None:
         bound = _finalize_bound or (FINALIZE_BOUND if recovery_enabled() else None)
     sys.stdout.flush()
     sys.stderr.flush()
-    if bound is not None:
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        signal.alarm(max(1, int(bound)))
+    if bound is None:
+        _MPI.Finalize()
+        return
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, int(bound)))
     _MPI.Finalize()
     signal.alarm(0)
 
