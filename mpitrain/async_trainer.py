@@ -412,7 +412,8 @@ class Server:
                            "extra_steps": {str(r): q - self.ctx.total_steps
                                            for r, q in self.quotas.of.items()},
                            "updates_short": self.quotas.short,
-                           "lost_workers": list(self.ctx.lost)},
+                           "lost_workers": list(self.ctx.lost),
+                           "geometry": self.ctx.geometry},
                           self._average_buffers())
 
     def _average_buffers(self) -> np.ndarray:

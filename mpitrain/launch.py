@@ -12,6 +12,20 @@ resumed this way ends with the same weights, bit for bit, as one that never
 failed (see :mod:`mpitrain.lifecycle`); it loses at most the steps since the
 last checkpoint (``--checkpoint-every``).
 
+Before each restart every host of the hostfile is probed (mpirun, with the job's
+own launch options, runs ``true`` there within PROBE_TIMEOUT). A host that is
+gone is left out: the restart runs on a hostfile of the others
+(``hostfile.launch`` in the run directory) and, when their slots are fewer than
+-np (and --oversubscribe was not given), with fewer ranks. The run then resumes
+with fewer workers: a sync run keeps its global batch by raising the
+per-worker batch, or, where the global batch does not divide among the workers
+left, takes the nearest one and scales the learning rate by the linear rule;
+an async run keeps batch and learning rate and shares the updates left among
+its workers (see :class:`mpitrain.lifecycle.Rescale`; recorded in runs.csv's
+``rescaled`` column and the session's resumed-*.json). A host that comes back
+is not taken in again during the launch. Without a hostfile (this machine, or a
+SLURM allocation) nothing is probed.
+
 An async job with two or more workers runs under ``mpirun --enable-recovery``
 (Open MPI 4.x): a worker that dies or stalls is dropped by the parameter
 server and the job finishes without a restart (see :mod:`mpitrain.async_trainer`);
@@ -44,11 +58,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
+from .tools import hostfile
 
 PROG = "mpitrain launch"
 #: seconds the job gets to checkpoint and exit after a stop signal before it is killed
@@ -96,16 +112,82 @@ def run(args, cfg) -> int:
         placement = [f"{np_} ranks on the SLURM allocation of job {os.environ['SLURM_JOB_ID']}"]
     for line in placement:
         say(line)
-    mpirun = ["mpirun", "-q", "-np", str(np_)]
-    mpirun += ["-hostfile", args.hostfile] if args.hostfile else []
-    mpirun += ["--oversubscribe"] if args.oversubscribe else []
-    if cfg.async_mode and np_ > 2 and recovery_supported():
-        # the async server goes on without a lost worker instead of the job ending
-        mpirun.append("--enable-recovery")
-    mpirun += list(args.mpirun_arg)
-    launcher = Launcher(mpirun + [sys.executable, "-m", "mpitrain"], list(args.training),
-                        Path(cfg.results_dir), cfg.resume, args.max_restarts)
+    job = Job(np_, hostfile.read(args.hostfile) if args.hostfile else None, args.hostfile,
+              args.oversubscribe, list(args.mpirun_arg), cfg.async_mode)
+    launcher = Launcher(job, list(args.training), Path(cfg.results_dir), cfg.resume,
+                        args.max_restarts)
     return launcher.run()
+
+
+@dataclass
+class Job:
+    """What mpirun is asked to run: ranks, hosts and its options. After a failure the
+    hosts mpirun can no longer start a process on are left out (:meth:`without_lost_hosts`)."""
+
+    np: int
+    hosts: Optional[List[hostfile.Host]]  # None: no hostfile (this machine, or SLURM's)
+    hostfile: Optional[str]
+    oversubscribe: bool
+    mpirun_args: List[str]
+    async_mode: bool
+
+    def command(self) -> List[str]:
+        cmd = ["mpirun", "-q", "-np", str(self.np)]
+        cmd += ["-hostfile", self.hostfile] if self.hostfile else []
+        cmd += ["--oversubscribe"] if self.oversubscribe else []
+        if self.async_mode and self.np > 2 and recovery_supported():
+            # the async server goes on without a lost worker instead of the job ending
+            cmd.append("--enable-recovery")
+        return cmd + self.mpirun_args + [sys.executable, "-m", "mpitrain"]
+
+    def without_lost_hosts(self, write_to: Path) -> Optional[str]:
+        """Probe every host; if some are gone, leave them out (a hostfile of the others
+        written at ``write_to``) and lower -np to the slots left. Returns what changed
+        (None if nothing); UsageError if too few ranks are left for the mode."""
+        if not self.hosts:
+            return None
+        gone = unreachable(self.hosts, self.mpirun_args)
+        if not gone:
+            return None
+        left = [h for h in self.hosts if h.name not in gone]
+        slots = hostfile.total_slots(left)
+        np_ = self.np if self.oversubscribe else min(self.np, slots)
+        if not left or (self.async_mode and np_ < 2):
+            raise UsageError(f"host(s) {', '.join(gone)} cannot be reached and the hosts "
+                             f"left offer {slots} slot(s): too few to continue the run "
+                             "(fix the hosts, then launch again with --resume)")
+        write_to.write_text("".join(f"{h.name} slots={h.slots}"
+                                    + (f" max_slots={h.max_slots}" if h.max_slots else "")
+                                    + "\n" for h in left))
+        before, self.np, self.hosts, self.hostfile = self.np, np_, left, str(write_to)
+        fewer = f"; -np {before} -> {np_}, the run resumes with fewer workers" \
+            if np_ < before else ""
+        return (f"host(s) {', '.join(gone)} cannot be reached (mpirun cannot start a "
+                f"process there): left out ({write_to}){fewer}")
+
+
+#: seconds mpirun gets to start ``true`` on a host before the host counts as gone
+PROBE_TIMEOUT = 30.0
+
+
+def unreachable(hosts: Sequence[hostfile.Host], mpirun_args: Sequence[str]) -> List[str]:
+    """The hosts on which mpirun (with the job's own options: its launch agent) cannot run
+    ``true`` within PROBE_TIMEOUT, probed all at once."""
+    probes = {h.name: subprocess.Popen(
+        ["mpirun", "-q", "-np", "1", "-host", h.name, *mpirun_args, "true"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        for h in hosts}
+    deadline, gone = time.monotonic() + PROBE_TIMEOUT, []
+    for name, probe in probes.items():
+        try:
+            code = probe.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_tree(probe.pid)
+            probe.wait()
+            code = None
+        if code != 0:
+            gone.append(name)
+    return gone
 
 
 def recovery_supported() -> bool:
@@ -122,9 +204,9 @@ def recovery_supported() -> bool:
 class Launcher:
     """Runs one job to completion through restarts; see the module docstring."""
 
-    def __init__(self, command: List[str], training: List[str], results_dir: Path,
+    def __init__(self, job: Job, training: List[str], results_dir: Path,
                  resume: Optional[str], max_restarts: int):
-        self.command, self.training = command, training
+        self.job, self.training = job, training
         self.results_dir, self.resume = results_dir, resume
         self.max_restarts = max_restarts
         self.proc: Optional[subprocess.Popen] = None
@@ -172,9 +254,23 @@ class Launcher:
                 say(f"the job failed (exit {code}) and no restarts are left "
                     f"(--max-restarts {self.max_restarts}); giving up")
                 return EXIT_FAILURE
+            try:
+                changed = self.job.without_lost_hosts(self._hostfile_path())
+            except UsageError as e:
+                say(f"the job failed (exit {code}); {e}")
+                return EXIT_FAILURE
+            if changed:
+                say(changed)
             where = f"from the checkpoint in {self.resume}" if self.resume else "from scratch"
             say(f"the job failed (exit {code}); restarting {where} ({left} restart(s) left)")
         return EXIT_FAILURE
+
+    def _hostfile_path(self) -> Path:
+        """Where the hostfile of the hosts left is written: the run directory (it records
+        where the run went on), else the results directory."""
+        where = Path(self.resume) if self.resume else self.results_dir
+        where.mkdir(parents=True, exist_ok=True)
+        return where / "hostfile.launch"
 
     def _failed_run_dir(self, before: set) -> Optional[Path]:
         """The run directory the failed attempt wrote in (its own, or the resumed one)."""
@@ -184,9 +280,10 @@ class Launcher:
         return new[-1] if new else None
 
     def _run_job(self, argv: Sequence[str]) -> int:
-        say("$ " + " ".join(self.command + list(argv)))
+        command = self.job.command() + list(argv)
+        say("$ " + " ".join(command))
         # a session of its own: one killpg reaches mpirun and every local rank
-        self.proc = subprocess.Popen(self.command + list(argv), start_new_session=True)
+        self.proc = subprocess.Popen(command, start_new_session=True)
         while True:
             try:
                 return self.proc.wait(timeout=1.0)

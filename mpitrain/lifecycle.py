@@ -14,6 +14,8 @@
 * :func:`resumed_config` — the configuration of a run being resumed with
   ``--resume RUN_DIR``: the saved one, with only the settings that may change
   between sessions taken from the command line.
+* :class:`Rescale` — a run resumed on a different number of ranks (a host was
+  lost): how its batch and learning rate follow, and where in training it resumes.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import json
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
 from .atomic import atomic_file
 from .config import Config
 from .errors import ResultsError, UsageError
+from .data import batches_per_epoch
 from .models import same_model
 
 CHECKPOINT = "checkpoint.npz"
@@ -140,13 +143,15 @@ def saved_config(run_dir: Path) -> dict:
         raise UsageError(f"--resume {run_dir}: cannot read {path} ({e})") from None
 
 
-def resumed_config(cli: Config, explicit: set, world_size: int) -> Config:
-    """The configuration to resume ``cli.resume`` with.
+def resumed_config(cli: Config, explicit: set, world_size: int
+                   ) -> Tuple[Config, Optional["Rescale"]]:
+    """The configuration to resume ``cli.resume`` with, and how it was rescaled.
 
     Settings given explicitly on the command line must equal the saved run's,
-    except those in RESUMABLE_CHANGES (more epochs, another timeout...); the
-    world size must match, since data shards and the optimizer trajectory
-    depend on it. UsageError naming the first mismatch otherwise.
+    except those in RESUMABLE_CHANGES (more epochs, another timeout...);
+    UsageError naming the first mismatch otherwise. On another number of ranks
+    than the saved run's, the batch and learning rate follow :class:`Rescale`
+    (returned, else None).
     """
     saved = saved_config(Path(cli.resume))
     fields = {f.name for f in dataclasses.fields(Config)}
@@ -154,9 +159,6 @@ def resumed_config(cli: Config, explicit: set, world_size: int) -> Config:
     if not same_model(cli.model, str(base.get("model"))):
         raise UsageError(f"--resume {cli.resume}: that run trained {base.get('model')}, "
                          f"not {cli.model}")  # a user's model: the saved absolute spec loads
-    if base.get("world_size") != world_size:
-        raise UsageError(f"--resume {cli.resume}: that run had {base.get('world_size')} "
-                         f"ranks; resume it with mpirun -np {base.get('world_size')}")
     for name in sorted(explicit):
         if name in RESUMABLE_CHANGES or name == "model":
             continue
@@ -166,4 +168,117 @@ def resumed_config(cli: Config, explicit: set, world_size: int) -> Config:
                              f"run, not {getattr(cli, name)!r}; resume with the same setting")
     changes = {name: getattr(cli, name) for name in RESUMABLE_CHANGES if name in explicit}
     changes["resume"] = cli.resume
-    return dataclasses.replace(Config(**base), **changes)
+    original = Config(**base)
+    if original.world_size == world_size:
+        return dataclasses.replace(original, **changes), None
+    rescale = Rescale.between(original, world_size)
+    return dataclasses.replace(rescale.config, **changes), rescale
+
+
+@dataclass(frozen=True)
+class Rescale:
+    """A run resumed on ``config.world_size`` ranks instead of ``original.world_size``.
+
+    Sync keeps the global batch (workers x per-worker batch) by changing the
+    per-worker batch: exactly where it divides, else to the nearest batch, and
+    the learning rate then follows the linear scaling rule (global batch ratio;
+    unchanged under ``--lr-scaling none``). With ``--batches-per-epoch`` the
+    steps per epoch are kept instead (the batch follows the shard) and so is the
+    learning rate. Async keeps batch and learning rate (every update is one
+    worker's batch either way); the remaining updates are shared by the workers
+    there are. Always relative to the run's first session, so rescaling twice
+    does not compound roundings. :meth:`position` maps a checkpoint's position.
+    """
+
+    original: Config
+    config: Config
+    rule: str  # one line for the console and the run's records
+
+    @classmethod
+    def between(cls, original: Config, world_size: int) -> "Rescale":
+        moved = dataclasses.replace(original, world_size=world_size)
+        if moved.async_mode and world_size < 2:
+            raise UsageError(f"--resume: an async run needs a parameter server and a worker; "
+                             f"-np {world_size} cannot continue it (use -np 2 or more)")
+        how = f"-np {original.world_size} -> {world_size} ({original.workers} -> " \
+              f"{moved.workers} workers)"
+        if original.mode != "sync" and moved.mode != "sync":
+            return cls(original, moved, f"{how}: batch {original.batch_size} per worker and "
+                       f"lr {original.effective_lr:g} kept; the workers share the updates left")
+        if original.batches_per_epoch:
+            kept = cls._with_effective_lr(moved, original.effective_lr)
+            return cls(original, kept, f"{how}: {original.batches_per_epoch} batches per "
+                       f"epoch kept (the batch follows the shard), lr "
+                       f"{original.effective_lr:g} kept")
+        target = original.global_batch
+        batch = max(1, round(target / moved.workers))
+        moved = dataclasses.replace(moved, batch_size=batch)
+        ratio = moved.global_batch / target
+        lr = original.effective_lr * (ratio if original.lr_scaling == "linear" else 1.0)
+        moved = cls._with_effective_lr(moved, lr)
+        if ratio == 1:
+            rule = f"global batch {target} kept (per-worker batch {original.batch_size} -> " \
+                   f"{batch}), lr {lr:g} kept"
+        else:
+            rule = f"global batch {target} does not divide by {moved.workers}: per-worker " \
+                   f"batch {original.batch_size} -> {batch}, global batch " \
+                   f"{moved.global_batch}, lr {original.effective_lr:g} -> {lr:g} " + \
+                   ("(linear scaling)" if original.lr_scaling == "linear"
+                    else "kept (--lr-scaling none)")
+        return cls(original, moved, f"{how}: {rule}")
+
+    @staticmethod
+    def _with_effective_lr(cfg: Config, effective_lr: float) -> Config:
+        """``cfg`` with --lr set so that its effective (scaled) learning rate is this."""
+        return dataclasses.replace(cfg, lr=effective_lr * cfg.lr / cfg.effective_lr)
+
+    def as_dict(self) -> dict:
+        o, n = self.original, self.config
+        return {"from_np": o.world_size, "to_np": n.world_size, "from_workers": o.workers,
+                "to_workers": n.workers, "batch_size": [o.batch_size, n.batch_size],
+                "effective_lr": [o.effective_lr, n.effective_lr], "rule": self.rule}
+
+
+def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
+                   original: Optional[Config] = None) -> Checkpoint:
+    """``ckpt`` with its position in ``cfg``'s units, when it was written on another
+    number of ranks or batch size (its ``geometry``; one without is in the units of
+    the run's first session, ``original``, default ``cfg``). The same fraction of the same
+    epoch for sync; for async the updates done are spread over ``cfg``'s workers. The
+    optimizer state carries over as it is (it holds no per-rank entries)."""
+    was = ckpt.extra.get("geometry") or geometry(original or cfg)
+    old_workers = dataclasses.replace(cfg, world_size=int(was["world_size"])).workers
+    old_batch = int(was["batch_size"])
+    if old_workers == cfg.workers and old_batch == cfg.batch_size:
+        return ckpt
+    new_per_epoch = batches_per_epoch(train_size // cfg.workers, cfg.batch_size)
+    extra = {**ckpt.extra, "geometry": geometry(cfg)}
+    if cfg.async_mode:
+        done = sum(ckpt.worker_steps.values()) or ckpt.step
+        share, left = divmod(done, cfg.workers)
+        steps = {rank: share + (1 if rank <= left else 0) for rank in range(1, cfg.workers + 1)}
+        extra["extra_steps"] = {}  # the plan starts over: total_steps each, minus done
+        extra["staleness"] = _fold_staleness(ckpt.extra.get("staleness", {}), cfg.workers)
+        return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
+    old_per_epoch = batches_per_epoch(train_size // old_workers, old_batch)
+    epoch, within = divmod(ckpt.step, old_per_epoch)
+    step = epoch * new_per_epoch + within * new_per_epoch // old_per_epoch
+    extra["rng"] = {r: row for r, row in (ckpt.extra.get("rng") or {}).items()
+                    if int(r) < cfg.world_size}
+    return dataclasses.replace(ckpt, step=step, extra=extra)
+
+
+def _fold_staleness(by_rank: Dict[str, Dict], workers: int) -> Dict[str, Dict]:
+    """Staleness counts of ranks that are gone go to the last worker there is, so the
+    run's histogram (the sum over workers) stays whole."""
+    out: Dict[str, Dict] = {}
+    for rank, counts in by_rank.items():
+        into = out.setdefault(str(min(int(rank), workers)), {})
+        for s, c in counts.items():
+            into[s] = into.get(s, 0) + c
+    return out
+
+
+def geometry(cfg: Config) -> Dict[str, int]:
+    """The units of a checkpoint's position: ranks and per-worker batch."""
+    return {"world_size": cfg.world_size, "batch_size": cfg.batch_size}

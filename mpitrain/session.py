@@ -24,7 +24,7 @@ from .tools import preflight as preflight_checks
 from .comm import Comm, Role, library_versions
 from .config import Config, resolve
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError
-from .lifecycle import Checkpoint, StopRequest, resumed_config
+from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
 from .console import Console, NullConsole
 from .replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from .results import NullResults, RunResults
@@ -38,9 +38,9 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     """
     stop = StopRequest().install()  # first, so a signal during setup is not lost
     comm = Comm.world(cfg.timeout)
-    checkpoint = None
+    checkpoint, rescale = None, None
     if cfg.resume:
-        cfg, checkpoint = prepare_resume(cfg, explicit, comm)
+        cfg, checkpoint, rescale = prepare_resume(cfg, explicit, comm)
     spec = load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
     preflight_checks.check_ranks(comm, preflight_checks.local_versions())
@@ -53,6 +53,11 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     cfg, dataset, shard_size, worker_index = load_data(cfg, comm, spec)
     for line in data.describe(dataset):
         (console.note if line == dataset.note else console.info)(line)
+    if checkpoint is not None:  # in this session's units if it was saved on another -np
+        checkpoint = remap_position(checkpoint, cfg, dataset.train_size,
+                                    rescale.original if rescale else None)
+    if rescale is not None:
+        console.note(f"resumed on another number of ranks, {rescale.rule}")
 
     init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
     replica = collectively(comm, lambda: Replica(
@@ -67,7 +72,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     results = open_results(cfg, comm)
     results.write_json("config.json" if checkpoint is None else
                        f"resumed-{time.strftime('%Y%m%d-%H%M%S')}.json",
-                       run_metadata(cfg, dataset, replica, ranks))
+                       run_metadata(cfg, dataset, replica, ranks, rescale))
     console.info(f"{cfg.model} {cfg.mode} on {comm.size} rank(s) ({cfg.workers} worker(s)), "
                  f"batch {cfg.batch_size}/worker, lr {cfg.effective_lr:g}, "
                  f"{cfg.epochs} epoch(s); results in {results.path}"
@@ -76,7 +81,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     run_dir = comm.allgather_objects(str(results.path) if results.path else None)[0]
     ctx = Context(cfg, comm, role, replica, dataset, results, console, stop=stop,
                   resume_from=checkpoint, run_dir=run_dir, shard_size=shard_size,
-                  worker_index=worker_index)
+                  worker_index=worker_index, rescaled=rescale.rule if rescale else "")
     trained = check_resumable(ctx, comm)  # a run killed after its final checkpoint
     trainer = async_trainer if cfg.async_mode else sync_trainer
     sampler = start_sampler(cfg, comm)
@@ -92,7 +97,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
         comm.stop_listening()
     gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results,
                                  lost=[w["rank"] for w in ctx.lost])
-    results.add_run_row({**run_row(cfg, dataset, summary),
+    results.add_run_row({**run_row(cfg, dataset, summary, rescaled=ctx.rescaled),
                          **telemetry.node_summary(gathered, comm.hosts)})
     results.set_status("ok")
     console.summary(summary_lines(cfg, summary, results.path))
@@ -168,7 +173,9 @@ def load_data(cfg: Config, comm: Comm, spec):
 
 
 def prepare_resume(cfg: Config, explicit: frozenset, comm: Comm):
-    """(config, checkpoint) of the run being resumed; rank 0 reads them, all agree.
+    """(config, checkpoint, rescale) of the run being resumed; rank 0 reads them, all
+    agree. ``rescale`` (a :class:`~mpitrain.lifecycle.Rescale`, else None) says how the
+    run continues on another number of ranks.
 
     Only rank 0 needs the run directory (it may exist on rank 0's host only);
     the others receive the configuration. The checkpoint stays on rank 0, which
@@ -182,7 +189,8 @@ def prepare_resume(cfg: Config, explicit: frozenset, comm: Comm):
         except (UsageError, ResultsError) as e:
             error = e
     comm.agree(error)
-    return comm.allgather_objects(resumed)[0], checkpoint
+    cfg, rescale = comm.allgather_objects(resumed)[0]
+    return cfg, checkpoint, rescale
 
 
 def check_resumable(ctx: Context, comm: Comm) -> bool:
@@ -247,7 +255,8 @@ def record_failure(ctx: Context, error: MpitrainError, sampler) -> None:
     """
     status = "interrupted" if isinstance(error, Interrupted) else "failed"
     ctx.results.set_status(status, str(error))
-    row = run_row(ctx.cfg, ctx.data, getattr(error, "summary", None), status, str(error))
+    row = run_row(ctx.cfg, ctx.data, getattr(error, "summary", None), status, str(error),
+                  ctx.rescaled)
     try:
         if error.everywhere:
             gathered = telemetry.collect(ctx.comm, ctx.role.value, sampler, ctx.timer,
@@ -313,10 +322,11 @@ def git_commit() -> str:
         return ""
 
 
-def run_metadata(cfg: Config, dataset, replica, ranks) -> dict:
+def run_metadata(cfg: Config, dataset, replica, ranks, rescale=None) -> dict:
     import keras
 
     return {"config": cfg.to_dict(), "argv": sys.argv,
+            **({"rescaled": rescale.as_dict()} if rescale else {}),
             "dataset": {"name": dataset.name, "source": dataset.source,
                         "train_size": dataset.train_size, "note": dataset.note,
                         "input_shape": list(dataset.input_shape),
@@ -330,15 +340,17 @@ def run_metadata(cfg: Config, dataset, replica, ranks) -> dict:
 
 
 def run_row(cfg: Config, dataset, summary: Optional[Summary], status: str = "ok",
-            reason: str = "") -> dict:
-    """The run's row in runs.csv (``summary`` may be None for a run that failed early)."""
+            reason: str = "", rescaled: str = "") -> dict:
+    """The run's row in runs.csv (``summary`` may be None for a run that failed early);
+    ``rescaled``: how this session continued the run on another number of ranks."""
     row = {"model": cfg.model, "mode": cfg.mode, "np": cfg.world_size,
            "workers": cfg.workers, "batch_size": cfg.batch_size,
            "global_batch": cfg.global_batch, "optimizer": cfg.optimizer,
            "lr": cfg.effective_lr, "dataset": dataset.name,
            "input_shape": "x".join(map(str, dataset.input_shape)),
            "num_classes": dataset.num_classes, "status": status,
-           "reason": reason, "resumed": bool(cfg.resume), "engine": engine_name(cfg),
+           "reason": reason, "resumed": bool(cfg.resume), "rescaled": rescaled,
+           "engine": engine_name(cfg),
            "horovod_version": (preflight_checks.installed_version("horovod")
                                if cfg.allreduce == "horovod" else ""),
            "slurm_job_id": os.environ.get("SLURM_JOB_ID", "")}

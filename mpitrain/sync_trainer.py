@@ -296,7 +296,8 @@ class LocalEvaluation:
             rng = replica.rng_state()
             self.ctx.results.save_checkpoint(Checkpoint(
                 replica.weights(), replica.optimizer_state(), step, self.clock(),
-                extra={"rng": {0: rng.tolist()} if rng.size else {}},
+                extra={"rng": {0: rng.tolist()} if rng.size else {},
+                       "geometry": self.ctx.geometry},
                 buffers=replica.buffers()))
 
     def close(self, step: int) -> Summary:
@@ -487,7 +488,8 @@ class Server:
             optimizer, rng = state
             n = ctx.replica.n_params
             ctx.results.save_checkpoint(Checkpoint(self.weights[:n].copy(), optimizer, step,
-                                                   wall, extra={"rng": rng},
+                                                   wall, extra={"rng": rng,
+                                                                "geometry": ctx.geometry},
                                                    buffers=self.weights[n:].copy()))
         timer.add(compute=time.perf_counter() - t1)
         timer.end_epoch(round(step / ctx.steps_per_epoch, 4))

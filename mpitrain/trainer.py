@@ -20,7 +20,7 @@ from .config import Config
 from .data import Dataset, batches_per_epoch, epoch_batches
 from .errors import Divergence, Interrupted
 from .replica import Replica
-from .lifecycle import Checkpoint, StopRequest
+from .lifecycle import Checkpoint, StopRequest, geometry
 from .telemetry import EpochTimer
 
 #: message tags of the worker <-> server protocols (both modes)
@@ -55,6 +55,13 @@ class Context:
     #: workers the async server dropped under --enable-recovery (on rank 0; dicts with
     #: rank, host, update, step, wall_time_s, reason), also those of earlier sessions
     lost: List[dict] = field(default_factory=list)
+    #: how this session continues a run saved on another number of ranks ('' if it does not)
+    rescaled: str = ""
+
+    @property
+    def geometry(self) -> Dict[str, int]:
+        """The units of this session's checkpoint positions (see lifecycle.remap_position)."""
+        return geometry(self.cfg)
 
     @property
     def steps_per_epoch(self) -> int:

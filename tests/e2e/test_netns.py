@@ -8,10 +8,12 @@ and check each node's own network counters in runs.csv.
 
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import REPO, mpi_env, read_rows, run_bounded
+from conftest import (REPO, finish_bounded, mpi_env, mpirun_cmd, read_rows, run_bounded,
+                      start_bounded)
 
 pytestmark = pytest.mark.slow
 NETNS = REPO / "scripts" / "netns-cluster"
@@ -74,3 +76,50 @@ def test_sync_allreduce_spreads_traffic(cluster, tmp_path, mnist, shape, np_):
     gradient_mb = 7850 * 4 / 2**20
     for node, mb in traffic.items():  # each node carries at least its share of allreduces
         assert mb > 0.5 * steps * gradient_mb, (node, traffic)
+
+
+# Last in the file: it takes node2 away from the module's cluster.
+def test_launch_leaves_out_a_lost_node_and_resumes_with_fewer_workers(cluster, tmp_path,
+                                                                       mnist):
+    """cluster2 (-np 4: node0 x2, node1, node2) under `mpitrain launch`; after the first
+    checkpoint node2 is lost (every process in it SIGKILLed, the node removed). The
+    launcher finds node2 unreachable, restarts on node0+node1 with -np 3, and the run
+    resumes with 2 workers at the same global batch (4 x 3 = 6 x 2) and learning rate:
+    one results directory, a continuous curve to the last epoch, accuracy within 1 pp
+    of an uninterrupted run."""
+    training = ["lr", "--batch-size", "4", "--lr", "0.05", "--epochs", "3", "--quiet",
+                "--data-dir", str(mnist), "--sample-interval", "0"]
+    reference = run_bounded(mpirun_cmd(4, *training, "--results-dir", tmp_path / "ref"), 600,
+                            env=mpi_env())
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = float(read_rows(tmp_path / "ref" / "runs.csv")[-1]["test_accuracy"])
+
+    results = tmp_path / "launched"
+    proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "4", "-hostfile",
+                          hostfile("cluster2"), *[f"--mpirun-arg={a}" for a in cluster],
+                          *training, "--results-dir", str(results), "--checkpoint-steps",
+                          "200"], env=mpi_env())
+    deadline = time.monotonic() + 300
+    while not list(results.glob("*/checkpoint.npz")) and time.monotonic() < deadline:
+        assert proc.poll() is None, finish_bounded(proc, 30).stderr[-3000:]
+        time.sleep(0.2)
+    failed = run_bounded([NETNS, "fail", "node2"], 60)
+    assert failed.returncode == 0, failed.stdout + failed.stderr
+    done = finish_bounded(proc, 600)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "host(s) node2 cannot be reached" in done.stderr, done.stderr[-3000:]
+    assert "-np 4 -> 3, the run resumes with fewer workers" in done.stderr
+    run_dir, = [p for p in results.iterdir() if p.is_dir()]
+    assert (run_dir / "hostfile.launch").read_text().split() == ["node0", "slots=2",
+                                                                 "node1", "slots=1"]
+    rows = read_rows(results / "runs.csv")
+    final = rows[-1]
+    assert final["status"] == "ok" and (final["np"], final["workers"]) == ("3", "2")
+    assert (final["batch_size"], final["global_batch"]) == ("6", "12")
+    assert "global batch 12 kept (per-worker batch 4 -> 6)" in final["rescaled"]
+    assert float(final["lr"]) == pytest.approx(float(rows[0]["lr"]))
+    curve = read_rows(run_dir / "curve.csv")
+    steps = [int(r["step"]) for r in curve]
+    assert steps == sorted(set(steps)) and float(curve[-1]["epoch"]) == 3
+    assert abs(float(final["test_accuracy"]) - expected) <= 0.01, (final, expected)

@@ -228,7 +228,8 @@ def test_resume_from_another_directory_matches_by_file_and_function(cnn, tmp_pat
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # ./my_cnn.py does not exist here
     cfg = cli.parse_config(["./my_cnn.py:build", "--resume", str(run_dir), "--epochs", "3"])
-    resumed = resumed_config(cfg, {"epochs", "resume"}, 2)
+    resumed, rescale = resumed_config(cfg, {"epochs", "resume"}, 2)
+    assert rescale is None
     assert (resumed.model, resumed.model_given, resumed.epochs) == (
         f"{cnn}:build", "./my_cnn.py:build", 3)
     other = cli.parse_config(["./other.py:build", "--resume", str(run_dir)])

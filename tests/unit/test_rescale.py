@@ -1,0 +1,111 @@
+"""Resuming on another number of ranks: batch, learning rate and position (pure logic)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mpitrain.config import Config
+from mpitrain.errors import UsageError
+from mpitrain.lifecycle import Checkpoint, Rescale, geometry, remap_position, resumed_config
+
+MNIST_TRAIN = 60000
+
+
+def sync(world_size=4, **kw):
+    return Config(**{"model": "lr", "world_size": world_size, "batch_size": 5, "lr": 0.05,
+                     "epochs": 4, "optimizer": "sgd", "dataset": "mnist", **kw})
+
+
+def checkpoint(step, cfg, **extra):
+    return Checkpoint(np.zeros(3, np.float32), {}, step, 12.5,
+                      extra={"geometry": geometry(cfg), **extra})
+
+
+def test_sync_keeps_the_global_batch_where_it_divides():
+    before = sync(4, batch_size=4)
+    after = Rescale.between(before, 3)  # 2 workers x 6 = 12
+    assert after.config.batch_size == 6 and after.config.global_batch == 12
+    assert after.config.effective_lr == pytest.approx(before.effective_lr)
+    assert "global batch 12 kept (per-worker batch 4 -> 6)" in after.rule
+    assert after.as_dict()["to_workers"] == 2
+
+
+def test_sync_scales_the_lr_where_the_batch_does_not_divide():
+    before = sync(4)  # 3 x 5 = 15 over 2 workers: 8 each, 16
+    after = Rescale.between(before, 3)
+    assert after.config.batch_size == 8 and after.config.global_batch == 16
+    assert after.config.effective_lr == pytest.approx(before.effective_lr * 16 / 15)
+    assert "does not divide" in after.rule and "linear scaling" in after.rule
+    unscaled = Rescale.between(sync(4, lr_scaling="none"), 3)
+    assert unscaled.config.effective_lr == pytest.approx(0.05)
+    assert "kept (--lr-scaling none)" in unscaled.rule
+
+
+def test_sync_down_to_one_rank_trains_alone_with_the_whole_batch():
+    after = Rescale.between(sync(4, batch_size=4), 1)
+    assert after.config.mode == "single" and after.config.batch_size == 12
+    assert after.config.effective_lr == pytest.approx(sync(4, batch_size=4).effective_lr)
+
+
+def test_batches_per_epoch_keeps_the_steps_and_the_lr():
+    before = sync(4, batches_per_epoch=100)
+    after = Rescale.between(before, 2)
+    assert after.config.batches_per_epoch == 100
+    assert after.config.effective_lr == pytest.approx(before.effective_lr)
+
+
+def test_async_keeps_batch_and_lr_and_needs_a_worker():
+    before = sync(4, async_mode=True)
+    after = Rescale.between(before, 3)
+    assert (after.config.batch_size, after.config.lr) == (5, 0.05)
+    assert after.config.workers == 2
+    with pytest.raises(UsageError, match="-np 1 cannot continue it"):
+        Rescale.between(before, 1)
+
+
+def test_sync_position_is_the_same_fraction_of_the_same_epoch():
+    before, after = sync(4), Rescale.between(sync(4), 3)
+    per_epoch_before = -(-MNIST_TRAIN // 3 // 5)  # 4000
+    per_epoch_after = -(-MNIST_TRAIN // 2 // 8)  # 3750
+    step = 2 * per_epoch_before + per_epoch_before // 2  # half-way through epoch 3
+    rng = {0: [1, 2], 1: [3, 4], 3: [5, 6]}
+    moved = remap_position(checkpoint(step, before, rng=rng), after.config, MNIST_TRAIN)
+    assert moved.step == 2 * per_epoch_after + per_epoch_after // 2
+    assert moved.extra["geometry"] == {"world_size": 3, "batch_size": 8}
+    assert sorted(moved.extra["rng"]) == [0, 1]  # rank 3 is gone
+    assert moved.wall_time_s == 12.5  # the clock continues
+
+
+def test_a_checkpoint_in_this_sessions_units_is_left_alone():
+    cfg = sync(4)
+    ckpt = checkpoint(123, cfg)
+    assert remap_position(ckpt, cfg, MNIST_TRAIN) is ckpt
+    legacy = Checkpoint(np.zeros(3, np.float32), {}, 123, 1.0)  # no geometry: the original's
+    assert remap_position(legacy, cfg, MNIST_TRAIN) is legacy
+    after = Rescale.between(cfg, 3)
+    assert remap_position(legacy, after.config, MNIST_TRAIN, original=cfg).step != 123
+
+
+def test_async_position_spreads_the_updates_done_over_the_workers_left():
+    before = sync(4, async_mode=True)
+    after = Rescale.between(before, 3).config
+    ckpt = Checkpoint(np.zeros(3, np.float32), {}, 1001, 3.0, worker_steps={1: 400, 2: 300,
+                      3: 301}, extra={"geometry": geometry(before), "extra_steps": {"1": 5},
+                                      "staleness": {"1": {"0": 2}, "3": {"0": 1, "2": 4}}})
+    moved = remap_position(ckpt, after, MNIST_TRAIN)
+    assert moved.worker_steps == {1: 501, 2: 500} and moved.step == 1001
+    assert moved.extra["extra_steps"] == {}
+    assert moved.extra["staleness"] == {"1": {"0": 2}, "2": {"0": 1, "2": 4}}
+
+
+def test_resumed_config_rescales_from_the_first_session(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"config": sync(4).to_dict()}))
+    cli_cfg = Config(model="lr", resume=str(run))
+    same, none = resumed_config(cli_cfg, {"resume"}, 4)
+    assert none is None and same.world_size == 4
+    fewer, rescale = resumed_config(cli_cfg, {"resume"}, 3)
+    assert fewer.world_size == 3 and fewer.batch_size == 8 and fewer.resume == str(run)
+    assert rescale.original.world_size == 4
