@@ -160,3 +160,31 @@ def test_usage_errors_are_one_line_before_any_launch(args, message):
     assert result.returncode == 2
     assert result.stderr.count("mpitrain: error:") == 1 and message in result.stderr
     assert "$ mpirun" not in result.stderr
+
+
+def test_hosts_mpirun_cannot_reach_are_left_out(tmp_path, monkeypatch):
+    """The probe before a restart is a real mpirun per host: an unresolvable host is
+    left out of the next attempt's hostfile and -np drops to the slots left; without
+    enough left for the mode, the launcher gives up with one line."""
+    from mpitrain.errors import UsageError
+    from mpitrain.launch import Job
+    from mpitrain.tools import hostfile
+
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    hosts = hostfile.parse("localhost slots=2\nno-such-host.invalid slots=2\n")
+    job = Job(4, hosts, "cluster", False, [], async_mode=True)
+    changed = job.without_lost_hosts(tmp_path / "hostfile.launch")
+    assert "host(s) no-such-host.invalid cannot be reached" in changed
+    assert "-np 4 -> 2, the run resumes with fewer workers" in changed
+    assert (job.np, job.hostfile) == (2, str(tmp_path / "hostfile.launch"))
+    assert (tmp_path / "hostfile.launch").read_text() == "localhost slots=2\n"
+    assert "-np 2 -hostfile " + str(tmp_path / "hostfile.launch") in " ".join(job.command())
+    assert job.without_lost_hosts(tmp_path / "again") is None  # nothing else is gone
+
+    alone = Job(4, hostfile.parse("localhost slots=1\nno-such-host.invalid slots=3\n"),
+                "cluster", False, [], async_mode=True)
+    with pytest.raises(UsageError, match="too few to continue the run"):
+        alone.without_lost_hosts(tmp_path / "h")
+    crowded = Job(4, hosts, "cluster", True, [], async_mode=False)  # --oversubscribe
+    assert "-np" not in crowded.without_lost_hosts(tmp_path / "o") and crowded.np == 4
