@@ -1,8 +1,17 @@
-"""Shared test helpers: where the real MNIST is, and a bounded real ``mpirun``."""
+"""Shared test helpers: where the real MNIST is, and a bounded real ``mpirun``.
+
+The suite runs two tests at a time (pytest-xdist, ``-n 2`` in pytest.ini): most
+end-to-end time is process start-up, TensorFlow imports and waits, which overlap
+well. Tests whose assertions hold only on an otherwise idle machine (watchdog and
+liveness bounds, signals at a moment, stop grace periods) are marked ``exclusive``
+and run alone: :func:`_exclusive_or_shared` holds a lock shared by the others.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import gzip
 import os
 import pickle
@@ -19,6 +28,44 @@ from mpitrain.launch import kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
+
+
+@pytest.fixture(autouse=True)
+def _exclusive_or_shared(request, tmp_path_factory):
+    """A readers-writer lock across the xdist workers: an ``exclusive`` test holds it
+    alone, every other test shares it. A turnstile, taken by everyone on the way in,
+    keeps a waiting exclusive test from being starved by a stream of shared ones."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield  # one process: nothing runs beside this test
+        return
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    root = tmp_path_factory.getbasetemp().parent  # shared by the session's workers
+    with open(root / "suite.lock", "a") as lock, open(root / "turnstile.lock", "a") as gate:
+        with _flock(gate, fcntl.LOCK_EX):
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """Every test runs on the xdist worker of its file's other tests (module fixtures
+    such as the netns cluster or a reference run are made once), unless it names a
+    group of its own (e.g. the accuracy tests that share :func:`lr_accuracy`)."""
+    for item in items:
+        if not any(True for _ in item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+@contextlib.contextmanager
+def _flock(f, how):
+    fcntl.flock(f, how)
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def mnist_dir() -> Path:

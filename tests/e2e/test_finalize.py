@@ -7,7 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import REPO, mpi_env
+
+pytestmark = pytest.mark.exclusive  # the bounds are timed
 
 
 def python(code: str, **env) -> subprocess.CompletedProcess:

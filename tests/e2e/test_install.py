@@ -1,11 +1,15 @@
 """A fresh install, as a new user makes it, on the Pythons the package supports.
 
 Each case makes an empty venv with that Python, ``pip install``s this source tree
-(not editable: what a user gets), and trains LR under ``mpirun -np 3`` from a
+built as a wheel (not editable: what a user gets), and trains LR under ``mpirun -np 3`` from a
 directory outside the tree, so the installed package is what runs. pip picks
 the newest TensorFlow with wheels for that Python (3.13: 2.20+). Python 3.13
 is what today's Debian stable ships; 3.10 is the oldest supported (tomllib
 fallback). A missing interpreter skips, except 3.13 in CI.
+
+Both environments are installed at the same time (mostly downloading and
+unpacking TensorFlow), with ``pip --no-compile``: Python compiles the modules a
+rank imports on first use instead of pip compiling every file up front.
 """
 
 import json
@@ -16,7 +20,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, mpirun_cmd, read_rows, run_bounded
+from conftest import (REPO, finish_bounded, mpirun_cmd, read_rows, run_bounded,
+                      start_bounded)
 
 pytestmark = pytest.mark.slow
 
@@ -33,24 +38,51 @@ def candidates(version: str):
                 yield os.path.join(root, "versions", installed, "bin", f"python{version}")
 
 
-def interpreter(version: str) -> str:
+VERSIONS = ("3.13", "3.10")
+
+
+def interpreter(version: str):
+    """A python``version`` with venv and ensurepip, or None."""
     for found in candidates(version):
         if found and subprocess.run([found, "-c", "import venv, ensurepip"],
                                     capture_output=True).returncode == 0:
             return found
-    message = f"no python{version} with venv on this machine"
-    if version == "3.13" and os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
+    return None
 
 
-@pytest.mark.parametrize("version", ["3.13", "3.10"])
-def test_fresh_install_trains_under_mpirun(mnist, tmp_path, version):
-    python = interpreter(version)
-    venv = tmp_path / "venv"
-    made = run_bounded([python, "-m", "venv", venv], timeout=120)
-    assert made.returncode == 0, made.stderr
-    pip = run_bounded([venv / "bin/python", "-m", "pip", "install", "-q", REPO], timeout=1200)
+@pytest.fixture(scope="module")
+def installs(tmp_path_factory):
+    """{version: (venv, pip's CompletedProcess) or None if that Python is missing}:
+    this tree built into a wheel (what a user downloads), every venv made, then the
+    pip installs of that wheel run side by side (bounded)."""
+    wheels = tmp_path_factory.mktemp("wheel")
+    built = run_bounded([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", wheels,
+                         REPO], timeout=300)  # once: two builds in one tree would collide
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheel, = wheels.glob("mpitrain-*.whl")
+    started = {}
+    for version in VERSIONS:
+        python = interpreter(version)
+        if python is None:
+            continue
+        venv = tmp_path_factory.mktemp(f"py{version}") / "venv"
+        made = run_bounded([python, "-m", "venv", venv], timeout=120)
+        assert made.returncode == 0, made.stderr
+        started[version] = (venv, start_bounded([venv / "bin/python", "-m", "pip", "install",
+                                                 "-q", "--no-compile", wheel]))
+    done = {version: (venv, finish_bounded(pip, 1200)) for version, (venv, pip)
+            in started.items()}
+    return {version: done.get(version) for version in VERSIONS}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fresh_install_trains_under_mpirun(mnist, tmp_path, version, installs):
+    if installs[version] is None:
+        message = f"no python{version} with venv on this machine"
+        if version == "3.13" and os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    venv, pip = installs[version]
     assert pip.returncode == 0, pip.stderr[-3000:]
 
     work = tmp_path / "elsewhere"  # not the source tree: the installed package runs

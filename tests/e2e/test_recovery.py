@@ -15,7 +15,7 @@ import pytest
 
 from conftest import LOCAL_HOSTFILE, finish_bounded, mnist_dir, start_bounded
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 # LR async at -np 4 (3 workers) in batches of 5: ~1,300 steps and a few seconds an
 # epoch here, so a worker lost after the first epoch is dropped (after 3 s of silence)

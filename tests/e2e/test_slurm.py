@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, mpi_env, read_rows, run_bounded
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 SLURM = REPO / "scripts" / "slurm-local"
 ONE_HOST = ["--nodes=1", "--ntasks=4", "--ntasks-per-node=4"]
 

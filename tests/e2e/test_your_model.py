@@ -72,10 +72,10 @@ def test_batchnorm_model_on_an_npz_single_sync_async(mnist_npz, tmp_path):
     assert (row["dataset"], row["input_shape"], row["num_classes"]) == ("arrays", "28x28x1", "10")
     assert row["model"].endswith("cnn_batchnorm.py:build") and row["mode"] == "sync"
 
-    single = mpirun(1, CNN, "--data", mnist_npz, "--epochs", "1", "--results-dir",
+    single = mpirun(1, CNN, "--data", mnist_npz, "--steps", "150", "--results-dir",
                     tmp_path / "single", "--quiet", timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
-    assert float(last_run(tmp_path / "single")["test_accuracy"]) > 0.97
+    assert float(last_run(tmp_path / "single")["test_accuracy"]) > 0.95  # measured 0.972
 
 
 @pytest.mark.slow
