@@ -1,8 +1,9 @@
 """Shared test helpers: where the real MNIST is, and a bounded real ``mpirun``.
 
-The suite runs two tests at a time (pytest-xdist, ``-n 2`` in pytest.ini): most
-end-to-end time is process start-up, TensorFlow imports and waits, which overlap
-well. Tests whose assertions hold only on an otherwise idle machine (watchdog and
+The suite runs two tests at a time (pytest-xdist, ``-n 2 --dist loadfile`` in
+pytest.ini: a file's tests stay on one worker, so module fixtures such as the netns
+cluster, the SLURM daemons or a reference run are made once): most end-to-end time
+is process start-up, TensorFlow imports and waits, which overlap well. Tests whose assertions hold only on an otherwise idle machine (watchdog and
 liveness bounds, signals at a moment, stop grace periods) are marked ``exclusive``
 and run alone: :func:`_exclusive_or_shared` holds a lock shared by the others.
 """
@@ -39,7 +40,7 @@ def _exclusive_or_shared(request, tmp_path_factory):
         yield  # one process: nothing runs beside this test
         return
     exclusive = request.node.get_closest_marker("exclusive") is not None
-    root = tmp_path_factory.getbasetemp().parent  # shared by the session's workers
+    root = session_dir(tmp_path_factory)
     with open(root / "suite.lock", "a") as lock, open(root / "turnstile.lock", "a") as gate:
         with _flock(gate, fcntl.LOCK_EX):
             fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
@@ -49,14 +50,11 @@ def _exclusive_or_shared(request, tmp_path_factory):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items):
-    """Every test runs on the xdist worker of its file's other tests (module fixtures
-    such as the netns cluster or a reference run are made once), unless it names a
-    group of its own (e.g. the accuracy tests that share :func:`lr_accuracy`)."""
-    for item in items:
-        if not any(True for _ in item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+def session_dir(tmp_path_factory) -> Path:
+    """This test session's temporary directory, the same for all its xdist workers
+    (each worker's basetemp is a popen-gwN directory inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @contextlib.contextmanager
@@ -164,19 +162,23 @@ def read_rows(path: Path) -> list:
 @pytest.fixture(scope="session")
 def lr_accuracy(tmp_path_factory):
     """``lr_accuracy(np, *options)``: test accuracy of a default LR run on the real
-    MNIST (30 epochs), run once per distinct (np, options) in the whole session:
-    the sync and async accuracy tests compare against the same sync runs."""
-    results = tmp_path_factory.mktemp("lr-accuracy")
-    found = {}
+    MNIST (30 epochs), run once per distinct (np, options) in the whole session, also
+    across xdist workers (a file per run under a lock): the sync and async accuracy
+    tests compare against the same sync runs."""
+    shared = session_dir(tmp_path_factory) / "lr-accuracy"
+    shared.mkdir(exist_ok=True)
 
     def accuracy(np_: int, *options) -> float:
-        key = (np_, *options)
-        if key not in found:
-            result = mpirun(np_, "lr", "--data-dir", mnist_dir(), "--results-dir", results,
-                            "--quiet", *options, timeout=600)
-            assert result.returncode == 0, result.stderr[-2000:]
-            found[key] = float(read_rows(results / "runs.csv")[-1]["test_accuracy"])
-        return found[key]
+        key = "_".join(map(str, (np_, *options))).replace("-", "")
+        found = shared / f"{key}.txt"
+        with open(shared / f"{key}.lock", "a") as lock, _flock(lock, fcntl.LOCK_EX):
+            if not found.is_file():
+                results = shared / key
+                result = mpirun(np_, "lr", "--data-dir", mnist_dir(), "--results-dir",
+                                results, "--quiet", *options, timeout=600)
+                assert result.returncode == 0, result.stderr[-2000:]
+                found.write_text(read_rows(results / "runs.csv")[-1]["test_accuracy"])
+            return float(found.read_text())
 
     return accuracy
 

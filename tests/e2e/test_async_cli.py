@@ -47,7 +47,6 @@ def test_async_usage_errors(args, pattern):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("lr_accuracy")  # the same sync runs (conftest.lr_accuracy)
 def test_async_accuracy_close_to_sync(lr_accuracy):
     """Async LR at -np 3 and 4 within 1 pp of sync; --staleness 0 within 0.5 pp."""
     accuracy = lr_accuracy

@@ -122,7 +122,6 @@ def test_offline_auto_falls_back_to_digits(tmp_path):
 
 # ---- acceptance: accuracy on the real MNIST -------------------------------------------
 @pytest.mark.slow
-@pytest.mark.xdist_group("lr_accuracy")  # the same sync runs (conftest.lr_accuracy)
 def test_sync_accuracy_matches_single_node(lr_accuracy):
     """Single-node LR >= 91%; sync at -np 2/3/4 within 0.5 pp at the same epochs."""
     accuracy = {np_: lr_accuracy(np_) for np_ in (1, 2, 3, 4)}
