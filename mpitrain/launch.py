@@ -13,8 +13,8 @@ failed (see :mod:`mpitrain.lifecycle`); it loses at most the steps since the
 last checkpoint (``--checkpoint-every``).
 
 Before each restart every host of the hostfile is probed (mpirun, with the job's
-own launch options, runs ``true`` there within PROBE_TIMEOUT). A host that is
-gone is left out: the restart runs on a hostfile of the others
+own launch options, runs ``true`` there within PROBE_TIMEOUT; a host that fails
+is probed once more). A host that is gone is left out: the restart runs on a hostfile of the others
 (``hostfile.launch`` in the run directory) and, when their slots are fewer than
 -np (and --oversubscribe was not given), with fewer ranks. The run then resumes
 with fewer workers: a sync run keeps its global batch by raising the
@@ -60,7 +60,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
@@ -153,9 +153,10 @@ class Job:
         slots = hostfile.total_slots(left)
         np_ = self.np if self.oversubscribe else min(self.np, slots)
         if not left or (self.async_mode and np_ < 2):
-            raise UsageError(f"host(s) {', '.join(gone)} cannot be reached and the hosts "
-                             f"left offer {slots} slot(s): too few to continue the run "
-                             "(fix the hosts, then launch again with --resume)")
+            raise UsageError(f"host(s) {', '.join(gone)} cannot be reached ("
+                             + "; ".join(f"{h}: {why}" for h, why in gone.items())
+                             + f") and the hosts left offer {slots} slot(s): too few to "
+                             "continue the run (fix the hosts, then launch again with --resume)")
         write_to.write_text("".join(f"{h.name} slots={h.slots}"
                                     + (f" max_slots={h.max_slots}" if h.max_slots else "")
                                     + "\n" for h in left))
@@ -163,30 +164,39 @@ class Job:
         fewer = f"; -np {before} -> {np_}, the run resumes with fewer workers" \
             if np_ < before else ""
         return (f"host(s) {', '.join(gone)} cannot be reached (mpirun cannot start a "
-                f"process there): left out ({write_to}){fewer}")
+                f"process there: {'; '.join(f'{h}: {why}' for h, why in gone.items())}): "
+                f"left out ({write_to}){fewer}")
 
 
 #: seconds mpirun gets to start ``true`` on a host before the host counts as gone
 PROBE_TIMEOUT = 30.0
 
 
-def unreachable(hosts: Sequence[hostfile.Host], mpirun_args: Sequence[str]) -> List[str]:
-    """The hosts on which mpirun (with the job's own options: its launch agent) cannot run
-    ``true`` within PROBE_TIMEOUT, probed all at once."""
-    probes = {h.name: subprocess.Popen(
-        ["mpirun", "-q", "-np", "1", "-host", h.name, *mpirun_args, "true"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        for h in hosts}
-    deadline, gone = time.monotonic() + PROBE_TIMEOUT, []
+def unreachable(hosts: Sequence[hostfile.Host], mpirun_args: Sequence[str]) -> Dict[str, str]:
+    """{host: why} for the hosts on which mpirun (with the job's own options: its launch
+    agent) cannot run ``true`` within PROBE_TIMEOUT, twice in a row (a busy machine can
+    fail one probe; a lost host fails both). Hosts are probed all at once."""
+    failed = _probe([h.name for h in hosts], mpirun_args)
+    return _probe(list(failed), mpirun_args) if failed else failed
+
+
+def _probe(names: Sequence[str], mpirun_args: Sequence[str]) -> Dict[str, str]:
+    probes = {name: subprocess.Popen(
+        ["mpirun", "-q", "-np", "1", "-host", name, *mpirun_args, "true"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for name in names}
+    deadline, gone = time.monotonic() + PROBE_TIMEOUT, {}
     for name, probe in probes.items():
         try:
-            code = probe.wait(timeout=max(0.0, deadline - time.monotonic()))
+            _, err = probe.communicate(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             kill_tree(probe.pid)
-            probe.wait()
-            code = None
-        if code != 0:
-            gone.append(name)
+            probe.communicate()
+            gone[name] = f"no answer within {PROBE_TIMEOUT:g} s"
+            continue
+        if probe.returncode != 0:
+            first = next((line.strip() for line in err.splitlines() if line.strip()), "")
+            gone[name] = f"exit {probe.returncode}" + (f": {first}" if first else "")
     return gone
 
 

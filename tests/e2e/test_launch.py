@@ -178,7 +178,8 @@ def test_hosts_mpirun_cannot_reach_are_left_out(tmp_path, monkeypatch):
     hosts = hostfile.parse("localhost slots=2\nno-such-host.invalid slots=2\n")
     job = Job(4, hosts, "cluster", False, [], async_mode=True)
     changed = job.without_lost_hosts(tmp_path / "hostfile.launch")
-    assert "host(s) no-such-host.invalid cannot be reached" in changed
+    assert "host(s) no-such-host.invalid cannot be reached (mpirun cannot start a process " \
+        "there: no-such-host.invalid: exit " in changed
     assert "-np 4 -> 2, the run resumes with fewer workers" in changed
     assert (job.np, job.hostfile) == (2, str(tmp_path / "hostfile.launch"))
     assert (tmp_path / "hostfile.launch").read_text() == "localhost slots=2\n"
