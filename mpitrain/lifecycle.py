@@ -187,7 +187,7 @@ class Rescale:
     learning rate. Async keeps batch and learning rate (every update is one
     worker's batch either way); the remaining updates are shared by the workers
     there are. Always relative to the run's first session, so rescaling twice
-    does not compound roundings. :meth:`position` maps a checkpoint's position.
+    does not compound roundings. :func:`remap_position` moves a checkpoint's position.
     """
 
     original: Config
@@ -202,7 +202,7 @@ class Rescale:
                              f"-np {world_size} cannot continue it (use -np 2 or more)")
         how = f"-np {original.world_size} -> {world_size} ({original.workers} -> " \
               f"{moved.workers} workers)"
-        if original.mode != "sync" and moved.mode != "sync":
+        if original.async_mode:
             return cls(original, moved, f"{how}: batch {original.batch_size} per worker and "
                        f"lr {original.effective_lr:g} kept; the workers share the updates left")
         if original.batches_per_epoch:
