@@ -390,6 +390,7 @@ class Server:
             self._restore(ctx.resume_from)
 
     def _restore(self, ckpt: Checkpoint) -> None:
+        self.clock.offset = ckpt.wall_time_s  # the run's clock goes on, as a sync run's does
         self.weights = ckpt.weights.astype(np.float32).copy()
         if ckpt.buffers.size:
             self.buffers = ckpt.buffers.astype(np.float32).copy()

@@ -195,6 +195,8 @@ def test_stop_and_resume_async(mnist, tmp_path):
     done = read_rows(tmp_path / "runs.csv")[-1]
     assert done["status"] == "ok" and float(done["epochs"]) == pytest.approx(60, abs=0.05)
     assert float(done["test_accuracy"]) > 0.85
+    walls = [float(r["wall_time_s"]) for r in read_rows(run_dir / "curve.csv")]
+    assert walls == sorted(walls), walls  # the resumed session's clock goes on
 
 
 @pytest.mark.parametrize("np_,extra", [(1, ()), (3, ()), (3, ("--async",))])
