@@ -183,7 +183,11 @@ def unreachable(hosts: Sequence[hostfile.Host], mpirun_args: Sequence[str]) -> D
 def _probe(names: Sequence[str], mpirun_args: Sequence[str]) -> Dict[str, str]:
     probes = {name: subprocess.Popen(
         ["mpirun", "-q", "-np", "1", "-host", name, *mpirun_args, "true"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # Python's view of the environment: a process that initialised MPI itself (a test
+        # runner, a user's script) has a singleton job's variables in its C environment,
+        # and an mpirun started with those fails at once (exit 1, nothing said)
+        env=dict(os.environ))
         for name in names}
     deadline, gone = time.monotonic() + PROBE_TIMEOUT, {}
     for name, probe in probes.items():

@@ -169,6 +169,8 @@ def test_hosts_mpirun_cannot_reach_are_left_out(tmp_path, monkeypatch):
     """The probe before a restart is a real mpirun per host: an unresolvable host is
     left out of the next attempt's hostfile and -np drops to the slots left; without
     enough left for the mode, the launcher gives up with one line."""
+    from mpi4py import MPI  # noqa: F401  # the probes must work from a process that has
+    # initialised MPI itself (as this test runner has after the in-process MPI tests)
     from mpitrain.errors import UsageError
     from mpitrain.launch import Job
     from mpitrain.tools import hostfile
