@@ -175,7 +175,8 @@ PROBE_TIMEOUT = 30.0
 def unreachable(hosts: Sequence[hostfile.Host], mpirun_args: Sequence[str]) -> Dict[str, str]:
     """{host: why} for the hosts on which mpirun (with the job's own options: its launch
     agent) cannot run ``true`` within PROBE_TIMEOUT, twice in a row (one transient failure,
-    e.g. an ssh hiccup, does not cost a host its place; a lost host fails both). Hosts are probed all at once."""
+    e.g. an ssh hiccup, does not cost a host its place; a lost host fails both). Hosts are
+    probed all at once."""
     failed = _probe([h.name for h in hosts], mpirun_args)
     return _probe(list(failed), mpirun_args) if failed else failed
 
