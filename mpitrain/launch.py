@@ -14,8 +14,8 @@ last checkpoint (``--checkpoint-every``).
 
 Before each restart every host of the hostfile is probed (mpirun, with the job's
 own launch options, runs ``true`` there within PROBE_TIMEOUT; a host that fails
-is probed once more). A host that is gone is left out: the restart runs on a hostfile of the others
-(``hostfile.launch`` in the run directory) and, when their slots are fewer than
+is probed once more). A host that is gone is left out: the restart runs on a
+hostfile of the others (``hostfile.launch`` in the run directory) and, when their slots are fewer than
 -np (and --oversubscribe was not given), with fewer ranks. The run then resumes
 with fewer workers: a sync run keeps its global batch by raising the
 per-worker batch, or, where the global batch does not divide among the workers
@@ -113,7 +113,8 @@ def run(args, cfg) -> int:
     for line in placement:
         say(line)
     job = Job(np_, hostfile.read(args.hostfile) if args.hostfile else None, args.hostfile,
-              args.oversubscribe, list(args.mpirun_arg), cfg.async_mode)
+              args.oversubscribe, list(args.mpirun_arg), cfg.async_mode,
+              recovery=cfg.async_mode and recovery_supported())
     launcher = Launcher(job, list(args.training), Path(cfg.results_dir), cfg.resume,
                         args.max_restarts)
     return launcher.run()
@@ -130,12 +131,13 @@ class Job:
     oversubscribe: bool
     mpirun_args: List[str]
     async_mode: bool
+    recovery: bool = False  # an async job whose mpirun has --enable-recovery (Open MPI 4)
 
     def command(self) -> List[str]:
         cmd = ["mpirun", "-q", "-np", str(self.np)]
         cmd += ["-hostfile", self.hostfile] if self.hostfile else []
         cmd += ["--oversubscribe"] if self.oversubscribe else []
-        if self.async_mode and self.np > 2 and recovery_supported():
+        if self.recovery and self.np > 2:
             # the async server goes on without a lost worker instead of the job ending
             cmd.append("--enable-recovery")
         return cmd + self.mpirun_args + [sys.executable, "-m", "mpitrain"]
@@ -152,11 +154,11 @@ class Job:
         left = [h for h in self.hosts if h.name not in gone]
         slots = hostfile.total_slots(left)
         np_ = self.np if self.oversubscribe else min(self.np, slots)
+        why = "; ".join(f"{h}: {reason}" for h, reason in gone.items())
         if not left or (self.async_mode and np_ < 2):
-            raise UsageError(f"host(s) {', '.join(gone)} cannot be reached ("
-                             + "; ".join(f"{h}: {why}" for h, why in gone.items())
-                             + f") and the hosts left offer {slots} slot(s): too few to "
-                             "continue the run (fix the hosts, then launch again with --resume)")
+            raise UsageError(f"host(s) {', '.join(gone)} cannot be reached ({why}) and the "
+                             f"hosts left offer {slots} slot(s): too few to continue the run "
+                             "(fix the hosts, then launch again with --resume)")
         write_to.write_text("".join(f"{h.name} slots={h.slots}"
                                     + (f" max_slots={h.max_slots}" if h.max_slots else "")
                                     + "\n" for h in left))
@@ -164,8 +166,7 @@ class Job:
         fewer = f"; -np {before} -> {np_}, the run resumes with fewer workers" \
             if np_ < before else ""
         return (f"host(s) {', '.join(gone)} cannot be reached (mpirun cannot start a "
-                f"process there: {'; '.join(f'{h}: {why}' for h, why in gone.items())}): "
-                f"left out ({write_to}){fewer}")
+                f"process there: {why}): left out ({write_to}){fewer}")
 
 
 #: seconds mpirun gets to start ``true`` on a host before the host counts as gone

@@ -251,7 +251,6 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
     old_batch = int(was["batch_size"])
     if old_workers == cfg.workers and old_batch == cfg.batch_size:
         return ckpt
-    new_per_epoch = batches_per_epoch(train_size // cfg.workers, cfg.batch_size)
     extra = {**ckpt.extra, "geometry": geometry(cfg)}
     if cfg.async_mode:
         done = sum(ckpt.worker_steps.values()) or ckpt.step
@@ -261,6 +260,7 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
         extra["staleness"] = _fold_staleness(ckpt.extra.get("staleness", {}), cfg.workers)
         return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
     old_per_epoch = batches_per_epoch(train_size // old_workers, old_batch)
+    new_per_epoch = batches_per_epoch(train_size // cfg.workers, cfg.batch_size)
     epoch, within = divmod(ckpt.step, old_per_epoch)
     step = epoch * new_per_epoch + within * new_per_epoch // old_per_epoch
     extra["rng"] = {r: row for r, row in (ckpt.extra.get("rng") or {}).items()
