@@ -15,8 +15,9 @@ last checkpoint (``--checkpoint-every``).
 Before each restart every host of the hostfile is probed (mpirun, with the job's
 own launch options, runs ``true`` there within PROBE_TIMEOUT; a host that fails
 is probed once more). A host that is gone is left out: the restart runs on a
-hostfile of the others (``hostfile.launch`` in the run directory) and, when their slots are fewer than
--np (and --oversubscribe was not given), with fewer ranks. The run then resumes
+hostfile of the others (``hostfile.launch`` in the run directory) and, when
+their slots are fewer than -np (and --oversubscribe was not given), with fewer
+ranks. The run then resumes
 with fewer workers: a sync run keeps its global batch by raising the
 per-worker batch, or, where the global batch does not divide among the workers
 left, takes the nearest one and scales the learning rate by the linear rule;

@@ -3,9 +3,10 @@
 The suite runs two tests at a time (pytest-xdist, ``-n 2 --dist loadfile`` in
 pytest.ini: a file's tests stay on one worker, so module fixtures such as the netns
 cluster, the SLURM daemons or a reference run are made once): most end-to-end time
-is process start-up, TensorFlow imports and waits, which overlap well. Tests whose assertions hold only on an otherwise idle machine (watchdog and
-liveness bounds, signals at a moment, stop grace periods) are marked ``exclusive``
-and run alone: :func:`_exclusive_or_shared` holds a lock shared by the others.
+is process start-up, TensorFlow imports and waits, which overlap well. Tests whose
+assertions hold only on an otherwise idle machine (watchdog and liveness bounds,
+signals at a moment, stop grace periods) are marked ``exclusive`` and run alone:
+:func:`_exclusive_or_shared` holds a lock shared by the others.
 """
 
 from __future__ import annotations

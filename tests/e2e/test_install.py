@@ -1,8 +1,9 @@
 """A fresh install, as a new user makes it, on the Pythons the package supports.
 
 Each case makes an empty venv with that Python, ``pip install``s this source tree
-built as a wheel (not editable: what a user gets), and trains LR under ``mpirun -np 3`` from a
-directory outside the tree, so the installed package is what runs. pip picks
+built as a wheel (not editable: what a user gets), and trains LR under
+``mpirun -np 3`` from a directory outside the tree, so the installed package is
+what runs. pip picks
 the newest TensorFlow with wheels for that Python (3.13: 2.20+). Python 3.13
 is what today's Debian stable ships; 3.10 is the oldest supported (tomllib
 fallback). A missing interpreter skips, except 3.13 in CI.
