@@ -21,12 +21,12 @@ def python(code: str, **env) -> subprocess.CompletedProcess:
 
 STUCK = """
     import time
-    from mpitrain import comm
-    MPI = comm._load_mpi()
+    from mpitrain.comm import runtime
+    MPI = runtime._load_mpi()
     MPI.Finalize = lambda: time.sleep({seconds})  # a fence waiting for a rank that left
     {setup}
     started = time.monotonic()
-    comm.finalize()
+    runtime.finalize()
     print("returned after", time.monotonic() - started)
 """
 
@@ -34,8 +34,8 @@ STUCK = """
 def test_a_finalize_that_never_returns_ends_the_process_at_its_bound():
     """The CLI bounds it (every rank of a training run ends together); so does a job
     under --enable-recovery."""
-    for setup, env in [("comm.bound_finalize(2)", {}),
-                       ("comm.FINALIZE_BOUND = 2", {"OMPI_MCA_orte_enable_recovery": "1"})]:
+    for setup, env in [("runtime.bound_finalize(2)", {}),
+                       ("runtime.FINALIZE_BOUND = 2", {"OMPI_MCA_orte_enable_recovery": "1"})]:
         done = python(STUCK.format(seconds=90, setup=setup), **env)
         assert done.returncode == -signal.SIGALRM, done.stdout + done.stderr
         assert "returned" not in done.stdout
@@ -51,10 +51,10 @@ def test_a_users_script_keeps_mpis_own_finalize():
 def test_a_normal_finalize_returns_and_cancels_its_bound():
     done = python("""
         import signal, time
-        from mpitrain import comm
-        comm._load_mpi()
-        comm.finalize(bound=2)
-        assert comm.world_size_if_running() == 0
+        from mpitrain.comm import runtime
+        runtime._load_mpi()
+        runtime.finalize(bound=2)
+        assert runtime.world_size_if_running() == 0
         assert signal.alarm(0) == 0, "the alarm outlived finalize"
         time.sleep(3)  # an alarm still armed would end the process here
         print("finalized")
@@ -65,8 +65,8 @@ def test_a_normal_finalize_returns_and_cancels_its_bound():
 def test_recovery_jobs_finalize_without_the_fence():
     code = """
         import os
-        from mpitrain import comm
-        comm._load_mpi()
+        from mpitrain.comm import runtime
+        runtime._load_mpi()
         print(os.environ.get("OMPI_MCA_async_mpi_finalize"))
     """
     assert python(code, OMPI_MCA_orte_enable_recovery="1").stdout.split() == ["1"]

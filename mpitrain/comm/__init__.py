@@ -1,0 +1,64 @@
+"""MPI communication for mpitrain: the only package that imports mpi4py.
+
+Trainers receive a :class:`Comm` and use its small verbs; they never touch MPI.
+
+Design rules that every verb here follows:
+
+* **Buffers, not objects, on the hot path.** Gradients and weights move as
+  contiguous float32 numpy arrays through mpi4py's uppercase methods, in place.
+  Pickled objects (``*_objects``) are for rare metadata exchanges only.
+* **Every wait is bounded.** Each operation is started nonblocking and completed
+  by :meth:`Comm.wait`, which raises :class:`CommTimeout` naming the operation
+  and the peer after ``timeout`` seconds instead of hanging forever. The one
+  blocking call of the bootstrap (MPI_Comm_split) is bounded by a watchdog that
+  names it and ends the process (:func:`waiting.blocking_call_bound`).
+* **Waiting does not burn a core.** Open MPI's blocking waits busy-poll; on a
+  host with more ranks than cores (``-np 4`` on 2 cores) a spinning rank steals
+  the core a worker needs. :class:`Backoff` yields the core while it polls,
+  then sleeps with growing intervals. Measured on 2 cores, sync LR, 3 workers:
+  Iallreduce with this policy 1.6 ms/step against 2.6 ms with sleeps alone,
+  while a sleeping parameter server uses ~1.5% of a core.
+* **Traffic is counted exactly.** Every verb adds its payload bytes and message
+  count, by kind (allreduce, push, pull, broadcast, control), to :attr:`traffic`.
+
+Collective verbs must be called by every rank of the communicator in the same
+order (the MPI rule); point-to-point verbs name their peer.
+
+The parts, one concern each:
+
+* ``runtime``: loading MPI (the one import of mpi4py), the bounded finalize,
+  aborting the job, the launcher's rank and size, :class:`Role`;
+* ``waiting``: :class:`Backoff` and its policies, :class:`Pending`, the bounded
+  poll loop and its timeout message, the bound around blocking calls;
+* ``traffic``: the :class:`Traffic` table;
+* ``tuning``: Open MPI's allreduce algorithm by buffer size (MPI_T);
+* ``failures``: the one-line failure reports to rank 0;
+* ``objects``: the pickled exchanges (allgather, gather, agree);
+* ``communicator``: :class:`Comm`, which puts them together.
+
+The names below are the package's interface; the rest of mpitrain imports from here.
+Settings such as FINALIZE_BOUND are read where they are defined: change them on
+their module (``mpitrain.comm.runtime.FINALIZE_BOUND``), not on this package.
+"""
+
+from ..errors import CommTimeout, PeerFailure
+from .communicator import WORKERS_TIMEOUT_FACTOR, Comm
+from .failures import FAILURE_BYTES, TAG_FAILURE, report_failure
+from .objects import TAG_GATHER
+from .runtime import (FINALIZE_BOUND, OPEN_MPI_LAUNCHERS, Role, abort_world, bound_finalize,
+                      finalize, launcher_rank, launcher_world_size, library_versions,
+                      recovery_enabled, world_rank_if_running, world_size_if_running)
+from .traffic import Traffic
+from .tuning import LargeAllreduceRing
+from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending,
+                      blocking_call_bound)
+
+__all__ = [
+    "Comm", "Role", "Traffic", "Pending", "Backoff", "HOT", "IDLE", "SERVING",
+    "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",
+    "WAITING_CALL_EVERY", "WORKERS_TIMEOUT_FACTOR", "TAG_FAILURE", "TAG_GATHER",
+    "FAILURE_BYTES", "FINALIZE_BOUND", "OPEN_MPI_LAUNCHERS",
+    "finalize", "bound_finalize", "launcher_rank", "launcher_world_size",
+    "recovery_enabled", "world_size_if_running", "world_rank_if_running",
+    "abort_world", "report_failure", "library_versions",
+]

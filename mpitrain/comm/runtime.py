@@ -1,0 +1,175 @@
+"""MPI in this process: loading it, ending it (bounded), aborting the job, and what the
+launcher says before MPI starts. The only module of mpitrain that imports mpi4py (the
+others of :mod:`mpitrain.comm` get it from :func:`_load_mpi`)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import time
+from enum import Enum
+from typing import Optional
+
+_MPI = None
+
+
+#: seconds MPI_Finalize may take before the process leaves without it (see finalize)
+FINALIZE_BOUND = 60
+_finalize_bound: Optional[float] = None  # set by bound_finalize()
+
+
+def _load_mpi():
+    """Import mpi4py (which initialises MPI) once."""
+    global _MPI
+    if _MPI is None:
+        if recovery_enabled():
+            # Open MPI 4.1 opens MPI_Finalize with a PMIx fence over every rank of the
+            # job; when a rank has left early (a dropped async worker), that fence
+            # waits for it forever about one run in three (measured: LeNet async -np 4,
+            # a SIGSTOPped worker dropped and woken). Every message of the protocols is
+            # completed before finalizing, so the fence protects nothing here.
+            os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
+        from mpi4py import MPI  # noqa: WPS433  (import initialises MPI)
+
+        _MPI = MPI
+        # runs before mpi4py's own exit hook, which would call MPI_Finalize unbounded
+        atexit.register(finalize)
+    return _MPI
+
+
+def bound_finalize(seconds: float = FINALIZE_BOUND) -> None:
+    """Bound the MPI_Finalize at this process's exit by ``seconds``: for programs whose
+    ranks all reach their end together (the CLI). A user's script under mpitrain.fit
+    keeps MPI's own finalize (bounded only under --enable-recovery): its rank 0 may
+    work on long after the other ranks are done and waiting there."""
+    global _finalize_bound
+    _finalize_bound = seconds
+
+
+def finalize(bound: Optional[float] = None) -> None:
+    """End MPI on this rank (a collective in MPI's terms). With a bound (``bound``, or
+    the one set by :func:`bound_finalize`, or FINALIZE_BOUND under --enable-recovery)
+    it never waits longer: past it the kernel ends the process (SIGALRM's default
+    action), the run's files already written. A no-op when MPI is not running.
+
+    A plain alarm because MPI_Finalize holds the interpreter: no Python thread or
+    handler could run while it waits."""
+    if not world_size_if_running():
+        return
+    if bound is None:
+        bound = _finalize_bound or (FINALIZE_BOUND if recovery_enabled() else None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if bound is None:
+        _MPI.Finalize()
+        return
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, int(bound)))
+    _MPI.Finalize()
+    signal.alarm(0)
+
+
+def launcher_rank() -> int:
+    """This process's rank as told by the launcher's environment, without initialising MPI.
+
+    Lets usage errors be printed once (by rank 0) before MPI starts.
+    """
+    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
+def launcher_world_size() -> int:
+    """The job's size as told by the launcher's environment (1 when run without one)."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(var)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 1
+
+
+class Role(Enum):
+    """What a rank does; decided once from (rank, world size)."""
+
+    SINGLE = "single"  # -np 1: trains, evaluates and writes results alone
+    SERVER = "server"  # rank 0 of several: owns the canonical model, evaluates, writes
+    WORKER = "worker"  # ranks 1..N-1: train on their shard
+
+    @classmethod
+    def of(cls, rank: int, size: int) -> "Role":
+        if size == 1:
+            return cls.SINGLE
+        return cls.SERVER if rank == 0 else cls.WORKER
+
+    @property
+    def trains(self) -> bool:
+        return self is not Role.SERVER
+
+    @property
+    def serves(self) -> bool:
+        """Owns the canonical model, evaluates and writes results."""
+        return self is not Role.WORKER
+
+
+def recovery_enabled() -> bool:
+    """True when the job runs under ``mpirun --enable-recovery`` (Open MPI 4.x), which
+    keeps the other ranks running after one dies; an async server may then go on
+    without a lost worker instead of ending the job."""
+    value = os.environ.get("OMPI_MCA_orte_enable_recovery", "").lower()
+    return value in ("1", "true", "yes", "on")
+
+
+def world_size_if_running() -> int:
+    """Size of MPI_COMM_WORLD if MPI was initialised (and not finalised), else 0."""
+    if _MPI is None or not _MPI.Is_initialized() or _MPI.Is_finalized():
+        return 0
+    return _MPI.COMM_WORLD.Get_size()
+
+
+def world_rank_if_running() -> int:
+    """This process's world rank if MPI is running, else the launcher's rank."""
+    return _MPI.COMM_WORLD.Get_rank() if world_size_if_running() else launcher_rank()
+
+
+#: the processes that start ranks: mpirun on its own host, its daemon on the others
+OPEN_MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "orted")
+
+
+def abort_world(code: int) -> None:
+    """Abort every rank of the job (no-op when MPI is not running).
+
+    Under ``mpirun --enable-recovery`` MPI_Abort ends only the calling process and the
+    others run on (and a SIGSTOPped rank would keep mpirun waiting forever), so the
+    job is ended through the process that started this rank instead: mpirun, or its
+    daemon on another host, ends the whole job on SIGTERM (measured: 2.5 s, with a
+    stopped rank too).
+    """
+    if world_size_if_running():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if recovery_enabled() and _parent_name() in OPEN_MPI_LAUNCHERS:
+            os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(30.0)  # mpirun ends this process meanwhile; else abort below
+        _MPI.COMM_WORLD.Abort(code)
+
+
+def _parent_name() -> str:
+    try:
+        with open(f"/proc/{os.getppid()}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def library_versions() -> dict:
+    """Versions of mpi4py and the MPI library this process runs on."""
+    MPI = _load_mpi()
+    import mpi4py
+
+    return {"mpi4py": mpi4py.__version__,
+            "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+            "mpi_standard": "%d.%d" % MPI.Get_version()}

@@ -1,0 +1,82 @@
+"""Open MPI's allreduce algorithm, chosen per call by buffer size (through MPI_T)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+class LargeAllreduceRing:
+    """Picks Open MPI's nonblocking-allreduce algorithm by buffer size, per call.
+
+    Open MPI's libnbc uses a binomial tree for in-place allreduces on fewer than
+    four ranks: best for small buffers, but an AlexNet-sized gradient (244 MB) at
+    two workers took 250-500 ms against 123-128 ms with the ring (measured side by
+    side in one job; 4M floats: 8-9 ms vs 3 ms; LR and LeNet sizes: the tree wins,
+    0.06 vs 0.10 ms). The choice is the MCA variable
+    ``coll_libnbc_iallreduce_algorithm``, which libnbc reads at every call; this
+    writes it through the MPI tool interface (MPI_T) only when the size class
+    changes. Anything unexpected (another MPI, no MPI_T, the user set the variable
+    with ``OMPI_MCA_...``) turns it into a no-op and Open MPI's own choice stands.
+    Every rank of a collective must make the same choice, which holds when they
+    run the same Open MPI build in the same environment (mpirun forwards ``-x``
+    variables to all of them).
+    """
+
+    VARIABLE = "coll_libnbc_iallreduce_algorithm"
+    RING, DEFAULT = 1, 0
+    #: buffers of at least this many bytes use the ring
+    MIN_BYTES = 1 << 20
+
+    def __init__(self):
+        self._write = None
+        self._current = self.DEFAULT
+        if "OMPI_MCA_" + self.VARIABLE in os.environ:
+            return
+        try:
+            self._write = self._bind()
+        except Exception:  # noqa: BLE001 - an optimisation; never a reason to fail
+            self._write = None
+
+    def _bind(self):
+        import ctypes
+        import ctypes.util
+
+        lib = ctypes.CDLL(None)
+        if not hasattr(lib, "MPI_T_cvar_write"):
+            lib = ctypes.CDLL(ctypes.util.find_library("mpi") or "libmpi.so.40")
+        provided, index = ctypes.c_int(), ctypes.c_int()
+        handle, count = ctypes.c_void_p(), ctypes.c_int()
+        if (lib.MPI_T_init_thread(0, ctypes.byref(provided))
+                or lib.MPI_T_cvar_get_index(self.VARIABLE.encode(), ctypes.byref(index))
+                or lib.MPI_T_cvar_handle_alloc(index, None, ctypes.byref(handle),
+                                               ctypes.byref(count)) or count.value != 1):
+            return None
+        value = ctypes.c_int()
+
+        def write(algorithm: int) -> bool:
+            value.value = algorithm
+            return lib.MPI_T_cvar_write(handle, ctypes.byref(value)) == 0
+
+        return write if write(self.DEFAULT) else None
+
+    def before(self, nbytes: int) -> None:
+        """Call before starting an allreduce of ``nbytes``; every rank of the
+        collective must call it with the same size (they then agree on the algorithm)."""
+        wanted = self.RING if nbytes >= self.MIN_BYTES else self.DEFAULT
+        if self._write is not None and wanted != self._current:
+            if not self._write(wanted):
+                self._write = None
+                return
+            self._current = wanted
+
+
+_ALGORITHM: Optional[LargeAllreduceRing] = None
+
+
+def allreduce_algorithm() -> LargeAllreduceRing:
+    """The process's one :class:`LargeAllreduceRing` (MPI_T state is per process)."""
+    global _ALGORITHM
+    if _ALGORITHM is None:
+        _ALGORITHM = LargeAllreduceRing()
+    return _ALGORITHM
