@@ -30,14 +30,16 @@ TARGET = 0.5
 
 
 def rank_side(mode: str, updates: int) -> None:
-    from mpitrain import async_trainer, models
+    from mpitrain import models
+    from mpitrain.train import asynchronous
     from mpitrain.comm import Comm, Role
     from mpitrain.config import Config, resolve
     from mpitrain.console import NullConsole
     from mpitrain.data import Dataset
     from mpitrain.replica import Replica, init_tensorflow
     from mpitrain.results import NullResults
-    from mpitrain.trainer import Context, Stopwatch
+    from mpitrain.train import Context
+    from mpitrain.train.evaluation import Stopwatch
 
     comm = Comm.world(timeout=120)
     n_workers = comm.size - 1
@@ -87,9 +89,9 @@ def rank_side(mode: str, updates: int) -> None:
         comm.barrier()
         t0 = time.perf_counter()
         if ctx.role is Role.SERVER:
-            async_trainer.Server(ctx, Stopwatch()).run()
+            asynchronous.Server(ctx, Stopwatch()).run()
         else:
-            async_trainer.train(ctx)
+            asynchronous.train(ctx)
         comm.barrier()
         rate = per_worker * n_workers / (time.perf_counter() - t0)
     if comm.rank == 0:

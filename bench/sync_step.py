@@ -1,7 +1,7 @@
 """Sync LR step time at -np 1..4 and the share of a step spent in the allreduce.
 
 Each rank runs the trainer's hot path on real MNIST batches (the worker loop of
-:mod:`mpitrain.sync_trainer`: gradient, one fused allreduce, apply; the fused
+:mod:`mpitrain.train.sync`: gradient, one fused allreduce, apply; the fused
 single-call step when there is one worker) and times each phase; rank 0 waits
 asleep as the parameter server does. Prints:
 

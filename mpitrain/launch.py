@@ -29,7 +29,7 @@ SLURM allocation) nothing is probed.
 
 An async job with two or more workers runs under ``mpirun --enable-recovery``
 (Open MPI 4.x): a worker that dies or stalls is dropped by the parameter
-server and the job finishes without a restart (see :mod:`mpitrain.async_trainer`);
+server and the job finishes without a restart (see :mod:`mpitrain.train.asynchronous`);
 only the server's loss needs one.
 
 What is never restarted: success (exit 0), a usage error (2: the same

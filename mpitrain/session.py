@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import __version__, async_trainer, data, models, sync_trainer, telemetry
+from . import __version__, data, models, telemetry
 from .tools import preflight as preflight_checks
 from .comm import Comm, Role, library_versions
 from .config import Config, resolve
@@ -28,7 +28,7 @@ from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
 from .console import Console, NullConsole
 from .replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from .results import NullResults, RunResults
-from .trainer import Context, Summary, decay_steps
+from .train import Context, Summary, decay_steps, protocol
 
 
 def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
@@ -83,13 +83,13 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
                   resume_from=checkpoint, run_dir=run_dir, shard_size=shard_size,
                   worker_index=worker_index, rescaled=rescale.rule if rescale else "")
     trained = check_resumable(ctx, comm)  # a run killed after its final checkpoint
-    trainer = async_trainer if cfg.async_mode else sync_trainer
+    train = protocol(cfg.async_mode)
     sampler = start_sampler(cfg, comm)
     if role is Role.SERVER:
         comm.listen_for_failures()
     results.set_status("running")
     try:
-        summary = final_results(ctx) if trained else trainer.train(ctx)
+        summary = final_results(ctx) if trained else train(ctx)
     except MpitrainError as error:
         record_failure(ctx, error, sampler)
         raise

@@ -7,9 +7,9 @@
   counters (bytes and packets received/sent on every interface but loopback,
   as cumulative values since the run started). One psutil call per metric per
   interval: a few tens of microseconds a second.
-* :class:`EpochTimer` — per epoch: seconds computing (forward/backward,
-  optimizer, batch preparation), communicating (moving data) and waiting
-  (blocked on other ranks).
+* the rank's phase timer (:class:`mpitrain.train.protocol.PhaseTimer`) — per
+  epoch: seconds computing (forward/backward, optimizer, batch preparation),
+  communicating (moving data) and waiting (blocked on other ranks).
 * The exact MPI traffic comes from :class:`mpitrain.comm.Traffic`.
 
 :func:`collect` gathers all of it on rank 0 at the end of a run (collective)
@@ -102,41 +102,14 @@ class NullSampler:
         return []
 
 
-class EpochTimer:
-    """Accumulates compute / comm / wait seconds per epoch for this rank."""
-
-    def __init__(self):
-        self.rows: List[dict] = []
-        self.restart()
-
-    def restart(self) -> float:
-        """Start the current epoch now (drops what was added so far); returns the time."""
-        self._start = time.perf_counter()
-        self.compute = self.comm = self.wait = 0.0
-        return self._start
-
-    def add(self, compute: float = 0.0, comm: float = 0.0, wait: float = 0.0) -> None:
-        self.compute += compute
-        self.comm += comm
-        self.wait += wait
-
-    def end_epoch(self, epoch: float) -> None:
-        now = time.perf_counter()
-        self.rows.append({"epoch": epoch, "wall_s": round(now - self._start, 6),
-                          "compute_s": round(self.compute, 6), "comm_s": round(self.comm, 6),
-                          "wait_s": round(self.wait, 6)})
-        self._start = now
-        self.compute = self.comm = self.wait = 0.0
-
-
-def _own_rows(comm, role: str, sampler, timer: EpochTimer) -> Dict[str, list]:
+def _own_rows(comm, role: str, sampler, timer) -> Dict[str, list]:
     tag = {"rank": comm.rank, "host": comm.host, "role": role}
     return {"telemetry": sampler.stop(),
             "timing": [{**r, **tag} for r in timer.rows],
             "comm": [{**r, **tag} for r in comm.traffic.rows()]}
 
 
-def collect(comm, role: str, sampler, timer: EpochTimer, results,
+def collect(comm, role: str, sampler, timer, results,
             lost: Sequence[int] = ()) -> Dict[str, list]:
     """Gather every rank's telemetry on rank 0 and write the CSV files. Every rank but
     the ``lost`` ones (which rank 0 names; async under --enable-recovery) calls it.
@@ -150,7 +123,7 @@ def collect(comm, role: str, sampler, timer: EpochTimer, results,
     return _write(results, merged)
 
 
-def write_local(comm, role: str, sampler, timer: EpochTimer, results) -> Dict[str, list]:
+def write_local(comm, role: str, sampler, timer, results) -> Dict[str, list]:
     """Write only this rank's telemetry (the others are gone or unreachable)."""
     return _write(results, _own_rows(comm, role, sampler, timer))
 

@@ -224,3 +224,16 @@ def write_image_folder(directory: Path, n: int = 300, size: int = 20, classes: i
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image[..., 0], "L").save(folder / f"{i}{suffix}")
     return directory
+
+
+def synthetic_shard(rank: int, shard: int, workers: int):
+    """A Dataset of random LR-shaped examples, seeded by ``rank``: ``shard`` training
+    examples (this worker's shard of ``shard x workers``) and 20 test examples."""
+    from mpitrain.data import Dataset
+
+    rng = np.random.default_rng(rank)
+    return Dataset("synthetic", "test", 10, (28, 28, 1), shard * max(1, workers),
+                   x_train=rng.random((shard, 28, 28, 1), dtype=np.float32),
+                   y_train=rng.integers(0, 10, shard).astype(np.int32),
+                   x_test=rng.random((20, 28, 28, 1), dtype=np.float32),
+                   y_test=rng.integers(0, 10, 20).astype(np.int32))

@@ -1,6 +1,6 @@
 """The async parameter-server protocol under real MPI, at any process count.
 
-These drive the real :class:`mpitrain.async_trainer.Server` and worker loop on
+These drive the real :class:`mpitrain.train.asynchronous.Server` and worker loop on
 every rank (LR on small random batches) and check the protocol's promises:
 every pushed gradient is applied exactly once, workers with unequal numbers of
 batches terminate cleanly, a slow worker does not stall the fast ones when
@@ -12,18 +12,18 @@ needs a server and a worker, which the first test checks at any process count.
 import dataclasses
 import time
 
-import numpy as np
 import pytest
 
-from mpitrain import async_trainer, models, schema
+from conftest import synthetic_shard
+from mpitrain import models, schema
 from mpitrain.comm import Comm, Role
 from mpitrain.config import Config, resolve
 from mpitrain.console import NullConsole
-from mpitrain.data import Dataset
 from mpitrain.errors import UsageError
 from mpitrain.replica import Replica, init_tensorflow
 from mpitrain.results import NullResults
-from mpitrain.trainer import Context, Stopwatch
+from mpitrain.train import Context, asynchronous
+from mpitrain.train.evaluation import Stopwatch
 
 BATCH = 8
 SHARD = 64  # 8 steps per epoch
@@ -56,12 +56,7 @@ def context(comm, replica, steps, staleness=None, results=None):
     cfg = resolve(Config(model="lr", async_mode=True, epochs=50, batch_size=BATCH,
                          steps=steps, staleness=staleness, eval_every=1000),
                   models.get("lr").defaults, comm.size)
-    rng = np.random.default_rng(comm.rank)
-    data = Dataset("synthetic", "test", 10, (28, 28, 1), SHARD * max(1, comm.size - 1),
-                   x_train=rng.random((SHARD, 28, 28, 1), dtype=np.float32),
-                   y_train=rng.integers(0, 10, SHARD).astype(np.int32),
-                   x_test=rng.random((20, 28, 28, 1), dtype=np.float32),
-                   y_test=rng.integers(0, 10, 20).astype(np.int32))
+    data = synthetic_shard(comm.rank, SHARD, comm.size - 1)
     return Context(cfg, comm, comm.role, replica, data, results or NullResults(), NullConsole(),
                    shard_size=SHARD, worker_index=max(0, comm.rank - 1))
 
@@ -69,7 +64,7 @@ def context(comm, replica, steps, staleness=None, results=None):
 def run_protocol(ctx, delay=0.0):
     """Run one async job on every rank; return (server or None, this rank's summary)."""
     if ctx.role is Role.SERVER:
-        server = async_trainer.Server(ctx, Stopwatch())
+        server = asynchronous.Server(ctx, Stopwatch())
         return server, server.run()
     if delay:
         real = ctx.replica.grad_at
@@ -79,7 +74,7 @@ def run_protocol(ctx, delay=0.0):
             return real(*args)
 
         ctx = dataclasses.replace(ctx, replica=_Wrapped(ctx.replica, grad_at=slow_grad_at))
-    return None, async_trainer.train(ctx)
+    return None, asynchronous.train(ctx)
 
 
 class _Wrapped:

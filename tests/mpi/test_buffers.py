@@ -2,7 +2,7 @@
 
 Workers take sync steps on different batches: their trained weights stay
 bit-identical while their moving statistics drift apart; after the trainer's
-buffer averaging (the real :func:`mpitrain.sync_trainer.average_buffers`, one
+buffer averaging (the real :func:`mpitrain.train.sync.average_buffers`, one
 allreduce on the workers' communicator) every worker holds the same buffers,
 equal to the mean of what they had, so their whole state (weights + buffers)
 has one checksum. The Dropout seed is generator state, not a buffer.
@@ -17,7 +17,7 @@ import pytest
 from mpitrain import models
 from mpitrain.comm import Comm
 from mpitrain.replica import Replica, checksum, init_tensorflow
-from mpitrain.sync_trainer import average_buffers
+from mpitrain.train.sync import average_buffers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 import bn_model  # noqa: E402

@@ -1,8 +1,8 @@
-"""The async server's pure policies for lost workers: liveness bounds and step quotas."""
+"""The async server's pure policies: staleness leases, liveness bounds and step quotas."""
 
 import pytest
 
-from mpitrain.async_trainer import Liveness, Quotas
+from mpitrain.train.leases import Leases, Liveness, Quotas
 
 
 def test_liveness_gives_the_whole_timeout_before_a_first_push():
@@ -46,3 +46,67 @@ def test_a_lost_worker_is_never_among_its_own_takers():
     quotas = Quotas([1, 2], total_steps=10)
     assert quotas.reassign(1, steps_done=4, active=[1, 2]) == {2: 6}
     assert quotas.of == {1: 4, 2: 16}
+
+
+def test_leases_without_a_bound_are_granted_to_everyone_waiting():
+    leases = Leases(None, [1, 2, 3])
+    granted = []
+    for rank in leases.next_waiting(version=0):
+        leases.grant(rank, 0)
+        granted.append(rank)
+    assert granted == [1, 2, 3] and leases.holders == [1, 2, 3]
+
+
+def test_a_zero_bound_lets_one_worker_compute_at_a_time():
+    leases = Leases(0, [1, 2])
+    for rank in leases.next_waiting(version=0):
+        leases.grant(rank, 0)
+    assert leases.holders == [1]  # 2 waits: its gradient would be one update stale
+    assert leases.returned(1) == 0
+    leases.wait(1)
+    for rank in leases.next_waiting(version=1):  # 1's gradient applied: version 1
+        leases.grant(rank, 1)
+    assert leases.holders == [2]  # first come, first served
+    assert list(leases.waiting) == [1]
+
+
+def test_a_bound_holds_fast_workers_back_until_the_slow_one_has_pushed():
+    # K = 2, three workers: with v the version and base[u] each holder's lease,
+    # a grant keeps (v - base[u]) + |holders| - 1 <= 2 for every holder
+    leases = Leases(2, [1, 2, 3])
+    for rank in leases.next_waiting(version=0):
+        leases.grant(rank, 0)
+    assert leases.holders == [1, 2, 3]
+    leases.returned(1)  # version 1
+    leases.wait(1)
+    # slow 3 (base 0) would see (1 - 0) + 3 - 1 = 3 > 2 with 1 holding a lease again
+    assert list(leases.next_waiting(version=1)) == []
+    leases.returned(2)  # version 2: holders {3}: (2 - 0) + 2 - 1 = 3 > 2, still held
+    leases.wait(2)
+    assert list(leases.next_waiting(version=2)) == []
+    leases.returned(3)  # version 3: nobody holds one: a grant is always possible
+    leases.wait(3)
+    granted = []
+    for rank in leases.next_waiting(version=3):
+        leases.grant(rank, 3)
+        granted.append(rank)
+    assert granted == [1, 2, 3]  # all at version 3: (3 - 3) + 3 - 1 = 2 <= 2
+
+
+def test_a_dropped_worker_no_longer_holds_the_others_back():
+    leases = Leases(0, [1, 2])
+    for rank in leases.next_waiting(version=0):
+        leases.grant(rank, 0)
+    leases.drop(1)  # lost while holding the only lease
+    assert list(leases.next_waiting(version=0)) == [2]
+    leases.wait(1)
+    leases.drop(1)  # a dropped worker is not served either
+    assert not leases.waiting
+
+
+def test_liveness_names_why_a_worker_is_lost():
+    live = Liveness(timeout=300.0, floor=10.0, factor=20.0)
+    live.observe(1, 0.01)
+    assert live.lost_because(1, silent_for=5.0, alive=True) == ""
+    assert "past its liveness bound of 10.0 s" in live.lost_because(1, 11.0, alive=True)
+    assert live.lost_because(1, 0.5, alive=False).startswith("its process died")

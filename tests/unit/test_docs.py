@@ -70,3 +70,31 @@ def test_advertised_module_runs(module, where):
 @pytest.mark.parametrize("script,where", advertised(r"\b(jobs/[\w.-]+\.sbatch)\b"))
 def test_advertised_job_script_exists(script, where):
     assert (REPO / script).is_file(), f"{where} names {script}, which is not in jobs/"
+
+
+@pytest.mark.parametrize("path,where", advertised(r"\b(mpitrain/[\w/]*[\w]+(?:\.py|/))"))
+def test_advertised_source_path_exists(path, where):
+    assert (REPO / path).exists(), f"{where} names {path}, which is not in the tree"
+
+
+def resolve_dotted(dotted: str):
+    """The object a dotted name like ``mpitrain.comm.Comm.wait`` names: the longest
+    importable module prefix, then attributes (AttributeError if one is missing)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            found = getattr(found, attr)
+        return found
+    raise ImportError(dotted)
+
+
+@pytest.mark.parametrize("name,where", advertised(r"^~?(mpitrain(?:\.\w+)+)$"))
+def test_dotted_name_in_the_docs_exists(name, where):
+    try:
+        resolve_dotted(name)
+    except (ImportError, AttributeError) as missing:
+        pytest.fail(f"{where} names {name}, which does not exist ({missing})")

@@ -12,7 +12,7 @@ from conftest import REPO
 
 TOOLS = ("plots", "report", "sweep", "preflight", "hostfile")
 RUNTIME = ("tensorflow", "keras", "mpi4py", "mpitrain.comm", "mpitrain.session",
-           "mpitrain.trainer", "mpitrain.sync_trainer", "mpitrain.async_trainer",
+           "mpitrain.train", "mpitrain.engines",
            "mpitrain.replica", "mpitrain.telemetry", "mpitrain.data", "mpitrain.lifecycle")
 
 

@@ -322,14 +322,15 @@ class _RankComm:
 
 def write_like_mpitrain(root, mode, hosts):
     """One run written by mpitrain's own writers, as a real run leaves it: RunResults
-    (config.json, curve.csv), telemetry.write_local with a real Sampler and EpochTimer
+    (config.json, curve.csv), telemetry.write_local with a real Sampler and PhaseTimer
     per rank (telemetry.csv, timing.csv, comm.csv), session.run_row and
     telemetry.node_summary (its runs.csv row) and, for async, the staleness table."""
     from mpitrain import models, session, telemetry
     from mpitrain.config import Config, resolve
     from mpitrain.data import Dataset
     from mpitrain.results import RunResults
-    from mpitrain.trainer import Summary
+    from mpitrain.train import Summary
+    from mpitrain.train.protocol import PhaseTimer
 
     np_ = len(hosts)
     cfg = resolve(Config(model="lr", async_mode=mode == "async", epochs=2),
@@ -351,9 +352,11 @@ def write_like_mpitrain(root, mode, hosts):
         sampler = telemetry.Sampler(rank, host, roles[rank], 0.02, hosts.index(host) == rank)
         sampler.start()
         time.sleep(0.1)
-        timer = telemetry.EpochTimer()
+        timer = PhaseTimer()
         for epoch in (1, 2):
-            timer.add(compute=0.01, comm=0.005, wait=0.001)
+            for phase in PhaseTimer.PHASES:
+                with timer(phase):
+                    time.sleep(0.002)
             timer.end_epoch(epoch)
         rows = telemetry.write_local(_RankComm(rank, host, kinds), roles[rank], sampler, timer,
                                      results)

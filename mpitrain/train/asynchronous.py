@@ -8,7 +8,7 @@ so it needs microseconds per update and sleeps in between (see
 snapshot of the weights, so it never stalls the workers.
 
 Protocol, per worker (all messages on the world communicator, numpy buffers
-with a small header in front, mpi4py uppercase methods):
+with the header of :mod:`.protocol` in front, mpi4py uppercase methods):
 
 1. The worker waits for a **lease**: the server's reply ``[header | weights]``
    on ``TAG_WEIGHTS``; the header carries the weights' version (the server's
@@ -23,16 +23,10 @@ with a small header in front, mpi4py uppercase methods):
    bound allows (immediately when unbounded), and re-posts its ``Irecv`` for
    that worker. A FINAL push gets a header-only reply and ends that worker.
 
-Bounded staleness (``--staleness K``): the server grants a lease only if every
-worker holding one would still see its gradient applied with staleness <= K,
-even if every other lease holder pushes first. With ``v`` the server version,
-``base[u]`` the version of worker ``u``'s lease and ``O`` the lease holders,
-a grant keeps ``(v - base[u]) + |O| - 1 <= K`` for all ``u`` in ``O``.
-So K = 0 lets exactly one worker compute at a time, always on the current
-weights (synchronous training, one worker applied at a time); small K holds
-fast workers back until a slow one has pushed; no K (the default) never holds
-anyone. A grant is always possible when nobody holds a lease, so the protocol
-cannot deadlock; waiting leases are granted first come, first served.
+Bounded staleness (``--staleness K``): the server grants a lease only while
+every lease holder would still see its gradient applied with staleness <= K
+(:class:`~mpitrain.train.leases.Leases`); K = 0 is synchronous training one
+worker at a time, no K (the default) never holds anyone.
 
 Termination: the server ends when every worker's FINAL push is applied; every
 push has been matched by a receive and every reply received, so no request is
@@ -40,59 +34,49 @@ pending at MPI_Finalize. Every wait is bounded: the server names a lease holder
 that stays silent for ``--timeout`` seconds; a worker waits at most twice that
 for its reply (the server speaks first about a stalled peer).
 
-Lost workers (only under ``mpirun --enable-recovery``, which keeps the other
-ranks alive when one dies): a lease holder whose process is gone (seen
-directly on the server's host) or that stays silent past its liveness bound
-(:class:`Liveness`: 20x its measured step interval, at least
-``--liveness-floor`` (10 s), at most ``--timeout``) is dropped: its pending receive is cancelled, it gets a
-FINAL|DROPPED reply in case it comes back (it then exits with a message), and
-its remaining steps are reassigned to the workers still training
-(:class:`Quotas`), who run extra passes over their own shards, so the run
-still makes its planned number of updates; the lost worker's shard is not
-visited after its loss (recorded as ``lost_workers`` in runs.csv and
-status.json). Each reply carries the steps the receiving worker runs beyond its
-own (those reassigned to it), so it knows when to push FINAL. A lost worker on
-the server's host still alive ``FENCE_GRACE`` (5 s) after it was dropped is
-killed (a SIGSTOPped one would keep mpirun waiting); on another host it is named.
-Without ``--enable-recovery`` mpirun ends the job when a rank dies and a
-silent worker is a CommTimeout, as before.
+Lost workers (only under ``mpirun --enable-recovery``, which keeps the other ranks
+alive when one dies): a lease holder whose process is gone (seen directly on the
+server's host) or that stays silent past its liveness bound
+(:class:`~mpitrain.train.leases.Liveness`: 20x its measured step interval, at least
+``--liveness-floor`` (10 s), at most ``--timeout``) is dropped: its pending receive
+is cancelled, it gets a FINAL|DROPPED reply in case it comes back (it then exits
+with a message), and its remaining steps are reassigned to the workers still
+training (:class:`~mpitrain.train.leases.Quotas`), who run extra passes over their
+own shards, so the run still makes its planned number of updates; the lost worker's
+shard is not visited after its loss (recorded as ``lost_workers`` in runs.csv and
+status.json). Each reply carries the steps the receiving worker runs beyond its own
+(those reassigned to it), so it knows when to push FINAL. A lost worker on the
+server's host still alive ``FENCE_GRACE`` (5 s) after it was dropped is killed (a
+SIGSTOPped one would keep mpirun waiting); on another host it is named. Without
+``--enable-recovery`` mpirun ends the job when a rank dies and a silent worker is a
+CommTimeout, as before.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
-from . import optim
-from .comm import HOT, IDLE, SERVING, Backoff, Role, recovery_enabled
-from .errors import CommTimeout, Divergence, Dropped, Interrupted
-from .lifecycle import Checkpoint
-from .schema import STALENESS_COLUMNS
-from .trainer import (TAG_GRADIENT, TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary,
-                      diverged, interrupted, worker_batches)
+from .. import optim
+from ..comm import HOT, IDLE, SERVING, Backoff, Role, recovery_enabled
+from ..errors import CommTimeout, Divergence, Dropped, Interrupted
+from ..lifecycle import Checkpoint
+from ..schema import STALENESS_COLUMNS
+from .context import Context, Summary, diverged, interrupted, worker_batches
+from .evaluation import BackgroundEvaluator, Evaluator, Stopwatch
+from .leases import Leases, Liveness, Quotas
+from .protocol import (DIVERGED, DROPPED, FINAL, INTERRUPTED, SLOTS, TAG_GRADIENT,
+                       TAG_WEIGHTS, Header, SilentPeers, new_message, sentinel, stalled)
 
-# Header: 8 float32 slots in front of every message; ints are stored bit-exact
-# through an int32 view (a float32 would lose versions above 2**24).
-HEADER = 8
-H_VERSION, H_STEP, H_FLAGS = 0, 1, 2  # int32 slots
-H_LOSS, H_ELAPSED, H_THINK = 3, 4, 5  # float32 slots
-H_EXTRA = 6  # int32 slot of a reply: steps the worker runs beyond its own (a lost one's)
-FINAL, INTERRUPTED, DIVERGED, DROPPED = 1, 2, 4, 8  # header flags (push and reply)
 #: workers whose steps take less than this (EWMA) make the server poll, not sleep
 FAST_STEP = 2e-4
 #: how the server polls then: yield for a round trip's worth, then sleep
 POLLING = Backoff(yield_for=3e-4, first_sleep=SERVING.first_sleep, max_sleep=SERVING.max_sleep)
-
-
-def _ints(buf: np.ndarray) -> np.ndarray:
-    return buf[:HEADER].view(np.int32)
 
 
 def train(ctx: Context) -> Summary:
@@ -118,67 +102,61 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     """
     comm, replica, n = ctx.comm, ctx.replica, ctx.replica.n_params
     pipelined = ctx.cfg.staleness is None
-    size = HEADER + replica.n_state  # [header | gradient or weights | buffers]
-    push = np.zeros(size, np.float32)
-    leases = [np.zeros(size, np.float32), np.zeros(size, np.float32)]
+    push = new_message(replica.n_state)  # [header | gradient | buffers]
+    leases = [new_message(replica.n_state), new_message(replica.n_state)]  # weights
     reply_bound = 2 * comm.timeout
     current, in_flight, timer = 0, None, ctx.timer
     comm.wait(comm.irecv(leases[0], 0, TAG_WEIGHTS, "pull", "the initial weights"), IDLE,
               timeout=reply_bound)
-    start_step = step = int(_ints(leases[0])[H_STEP])  # > 0 when resuming
+    # what the lease in use says: its version, the step to resume from (> 0 when
+    # resuming), whether the server is stopping (flags), steps of lost workers given
+    # to this one (extra: its FINAL push comes at its own last step plus those)
+    lease = Header.read(leases[0])
+    start_step = step = lease.step
     if replica.n_buffers:  # the statistics the run has so far (a resumed run's)
-        replica.set_buffers(leases[0][HEADER + n:])
-    ending = int(_ints(leases[0])[H_FLAGS])  # the server may already be stopping
-    # the step of its FINAL push: its own last, plus steps of lost workers given to it
-    quota = ctx.total_steps + int(_ints(leases[0])[H_EXTRA])
-    mark = timer.restart()
-    for _, step, x, y, end_of_epoch in ([] if ending else worker_batches(ctx, start_step,
-                                                                         endless=True)):
-        started = time.perf_counter()  # since mark: preparing the batch
-        grad, loss, norm = replica.grad_at(leases[current][HEADER:HEADER + n], x, y)
-        computed = time.perf_counter()
-        version = int(_ints(leases[current])[H_VERSION])
+        replica.set_buffers(leases[0][SLOTS + n:])
+    timer.restart()
+    for _, step, x, y, end_of_epoch in ([] if lease.flags else worker_batches(
+            ctx, start_step, endless=True)):
+        started = time.perf_counter()  # (preparing the batch is compute too)
+        grad, loss, norm = replica.grad_at(leases[current][SLOTS:SLOTS + n], x, y)
+        think = time.perf_counter() - started  # lets the server pick its poll policy
+        version = lease.version
         if in_flight is not None:  # the previous push's reply landed in the other buffer
-            _complete(comm, in_flight, leases[1 - current], HOT, reply_bound)
+            with timer("wait"):
+                _complete(comm, in_flight, leases[1 - current], HOT, reply_bound)
             in_flight = None
             target, current = current, 1 - current
-            ending = int(_ints(leases[current])[H_FLAGS])
-            quota = ctx.total_steps + int(_ints(leases[current])[H_EXTRA])
+            lease = Header.read(leases[current])
         else:
             target = 1 - current if pipelined else current
-        waited = time.perf_counter()
-        flags = _push_flags(ctx, step, quota, loss + 0.0 * norm)
-        if ending:  # the server is stopping: this gradient is not wanted
+        health = sentinel(loss, norm)
+        flags = _push_flags(ctx, step, ctx.total_steps + lease.extra, health)
+        if lease.flags:  # the server is stopping: this gradient is not wanted
             break
-        push[HEADER:HEADER + n] = grad
+        push[SLOTS:SLOTS + n] = grad
         if replica.n_buffers:  # this worker's statistics travel with each push
-            push[HEADER + n:] = replica.buffers()
-        ints = _ints(push)
-        ints[H_VERSION], ints[H_STEP], ints[H_FLAGS] = version, step, flags
-        push[H_LOSS], push[H_ELAPSED] = loss + 0.0 * norm, clock()
-        push[H_THINK] = computed - started  # lets the server pick its poll policy
-        in_flight = [comm.irecv(leases[target], 0, TAG_WEIGHTS, "pull",
-                                "new weights from the server"),
-                     comm.isend(push, 0, TAG_GRADIENT, "push", "the server to take a gradient")]
-        sent = time.perf_counter()
+            push[SLOTS + n:] = replica.buffers()
+        Header(version, step, flags, health, clock(), think).write(push)
+        with timer("comm"):
+            in_flight = [comm.irecv(leases[target], 0, TAG_WEIGHTS, "pull",
+                                    "new weights from the server"),
+                         comm.isend(push, 0, TAG_GRADIENT, "push",
+                                    "the server to take a gradient")]
         if not pipelined:
-            _complete(comm, in_flight, leases[target], HOT, reply_bound)
+            with timer("wait"):
+                _complete(comm, in_flight, leases[target], HOT, reply_bound)
             in_flight = None
             current = target
-            ending = int(_ints(leases[current])[H_FLAGS])
-            quota = ctx.total_steps + int(_ints(leases[current])[H_EXTRA])
-        done = time.perf_counter()
-        timer.add(compute=computed - mark, wait=(waited - computed) + (done - sent),
-                  comm=sent - waited)
-        mark = done
+            lease = Header.read(leases[current])
         if end_of_epoch or flags & FINAL:
             timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
-        if flags & FINAL or ending:
+        if flags & FINAL or lease.flags:
             break
+    ending = lease.flags
     if in_flight is not None:
         _complete(comm, in_flight, leases[1 - current], IDLE, reply_bound)
-        current = 1 - current
-        ending |= int(_ints(leases[current])[H_FLAGS])
+        ending |= Header.read(leases[1 - current]).flags
     if ending & DROPPED:
         raise Dropped(f"{comm.name(comm.rank)} was dropped by the parameter server after it "
                       "stopped answering; the run went on without it (this process leaves)")
@@ -193,11 +171,12 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
 def _complete(comm, in_flight, reply_buffer: np.ndarray, backoff: Backoff,
               bound: float) -> None:
     """Wait for the reply (into ``reply_buffer``), then for the push (``in_flight =
-    [reply, push]``), unless the reply dismisses this worker: the server cancelled its receive, so that push is
-    never taken (a pending send to a live rank does not stop MPI_Finalize)."""
+    [reply, push]``), unless the reply dismisses this worker: the server cancelled its
+    receive, so that push is never taken (a pending send to a live rank does not stop
+    MPI_Finalize)."""
     reply, push = in_flight
     comm.wait(reply, backoff, timeout=bound)
-    if not int(_ints(reply_buffer)[H_FLAGS]) & DROPPED:
+    if not Header.read(reply_buffer).flags & DROPPED:
         comm.wait(push, backoff, timeout=bound)
 
 
@@ -210,63 +189,6 @@ def _push_flags(ctx: Context, step: int, quota: int, loss: float) -> int:
     if not math.isfinite(loss):
         flags |= FINAL | DIVERGED
     return flags
-
-
-# ---------------------------------------------------------------------------------------
-# Lost workers: pure policies (unit-tested without MPI)
-# ---------------------------------------------------------------------------------------
-class Liveness:
-    """When a silent lease holder counts as lost.
-
-    A worker's bound is ``factor`` times the interval between its lease and its
-    push (an EWMA of what it has shown so far), at least ``floor`` seconds (a
-    garbage collection, a page-in or the server's evaluation thread must not
-    cost a worker its place) and at most ``timeout`` (``--timeout``, the stall
-    bound that ends the job). Before its first push (which includes building
-    and tracing the model) a worker gets the whole ``timeout``.
-    """
-
-    def __init__(self, timeout: float, floor: float = 10.0, factor: float = 20.0):
-        self.timeout, self.floor, self.factor = timeout, floor, factor
-        self.interval: Dict[int, float] = {}
-
-    def observe(self, rank: int, seconds: float) -> None:
-        """Record that ``rank`` pushed ``seconds`` after its lease was granted."""
-        previous = self.interval.get(rank)
-        self.interval[rank] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
-
-    def bound(self, rank: int) -> float:
-        if rank not in self.interval:
-            return self.timeout
-        return min(self.timeout, max(self.floor, self.factor * self.interval[rank]))
-
-
-class Quotas:
-    """How many steps each worker runs before its FINAL push.
-
-    Every worker starts with the run's steps per worker. When one is lost, the
-    steps it had left go to the workers still training, as evenly as possible
-    (lowest ranks first for the remainder), so the run keeps its planned number
-    of updates; if none is left to take them they are counted as ``short``.
-    """
-
-    def __init__(self, ranks, total_steps: int):
-        self.of: Dict[int, int] = {r: total_steps for r in ranks}
-        self.short = 0
-
-    def reassign(self, rank: int, steps_done: int, active) -> Dict[int, int]:
-        """Take ``rank`` out at ``steps_done``; return the steps each of ``active`` gained."""
-        left = max(0, self.of[rank] - steps_done)
-        self.of[rank] = steps_done
-        takers = sorted(r for r in active if r != rank)
-        if not takers:
-            self.short += left
-            return {}
-        share, remainder = divmod(left, len(takers))
-        gained = {r: share + (1 if i < remainder else 0) for i, r in enumerate(takers)}
-        for r, extra in gained.items():
-            self.of[r] += extra
-        return gained
 
 
 #: seconds between the server's checks of its silent workers under --enable-recovery
@@ -336,8 +258,6 @@ class WorkerLedger:
     send: np.ndarray  # [header | weights | buffers] reply buffer
     posted: object = None  # the pending Irecv for its next push
     sending: object = None  # the pending Isend of its last reply
-    base: Optional[int] = None  # version of its lease; None when it holds none
-    leased_at: float = 0.0
     applied: int = 0
     steps: int = 0
     start_step: int = 0  # steps done before this session (a resumed run)
@@ -357,7 +277,6 @@ class Server:
     def __init__(self, ctx: Context, clock: Stopwatch):
         self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
         n = ctx.replica.n_params
-        size = HEADER + ctx.replica.n_state
         self.weights = ctx.replica.weights()
         self.buffers = ctx.replica.buffers()  # the workers' mean at the last evaluation
         self.optimizer = optim.make(ctx.cfg.optimizer, n, ctx.cfg.effective_lr,
@@ -365,11 +284,12 @@ class Server:
         self.version = 0
         self.ending = 0  # INTERRUPTED and/or DIVERGED once the run must stop early
         self.diverged_at: List[str] = []
-        self.bound = ctx.cfg.staleness  # None: unbounded
         self.workers: Dict[int, WorkerLedger] = {
-            r: WorkerLedger(r, np.zeros(size, np.float32), np.zeros(size, np.float32))
+            r: WorkerLedger(r, new_message(ctx.replica.n_state), new_message(ctx.replica.n_state))
             for r in range(1, self.comm.size)}
-        self.waiting: Deque[int] = collections.deque(self.workers)
+        self.leases = Leases(ctx.cfg.staleness, self.workers)
+        # a worker's silence starts when it is granted a lease (then it owes a push)
+        self.silence = SilentPeers(self.comm, self.workers)
         self.updates_per_epoch = len(self.workers) * ctx.steps_per_epoch
         self.eval_interval = ctx.cfg.eval_every * self.updates_per_epoch
         self.losses: List[float] = []  # since the last evaluation
@@ -437,22 +357,19 @@ class Server:
         cpu0, loop_cpu0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
         timer = self.ctx.timer
         self._grant_leases()
-        mark = timer.restart()
+        timer.restart()
         while not all(w.done for w in self.workers.values()):
             if self.ctx.stop and not self.ending:
                 self.ending |= INTERRUPTED
                 self._grant_leases()  # releases the waiting workers
                 continue
-            worker = self._next_push()
+            with timer("wait"):
+                worker = self._next_push()
             if worker is None:  # a worker was dropped instead
                 continue
-            arrived = time.perf_counter()
             self._apply(worker)
-            applied = time.perf_counter()
-            self._grant_leases()
-            done = time.perf_counter()
-            timer.add(wait=arrived - mark, compute=applied - arrived, comm=done - applied)
-            mark = done
+            with timer("comm"):
+                self._grant_leases()
             if self.version % self.updates_per_epoch == 0:
                 timer.end_epoch(self.version // self.updates_per_epoch)
             if self.version % 64 == 0:
@@ -483,54 +400,41 @@ class Server:
     def _next_push(self) -> Optional[WorkerLedger]:
         """The next worker whose push arrived; None when a lost worker was dropped
         instead (only under --enable-recovery)."""
-        holders = [w for w in self.workers.values() if w.base is not None]
+        holders = self.leases.holders
         if self.recovery and time.monotonic() >= self.next_liveness_check:
             # also while the others push: one silent worker among busy ones is the case
             self.next_liveness_check = time.monotonic() + LIVENESS_CHECK_EVERY
             self._fence_lost()
-            lost = next(((w, why) for w in holders for why in [self._lost_because(w)] if why),
-                        None)
+            lost = next(((self.workers[r], why) for r in holders
+                         for why in [self._lost_because(r)] if why), None)
             if lost:
                 self._drop(*lost)
                 return None
-        oldest = min(holders, key=lambda w: w.leased_at)
-        silent_for = time.monotonic() - oldest.leased_at
-        wait_for = self.comm.timeout - silent_for
-        if self.recovery:  # wake up in time for the next check
-            wait_for = min(wait_for, LIVENESS_CHECK_EVERY)
-        index = self.comm.wait_any([w.posted for w in holders], self._poll_policy(),
-                                   timeout=max(0.0, wait_for))
-        if index is not None:
-            w = holders[index]
-            self.liveness.observe(w.rank, time.monotonic() - w.leased_at)
-            return w
-        if silent_for >= self.comm.timeout and not self.recovery:  # else: dropped above
-            raise CommTimeout(
-                f"{self.comm.name(oldest.rank)} has not pushed a gradient for "
-                f"{self.comm.timeout:g} s; it is stalled or dead (raise --timeout if its steps "
-                "are legitimately that slow)")
+        rank = self.silence.first({r: self.workers[r].posted for r in holders},
+                                  self._poll_policy(),  # recovery: wake for the next check
+                                  wake_every=LIVENESS_CHECK_EVERY if self.recovery else None)
+        if rank is not None:
+            self.liveness.observe(rank, self.silence.silent_for(rank))
+            return self.workers[rank]
+        late = None if self.recovery else self.silence.overdue(holders)  # else: dropped above
+        if late is not None:
+            raise stalled(self.comm, late, f"has not pushed a gradient for "
+                                           f"{self.comm.timeout:g} s")
         return None
 
-    def _lost_because(self, w: WorkerLedger) -> str:
-        """Why lease holder ``w`` counts as lost, or '' (it is still in)."""
-        silent_for = time.monotonic() - w.leased_at
-        if not self.processes.alive(w.rank):
-            return f"its process died (no push for {silent_for:.1f} s)"
-        bound = self.liveness.bound(w.rank)
-        if silent_for > bound:
-            return (f"silent for {silent_for:.1f} s, past its liveness bound of {bound:.1f} s "
-                    f"({self.liveness.factor:g}x its step interval, at least "
-                    f"{self.liveness.floor:g} s)")
-        return ""
+    def _lost_because(self, rank: int) -> str:
+        """Why lease holder ``rank`` counts as lost, or '' (it is still in)."""
+        return self.liveness.lost_because(rank, self.silence.silent_for(rank),
+                                          self.processes.alive(rank))
 
     def _drop(self, w: WorkerLedger, why: str) -> None:
         """Go on without ``w``: no request of its left to match, its steps reassigned."""
         self.comm.cancel(w.posted)
-        w.posted, w.base, w.done, w.lost = None, None, True, why
+        self.leases.drop(w.rank)
+        w.posted, w.done, w.lost = None, True, why
         w.fence_at = time.monotonic() + FENCE_GRACE
         if self.processes.alive(w.rank):  # stalled: if it comes back, it must leave
-            farewell = np.zeros(HEADER, np.float32)
-            _ints(farewell)[H_FLAGS] = FINAL | DROPPED
+            farewell = Header(flags=FINAL | DROPPED).write(new_message())
             w.farewell = self.comm.isend(farewell, w.rank, TAG_WEIGHTS, "control",
                                          f"{self.comm.name(w.rank)} to take its dismissal")
         active = [r for r, v in self.workers.items() if not v.done]
@@ -586,27 +490,27 @@ class Server:
         return POLLING if self.step_time < FAST_STEP else SERVING
 
     def _apply(self, w: WorkerLedger) -> None:
-        ints = _ints(w.recv)
-        flags = int(ints[H_FLAGS])
-        w.steps, w.elapsed = int(ints[H_STEP]), float(w.recv[H_ELAPSED])
-        w.base = None
-        if flags & DIVERGED or not math.isfinite(float(w.recv[H_LOSS])):
+        header = Header.read(w.recv)
+        flags = header.flags
+        w.steps, w.elapsed = header.step, header.elapsed
+        self.leases.returned(w.rank)
+        if flags & DIVERGED or not math.isfinite(header.loss):
             self.ending |= DIVERGED  # never apply a non-finite gradient
             self.diverged_at.append(f"{self.comm.name(w.rank)} at its step {w.steps}")
             w.done = True
             self._reply(w, with_weights=False)
             return
         self.ending |= flags & INTERRUPTED
-        staleness = self.version - int(ints[H_VERSION])
+        staleness = self.version - header.version
         w.staleness[staleness] += 1
         n = self.weights.size
-        self.optimizer.step(self.weights, w.recv[HEADER:HEADER + n])  # clips first if set
-        if w.recv.size > HEADER + n:
-            w.buffers = w.recv[HEADER + n:].copy()
+        self.optimizer.step(self.weights, w.recv[SLOTS:SLOTS + n])  # clips first if set
+        if w.recv.size > SLOTS + n:
+            w.buffers = w.recv[SLOTS + n:].copy()
         self.version += 1
         w.applied += 1
-        self.step_time = 0.8 * self.step_time + 0.2 * float(w.recv[H_THINK])
-        self.last_loss = float(w.recv[H_LOSS])
+        self.step_time = 0.8 * self.step_time + 0.2 * header.think
+        self.last_loss = header.loss
         self.losses.append(self.last_loss)
         if flags & FINAL:
             w.done = True
@@ -615,7 +519,7 @@ class Server:
                                      [r for r, v in self.workers.items() if not v.done])
             self._reply(w, with_weights=False)
         else:
-            self.waiting.append(w.rank)
+            self.leases.wait(w.rank)
         if self.version % self.eval_interval == 0:
             self.evaluations.submit(self.version, self._state(), self._train_loss(),
                                     self.clock())
@@ -629,40 +533,32 @@ class Server:
         return loss
 
     # ---- leases -----------------------------------------------------------------------
-    def _may_grant(self) -> bool:
-        if self.bound is None:
-            return True
-        holders = [w.base for w in self.workers.values() if w.base is not None]
-        holders.append(self.version)  # the candidate's lease
-        return all((self.version - base) + len(holders) - 1 <= self.bound for base in holders)
-
     def _grant_leases(self) -> None:
-        while self.waiting and (self.ending or self._may_grant()):
-            w = self.workers[self.waiting.popleft()]
-            if self.ending or (w.applied == 0 and w.steps >= self.quotas.of[w.rank]):
+        for rank in self.leases.next_waiting(self.version, force=bool(self.ending)):
+            w = self.workers[rank]
+            if self.ending or (w.applied == 0 and w.steps >= self.quotas.of[rank]):
                 # stopping, or resumed with its steps done: no lease, the final reply
                 w.done = True
                 self._reply(w, with_weights=False)
                 continue
-            w.base, w.leased_at = self.version, time.monotonic()
-            w.posted = self.comm.irecv(w.recv, w.rank, TAG_GRADIENT, "push",
-                                       "a gradient")
+            self.leases.grant(rank, self.version)
+            self.silence.heard(rank)
+            w.posted = self.comm.irecv(w.recv, rank, TAG_GRADIENT, "push", "a gradient")
             self._reply(w, with_weights=True)
 
     def _reply(self, w: WorkerLedger, with_weights: bool) -> None:
         if w.sending is not None:
             self.comm.wait(w.sending, IDLE)  # its last reply was received: completes at once
-        ints = _ints(w.send)
-        ints[H_VERSION], ints[H_STEP] = self.version, w.steps  # step: where to resume from
-        ints[H_EXTRA] = self.quotas.of[w.rank] - self.ctx.total_steps
-        ints[H_FLAGS] = 0 if with_weights else FINAL | self.ending
+        Header(version=self.version, step=w.steps,  # step: where to resume from
+               flags=0 if with_weights else FINAL | self.ending,
+               extra=self.quotas.of[w.rank] - self.ctx.total_steps).write(w.send)
         if with_weights:
-            w.send[HEADER:HEADER + self.weights.size] = self.weights
-            w.send[HEADER + self.weights.size:] = self.buffers
+            w.send[SLOTS:SLOTS + self.weights.size] = self.weights
+            w.send[SLOTS + self.weights.size:] = self.buffers
             w.sending = self.comm.isend(w.send, w.rank, TAG_WEIGHTS, "pull",
                                         f"{self.comm.name(w.rank)} to take its weights")
         else:
-            w.sending = self.comm.isend(w.send[:HEADER], w.rank, TAG_WEIGHTS, "pull",
+            w.sending = self.comm.isend(w.send[:SLOTS], w.rank, TAG_WEIGHTS, "pull",
                                         f"{self.comm.name(w.rank)} to take its last reply")
 
     # ---- results ----------------------------------------------------------------------
@@ -680,7 +576,7 @@ class Server:
         extra = {
             "staleness_mean": round(mean, 3),
             "staleness_max": max(all_staleness) if all_staleness else 0,
-            "staleness_bound": "" if self.bound is None else self.bound,
+            "staleness_bound": "" if self.leases.bound is None else self.leases.bound,
             "pushes": pushes, "applied": sum(w.applied for w in self.workers.values()),
             "server_updates_per_s": round(self.version / max(1e-9, wall), 1),
             "worker_steps_per_s": round(float(np.mean(
@@ -697,55 +593,3 @@ class Server:
             f"{100 * cpu_share['server_cpu_share']:.1f}% of a core (protocol loop "
             f"{100 * cpu_share['server_loop_cpu_share']:.1f}%, the rest evaluation)")
         return self.evaluations.evaluator.summary(wall, **extra)
-
-
-class BackgroundEvaluator:
-    """Evaluates weight snapshots on a thread, in order, so the protocol never waits.
-
-    Only this thread touches TensorFlow and the curve on the server.
-    """
-
-    def __init__(self, evaluator: Evaluator):
-        self.ctx = evaluator.ctx
-        self.evaluator = evaluator
-        self.last_step: Optional[int] = None
-        self.jobs: "queue.Queue" = queue.Queue()
-        self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
-        self.thread.start()
-
-    def submit(self, version: int, state: np.ndarray, train_loss, wall: float) -> None:
-        """Evaluate ``state`` (weights and buffers, a copy the caller will not touch) in
-        the background."""
-        self.last_step = version
-        self._put(lambda: self._evaluate(version, state, train_loss, wall))
-
-    def save(self, checkpoint: Checkpoint) -> None:
-        """Write ``checkpoint`` in the background, in order with the evaluations."""
-        self._put(lambda: self.ctx.results.save_checkpoint(checkpoint))
-
-    def _put(self, job) -> None:
-        if self.error is not None:
-            raise self.error
-        self.jobs.put(job)
-
-    def _evaluate(self, version: int, state: np.ndarray, train_loss, wall: float) -> None:
-        self.ctx.replica.set_state(state)
-        self.evaluator.record(version, train_loss, wall)
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-            except BaseException as e:  # surfaced to the server loop on its next submit
-                self.error = e
-                return
-
-    def close(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error

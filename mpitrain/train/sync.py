@@ -23,12 +23,13 @@ gradient: a stop flag, and one slot per worker holding that worker's loss
 After the one allreduce every worker knows whether anyone was asked to stop,
 which workers went non-finite, and the mean loss, and all act at the same step.
 
-Message protocol with rank 0, on the world communicator:
+Message protocol with rank 0, on the world communicator (tags, header and flags
+in :mod:`.protocol`):
 
-* worker -> 0, ``TAG_REPORT``: float64 header ``[kind, step, loss, checksum,
-  elapsed, flags]``; PROGRESS about once a second (also while blocked in the
-  allreduce, so rank 0 can name a worker that went silent), REPORT at
-  evaluation/checkpoint points and at the end, flags telling which.
+* worker -> 0, ``TAG_REPORT``: a header (step, loss, elapsed, flags, checksum);
+  a heartbeat about once a second (also while blocked in the allreduce, so rank
+  0 can name a worker that went silent), a REPORT at evaluation/checkpoint
+  points and at the end, flags telling which.
 * worker 1 -> 0 after each REPORT: the flat weights (``TAG_WEIGHTS``); at
   checkpoints also the optimizer state (``TAG_STATE``); every worker also
   sends its random-generator state (``TAG_RNG``) if the model has one.
@@ -57,19 +58,17 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .comm import IDLE, Role
-from .errors import CommTimeout, Divergence, Interrupted, ReplicaDrift
-from .lifecycle import Checkpoint
-from .replica import checksum
-from .trainer import (HEARTBEAT_SECONDS, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP,
-                      TAG_WEIGHTS, Context, Evaluator, Stopwatch, Summary, diverged,
-                      interrupted, is_checkpoint_point, is_eval_point, worker_batches)
-
-PROGRESS, REPORT = 0.0, 1.0
-HEADER_LEN = 6
-KIND, STEP, LOSS, CRC, ELAPSED, FLAGS = range(HEADER_LEN)
-# report flags
-FINAL, INTERRUPTED, DIVERGED, EVALUATE, CHECKPOINT = 1, 2, 4, 8, 16
+from ..comm import IDLE, Role
+from ..engines import gradient_engine
+from ..errors import Divergence, Interrupted, ReplicaDrift
+from ..lifecycle import Checkpoint
+from ..replica import checksum
+from .context import (Context, Summary, diverged, interrupted, is_checkpoint_point,
+                      is_eval_point, worker_batches)
+from .evaluation import Evaluator, Stopwatch
+from .protocol import (CHECKPOINT, DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED,
+                       REPORT, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
+                       SilentPeers, new_message, sentinel, stalled)
 
 
 def train(ctx: Context) -> Summary:
@@ -153,45 +152,36 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
     replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
     n, n_workers, me = replica.n_params, workers.size, workers.rank
     alone = n_workers == 1  # nothing to average: use the fused one-call step
-    engine = workers if alone else gradient_engine(ctx)
+    engine = workers if alone else gradient_engine(ctx.cfg, workers, ctx.run_dir)
     transfer = 0.0 if alone else allreduce_cost(workers, engine, n + 1 + n_workers)
     loss_sum, n_batches, step = 0.0, 0, start_step
-    mark = timer.restart()  # every second of an epoch is accounted from here on
+    timer.restart()  # every second of an epoch is accounted from here on
     for epoch, step, x, y, end_of_epoch in worker_batches(ctx, start_step):
-        # (the generator prepared the batch since `mark`: counted as compute below)
         link.poll_stop()
         if alone:
             loss, norm = replica.train_step(x, y)
-            t1 = t2 = time.perf_counter()
-            stop, losses = bool(ctx.stop), [loss + 0.0 * norm]
+            stop, losses = bool(ctx.stop), [sentinel(loss, norm)]
         else:
             buf, loss, norm = replica.grad(x, y, tail=1 + n_workers)
             buf[n] = 1.0 if ctx.stop else 0.0
-            buf[n + 1 + me] = loss + 0.0 * norm  # NaN if the loss or the gradient is
-            t1 = time.perf_counter()
-            engine.allreduce_mean_(buf)
-            t2 = time.perf_counter()
+            buf[n + 1 + me] = sentinel(loss, norm)
+            with timer.collective(transfer):  # moving the data + waiting for the slowest
+                engine.allreduce_mean_(buf)
             stop, losses = bool(buf[n] > 0), list(buf[n + 1:] * n_workers)
         nonfinite = [w for w, value in enumerate(losses) if not math.isfinite(value)]
         if not alone and not nonfinite:
             replica.apply(buf[:n])
         loss_sum += float(np.mean(losses))
         n_batches += 1
-        t3 = time.perf_counter()
-        link.after_step(step, loss_sum / n_batches)
         flags = _flags(ctx, epoch, step, end_of_epoch, stop, me in nonfinite)
         if nonfinite or stop:
             flags |= FINAL
-        if flags & (EVALUATE | CHECKPOINT) and not (alone or nonfinite):
-            average_buffers(replica, workers)  # every worker: the same step, the same flags
-        if flags:
-            link.report(step, loss_sum / n_batches, flags)
-        t4 = time.perf_counter()
-        # the allreduce call = moving the data + waiting for the slowest worker
-        moving = min(t2 - t1, transfer)
-        timer.add(compute=(t1 - mark) + (t3 - t2), comm=moving, wait=(t2 - t1) - moving)
-        timer.add(**{link.accounted_as: t4 - t3})
-        mark = t4
+        with timer(link.accounted_as):
+            link.after_step(step, loss_sum / n_batches)
+            if flags & (EVALUATE | CHECKPOINT) and not (alone or nonfinite):
+                average_buffers(replica, workers)  # every worker: the same step, the same flags
+            if flags:
+                link.report(step, loss_sum / n_batches, flags)
         if end_of_epoch or flags & FINAL:
             timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
             loss_sum, n_batches = 0.0, 0
@@ -241,16 +231,6 @@ def diverged_at(ctx: Context, world_ranks: List[int], step: int) -> Divergence:
     where = ", ".join(ctx.comm.name(r) if ctx.comm.size > 1 else "the single rank"
                       for r in world_ranks)
     return diverged(f"{where} at step {step} (epoch {step / ctx.steps_per_epoch:.2f})")
-
-
-def gradient_engine(ctx: Context):
-    """What averages the workers' gradients: the MPI communicator, or Horovod on it."""
-    if ctx.cfg.allreduce != "horovod":
-        return ctx.comm.workers
-    from .engines import HorovodAllreduce
-
-    timeline = f"{ctx.run_dir}/horovod-timeline.json" if ctx.cfg.horovod_timeline else None
-    return HorovodAllreduce(ctx.comm.workers, timeline, stall_seconds=ctx.cfg.timeout)
 
 
 def allreduce_cost(workers, engine, size: int) -> float:
@@ -334,12 +314,13 @@ class ServerLink:
 
     def _beat(self) -> None:
         self.next_beat = self.clock() + HEARTBEAT_SECONDS
-        self._send_header(PROGRESS, self.step, self.loss, 0, 0)
+        self._send_header(Header(step=self.step, loss=self.loss))
 
     def report(self, step: int, train_loss: float, flags: int) -> None:
         replica = self.ctx.replica
         weights = replica.state()  # buffers averaged at every report point: identical too
-        self._send_header(REPORT, step, train_loss, checksum(weights), flags)
+        self._send_header(Header(step=step, flags=flags | REPORT, loss=train_loss,
+                                 crc=checksum(weights)))
         payloads = []
         if self.sends_weights:
             payloads.append((TAG_WEIGHTS, "pull", weights))
@@ -353,8 +334,8 @@ class ServerLink:
             self.sends.append((self.comm.isend(buf, 0, tag, kind, f"rank 0 to take {kind}"),
                                buf))
 
-    def _send_header(self, kind: float, step: int, loss: float, crc: int, flags: int) -> None:
-        header = np.array([kind, step, loss, crc, self.clock(), flags], dtype=np.float64)
+    def _send_header(self, header: Header) -> None:
+        header = header._replace(elapsed=self.clock()).write(new_message())
         self._prune()
         self.sends.append((self.comm.isend(header, 0, TAG_REPORT, "control",
                                            "rank 0 to take a report"), header))
@@ -387,11 +368,11 @@ class Server:
         self.optimizer_layout = optimizer_layout  # what worker 1 checkpoints
         self.workers = list(range(1, self.comm.size))
         self.evaluator = Evaluator.for_sync(ctx, clock)
-        self.headers = {w: np.zeros(HEADER_LEN, np.float64) for w in self.workers}
+        self.headers = {w: new_message() for w in self.workers}
         self.posted = {w: self._post(w) for w in self.workers}
-        self.last_heard = {w: time.monotonic() for w in self.workers}
+        self.silence = SilentPeers(self.comm, self.workers)
         self.weights = np.empty(ctx.replica.n_state, np.float32)  # weights, then buffers
-        self.reports: Dict[int, Dict[int, np.ndarray]] = {}
+        self.reports: Dict[int, Dict[int, Header]] = {}
         self.finished = set()
         self.stop_sent: Dict[int, object] = {}
 
@@ -401,19 +382,20 @@ class Server:
     def run(self, start_step: int) -> Summary:
         if start_step == 0:
             self.evaluator.record(0, None, 0.0)  # the curve starts with the initial model
+        self.ctx.timer.restart()  # the timed run starts with the workers' first step
         try:
             while len(self.finished) < len(self.workers):
                 self._maybe_forward_stop()
                 w = self._next_message()
                 if w is None:  # a quiet second: check for a stop request again
                     continue
-                header = self.headers[w].copy()
-                if header[KIND] == REPORT:
-                    self.reports.setdefault(int(header[STEP]), {})[w] = header
-                    if int(header[FLAGS]) & FINAL:
+                header = Header.read(self.headers[w])
+                if header.flags & REPORT:
+                    self.reports.setdefault(header.step, {})[w] = header
+                    if header.flags & FINAL:
                         self.finished.add(w)
                 else:
-                    self.evaluator.progress(int(header[STEP]), float(header[LOSS]))
+                    self.evaluator.progress(header.step, header.loss)
                 if w not in self.finished:
                     self.posted[w] = self._post(w)
                 self._handle_complete_reports()
@@ -439,23 +421,15 @@ class Server:
     def _next_message(self) -> Optional[int]:
         """The worker whose message arrived, or None after a quiet second."""
         live = [w for w in self.workers if w not in self.finished]
-        silent_for = time.monotonic() - min(self.last_heard[w] for w in live)
-        t0 = time.perf_counter()
-        index = self.comm.wait_any([self.posted[w] for w in live], IDLE,
-                                   timeout=max(0.0, min(self.comm.timeout - silent_for, 1.0)))
-        self.ctx.timer.add(wait=time.perf_counter() - t0)
-        if index is None:
-            w = min(live, key=self.last_heard.get)
-            if time.monotonic() - self.last_heard[w] >= self.comm.timeout:
-                waiting = [self.comm.name(v) for v in live if v != w]
-                raise CommTimeout(
-                    f"{self.comm.name(w)} sent nothing for {self.comm.timeout:g} s while "
-                    + (f"{', '.join(waiting)} kept waiting for it; " if waiting else "")
-                    + "it is stalled or dead (raise --timeout if its steps are "
-                    "legitimately that slow)")
+        with self.ctx.timer("wait"):
+            w = self.silence.first({v: self.posted[v] for v in live}, IDLE, wake_every=1.0)
+        if w is None:
+            late = self.silence.overdue(live)
+            if late is not None:
+                raise stalled(self.comm, late, f"sent nothing for {self.comm.timeout:g} s",
+                              waiting=[v for v in live if v != late])
             return None
-        w = live[index]
-        self.last_heard[w] = time.monotonic()
+        self.silence.heard(w)
         return w
 
     def _handle_complete_reports(self) -> None:
@@ -464,24 +438,21 @@ class Server:
                 return
             self._handle_step(step, self.reports.pop(step))
 
-    def _handle_step(self, step: int, reports: Dict[int, np.ndarray]) -> None:
+    def _handle_step(self, step: int, reports: Dict[int, Header]) -> None:
         ctx, comm, timer = self.ctx, self.comm, self.ctx.timer
-        flags = {w: int(h[FLAGS]) for w, h in reports.items()}
         union = 0
-        for f in flags.values():
-            union |= f
-        nonfinite = [w for w, f in flags.items() if f & DIVERGED]
-        t0 = time.perf_counter()
-        comm.wait(comm.irecv(self.weights, 1, TAG_WEIGHTS, "pull", "the weights"), IDLE)
-        state = self._receive_checkpoint_state() if union & CHECKPOINT else None
-        timer.add(comm=time.perf_counter() - t0)
+        for h in reports.values():
+            union |= h.flags
+        nonfinite = [w for w, h in reports.items() if h.flags & DIVERGED]
+        with timer("comm"):
+            comm.wait(comm.irecv(self.weights, 1, TAG_WEIGHTS, "pull", "the weights"), IDLE)
+            state = self._receive_checkpoint_state() if union & CHECKPOINT else None
         if nonfinite:
             raise diverged_at(ctx, nonfinite, step)
         self._check_replicas(step, reports)
-        t1 = time.perf_counter()
         ctx.replica.set_state(self.weights)
-        train_loss = float(np.mean([h[LOSS] for h in reports.values()]))
-        wall = max(h[ELAPSED] for h in reports.values())
+        train_loss = float(np.mean([h.loss for h in reports.values()]))
+        wall = max(h.elapsed for h in reports.values())
         if union & EVALUATE:
             self.evaluator.record(step, train_loss, wall)
         if state is not None:
@@ -491,7 +462,6 @@ class Server:
                                                    wall, extra={"rng": rng,
                                                                 "geometry": ctx.geometry},
                                                    buffers=self.weights[n:].copy()))
-        timer.add(compute=time.perf_counter() - t1)
         timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
         if union & INTERRUPTED:
             raise interrupted(ctx, f"at step {step}", self.evaluator.summary(wall))
@@ -511,9 +481,9 @@ class Server:
                 rng[w] = row.tolist()
         return _unpack(packed, layout), rng
 
-    def _check_replicas(self, step: int, reports: Dict[int, np.ndarray]) -> None:
+    def _check_replicas(self, step: int, reports: Dict[int, Header]) -> None:
         comm = self.comm
-        sums = {w: int(h[CRC]) for w, h in reports.items()}
+        sums = {w: h.crc for w, h in reports.items()}
         if checksum(self.weights) != sums[1]:
             raise ReplicaDrift(f"weights from {comm.name(1)} arrived corrupted at step {step} "
                                "(checksum mismatch in transit)")

@@ -1,10 +1,5 @@
-"""Sync gradient engines besides mpitrain's own MPI allreduce (:meth:`Comm.allreduce_mean_`).
-
-An engine has the same contract as ``Comm.allreduce_mean_(buf)``: every worker
-calls it with its fused gradient buffer and gets the mean of all workers', in
-place. Kept out of :mod:`mpitrain.comm` so that the communication layer never
-imports TensorFlow or Horovod.
-"""
+"""Horovod as the sync gradient engine (``--allreduce horovod``; the optional
+``.venv-horovod`` environment: Horovod 0.28.1 builds against TensorFlow <= 2.18)."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from .comm import WORKERS_TIMEOUT_FACTOR, Comm
+from ..comm import WORKERS_TIMEOUT_FACTOR, Comm
 
 
 class HorovodAllreduce:

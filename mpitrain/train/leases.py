@@ -1,0 +1,135 @@
+"""The async server's policies, pure (no MPI, no clock of their own; unit-tested).
+
+* :class:`Leases`: who may compute next under bounded staleness (``--staleness K``).
+* :class:`Liveness`: when a silent lease holder counts as lost (``--enable-recovery``).
+* :class:`Quotas`: how many steps each worker runs, and who takes a lost worker's.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Deque, Dict, Iterable, Iterator, Optional
+
+
+class Leases:
+    """Which workers hold a lease (the weights of a version, to compute a gradient at)
+    and which wait for one, under a staleness bound.
+
+    With ``bound`` K the server grants a lease only if every worker holding one
+    would still see its gradient applied with staleness <= K, even if every
+    other lease holder pushes first. With ``v`` the server version, ``base[u]``
+    the version of worker ``u``'s lease and ``O`` the lease holders, a grant
+    keeps ``(v - base[u]) + |O| - 1 <= K`` for all ``u`` in ``O``. So K = 0 lets
+    exactly one worker compute at a time, always on the current weights; no K
+    (``None``) never holds anyone. A grant is always possible when nobody holds a
+    lease, so the protocol cannot deadlock; waiting workers are served first
+    come, first served.
+    """
+
+    def __init__(self, bound: Optional[int], waiting: Iterable[int]):
+        self.bound = bound
+        #: lease holder -> the version of its lease
+        self.base: Dict[int, int] = {}
+        self.waiting: Deque[int] = collections.deque(waiting)
+
+    def holds(self, rank: int) -> bool:
+        return rank in self.base
+
+    @property
+    def holders(self):
+        return list(self.base)
+
+    def may_grant(self, version: int) -> bool:
+        """Whether one more lease at ``version`` keeps every holder within the bound."""
+        if self.bound is None:
+            return True
+        bases = list(self.base.values()) + [version]  # the candidate's lease
+        return all((version - b) + len(bases) - 1 <= self.bound for b in bases)
+
+    def next_waiting(self, version: int, force: bool = False) -> Iterator[int]:
+        """The waiting workers that may be answered now, in order; each is taken off
+        the queue. The caller either grants it a lease (:meth:`grant`) or dismisses
+        it; ``force`` (the run is ending) answers every waiting worker."""
+        while self.waiting and (force or self.may_grant(version)):
+            yield self.waiting.popleft()
+
+    def grant(self, rank: int, version: int) -> None:
+        self.base[rank] = version
+
+    def returned(self, rank: int) -> int:
+        """``rank`` pushed the gradient of its lease; returns the lease's version."""
+        return self.base.pop(rank)
+
+    def wait(self, rank: int) -> None:
+        """``rank`` wants its next lease."""
+        self.waiting.append(rank)
+
+    def drop(self, rank: int) -> None:
+        """``rank`` is gone: its lease no longer holds the others back."""
+        self.base.pop(rank, None)
+        if rank in self.waiting:
+            self.waiting.remove(rank)
+
+
+class Liveness:
+    """When a silent lease holder counts as lost.
+
+    A worker's bound is ``factor`` times the interval between its lease and its
+    push (an EWMA of what it has shown so far), at least ``floor`` seconds (a
+    garbage collection, a page-in or the server's evaluation thread must not
+    cost a worker its place) and at most ``timeout`` (``--timeout``, the stall
+    bound that ends the job). Before its first push (which includes building
+    and tracing the model) a worker gets the whole ``timeout``.
+    """
+
+    def __init__(self, timeout: float, floor: float = 10.0, factor: float = 20.0):
+        self.timeout, self.floor, self.factor = timeout, floor, factor
+        self.interval: Dict[int, float] = {}
+
+    def observe(self, rank: int, seconds: float) -> None:
+        """Record that ``rank`` pushed ``seconds`` after its lease was granted."""
+        previous = self.interval.get(rank)
+        self.interval[rank] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def bound(self, rank: int) -> float:
+        if rank not in self.interval:
+            return self.timeout
+        return min(self.timeout, max(self.floor, self.factor * self.interval[rank]))
+
+    def lost_because(self, rank: int, silent_for: float, alive: bool) -> str:
+        """Why a lease holder silent for ``silent_for`` seconds counts as lost, or ''."""
+        if not alive:
+            return f"its process died (no push for {silent_for:.1f} s)"
+        bound = self.bound(rank)
+        if silent_for > bound:
+            return (f"silent for {silent_for:.1f} s, past its liveness bound of {bound:.1f} s "
+                    f"({self.factor:g}x its step interval, at least {self.floor:g} s)")
+        return ""
+
+
+class Quotas:
+    """How many steps each worker runs before its FINAL push.
+
+    Every worker starts with the run's steps per worker. When one is lost, the
+    steps it had left go to the workers still training, as evenly as possible
+    (lowest ranks first for the remainder), so the run keeps its planned number
+    of updates; if none is left to take them they are counted as ``short``.
+    """
+
+    def __init__(self, ranks, total_steps: int):
+        self.of: Dict[int, int] = {r: total_steps for r in ranks}
+        self.short = 0
+
+    def reassign(self, rank: int, steps_done: int, active) -> Dict[int, int]:
+        """Take ``rank`` out at ``steps_done``; return the steps each of ``active`` gained."""
+        left = max(0, self.of[rank] - steps_done)
+        self.of[rank] = steps_done
+        takers = sorted(r for r in active if r != rank)
+        if not takers:
+            self.short += left
+            return {}
+        share, remainder = divmod(left, len(takers))
+        gained = {r: share + (1 if i < remainder else 0) for i, r in enumerate(takers)}
+        for r, extra in gained.items():
+            self.of[r] += extra
+        return gained

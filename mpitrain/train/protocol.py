@@ -1,0 +1,212 @@
+"""What the two training protocols share on the wire and around it.
+
+* **Tags** of the worker <-> server messages (both modes).
+* **The header**: 8 float32 slots, in front of every async message and alone as
+  every sync report. Integer slots are stored bit-exact through an int32 view (a
+  float32 would lose versions above 2**24):
+
+  0. VERSION (int): async push, the version the gradient was computed at; async
+     reply, the server version of these weights.
+  1. STEP (int): the worker's step (sync report, async push); the step to resume
+     from (async reply).
+  2. FLAGS (int): sync report REPORT (else a heartbeat), FINAL, INTERRUPTED,
+     DIVERGED, EVALUATE, CHECKPOINT; async push FINAL, INTERRUPTED, DIVERGED;
+     async reply also DROPPED.
+  3. LOSS: sync, the running train loss; async push, the batch's (the sentinel).
+  4. ELAPSED: the worker's wall time (sync report, async push).
+  5. THINK: async push, its seconds of compute (the server's poll policy).
+  6. EXTRA (int): async reply, steps beyond its own (a lost worker's, reassigned).
+  7. CRC (int): sync report, the CRC-32 of the weights and buffers.
+
+* **The health sentinel** (:func:`sentinel`): one float that is not finite when
+  the loss or the gradient is not; both protocols stop every rank at the step
+  where a worker's sentinel went NaN or infinite.
+* **SilentPeers**: the serving rank's bound on how long a peer it expects a
+  message from may stay silent, and the error that names it.
+* **PhaseTimer**: this rank's seconds per epoch in compute, comm and wait,
+  every second of an epoch charged to exactly one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from ..errors import CommTimeout
+
+#: message tags of the worker <-> server protocols
+TAG_REPORT = 21  # sync: worker -> server progress and epoch reports (a header)
+TAG_WEIGHTS = 22  # sync: worker 1 -> server weights; async: server -> worker leases
+TAG_GRADIENT = 23  # async: worker -> server gradient pushes
+TAG_STOP = 24  # sync: server -> worker, exactly once per run (stop now / stop listening)
+TAG_STATE = 25  # sync: worker 1 -> server optimizer state at checkpoints
+TAG_RNG = 26  # sync: every worker -> server random-generator state at checkpoints
+
+#: workers tell the server they are alive (and how far they are) this often, at least
+HEARTBEAT_SECONDS = 1.0
+
+SLOTS = 8
+VERSION, STEP, FLAGS, LOSS, ELAPSED, THINK, EXTRA, CRC = range(SLOTS)
+
+# flags (the FLAGS slot)
+FINAL = 1  # the sender's last message of the run
+INTERRUPTED = 2  # a stop signal ended the run
+DIVERGED = 4  # a non-finite loss or gradient ended the run
+DROPPED = 8  # async reply: the server went on without this worker
+EVALUATE = 16  # sync report: this step is an evaluation point
+CHECKPOINT = 32  # sync report: this step is a checkpoint point
+REPORT = 64  # sync report: a report of a step all workers reach (else a heartbeat)
+
+
+class Header(NamedTuple):
+    """A header's slots as Python numbers (see the table in the module docstring)."""
+
+    version: int = 0
+    step: int = 0
+    flags: int = 0
+    loss: float = 0.0
+    elapsed: float = 0.0
+    think: float = 0.0
+    extra: int = 0
+    crc: int = 0
+
+    @classmethod
+    def read(cls, buf: np.ndarray) -> "Header":
+        """The header in front of ``buf`` (a float32 message)."""
+        ints = buf[:SLOTS].view(np.int32)
+        return cls(int(ints[VERSION]), int(ints[STEP]), int(ints[FLAGS]), float(buf[LOSS]),
+                   float(buf[ELAPSED]), float(buf[THINK]), int(ints[EXTRA]),
+                   int(ints[CRC]) & 0xFFFFFFFF)
+
+    def write(self, buf: np.ndarray) -> np.ndarray:
+        """Store this header in front of ``buf`` (a float32 message); returns ``buf``."""
+        ints = buf[:SLOTS].view(np.int32)
+        ints[VERSION], ints[STEP], ints[FLAGS] = self.version, self.step, self.flags
+        ints[EXTRA] = self.extra
+        ints[CRC] = np.uint32(self.crc).view(np.int32)  # a CRC-32 fills all 32 bits
+        buf[LOSS], buf[ELAPSED], buf[THINK] = self.loss, self.elapsed, self.think
+        return buf
+
+
+def new_message(payload: int = 0) -> np.ndarray:
+    """A zeroed float32 message: a header and ``payload`` floats after it."""
+    return np.zeros(SLOTS + payload, np.float32)
+
+
+def sentinel(loss: float, grad_norm: float) -> float:
+    """``loss``, or NaN/inf when the loss or the gradient (through its norm) is not
+    finite: the one number a worker reports for its step's health."""
+    return loss + 0.0 * grad_norm
+
+
+def stalled(comm, peer: int, silence: str, waiting: Sequence[int] = ()) -> CommTimeout:
+    """The error that names a silent ``peer`` (``silence``: what it did not do, for how
+    long); ``waiting``: the ranks held up by it."""
+    held = ", ".join(comm.name(r) for r in waiting)
+    return CommTimeout(
+        f"{comm.name(peer)} {silence}"
+        + (f" while {held} kept waiting for it" if held else "")
+        + "; it is stalled or dead (raise --timeout if its steps are legitimately that slow)")
+
+
+class SilentPeers:
+    """The serving rank's watch over the peers it expects a message from.
+
+    A peer's silence starts when it is heard from (sync: each report or
+    heartbeat) or given something to answer (async: each lease). The server
+    waits for the first of the peers' posted receives, never longer than the
+    oldest silence has left until ``comm.timeout``, so it can name the peer that
+    stayed silent instead of waiting forever.
+    """
+
+    def __init__(self, comm, peers: Sequence[int]):
+        self.comm = comm
+        now = time.monotonic()
+        self.since: Dict[int, float] = {p: now for p in peers}
+
+    def heard(self, peer: int) -> None:
+        """``peer`` spoke (or was given something to answer): its silence starts now."""
+        self.since[peer] = time.monotonic()
+
+    def silent_for(self, peer: int) -> float:
+        return time.monotonic() - self.since[peer]
+
+    def first(self, posted: Dict[int, object], backoff,
+              wake_every: Optional[float] = None) -> Optional[int]:
+        """The peer of ``posted`` (peer -> its pending receive) whose message completed
+        first; None when ``wake_every`` seconds passed first, or the oldest silence
+        reached the timeout (see :meth:`overdue`). The caller restarts the peer's
+        silence (:meth:`heard`) when it has read what it needs of it."""
+        peers = list(posted)
+        left = self.comm.timeout - max(self.silent_for(p) for p in peers)
+        if wake_every is not None:
+            left = min(left, wake_every)
+        index = self.comm.wait_any([posted[p] for p in peers], backoff, timeout=max(0.0, left))
+        return None if index is None else peers[index]
+
+    def overdue(self, peers: Sequence[int]) -> Optional[int]:
+        """The peer of ``peers`` silent for ``comm.timeout`` seconds or more, if any."""
+        peer = max(peers, key=self.silent_for)
+        return peer if self.silent_for(peer) >= self.comm.timeout else None
+
+
+class PhaseTimer:
+    """This rank's seconds per epoch in compute, comm and wait (``timing.csv``).
+
+    Every second of an epoch is charged to one phase: what runs inside
+    ``with timer("comm"):`` to that phase, everything between such blocks to
+    ``default`` (the rank's main work). Protocol loops only mark the phases; the
+    bookkeeping is here.
+    """
+
+    PHASES = ("compute", "comm", "wait")
+
+    def __init__(self, default: str = "compute"):
+        self.default = default
+        self.rows: List[dict] = []
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the current epoch now (drops what was charged so far)."""
+        self._start = self._mark = time.perf_counter()
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+
+    def lap(self, phase: Optional[str] = None) -> float:
+        """Charge the time since the last mark to ``phase`` (default: the default);
+        returns the seconds charged."""
+        now = time.perf_counter()
+        spent, self._mark = now - self._mark, now
+        self.seconds[phase or self.default] += spent
+        return spent
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        self.lap()
+        try:
+            yield
+        finally:
+            self.lap(phase)
+
+    @contextlib.contextmanager
+    def collective(self, transfer: float) -> Iterator[None]:
+        """A collective call: up to ``transfer`` seconds (what it takes when nobody is
+        late) count as comm, the rest as waiting for the slowest rank."""
+        self.lap()
+        try:
+            yield
+        finally:
+            spent = self.lap("wait")
+            moving = min(spent, transfer)
+            self.seconds["wait"] -= moving
+            self.seconds["comm"] += moving
+
+    def end_epoch(self, epoch: float) -> None:
+        """Close the epoch (its last stretch charged to the default phase) as a row."""
+        self.lap()
+        self.rows.append({"epoch": epoch, "wall_s": round(self._mark - self._start, 6),
+                          **{f"{p}_s": round(s, 6) for p, s in self.seconds.items()}})
+        self._start = self._mark
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)

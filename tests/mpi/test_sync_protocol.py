@@ -1,0 +1,122 @@
+"""The sync protocol under real MPI, at any process count.
+
+These drive the real :func:`mpitrain.train.sync.train` on every rank (LR on small
+random batches): at one rank the single rank trains and evaluates itself; with
+more, rank 0 serves (evaluates what worker 1 sends, checks every worker's
+checksum) while the workers average their gradients. They check the protocol's
+promises: every rank ends at the same step with the curve and checkpoints
+recorded where they are due, the workers' replicas stay bit-identical, a replica
+that drifts is named by rank 0, and a rank that fails alone gets its one-line
+reason to rank 0.
+"""
+
+import numpy as np
+import pytest
+
+from conftest import synthetic_shard
+from mpitrain import models
+from mpitrain.comm import Comm, report_failure
+from mpitrain.config import Config, resolve
+from mpitrain.console import NullConsole
+from mpitrain.errors import PeerFailure, ReplicaDrift
+from mpitrain.replica import Replica, checksum, init_tensorflow
+from mpitrain.results import NullResults
+from mpitrain.train import Context, sync
+
+BATCH = 8
+SHARD = 32  # 4 steps per epoch
+
+
+@pytest.fixture(scope="module")
+def comm():
+    return Comm.world(timeout=60.0)
+
+
+@pytest.fixture
+def replica():
+    init_tensorflow(1, 0)
+    return Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
+
+
+class _Recording(NullResults):
+    """Writes nothing; remembers the curve rows and checkpoints it is given."""
+
+    def __init__(self):
+        self.curve, self.checkpoints = [], []
+
+    def add_curve_row(self, row):
+        self.curve.append(row)
+
+    def save_checkpoint(self, checkpoint):
+        self.checkpoints.append(checkpoint)
+
+
+def context(comm, replica, epochs, results):
+    cfg = resolve(Config(model="lr", epochs=epochs, batch_size=BATCH, eval_every=1),
+                  models.get("lr").defaults, comm.size)
+    data = synthetic_shard(comm.rank, SHARD, comm.size - 1)
+    return Context(cfg, comm, comm.role, replica, data, results, NullConsole(),
+                   shard_size=SHARD, worker_index=max(0, comm.rank - 1))
+
+
+def test_every_rank_ends_together_with_identical_replicas_and_the_curve_recorded(comm,
+                                                                                 replica):
+    written = _Recording()
+    summary = sync.train(context(comm, replica, epochs=2, results=written))
+    steps = comm.allgather_objects(summary.steps)
+    assert steps == [8] * comm.size  # 2 epochs x 4 steps, on every rank
+    sums = comm.allgather_objects(checksum(replica.state()))
+    # every replica, rank 0's included (it loaded worker 1's weights at the last evaluation)
+    assert len(set(sums)) == 1, sums
+    if comm.role.serves:
+        assert [row["step"] for row in written.curve] == [0, 4, 8]  # initial + every epoch
+        assert summary.test_accuracy == written.curve[-1]["test_accuracy"]
+        final = written.checkpoints[-1]
+        assert final.step == 8 and final.extra["geometry"]["world_size"] == comm.size
+        assert checksum(final.weights) == checksum(replica.weights())
+    comm.barrier()
+
+
+class _Drifting:
+    """A replica whose reported state differs from its real one (as if its allreduce
+    result had differed from the other workers')."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def state(self):
+        state = self._inner.state()
+        state[0] += 1e-3
+        return state
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_rank_0_names_a_worker_whose_replica_drifted(comm, replica):
+    if comm.size < 3:
+        pytest.skip("needs two workers to compare: runs under mpirun -np 3+ (test_mpi_tier)")
+    # one epoch: the only report is the final one, after which no worker sends again
+    ctx = context(comm, _Drifting(replica) if comm.rank == 2 else replica, 1, NullResults())
+    if comm.rank == 0:
+        with pytest.raises(ReplicaDrift, match=r"weights on rank 2 on \S+ differ from rank 1"):
+            sync.train(ctx)
+    else:
+        sync.train(ctx)
+    comm.barrier()
+
+
+def test_a_rank_failing_alone_gets_its_reason_to_rank_0(comm):
+    if comm.size == 1:
+        pytest.skip("needs a second rank: runs under mpirun -np 2+ (test_mpi_tier)")
+    if comm.rank == 0:
+        comm.listen_for_failures()
+        never = comm.irecv(np.zeros(1), 1, 99, "control", "a message rank 1 never sends")
+        with pytest.raises(PeerFailure, match="rank 1 on .*: out of memory in step 3"):
+            comm.wait(never, timeout=30.0)
+        comm.cancel(never)
+        comm.stop_listening()
+    elif comm.rank == 1:
+        # returns after the grace: in a real job rank 0 aborts the job meanwhile
+        report_failure(f"{comm.name(1)}: out of memory in step 3", grace=0.5)
+    comm.barrier()

@@ -1,0 +1,126 @@
+"""The protocol module both training protocols share: the header's wire format, the
+health sentinel, the silent-peer watchdog (with a fake communicator: pure logic; the
+real one is exercised by the MPI tier and the fault tests) and the phase timer."""
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from mpitrain.errors import CommTimeout
+from mpitrain.train.protocol import (CRC, SLOTS, VERSION, Header, PhaseTimer, SilentPeers,
+                                     new_message, sentinel, stalled)
+
+
+def test_a_header_round_trips_every_slot_bit_exact():
+    header = Header(version=2**24 + 1, step=123456789, flags=1 | 8 | 64, loss=0.25,
+                    elapsed=12.5, think=3e-4, extra=-7, crc=0xFFFFFFFE)
+    msg = header.write(new_message(5))
+    assert msg.dtype == np.float32 and msg.size == SLOTS + 5
+    back = Header.read(msg)
+    # versions above 2**24 and a full 32-bit CRC would not survive as float32 values
+    assert (back.version, back.step, back.flags, back.extra, back.crc) == (
+        2**24 + 1, 123456789, 1 | 8 | 64, -7, 0xFFFFFFFE)
+    assert back.loss == 0.25 and back.elapsed == 12.5
+    assert back.think == pytest.approx(3e-4)
+    assert msg[VERSION].view(np.int32) == 2**24 + 1 and msg[SLOTS:].sum() == 0
+
+
+def test_the_header_leaves_the_payload_alone():
+    msg = new_message(3)
+    msg[SLOTS:] = [1.0, 2.0, 3.0]
+    Header(step=4, crc=1).write(msg)
+    assert list(msg[SLOTS:]) == [1.0, 2.0, 3.0] and Header.read(msg).crc == 1
+    assert msg[CRC].view(np.int32) == 1
+
+
+def test_the_sentinel_is_not_finite_when_the_loss_or_the_gradient_is_not():
+    assert sentinel(0.5, 3.0) == 0.5
+    assert math.isnan(sentinel(0.5, float("nan")))
+    assert math.isnan(sentinel(0.5, float("inf")))
+    assert math.isinf(sentinel(float("inf"), 1.0))
+
+
+class _Pending:
+    def __init__(self, done=False):
+        self.done = done
+
+
+class _FakeComm:
+    """The two things SilentPeers uses: the bound and a wait_any that reports which
+    pending completed (or None after its timeout)."""
+
+    def __init__(self, timeout):
+        self.timeout = timeout
+        self.waited = []
+
+    def wait_any(self, pendings, backoff, timeout):
+        self.waited.append(timeout)
+        for i, p in enumerate(pendings):
+            if p.done:
+                return i
+        time.sleep(timeout)
+        return None
+
+    def name(self, rank):
+        return f"rank {rank} on host{rank}"
+
+
+def test_silent_peers_returns_the_peer_whose_message_arrived():
+    watch = SilentPeers(_FakeComm(timeout=5.0), [1, 2])
+    assert watch.first({1: _Pending(), 2: _Pending(done=True)}, None) == 2
+
+
+def test_silent_peers_never_waits_past_the_oldest_silence_and_names_it():
+    comm = _FakeComm(timeout=0.2)
+    watch = SilentPeers(comm, [1, 2])
+    time.sleep(0.05)
+    watch.heard(2)
+    assert watch.first({1: _Pending(), 2: _Pending()}, None, wake_every=5.0) is None
+    assert comm.waited[0] <= 0.16  # what the oldest silence (rank 1's) had left
+    assert watch.overdue([1, 2]) == 1
+    error = stalled(comm, 1, "sent nothing for 0.2 s", waiting=[2])
+    assert isinstance(error, CommTimeout)
+    assert str(error) == ("rank 1 on host1 sent nothing for 0.2 s while rank 2 on host2 kept "
+                          "waiting for it; it is stalled or dead (raise --timeout if its "
+                          "steps are legitimately that slow)")
+
+
+def test_silent_peers_wakes_up_early_when_asked_and_then_nobody_is_overdue():
+    comm = _FakeComm(timeout=10.0)
+    watch = SilentPeers(comm, [1])
+    assert watch.first({1: _Pending()}, None, wake_every=0.01) is None
+    assert comm.waited == [0.01] and watch.overdue([1]) is None
+
+
+def test_the_phase_timer_charges_every_second_to_one_phase():
+    timer = PhaseTimer(default="compute")
+    time.sleep(0.02)  # outside any block: the default phase
+    with timer("comm"):
+        time.sleep(0.03)
+    with timer("wait"):
+        time.sleep(0.01)
+    timer.end_epoch(1)
+    row = timer.rows[0]
+    assert row["compute_s"] >= 0.02 and row["comm_s"] >= 0.03 and row["wait_s"] >= 0.01
+    assert row["compute_s"] + row["comm_s"] + row["wait_s"] == pytest.approx(row["wall_s"],
+                                                                            abs=1e-5)
+    with timer("comm"):
+        pass
+    timer.end_epoch(2)  # a new epoch starts from zero
+    assert timer.rows[1]["wall_s"] < 0.01
+
+
+def test_a_collective_splits_its_time_into_moving_data_and_waiting():
+    timer = PhaseTimer()
+    with timer.collective(transfer=0.01):
+        time.sleep(0.05)  # 0.01 s moving the data, the rest waiting for a late rank
+    timer.end_epoch(1)
+    row = timer.rows[0]
+    assert row["comm_s"] == pytest.approx(0.01)
+    assert row["wait_s"] >= 0.039
+    with timer.collective(transfer=1.0):  # faster than the calibration: all comm
+        pass
+    timer.end_epoch(2)
+    assert timer.rows[1]["wait_s"] == 0.0
