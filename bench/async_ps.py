@@ -36,7 +36,7 @@ def rank_side(mode: str, updates: int) -> None:
     from mpitrain.config import Config, resolve
     from mpitrain.console import NullConsole
     from mpitrain.data import Dataset
-    from mpitrain.replica import Replica, init_tensorflow
+    from mpitrain.models.replica import Replica, init_tensorflow
     from mpitrain.results import NullResults
     from mpitrain.train import Context
     from mpitrain.train.evaluation import Stopwatch

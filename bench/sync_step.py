@@ -33,7 +33,7 @@ def rank_side(steps: int, data_dir: str) -> None:
     """Runs on every rank under mpirun; rank 0 prints one JSON line of results."""
     from mpitrain import data, models
     from mpitrain.comm import Comm
-    from mpitrain.replica import Replica, checksum, init_tensorflow
+    from mpitrain.models.replica import Replica, checksum, init_tensorflow
 
     comm = Comm.world(timeout=120)
     import os

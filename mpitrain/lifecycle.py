@@ -96,7 +96,7 @@ class Checkpoint:
 
     @property
     def state(self) -> np.ndarray:
-        """Weights then buffers, as :meth:`mpitrain.replica.Replica.state` orders them."""
+        """Weights then buffers, as :meth:`mpitrain.models.replica.Replica.state` orders them."""
         return np.concatenate([self.weights, self.buffers]) if self.buffers.size \
             else self.weights
 

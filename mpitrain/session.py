@@ -26,7 +26,7 @@ from .config import Config, resolve
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError
 from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
 from .console import Console, NullConsole
-from .replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
+from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from .results import NullResults, RunResults
 from .train import Context, Summary, decay_steps, protocol
 

@@ -62,7 +62,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .. import optim
+from ..models import optim
 from ..comm import HOT, IDLE, SERVING, Backoff, Role, recovery_enabled
 from ..errors import CommTimeout, Divergence, Dropped, Interrupted
 from ..lifecycle import Checkpoint

@@ -20,7 +20,7 @@ from ..config import Config
 from ..data import Dataset, batches_per_epoch, epoch_batches
 from ..errors import Divergence, Interrupted
 from ..lifecycle import Checkpoint, StopRequest, geometry
-from ..replica import Replica
+from ..models.replica import Replica
 from .protocol import PhaseTimer
 
 @dataclass

@@ -62,7 +62,7 @@ from ..comm import IDLE, Role
 from ..engines import gradient_engine
 from ..errors import Divergence, Interrupted, ReplicaDrift
 from ..lifecycle import Checkpoint
-from ..replica import checksum
+from ..models.replica import checksum
 from .context import (Context, Summary, diverged, interrupted, is_checkpoint_point,
                       is_eval_point, worker_batches)
 from .evaluation import Evaluator, Stopwatch
@@ -128,7 +128,7 @@ def _packed_size(layout) -> int:
 
 
 def _unpack(flat: np.ndarray, layout) -> Dict[str, np.ndarray]:
-    """Inverse of :func:`_pack`, by :meth:`~mpitrain.replica.Replica.optimizer_layout`."""
+    """Inverse of :func:`_pack`, by :meth:`~mpitrain.models.replica.Replica.optimizer_layout`."""
     out, offset = {}, 0
     for k in sorted(layout, key=lambda k: int(k[1:])):
         shape, dtype = layout[k]

@@ -57,7 +57,7 @@ def check_statistics(run_dir, row, data):
     """The checkpoint's buffers are the training data's statistics at its weights, and
     the test accuracy/loss rank 0 reported are those of exactly these weights+buffers."""
     from mpitrain import models
-    from mpitrain.replica import Replica, init_tensorflow
+    from mpitrain.models.replica import Replica, init_tensorflow
 
     init_tensorflow(1, 0)
     weights, buffers = checkpoint(run_dir)

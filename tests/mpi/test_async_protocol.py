@@ -20,7 +20,7 @@ from mpitrain.comm import Comm, Role
 from mpitrain.config import Config, resolve
 from mpitrain.console import NullConsole
 from mpitrain.errors import UsageError
-from mpitrain.replica import Replica, init_tensorflow
+from mpitrain.models.replica import Replica, init_tensorflow
 from mpitrain.results import NullResults
 from mpitrain.train import Context, asynchronous
 from mpitrain.train.evaluation import Stopwatch

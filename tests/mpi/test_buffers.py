@@ -16,7 +16,7 @@ import pytest
 
 from mpitrain import models
 from mpitrain.comm import Comm
-from mpitrain.replica import Replica, checksum, init_tensorflow
+from mpitrain.models.replica import Replica, checksum, init_tensorflow
 from mpitrain.train.sync import average_buffers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))

@@ -13,7 +13,7 @@ import pytest
 from mpitrain import models
 from mpitrain.comm import Comm, Role
 from mpitrain.errors import CommTimeout, DataError
-from mpitrain.replica import Replica, checksum, init_tensorflow
+from mpitrain.models.replica import Replica, checksum, init_tensorflow
 
 TIMEOUT = 60.0
 

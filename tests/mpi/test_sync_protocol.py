@@ -19,7 +19,7 @@ from mpitrain.comm import Comm, report_failure
 from mpitrain.config import Config, resolve
 from mpitrain.console import NullConsole
 from mpitrain.errors import PeerFailure, ReplicaDrift
-from mpitrain.replica import Replica, checksum, init_tensorflow
+from mpitrain.models.replica import Replica, checksum, init_tensorflow
 from mpitrain.results import NullResults
 from mpitrain.train import Context, sync
 

@@ -13,7 +13,7 @@ from conftest import REPO
 TOOLS = ("plots", "report", "sweep", "preflight", "hostfile")
 RUNTIME = ("tensorflow", "keras", "mpi4py", "mpitrain.comm", "mpitrain.session",
            "mpitrain.train", "mpitrain.engines",
-           "mpitrain.replica", "mpitrain.telemetry", "mpitrain.data", "mpitrain.lifecycle")
+           "mpitrain.models.replica", "mpitrain.telemetry", "mpitrain.data", "mpitrain.lifecycle")
 
 
 def test_tools_load_nothing_of_the_training_runtime():

@@ -154,7 +154,7 @@ def test_builder_error_keeps_only_its_first_line(tmp_path):
 
 
 def test_softmax_needs_outputs_probabilities(tmp_path):
-    from mpitrain.replica import Replica
+    from mpitrain.models.replica import Replica
 
     path = write(tmp_path, "soft.py", CNN.replace("L.Dense(num_classes)",
                                                   "L.Dense(num_classes, activation='softmax')"))

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from mpitrain import models, optim
-from mpitrain.replica import Replica, init_tensorflow
+from mpitrain import models
+from mpitrain.models import optim
+from mpitrain.models.replica import Replica, init_tensorflow
 
 
 @pytest.mark.parametrize("name,lr,decay,clip", [

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpitrain import models
-from mpitrain.replica import Replica, checksum, init_tensorflow
+from mpitrain.models.replica import Replica, checksum, init_tensorflow
 
 
 @pytest.fixture(scope="module")

@@ -1,27 +1,7 @@
-"""The model registry: names -> Keras models and their training defaults; and the
-user's own models, named ``FILE.py:FUNCTION`` or ``package.module:FUNCTION``.
-
-Trainers never look inside a model: they ask the registry for a :class:`ModelSpec`
-by name, build it, and treat it as a function from images to logits with a list
-of trainable variables. Registering a model is one decorated builder::
-
-    @register("lr", defaults=dict(optimizer="sgd", lr=0.5, batch_size=100, epochs=30))
-    def logistic_regression(input_shape, num_classes):
-        ...return a keras.Model producing logits...
-
-Contract for builders: ``build(input_shape, num_classes)`` returns a
-``keras.Model`` whose output is (batch, num_classes) unnormalised logits (the
-trainer applies softmax cross-entropy; ``--outputs probabilities`` for a model
-ending in softmax). Non-trainable float state (BatchNorm statistics) is
-allowed: the trainers keep it consistent (see :mod:`mpitrain.replica`).
-
-A user's builder is loaded by :func:`get` from its spec: a file path (``.py``,
-or any path with a ``/``) is imported as a module of its own; otherwise the
-module is imported the way ``python -m`` would (the current directory first on
-``sys.path``). Every problem (missing file, import error, no such function, a
-result that is not a Keras model, the wrong output shape) is one UsageError
-naming the spec. Specs take :data:`USER_DEFAULTS`.
-"""
+"""A user's own model, named ``FILE.py:FUNCTION`` or ``package.module:FUNCTION``: what
+can be checked before MPI and TensorFlow start (:func:`precheck`), loading it (a file as
+a module of its own, a module the way ``python -m`` would), and checking what its
+builder returns; every problem is one UsageError naming the spec."""
 
 from __future__ import annotations
 
@@ -30,42 +10,11 @@ import importlib.util
 import os
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict
 
-from .errors import UsageError
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A registered model: its builder, its training defaults and a one-line summary."""
-
-    name: str
-    build: Callable  # (input_shape, num_classes) -> keras.Model producing logits
-    summary: str
-    #: per-model defaults for Config fields left unset (epochs, batch_size, lr, optimizer, dataset)
-    defaults: Dict[str, object] = field(default_factory=dict)
-    #: dataset options for synthetic input (AlexNet): image size, channels, classes...
-    synthetic: Dict[str, int] = field(default_factory=dict)
-
-
-_REGISTRY: Dict[str, ModelSpec] = {}
-
-
-def register(name: str, summary: str, defaults: Dict[str, object], **synthetic):
-    """Decorator adding a builder to the registry under ``name``."""
-
-    def add(builder: Callable) -> Callable:
-        _REGISTRY[name] = ModelSpec(name, builder, summary, dict(defaults), dict(synthetic))
-        return builder
-
-    return add
-
-
-#: training defaults of a user's model (Config fields left unset)
-USER_DEFAULTS = dict(optimizer="adam", lr=0.001, batch_size=64, epochs=5, dataset="auto",
-                     lr_schedule="constant")
+from ..errors import UsageError
+from .registry import USER_DEFAULTS, ModelSpec
 
 
 def is_spec(name: str) -> bool:
@@ -80,11 +29,6 @@ def _split(spec: str):
     """(target, function) of a spec; function is '' when the spec names none."""
     target, colon, function = spec.rpartition(":")
     return (target, function) if colon else (spec, "")
-
-
-def defaults_for(name: str) -> Dict[str, object]:
-    """The training defaults of ``name`` without loading a user's model (no import)."""
-    return dict(USER_DEFAULTS) if is_spec(name) else get(name).defaults
 
 
 def precheck(spec: str) -> None:
@@ -160,21 +104,6 @@ def same_model(given: str, saved: str) -> bool:
     return run_name(given) == run_name(saved)
 
 
-def get(name: str) -> ModelSpec:
-    """The registered model ``name``, or the user's model of spec ``name``.
-
-    UsageError listing the choices for an unknown name, or naming the spec and
-    the problem for a spec that cannot be loaded.
-    """
-    if is_spec(name):
-        return _user_spec(name)
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UsageError(f"unknown model {name!r}; choose one of {', '.join(names())}, or "
-                         "give your own as FILE.py:FUNCTION or module:FUNCTION") from None
-
-
 def canonical(name: str) -> str:
     """A spec with its file made absolute (a resumed run finds it from anywhere)."""
     if not is_spec(name):
@@ -213,7 +142,7 @@ def from_callable(builder: Callable) -> str:
     return name
 
 
-def _user_spec(spec: str) -> ModelSpec:
+def user_spec(spec: str) -> ModelSpec:
     if spec not in _LOADED:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the user's file may import TF
         target, function = _split(spec)
@@ -358,147 +287,3 @@ def _where(error: BaseException) -> str:
 def _first_line(error: Exception) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else ""
-
-
-def names():
-    """The registered model names."""
-    return sorted(_REGISTRY)
-
-
-def specs():
-    return [_REGISTRY[n] for n in names()]
-
-
-# ---------------------------------------------------------------------------------------
-# Models. Keras is imported inside the builders so that the CLI (help, usage errors)
-# answers without loading TensorFlow.
-# ---------------------------------------------------------------------------------------
-MNIST_LIKE = dict(image_size=28, channels=1, num_classes=10, n_test=512)
-
-
-def _image_input(model: str, input_shape, min_side: int = 1) -> None:
-    """UsageError unless ``input_shape`` is (H, W, C) images at least ``min_side`` wide
-    (a convolutional model on feature vectors from --data would be a Keras traceback)."""
-    if len(input_shape) != 3 or min(input_shape[:2]) < min_side:
-        raise UsageError(f"{model} needs images of at least {min_side}x{min_side} (H, W, C), "
-                         f"but the data's examples have shape {tuple(input_shape)}; use lr "
-                         "(or your own model) for feature vectors, or give larger images "
-                         "(--image-size for image folders)")
-
-
-@register("lr", "logistic regression: 784 -> 10 softmax (7,850 parameters)",
-          defaults=dict(optimizer="sgd", lr=0.5, batch_size=100, epochs=30, dataset="auto",
-                        lr_schedule="constant"),
-          **MNIST_LIKE)
-def logistic_regression(input_shape, num_classes):
-    import keras
-
-    return keras.Sequential([
-        keras.Input(input_shape),
-        keras.layers.Flatten(),
-        keras.layers.Dense(num_classes, name="logits"),
-    ], name="logistic_regression")
-
-
-@register("lenet", "LeNet-5: conv-pool-conv-pool-120-84-10 (61,706 parameters)",
-          defaults=dict(optimizer="adam", lr=0.001, batch_size=64, epochs=8,
-                        dataset="auto", lr_schedule="cosine"),
-          **MNIST_LIKE)
-def lenet(input_shape, num_classes):
-    """Defaults measured on the 20,000-image MNIST subset: Adam 1e-3 with cosine decay
-    reaches 98.6% single-node and holds sync (linear lr scaling) and async at -np 4;
-    momentum SGD collapsed at the scaled lr (sync -np 4) and with stale gradients."""
-    import keras
-
-    _image_input("lenet", input_shape, 12)  # 12: the second pooling still has a 1x1 map
-    L = keras.layers
-    return keras.Sequential([
-        keras.Input(input_shape),
-        L.Conv2D(6, 5, padding="same", activation="relu"),   # 28x28x6
-        L.MaxPooling2D(2),                                     # 14x14x6
-        L.Conv2D(16, 5, activation="relu"),                    # 10x10x16
-        L.MaxPooling2D(2),                                     # 5x5x16
-        L.Flatten(),
-        L.Dense(120, activation="relu"),
-        L.Dense(84, activation="relu"),
-        L.Dense(num_classes, name="logits"),
-    ], name="lenet5")
-
-
-@register("alexnet", "AlexNet: 5 conv + 3 dense (61.1M parameters at 224x224x3, 1000 "
-          "classes); synthetic ImageNet-shaped data",
-          defaults=dict(optimizer="momentum", lr=0.01, batch_size=64, epochs=1,
-                        dataset="synthetic", lr_schedule="constant"),
-          image_size=224, channels=3, num_classes=1000, n_test=256)
-def alexnet(input_shape, num_classes):
-    """Krizhevsky et al.'s network as torchvision defines it (one tower, no LRN).
-
-    At 224x224 the feature maps are 55, 27, 13, 6 wide, exactly as published.
-    Below 64 pixels the first convolution's stride is 1 instead of 4 so that
-    small test images (32x32) still leave a 2x2 map for the dense layers.
-    """
-    import keras
-
-    L = keras.layers
-    _image_input("alexnet", input_shape)
-    size = int(input_shape[0])
-    if size < 32:
-        raise UsageError(f"--image-size {size} is too small for alexnet; use 32 or more")
-    return keras.Sequential([
-        keras.Input(input_shape),
-        L.ZeroPadding2D(2),
-        L.Conv2D(64, 11, strides=4 if size >= 64 else 1, activation="relu"),
-        L.MaxPooling2D(3, 2),
-        L.Conv2D(192, 5, padding="same", activation="relu"),
-        L.MaxPooling2D(3, 2),
-        L.Conv2D(384, 3, padding="same", activation="relu"),
-        L.Conv2D(256, 3, padding="same", activation="relu"),
-        L.Conv2D(256, 3, padding="same", activation="relu"),
-        L.MaxPooling2D(3, 2),
-        L.Flatten(),
-        L.Dropout(0.5),
-        L.Dense(4096, activation="relu"),
-        L.Dropout(0.5),
-        L.Dense(4096, activation="relu"),
-        L.Dense(num_classes, name="logits"),
-    ], name="alexnet")
-
-
-@register("resnet", "ResNet-20 for CIFAR-style 32x32 images: 3 stages x 3 basic blocks, "
-          "16/32/64 filters, BatchNorm (272,474 parameters at 32x32x3, 10 classes)",
-          defaults=dict(optimizer="adam", lr=0.001, batch_size=64, epochs=10,
-                        dataset="synthetic", lr_schedule="cosine"),
-          image_size=32, channels=3, num_classes=10, n_test=512)
-def resnet(input_shape, num_classes):
-    """He et al.'s CIFAR ResNet-20 (Sec. 4.2): a 3x3 conv, then 3 stages of 3 basic
-    blocks (two 3x3 conv + BatchNorm, identity shortcut; a strided 1x1 conv + BatchNorm
-    shortcut where the stage halves the map), global average pooling, dense logits.
-
-    Defaults: Adam 1e-3 with cosine decay, like lenet's, because it holds in sync
-    (linearly scaled) and async (stale gradients) alike; momentum SGD at the
-    paper's 0.1 diverged in async here. BatchNorm momentum 0.9 instead of Keras'
-    0.99, so the moving statistics evaluation uses settle within ~50 steps."""
-    import keras
-
-    L = keras.layers
-    _image_input("resnet", input_shape)
-
-    def conv_bn(x, filters, strides=1, relu=True, kernel=3):
-        x = L.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False,
-                     kernel_initializer="he_normal")(x)
-        x = L.BatchNormalization(momentum=0.9)(x)  # statistics settle in short runs too
-        return L.ReLU()(x) if relu else x
-
-    inputs = keras.Input(input_shape)
-    x = conv_bn(inputs, 16)
-    for stage, filters in enumerate((16, 32, 64)):
-        for block in range(3):
-            strides = 2 if stage > 0 and block == 0 else 1
-            shortcut = x if strides == 1 else conv_bn(x, filters, strides, relu=False,
-                                                      kernel=1)
-            y = conv_bn(x, filters, strides)
-            y = conv_bn(y, filters, relu=False)
-            x = L.ReLU()(L.Add()([y, shortcut]))
-    x = L.GlobalAveragePooling2D()(x)
-    outputs = L.Dense(num_classes, name="logits")(x)
-    return keras.Model(inputs, outputs, name="resnet20")

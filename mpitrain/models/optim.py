@@ -11,7 +11,7 @@ both modes.
 Contract: ``step(weights, grad)`` updates ``weights`` in place; state (momentum,
 Adam moments, iteration count) lives in the optimizer and is exposed by
 :meth:`state`/:meth:`load_state` for checkpoints. The gradient goes through the
-same chain as on the Keras path (:class:`mpitrain.replica.Replica`): clipped to
+same chain as on the Keras path (:class:`mpitrain.models.replica.Replica`): clipped to
 ``clip_norm`` by global L2 norm (``--clip-grad-norm``), then the update, so
 every mode (single, sync, async) transforms gradients the same way.
 """

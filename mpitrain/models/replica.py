@@ -21,7 +21,7 @@ evaluated, checkpointed and compared with.
 
 Only ranks that apply updates with Keras (sync workers, the single rank) build
 the optimizer and its slots (``applies=True``); the sync server and every async
-rank (the async server updates with :mod:`mpitrain.optim`) never do.
+rank (the async server updates with :mod:`mpitrain.models.optim`) never do.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .errors import UsageError
-from .models import import_keras
+from ..errors import UsageError
+from .user import import_keras
 
 EVAL_BATCH = 2000
 
