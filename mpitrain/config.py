@@ -21,6 +21,8 @@ DATASETS = ("auto", "mnist", "digits", "synthetic")
 LR_SCALINGS = ("linear", "none")
 LR_SCHEDULES = ("constant", "cosine")
 ENGINES = ("mpi", "horovod")
+#: values of --compression (see mpitrain.train.compression)
+COMPRESSIONS = ("none", "fp16")
 OUTPUTS = ("logits", "probabilities")
 HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
                    "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
@@ -64,6 +66,11 @@ class Config:
     horovod_timeline: bool = _opt(
         "with --allreduce horovod: write Horovod's timeline (Chrome trace JSON) to the "
         "run directory", False, flag="--horovod-timeline", action="store_true")
+    compression: str = _opt(
+        "gradients on the wire: none (float32) or fp16 (half the bytes, with error "
+        "feedback: what a cast rounds away is added to the worker's next gradient); the "
+        "sync allreduce and the async pushes", "none", flag="--compression",
+        choices=COMPRESSIONS)
     staleness: Optional[int] = _opt(
         "async only: bound on staleness (server updates between the version a gradient "
         "was computed at and its application). 0 = one worker computes at a time on the "

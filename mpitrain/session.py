@@ -350,7 +350,7 @@ def run_row(cfg: Config, dataset, summary: Optional[Summary], status: str = "ok"
            "input_shape": "x".join(map(str, dataset.input_shape)),
            "num_classes": dataset.num_classes, "status": status,
            "reason": reason, "resumed": bool(cfg.resume), "rescaled": rescaled,
-           "engine": engine_name(cfg),
+           "engine": engine_name(cfg), "compression": cfg.compression,
            "horovod_version": (preflight_checks.installed_version("horovod")
                                if cfg.allreduce == "horovod" else ""),
            "slurm_job_id": os.environ.get("SLURM_JOB_ID", "")}

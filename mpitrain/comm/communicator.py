@@ -210,6 +210,39 @@ class Comm:
             buf *= np.float32(1.0 / self.size) if buf.dtype == np.float32 else 1.0 / self.size
         return buf
 
+    def allreduce_mean_half_(self, half: np.ndarray, out: np.ndarray,
+                             what: str = "the gradient allreduce",
+                             kind: str = "allreduce") -> np.ndarray:
+        """``out`` (float32) := the mean of all ranks' ``half`` (float16), moving float16.
+
+        A reduce-scatter then an allgather, both on float16 bytes: one alltoall gives
+        each rank every rank's copy of its segment, which it sums in float32 in rank
+        order and scales to the mean; one allgather then gives every rank every mean
+        segment (as float16). Half the bytes of a float32 ring allreduce, no
+        user-defined MPI reduction (a Python one costs ~60x: measured 2.3 ms against
+        0.03 ms for LR's 7,850 values at -np 2), and every rank gets the
+        bit-identical result: each segment is summed once, by its owner. Collective:
+        every rank calls it with ``len(half)`` a multiple of ``size``, the same on all.
+        """
+        if self.size == 1:
+            out[:] = half
+            return out
+        segment = half.size // self.size
+        if segment * self.size != half.size:
+            raise ValueError(f"allreduce_mean_half_ needs a length divisible by {self.size}")
+        gathered = np.empty((self.size, segment), np.float16)
+        self.wait(Pending(self._c.Ialltoall(half.view(np.uint16), gathered.view(np.uint16)),
+                          what, None, kind), HOT)
+        mine = gathered.astype(np.float32).sum(axis=0)  # rank order: one owner, one order
+        mine *= np.float32(1.0 / self.size)
+        means = np.empty(half.size, np.float16)
+        self.wait(Pending(self._c.Iallgather(mine.astype(np.float16).view(np.uint16),
+                                             means.view(np.uint16)), what, None, kind), HOT)
+        self.traffic.add_sent(kind, half.nbytes)
+        self.traffic.add_recv(kind, half.nbytes)
+        out[:] = means
+        return out
+
     def barrier(self, what: str = "a barrier", backoff: Backoff = IDLE) -> None:
         """Wait until every rank has arrived (bounded). Collective."""
         if self.size > 1:

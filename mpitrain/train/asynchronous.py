@@ -67,6 +67,7 @@ from ..comm import HOT, IDLE, SERVING, Backoff, Role, recovery_enabled
 from ..errors import CommTimeout, Divergence, Dropped, Interrupted
 from ..lifecycle import Checkpoint
 from ..schema import STALENESS_COLUMNS
+from .compression import PushCodec
 from .context import Context, Summary, diverged, interrupted, worker_batches
 from .evaluation import BackgroundEvaluator, Evaluator, Stopwatch
 from .leases import Leases, Liveness, Quotas
@@ -102,7 +103,9 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     """
     comm, replica, n = ctx.comm, ctx.replica, ctx.replica.n_params
     pipelined = ctx.cfg.staleness is None
-    push = new_message(replica.n_state)  # [header | gradient | buffers]
+    codec = PushCodec(ctx.cfg.compression, n)
+    push = new_message(codec.slots + replica.n_buffers)  # [header | gradient | buffers]
+    gradient_slots = push[SLOTS:SLOTS + codec.slots]
     leases = [new_message(replica.n_state), new_message(replica.n_state)]  # weights
     reply_bound = 2 * comm.timeout
     current, in_flight, timer = 0, None, ctx.timer
@@ -134,9 +137,9 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         flags = _push_flags(ctx, step, ctx.total_steps + lease.extra, health)
         if lease.flags:  # the server is stopping: this gradient is not wanted
             break
-        push[SLOTS:SLOTS + n] = grad
+        codec.encode(grad, gradient_slots)
         if replica.n_buffers:  # this worker's statistics travel with each push
-            push[SLOTS + n:] = replica.buffers()
+            push[SLOTS + codec.slots:] = replica.buffers()
         Header(version, step, flags, health, clock(), think).write(push)
         with timer("comm"):
             in_flight = [comm.irecv(leases[target], 0, TAG_WEIGHTS, "pull",
@@ -284,8 +287,10 @@ class Server:
         self.version = 0
         self.ending = 0  # INTERRUPTED and/or DIVERGED once the run must stop early
         self.diverged_at: List[str] = []
+        self.codec = PushCodec(ctx.cfg.compression, n)
+        pushes = self.codec.slots + ctx.replica.n_buffers  # [gradient | buffers]
         self.workers: Dict[int, WorkerLedger] = {
-            r: WorkerLedger(r, new_message(ctx.replica.n_state), new_message(ctx.replica.n_state))
+            r: WorkerLedger(r, new_message(pushes), new_message(ctx.replica.n_state))
             for r in range(1, self.comm.size)}
         self.leases = Leases(ctx.cfg.staleness, self.workers)
         # a worker's silence starts when it is granted a lease (then it owes a push)
@@ -503,10 +508,10 @@ class Server:
         self.ending |= flags & INTERRUPTED
         staleness = self.version - header.version
         w.staleness[staleness] += 1
-        n = self.weights.size
-        self.optimizer.step(self.weights, w.recv[SLOTS:SLOTS + n])  # clips first if set
-        if w.recv.size > SLOTS + n:
-            w.buffers = w.recv[SLOTS + n:].copy()
+        end = SLOTS + self.codec.slots
+        self.optimizer.step(self.weights, self.codec.decode(w.recv[SLOTS:end]))  # clips first
+        if w.recv.size > end:
+            w.buffers = w.recv[end:].copy()
         self.version += 1
         w.applied += 1
         self.step_time = 0.8 * self.step_time + 0.2 * header.think

@@ -63,6 +63,7 @@ from ..engines import gradient_engine
 from ..errors import Divergence, Interrupted, ReplicaDrift
 from ..lifecycle import Checkpoint
 from ..models.replica import checksum
+from .compression import sync_engine
 from .context import (Context, Summary, diverged, interrupted, is_checkpoint_point,
                       is_eval_point, worker_batches)
 from .evaluation import Evaluator, Stopwatch
@@ -152,7 +153,9 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
     replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
     n, n_workers, me = replica.n_params, workers.size, workers.rank
     alone = n_workers == 1  # nothing to average: use the fused one-call step
-    engine = workers if alone else gradient_engine(ctx.cfg, workers, ctx.run_dir)
+    engine = workers if alone else sync_engine(
+        gradient_engine(ctx.cfg, workers, ctx.run_dir), ctx.cfg.compression, n,
+        n + 1 + n_workers, n_workers)
     transfer = 0.0 if alone else allreduce_cost(workers, engine, n + 1 + n_workers)
     loss_sum, n_batches, step = 0.0, 0, start_step
     timer.restart()  # every second of an epoch is accounted from here on

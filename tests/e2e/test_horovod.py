@@ -50,6 +50,28 @@ def test_engines_give_the_same_weights(mnist, tmp_path, python, model, steps):
     np.testing.assert_allclose(weights["horovod"], weights["mpi"], rtol=RTOL, atol=ATOL)
 
 
+def test_fp16_compression_with_horovod(mnist, tmp_path, python):
+    """--compression fp16 over Horovod: Horovod's own float16 allreduce (which sums in
+    float16, where the MPI engine sums in float32), so the weights agree to float16's
+    precision, not bit for bit; half the bytes either way."""
+    weights = {}
+    for engine in ("mpi", "horovod"):
+        out = tmp_path / engine
+        result = mpirun(3, "lr", "--allreduce", engine, "--compression", "fp16", "--steps",
+                        "20", "--data-dir", mnist, "--results-dir", out, "--quiet",
+                        "--sample-interval", "0", timeout=600, python=python)
+        assert result.returncode == 0, result.stderr[-3000:]
+        weights[engine], row = final_weights(out, engine)
+        assert row["compression"] == "fp16"
+        sent = [int(r["sent_bytes"]) // int(r["sent_msgs"])
+                for r in read_rows(out / row["run"] / "comm.csv")
+                if r["kind"] == "allreduce" and r["role"] == "worker"]
+        assert sent == [2 * (7850 + 1 + 2 + 1)] * 2  # float16 gradient + status tail, padded
+    diff = np.abs(weights["mpi"] - weights["horovod"]).max()
+    print(f"lr fp16: max |w_mpi - w_horovod| after 20 steps = {diff:.3g}")
+    np.testing.assert_allclose(weights["horovod"], weights["mpi"], rtol=0, atol=2e-3)
+
+
 @pytest.mark.parametrize("model,extra", [("lr", []), ("lenet", []),
                                          ("alexnet", ["--image-size", "32"])])
 def test_smoke_every_model(mnist, tmp_path, python, model, extra):

@@ -81,6 +81,24 @@ def test_fused_allreduce_equals_mean_of_rank_gradients(comm, replica):
         assert comm.traffic.sent_bytes["allreduce"] - before.get("allreduce", 0) == grad.nbytes
 
 
+def test_half_precision_allreduce_is_the_mean_in_half_the_bytes_on_every_rank(comm):
+    size = 12 * 5 * 7  # divisible by every -np up to 4 (the caller pads)
+    rng = np.random.default_rng(comm.rank)
+    mine = (rng.standard_normal(size) * 1e-2).astype(np.float16)
+    every = np.stack(comm.allgather_objects(mine)).astype(np.float64)
+    out = np.zeros(size, np.float32)
+    before = comm.traffic.sent_bytes["allreduce"]
+    comm.allreduce_mean_half_(mine, out)
+    # the float32 mean, but for the float16 rounding of the mean on the way back
+    np.testing.assert_allclose(out, every.mean(axis=0), rtol=2e-3, atol=1e-6)
+    assert len(set(comm.allgather_objects(checksum(out)))) == 1  # bit-identical everywhere
+    if comm.size > 1:
+        assert comm.traffic.sent_bytes["allreduce"] - before == mine.nbytes == 2 * size
+        with pytest.raises(ValueError, match="divisible"):  # equal segments, or no exchange
+            comm.allreduce_mean_half_(np.zeros(comm.size + 1, np.float16),
+                                      np.zeros(comm.size + 1, np.float32))
+
+
 def test_replicas_identical_after_k_steps(comm, any_replica):
     """Every model: after k sync steps all workers hold bit-identical weights."""
     replica = any_replica
