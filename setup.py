@@ -1,4 +1,4 @@
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
     name="mpitrain",
@@ -31,4 +31,8 @@ setup(
         "horovod": ["horovod==0.28.1"],
     },
     entry_points={"console_scripts": ["mpitrain=mpitrain.cli:main"]},
+    # float16 conversions with F16C for --compression fp16 (mpitrain/half.py); optional:
+    # without a compiler the install goes on and numpy converts (slower, same bits)
+    ext_modules=[Extension("mpitrain._half", ["mpitrain/_half.c"], optional=True,
+                           extra_compile_args=["-O3"])],
 )

@@ -56,7 +56,8 @@ class HorovodAllreduce:
         wire, the float32 mean in ``out``); Horovod sums float16 natively."""
         total = self.hvd.allreduce(self.tf.constant(half), op=self.hvd.Sum,
                                    name="mpitrain_gradient_half")
-        np.multiply(total.numpy(), np.float32(1.0 / self.size), out=out, dtype=np.float32)
+        np.multiply(total.numpy()[:out.size], np.float32(1.0 / self.size), out=out,
+                    dtype=np.float32)
         self.workers.traffic.add_sent(kind, half.nbytes)
         self.workers.traffic.add_recv(kind, half.nbytes)
         return out

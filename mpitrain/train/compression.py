@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..half import encode_, widen_
+
 
 class ErrorFeedback:
     """Casts float32 vectors to float16, carrying what each cast loses into the next.
@@ -27,15 +29,12 @@ class ErrorFeedback:
 
     def __init__(self, n: int):
         self.residual = np.zeros(n, np.float32)
-        self._sum = np.zeros(n, np.float32)
 
     def encode(self, values: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out[:len(values)]`` := float16(values + residual); the residual keeps what the
         cast lost. ``out`` is float16; returns it."""
         n = self.residual.size
-        np.add(values[:n], self.residual, out=self._sum)
-        out[:n] = self._sum
-        np.subtract(self._sum, out[:n], out=self.residual)  # float16 -> float32 exactly
+        encode_(values, self.residual, out)
         out[n:values.size] = values[n:]
         return out
 
@@ -53,14 +52,11 @@ class HalfPrecisionEngine:
         self.feedback = ErrorFeedback(n_gradient)
         padded = -(-size // workers) * workers  # the exchange splits it in equal segments
         self.half = np.zeros(padded, np.float16)
-        self.out = np.zeros(padded, np.float32)
 
     def allreduce_mean_(self, buf: np.ndarray, what: str = "the gradient allreduce",
                         kind: str = "allreduce") -> np.ndarray:
         self.feedback.encode(buf, self.half)
-        self.engine.allreduce_mean_half_(self.half, self.out, what, kind)
-        buf[:] = self.out[:buf.size]
-        return buf
+        return self.engine.allreduce_mean_half_(self.half, buf, what, kind)
 
 
 def sync_engine(engine, compression: str, n_gradient: int, size: int, workers: int):
@@ -80,6 +76,7 @@ class PushCodec:
         #: float32 slots the gradient takes in the message
         self.slots = (n + 1) // 2 if self.half else n
         self.feedback = ErrorFeedback(n) if self.half else None
+        self._decoded = np.zeros(n if self.half else 0, np.float32)
 
     def encode(self, grad: np.ndarray, slots: np.ndarray) -> None:
         """Write ``grad`` into the message's gradient ``slots`` (worker)."""
@@ -90,6 +87,6 @@ class PushCodec:
 
     def decode(self, slots: np.ndarray) -> np.ndarray:
         """The float32 gradient in the message's gradient ``slots`` (server)."""
-        if self.half:
-            return slots.view(np.float16)[:self.n].astype(np.float32)
+        if self.half:  # (reused: the server applies one push at a time)
+            return widen_(slots.view(np.float16)[:self.n], self._decoded)
         return slots

@@ -2,6 +2,9 @@
 sync engine wrapper (with a stand-in engine; the real exchange is in tests/mpi)."""
 
 import numpy as np
+import pytest
+
+from mpitrain import half
 
 from mpitrain.train.compression import ErrorFeedback, HalfPrecisionEngine, PushCodec
 
@@ -64,7 +67,7 @@ class _Echo:
     """An engine of one worker: the mean of one buffer is the buffer."""
 
     def allreduce_mean_half_(self, half, out, what, kind):
-        out[:] = half
+        out[:] = half[:out.size]
         return out
 
 
@@ -76,3 +79,38 @@ def test_the_sync_engine_moves_the_fused_buffer_as_float16_with_feedback():
     assert buf.dtype == np.float32 and buf[3] == 1.0 and buf[4] == 0.25
     assert buf[1] == 0.0 and engine.feedback.residual[1] == np.float32(1e-8)
     assert buf[0] == np.float32(np.float16(0.1))
+
+
+@pytest.mark.skipif(not half.FAST, reason="the compiled F16C path is not built or the CPU "
+                                          "lacks F16C: numpy is the only path")
+def test_the_compiled_conversions_give_numpys_bits():
+    rng = np.random.default_rng(1)
+    values = np.concatenate([rng.standard_normal(1001) * 1e-3, [1e-8, -3e-7, 7e4, -1e5,
+                                                                 np.inf, np.nan, 0.0, -0.0],
+                             rng.standard_normal(37)]).astype(np.float32)
+    residual = (rng.standard_normal(values.size) * 1e-6).astype(np.float32)
+    outs = []
+    for encode in (half._half.encode, half._encode_numpy):
+        out, kept = np.zeros(values.size, np.float16), residual.copy()
+        encode(values, kept, out)
+        outs.append((out.view(np.uint16).copy(), kept.view(np.uint32).copy()))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+    rows = (rng.standard_normal((3, 517)) * 10).astype(np.float16)
+    means = [np.zeros(517, np.float16), np.zeros(517, np.float16)]
+    half._half.mean_rows(rows, 3, 1 / 3, means[0])
+    half._mean_rows_numpy(rows, 1 / 3, means[1])
+    np.testing.assert_array_equal(means[0].view(np.uint16), means[1].view(np.uint16))
+    wide = [np.zeros(517, np.float32), np.zeros(517, np.float32)]
+    half._half.widen(rows[0], wide[0])
+    half._widen_numpy(rows[0], wide[1])
+    np.testing.assert_array_equal(wide[0], wide[1])
+
+
+def test_the_compiled_conversions_refuse_buffers_of_the_wrong_size():
+    if not half.FAST:
+        pytest.skip("the compiled F16C path is not built here")
+    with pytest.raises(ValueError, match="differ in length"):
+        half._half.widen(np.zeros(4, np.float16), np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="k rows"):
+        half._half.mean_rows(np.zeros(7, np.float16), 2, 0.5, np.zeros(3, np.float16))
