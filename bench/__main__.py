@@ -22,9 +22,10 @@ BENCHMARKS = {
     "async_ps": "async server update rate vs the raw-MPI bound; async vs sync epoch time",
     "sampler": "epoch time with the telemetry sampler on vs off",
     "netns": "LR and LeNet epoch time on the emulated 3-node cluster, 10 GbE vs 1 GbE",
+    "compression": "--compression fp16 vs float32 on the emulated cluster at 1 GbE",
 }
 ALL = ["comm", "engines", "async_engines", "scaling", "sync_step", "async_ps", "sampler",
-       "netns"]
+       "netns", "compression"]
 
 
 def main(argv):

@@ -12,15 +12,50 @@ no netem, so links are rate-limited but not delayed.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from .common import bench_parser, REPO, mnist_dir, out_dir, table, train, write_csv
 
 NETNS = REPO / "scripts" / "netns-cluster"
 MODELS = {"lr": ["--epochs", "3"], "lenet": ["--epochs", "1"]}
 QUICK = {"lr": ["--steps", "20"], "lenet": ["--steps", "10"]}
+
+
+class Skipped(Exception):
+    """The emulated cluster cannot be made here (no root, no veth); the reason."""
+
+
+@contextlib.contextmanager
+def emulated_cluster(link: str) -> Iterator[dict]:
+    """The 3-node cluster2 up with links shaped to ``link`` (e.g. '1gbit'); yields the
+    ``train`` keywords that run on it (hostfile, mpirun arguments). Torn down after."""
+    up = subprocess.run([NETNS, "up", "--link", link], capture_output=True, text=True)
+    if up.returncode == 77:
+        raise Skipped((up.stdout + up.stderr).strip())
+    if up.returncode != 0:
+        raise RuntimeError(up.stdout + up.stderr)
+    try:
+        mpirun_args = subprocess.run([NETNS, "mpirun-args"], capture_output=True, text=True,
+                                     check=True).stdout.split()
+        hostfile = subprocess.run([NETNS, "hostfile", "cluster2"], capture_output=True,
+                                  text=True, check=True).stdout.strip()
+        yield {"hostfile": Path(hostfile), "mpirun_args": mpirun_args}
+    finally:
+        subprocess.run([NETNS, "down"], capture_output=True)
+
+
+def skipped(benchmark: str, why: Skipped) -> dict:
+    print(f"skipped: {why}")
+    return {"checks": [{"benchmark": benchmark, "ratio": "emulated cluster",
+                        "value": "skipped", "target": str(why)[:80], "met": None}]}
+
+
+def per_epoch(row: dict) -> float:
+    return round(float(row["wall_time_s"]) / float(row["epochs"]), 4)
 
 
 def main(argv=None, out=None) -> dict:
@@ -30,34 +65,22 @@ def main(argv=None, out=None) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for link in ("10gbit", "1gbit"):
-            up = subprocess.run([NETNS, "up", "--link", link], capture_output=True, text=True)
-            if up.returncode == 77:
-                print("skipped: " + (up.stdout + up.stderr).strip())
-                return {"checks": [{"benchmark": "netns", "ratio": "emulated cluster",
-                                    "value": "skipped", "target": up.stderr.strip()[:80],
-                                    "met": None}]}
-            if up.returncode != 0:
-                raise RuntimeError(up.stdout + up.stderr)
             try:
-                mpirun_args = subprocess.run([NETNS, "mpirun-args"], capture_output=True,
-                                             text=True, check=True).stdout.split()
-                hostfile = subprocess.run([NETNS, "hostfile", "cluster2"], capture_output=True,
-                                          text=True, check=True).stdout.strip()
-                for model, epochs in MODELS.items():
-                    for mode in ("sync", "async"):
-                        run_args = [model, *epochs, *(QUICK[model] if args.quick else []),
-                                    "--data-dir", mnist_dir()]
-                        if mode == "async":
-                            run_args.append("--async")
-                        row = train(4, run_args, Path(tmp) / f"{link}-{model}-{mode}",
-                                    hostfile=Path(hostfile), mpirun_args=mpirun_args)
-                        rows.append({"link": link, "model": model, "mode": mode,
-                                     "s_per_epoch": round(float(row["wall_time_s"]) /
-                                                          float(row["epochs"]), 4),
-                                     "node0_mb": round(float(row["node0_rx_mb"]) +
-                                                       float(row["node0_tx_mb"]), 2)})
-            finally:
-                subprocess.run([NETNS, "down"], capture_output=True)
+                with emulated_cluster(link) as cluster:
+                    for model, epochs in MODELS.items():
+                        for mode in ("sync", "async"):
+                            run_args = [model, *epochs, *(QUICK[model] if args.quick else []),
+                                        "--data-dir", mnist_dir()]
+                            if mode == "async":
+                                run_args.append("--async")
+                            row = train(4, run_args, Path(tmp) / f"{link}-{model}-{mode}",
+                                        **cluster)
+                            rows.append({"link": link, "model": model, "mode": mode,
+                                         "s_per_epoch": per_epoch(row),
+                                         "node0_mb": round(float(row["node0_rx_mb"]) +
+                                                           float(row["node0_tx_mb"]), 2)})
+            except Skipped as why:
+                return skipped("netns", why)
     write_csv(out / "netns.csv", rows)
     print(table(rows, list(rows[0])))
     checks = []

@@ -1,7 +1,8 @@
 """A fresh install, as a new user makes it, on the Pythons the package supports.
 
 Each case makes an empty venv with that Python, ``pip install``s this source tree
-built as a wheel (not editable: what a user gets), and trains LR under
+packed as a source distribution (not editable: what a user gets; pip builds it for
+that Python, the float16 extension included), and trains LR under
 ``mpirun -np 3`` from a directory outside the tree, so the installed package is
 what runs. pip picks
 the newest TensorFlow with wheels for that Python (3.13: 2.20+). Python 3.13
@@ -54,13 +55,14 @@ def interpreter(version: str):
 @pytest.fixture(scope="module")
 def installs(tmp_path_factory):
     """{version: (venv, pip's CompletedProcess) or None if that Python is missing}:
-    this tree built into a wheel (what a user downloads), every venv made, then the
-    pip installs of that wheel run side by side (bounded)."""
-    wheels = tmp_path_factory.mktemp("wheel")
-    built = run_bounded([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", wheels,
-                         REPO], timeout=300)  # once: two builds in one tree would collide
-    assert built.returncode == 0, built.stderr[-3000:]
-    wheel, = wheels.glob("mpitrain-*.whl")
+    this tree packed once as a source distribution (a wheel would hold this Python's
+    build of the C extension), every venv made, then the pip installs of it run side
+    by side (bounded), each building the extension for its own Python."""
+    dist = tmp_path_factory.mktemp("sdist")
+    packed = run_bounded([sys.executable, "setup.py", "-q", "sdist", "-d", dist], timeout=300,
+                         cwd=REPO)  # once: two builds in one tree would collide
+    assert packed.returncode == 0, packed.stderr[-3000:]
+    source, = dist.glob("mpitrain-*.tar.gz")
     started = {}
     for version in VERSIONS:
         python = interpreter(version)
@@ -70,7 +72,7 @@ def installs(tmp_path_factory):
         made = run_bounded([python, "-m", "venv", venv], timeout=120)
         assert made.returncode == 0, made.stderr
         started[version] = (venv, start_bounded([venv / "bin/python", "-m", "pip", "install",
-                                                 "-q", "--no-compile", wheel]))
+                                                 "-q", "--no-compile", source]))
     done = {version: (venv, finish_bounded(pip, 1200)) for version, (venv, pip)
             in started.items()}
     return {version: done.get(version) for version in VERSIONS}
@@ -88,8 +90,12 @@ def test_fresh_install_trains_under_mpirun(mnist, tmp_path, version, installs):
 
     work = tmp_path / "elsewhere"  # not the source tree: the installed package runs
     work.mkdir()
-    cmd = mpirun_cmd(3, "lr", "--steps", "60", "--data-dir", mnist, "--results-dir",
-                     work / "results", "--quiet", python=venv / "bin/python")
+    built = run_bounded([venv / "bin/python", "-c",
+                         "from mpitrain import half; print(half._half is not None)"],
+                        timeout=60, cwd=work)
+    assert built.stdout.strip() == "True", built.stderr  # pip built the float16 extension
+    cmd = mpirun_cmd(3, "lr", "--steps", "60", "--compression", "fp16", "--data-dir", mnist,
+                     "--results-dir", work / "results", "--quiet", python=venv / "bin/python")
     result = run_bounded(cmd, timeout=300, cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
     row = read_rows(work / "results/runs.csv")[-1]
