@@ -23,9 +23,10 @@ BENCHMARKS = {
     "sampler": "epoch time with the telemetry sampler on vs off",
     "netns": "LR and LeNet epoch time on the emulated 3-node cluster, 10 GbE vs 1 GbE",
     "compression": "--compression fp16 vs float32 on the emulated cluster at 1 GbE",
+    "lower_bound": "sync step / compute-only step at 2 workers (LeNet, AlexNet)",
 }
 ALL = ["comm", "engines", "async_engines", "scaling", "sync_step", "async_ps", "sampler",
-       "netns", "compression"]
+       "netns", "compression", "lower_bound"]
 
 
 def main(argv):

@@ -158,10 +158,11 @@ def abort_world(code: int) -> None:
 
 
 def _parent_name() -> str:
+    import psutil
+
     try:
-        with open(f"/proc/{os.getppid()}/comm") as f:
-            return f.read().strip()
-    except OSError:
+        return psutil.Process(os.getppid()).name()
+    except psutil.Error:
         return ""
 
 

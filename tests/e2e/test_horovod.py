@@ -35,7 +35,8 @@ def final_weights(results, name):
         return ckpt["weights"].copy(), row
 
 
-@pytest.mark.parametrize("model,steps", [("lr", 20), ("lenet", 10)])
+@pytest.mark.parametrize("model,steps", [("lr", 20),
+                                         pytest.param("lenet", 10, marks=pytest.mark.slow)])
 def test_engines_give_the_same_weights(mnist, tmp_path, python, model, steps):
     weights = {}
     for engine in ("mpi", "horovod"):
@@ -50,6 +51,7 @@ def test_engines_give_the_same_weights(mnist, tmp_path, python, model, steps):
     np.testing.assert_allclose(weights["horovod"], weights["mpi"], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow
 def test_fp16_compression_with_horovod(mnist, tmp_path, python):
     """--compression fp16 over Horovod: Horovod's own float16 allreduce (which sums in
     float16, where the MPI engine sums in float32), so the weights agree to float16's
@@ -72,8 +74,9 @@ def test_fp16_compression_with_horovod(mnist, tmp_path, python):
     np.testing.assert_allclose(weights["horovod"], weights["mpi"], rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("model,extra", [("lr", []), ("lenet", []),
-                                         ("alexnet", ["--image-size", "32"])])
+@pytest.mark.parametrize("model,extra", [
+    ("lr", []), pytest.param("lenet", [], marks=pytest.mark.slow),
+    pytest.param("alexnet", ["--image-size", "32"], marks=pytest.mark.slow)])
 def test_smoke_every_model(mnist, tmp_path, python, model, extra):
     result = mpirun(3, model, "--allreduce", "horovod", "--steps", "2", "--data-dir", mnist,
                     "--results-dir", tmp_path, "--horovod-timeline", *extra, timeout=600,

@@ -1,0 +1,129 @@
+"""The limit of data parallelism here: sync step time / the same workers' compute-only
+step time (gradients and updates, the exchange removed), LeNet and AlexNet (32x32) at
+2 workers (-np 3; rank 0 sleeps as the parameter server does).
+
+Two measurements side by side in one run per model:
+
+* the hot path, in one job: every worker runs the trainer's step (gradient, the fused
+  allreduce, apply) and the same step without the allreduce, interleaved
+  (compute, sync, compute, sync) so both see the same machine;
+* the real trainer (``mpirun ... python -m mpitrain MODEL --steps N``): the workers'
+  seconds per step from timing.csv (their whole loop: reports, heartbeats, buffer
+  averaging), against the compute-only step of the first measurement.
+
+Target (issue 15): <= 1.10.
+
+    python -m bench lower_bound [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .common import last_json_line, mnist_dir, mpirun, out_dir, table, train, write_csv
+
+TARGET = 1.10
+MODELS = {"lenet": {"batch": 64, "shape": (28, 28, 1), "optimizer": "adam", "lr": 0.002},
+          "alexnet": {"batch": 64, "shape": (32, 32, 3), "optimizer": "momentum", "lr": 0.02}}
+
+
+def rank_side(model: str, steps: int) -> None:
+    """Runs on every rank under mpirun; rank 0 prints one JSON line of results."""
+    from mpitrain import models
+    from mpitrain.comm import IDLE, Comm
+    from mpitrain.models.replica import Replica, init_tensorflow
+
+    spec = MODELS[model]
+    comm = Comm.world(timeout=600)
+    os.sched_setaffinity(0, range(os.cpu_count()))
+    workers = comm.workers
+    n_workers = comm.size - 1
+    init_tensorflow(max(1, (os.cpu_count() or 1) // n_workers) if workers else 1, 0)
+    replica = Replica(models.get(model), spec["shape"], 10, spec["optimizer"], spec["lr"],
+                      applies=workers is not None)
+    comm.bcast_(replica.weights())
+    result = {}
+    if workers is None:  # the parameter server: asleep until the workers are done
+        comm.barrier("the workers", backoff=IDLE)
+    else:
+        rng = np.random.default_rng(workers.rank)
+        x = rng.random((spec["batch"], *spec["shape"]), dtype=np.float32)
+        y = rng.integers(0, 10, spec["batch"]).astype(np.int32)
+        timed = {"compute": [], "sync": []}
+        for mode in ("compute", "sync", "compute", "sync"):
+            for i in range(steps + 3):  # 3 warm-up steps (tracing, caches)
+                if i == 3:
+                    workers.barrier()
+                    t0 = time.perf_counter()
+                grad, _, _ = replica.grad(x, y)
+                if mode == "sync":
+                    workers.allreduce_mean_(grad)
+                replica.apply(grad)
+            workers.barrier()
+            timed[mode].append((time.perf_counter() - t0) / steps)
+        comm.barrier("the workers", backoff=IDLE)
+        result = {mode: min(times) for mode, times in timed.items()}
+    results = comm.allgather_objects(result)
+    if comm.rank == 0:
+        rows = [r for r in results if r]
+        print(json.dumps({k: float(np.mean([r[k] for r in rows])) for k in rows[0]}))
+
+
+def trainer_step(model: str, steps: int, results: Path) -> float:
+    """Seconds per step of the workers of a real sync run (their timing.csv)."""
+    extra = ["--image-size", "32"] if model == "alexnet" else ["--data-dir", mnist_dir()]
+    spec = MODELS[model]
+    row = train(3, [model, "--steps", steps, "--batch-size", spec["batch"], "--optimizer",
+                    spec["optimizer"], "--eval-every", "1000", "--sample-interval", "0",
+                    *extra], results)
+    with open(Path(row["run_dir"]) / "timing.csv", newline="") as f:
+        timing = [r for r in csv.DictReader(f) if r["role"] == "worker"]
+    per_worker = {}
+    for r in timing:
+        per_worker[r["rank"]] = per_worker.get(r["rank"], 0.0) + float(r["wall_s"])
+    return float(np.mean(list(per_worker.values()))) / steps
+
+
+def main(argv=None, out=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench lower_bound", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few steps (smoke)")
+    parser.add_argument("--rank-side", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_side:
+        rank_side(args.rank_side, args.steps)
+        return {}
+    steps = {"lenet": 3 if args.quick else 60, "alexnet": 2 if args.quick else 10}
+    rows, checks = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in MODELS:
+            hot = last_json_line(mpirun(3, ["-m", "bench.lower_bound", "--rank-side", model,
+                                            "--steps", str(steps[model])]).stdout)
+            real = trainer_step(model, steps[model], Path(tmp) / model)
+            rows.append({"model": model, "workers": 2,
+                         "compute_only_ms": round(1e3 * hot["compute"], 2),
+                         "hot_path_sync_ms": round(1e3 * hot["sync"], 2),
+                         "trainer_sync_ms": round(1e3 * real, 2),
+                         "hot_path_ratio": round(hot["sync"] / hot["compute"], 3),
+                         "trainer_ratio": round(real / hot["compute"], 3)})
+            for what, key in (("hot path", "hot_path_ratio"), ("trainer", "trainer_ratio")):
+                checks.append({"benchmark": "lower_bound", "ratio": f"{model}, 2 workers: "
+                               f"sync {what} step / compute-only step", "value": rows[-1][key],
+                               "target": f"<= {TARGET}", "met": rows[-1][key] <= TARGET})
+    path = (out or out_dir()) / "lower_bound.csv"
+    write_csv(path, rows)
+    print(table(rows, list(rows[0])))
+    return {"rows": rows, "checks": checks}
+
+
+if __name__ == "__main__":
+    main()
