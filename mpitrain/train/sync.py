@@ -22,6 +22,8 @@ gradient: a stop flag, and one slot per worker holding that worker's loss
 (plus 0 x its gradient norm, so a non-finite gradient makes the slot NaN).
 After the one allreduce every worker knows whether anyone was asked to stop,
 which workers went non-finite, and the mean loss, and all act at the same step.
+With ``--compression fp16`` the fused buffer travels as float16, the gradient
+with error feedback (:mod:`.compression`).
 
 Message protocol with rank 0, on the world communicator (tags, header and flags
 in :mod:`.protocol`):
