@@ -77,8 +77,8 @@ def rank_side(mode: str, updates: int) -> None:
                        y_test=np.zeros(10, np.int32))
         zeros = np.zeros(n_params, np.float32)
 
-        class NoCompute:
-            n_params = replica.n_params
+        class NoCompute:  # the worker's replica, but for its gradient
+            n_params, n_state, n_buffers = replica.n_params, replica.n_state, replica.n_buffers
 
             def grad_at(self, *args):
                 return zeros, 0.0, 0.0

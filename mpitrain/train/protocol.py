@@ -76,17 +76,19 @@ class Header(NamedTuple):
     @classmethod
     def read(cls, buf: np.ndarray) -> "Header":
         """The header in front of ``buf`` (a float32 message)."""
-        ints = buf[:SLOTS].view(np.int32)
-        return cls(int(ints[VERSION]), int(ints[STEP]), int(ints[FLAGS]), float(buf[LOSS]),
-                   float(buf[ELAPSED]), float(buf[THINK]), int(ints[EXTRA]),
-                   int(ints[CRC]) & 0xFFFFFFFF)
+        # three bulk conversions: the async server reads one header per update
+        version, step, flags = buf[:LOSS].view(np.int32).tolist()
+        loss, elapsed, think = buf[LOSS:EXTRA].tolist()
+        extra, crc = buf[EXTRA:SLOTS].view(np.int32).tolist()
+        return cls(version, step, flags, loss, elapsed, think, extra, crc & 0xFFFFFFFF)
 
     def write(self, buf: np.ndarray) -> np.ndarray:
         """Store this header in front of ``buf`` (a float32 message); returns ``buf``."""
         ints = buf[:SLOTS].view(np.int32)
         ints[VERSION], ints[STEP], ints[FLAGS] = self.version, self.step, self.flags
         ints[EXTRA] = self.extra
-        ints[CRC] = np.uint32(self.crc).view(np.int32)  # a CRC-32 fills all 32 bits
+        # a CRC-32 fills all 32 bits: stored as the int32 with the same bits
+        ints[CRC] = self.crc - (1 << 32) if self.crc >= 1 << 31 else self.crc
         buf[LOSS], buf[ELAPSED], buf[THINK] = self.loss, self.elapsed, self.think
         return buf
 
@@ -141,7 +143,8 @@ class SilentPeers:
         reached the timeout (see :meth:`overdue`). The caller restarts the peer's
         silence (:meth:`heard`) when it has read what it needs of it."""
         peers = list(posted)
-        left = self.comm.timeout - max(self.silent_for(p) for p in peers)
+        oldest = min(self.since[p] for p in peers)  # one clock read per wait
+        left = self.comm.timeout - (time.monotonic() - oldest)
         if wake_every is not None:
             left = min(left, wake_every)
         index = self.comm.wait_any([posted[p] for p in peers], backoff, timeout=max(0.0, left))
@@ -167,6 +170,9 @@ class PhaseTimer:
     def __init__(self, default: str = "compute"):
         self.default = default
         self.rows: List[dict] = []
+        # one reusable context object per phase: a generator-based context manager
+        # costs microseconds per use, and the async server marks two phases per update
+        self._blocks = {phase: _Phase(self, phase) for phase in self.PHASES}
         self.restart()
 
     def restart(self) -> None:
@@ -182,13 +188,9 @@ class PhaseTimer:
         self.seconds[phase or self.default] += spent
         return spent
 
-    @contextlib.contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        self.lap()
-        try:
-            yield
-        finally:
-            self.lap(phase)
+    def __call__(self, phase: str) -> "_Phase":
+        """``with timer(phase):`` charges the block's time to ``phase``."""
+        return self._blocks[phase]
 
     @contextlib.contextmanager
     def collective(self, transfer: float) -> Iterator[None]:
@@ -210,3 +212,19 @@ class PhaseTimer:
                           **{f"{p}_s": round(s, 6) for p, s in self.seconds.items()}})
         self._start = self._mark
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
+
+
+class _Phase:
+    """``with timer(phase):``: what came before goes to the default phase, the block to
+    ``phase``."""
+
+    __slots__ = ("timer", "phase")
+
+    def __init__(self, timer: PhaseTimer, phase: str):
+        self.timer, self.phase = timer, phase
+
+    def __enter__(self) -> None:
+        self.timer.lap()
+
+    def __exit__(self, *exc) -> None:
+        self.timer.lap(self.phase)
