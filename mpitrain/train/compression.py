@@ -44,13 +44,15 @@ class HalfPrecisionEngine:
 
     Same contract as :meth:`mpitrain.comm.Comm.allreduce_mean_` (every worker calls
     it with its fused buffer; every worker gets the same mean, in place); ``engine``
-    provides ``allreduce_mean_half_`` (the workers' communicator or Horovod).
+    provides ``allreduce_mean_half_`` and ``size``, the number of workers (the workers'
+    communicator or Horovod).
     """
 
-    def __init__(self, engine, n_gradient: int, size: int, workers: int):
+    def __init__(self, engine, n_gradient: int, size: int):
         self.engine = engine
         self.feedback = ErrorFeedback(n_gradient)
-        padded = -(-size // workers) * workers  # the exchange splits it in equal segments
+        # the exchange splits the buffer in equal segments, one per worker
+        padded = -(-size // engine.size) * engine.size
         self.half = np.zeros(padded, np.float16)
 
     def allreduce_mean_(self, buf: np.ndarray, what: str = "the gradient allreduce",
@@ -59,10 +61,11 @@ class HalfPrecisionEngine:
         return self.engine.allreduce_mean_half_(self.half, buf, what, kind)
 
 
-def sync_engine(engine, compression: str, n_gradient: int, size: int, workers: int):
-    """``engine``, or it wrapped to move float16 (``compression`` 'fp16')."""
+def sync_engine(engine, compression: str, n_gradient: int, size: int):
+    """``engine``, or it wrapped to move a fused buffer of ``size`` values (the first
+    ``n_gradient`` the gradient) as float16 (``compression`` 'fp16')."""
     if compression == "fp16":
-        return HalfPrecisionEngine(engine, n_gradient, size, workers)
+        return HalfPrecisionEngine(engine, n_gradient, size)
     return engine
 
 

@@ -155,10 +155,10 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
     replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
     n, n_workers, me = replica.n_params, workers.size, workers.rank
     alone = n_workers == 1  # nothing to average: use the fused one-call step
+    tail = 1 + n_workers  # the status tail: a stop flag, a loss per worker
     engine = workers if alone else sync_engine(
-        gradient_engine(ctx.cfg, workers, ctx.run_dir), ctx.cfg.compression, n,
-        n + 1 + n_workers, n_workers)
-    transfer = 0.0 if alone else allreduce_cost(workers, engine, n + 1 + n_workers)
+        gradient_engine(ctx.cfg, workers, ctx.run_dir), ctx.cfg.compression, n, n + tail)
+    transfer = 0.0 if alone else allreduce_cost(workers, engine, n + tail)
     loss_sum, n_batches, step = 0.0, 0, start_step
     timer.restart()  # every second of an epoch is accounted from here on
     for epoch, step, x, y, end_of_epoch in worker_batches(ctx, start_step):
@@ -167,7 +167,7 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
             loss, norm = replica.train_step(x, y)
             stop, losses = bool(ctx.stop), [sentinel(loss, norm)]
         else:
-            buf, loss, norm = replica.grad(x, y, tail=1 + n_workers)
+            buf, loss, norm = replica.grad(x, y, tail=tail)
             buf[n] = 1.0 if ctx.stop else 0.0
             buf[n + 1 + me] = sentinel(loss, norm)
             with timer.collective(transfer):  # moving the data + waiting for the slowest

@@ -64,7 +64,9 @@ def test_without_compression_a_push_is_the_gradient_itself():
 
 
 class _Echo:
-    """An engine of one worker: the mean of one buffer is the buffer."""
+    """An engine of two workers that hold the same buffer: the mean is the buffer."""
+
+    size = 2
 
     def allreduce_mean_half_(self, half, out, what, kind):
         out[:] = half[:out.size]
@@ -72,7 +74,7 @@ class _Echo:
 
 
 def test_the_sync_engine_moves_the_fused_buffer_as_float16_with_feedback():
-    engine = HalfPrecisionEngine(_Echo(), n_gradient=3, size=5, workers=2)
+    engine = HalfPrecisionEngine(_Echo(), n_gradient=3, size=5)
     assert engine.half.size == 6 and engine.half.dtype == np.float16  # padded to 2 segments
     buf = np.array([0.1, 1e-8, 3.0, 1.0, 0.25], np.float32)
     engine.allreduce_mean_(buf)
