@@ -21,6 +21,8 @@ from .waiting import HOT, IDLE, Backoff, Pending, blocking_call_bound, poll, tim
 
 #: see Comm._split_workers
 WORKERS_TIMEOUT_FACTOR = 1.5
+#: seconds a cancelled receive gets to complete; from a lost peer (see Comm.cancel)
+CANCEL_BOUND, LOST_PEER_CANCEL_BOUND = 10.0, 1.0
 
 
 class Comm:
@@ -267,13 +269,21 @@ class Comm:
         return Pending(self._c.Irecv(buf, source=source, tag=tag), what, source, kind,
                        traffic=self.traffic)
 
-    def cancel(self, pending: Optional[Pending]) -> None:
-        """Cancel a posted receive that will never be matched, so none is left at exit."""
+    def cancel(self, pending: Optional[Pending], peer_lost: bool = False) -> None:
+        """Cancel a posted receive that will never be matched, so none is left at exit.
+
+        ``peer_lost``: the receive is from a peer dropped as dead or stalled. If that
+        peer died (or stopped) in the middle of sending, Open MPI has already matched
+        the receive, which can then neither complete nor be cancelled (its
+        single-copy read fails: "Read -1, expected N, errno = 3"); it is abandoned
+        after ``LOST_PEER_CANCEL_BOUND`` seconds instead of failing the run the drop
+        was to save. A receive nothing matched is cancelled at once."""
         if pending is None or pending.done:
             return
         pending.request.Cancel()
-        self._poll(lambda: bool(pending.request.Test()), [pending], IDLE, timeout=10.0,
-                   timeout_for_message=10.0)
+        bound = LOST_PEER_CANCEL_BOUND if peer_lost else CANCEL_BOUND
+        self._poll(lambda: bool(pending.request.Test()), [pending], IDLE, timeout=bound,
+                   raise_on_timeout=not peer_lost, timeout_for_message=bound)
         pending.done = True
 
     # ---- failures of other ranks ------------------------------------------------------

@@ -434,7 +434,7 @@ class Server:
 
     def _drop(self, w: WorkerLedger, why: str) -> None:
         """Go on without ``w``: no request of its left to match, its steps reassigned."""
-        self.comm.cancel(w.posted)
+        self.comm.cancel(w.posted, peer_lost=True)
         self.leases.drop(w.rank)
         w.posted, w.done, w.lost = None, True, why
         w.fence_at = time.monotonic() + FENCE_GRACE
