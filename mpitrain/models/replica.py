@@ -26,6 +26,7 @@ rank (the async server updates with :mod:`mpitrain.models.optim`) never do.
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from typing import Dict, Optional, Tuple
@@ -120,6 +121,7 @@ class Replica:
                       tf.TensorSpec((None,), tf.int32)]
         flat_spec = [tf.TensorSpec((self.n_params,), tf.float32)]
         model, variables, sizes, shapes = self.model, self.variables, self.sizes, self.shapes
+        compiled = functools.partial(tf.function, autograph=spec.autograph)
 
         def flat_grad_and_loss(x, y):
             with tf.GradientTape() as tape:
@@ -135,28 +137,28 @@ class Replica:
                 return flat
             return flat * tf.minimum(1.0, clip_norm / (tf.norm(flat) + 1e-12))
 
-        @tf.function(input_signature=batch_spec + [tf.TensorSpec((None,), tf.float32)])
+        @compiled(input_signature=batch_spec + [tf.TensorSpec((None,), tf.float32)])
         def grad(x, y, tail):
             flat, loss, norm = flat_grad_and_loss(x, y)
             return tf.concat([flat, tail], 0), loss, norm
 
-        @tf.function(input_signature=flat_spec + batch_spec)
+        @compiled(input_signature=flat_spec + batch_spec)
         def grad_at(flat_weights, x, y):
             for v, part in zip(variables, unflatten(flat_weights)):
                 v.assign(part)
             return flat_grad_and_loss(x, y)
 
-        @tf.function(input_signature=flat_spec)
+        @compiled(input_signature=flat_spec)
         def apply(flat):
             self.optimizer.apply_gradients(zip(unflatten(clipped(flat)), variables))
 
-        @tf.function(input_signature=batch_spec)
+        @compiled(input_signature=batch_spec)
         def train_step(x, y):
             flat, loss, norm = flat_grad_and_loss(x, y)
             self.optimizer.apply_gradients(zip(unflatten(clipped(flat)), variables))
             return loss, norm
 
-        @tf.function(input_signature=batch_spec)
+        @compiled(input_signature=batch_spec)
         def eval_batch(x, y):
             logits = model(x, training=False)
             losses = keras.losses.sparse_categorical_crossentropy(y, logits,
@@ -164,7 +166,7 @@ class Replica:
             correct = tf.equal(tf.argmax(logits, axis=1, output_type=tf.int32), y)
             return tf.reduce_sum(losses), tf.reduce_sum(tf.cast(correct, tf.int32))
 
-        @tf.function(input_signature=flat_spec)
+        @compiled(input_signature=flat_spec)
         def set_weights(flat):
             for v, part in zip(variables, unflatten(flat)):
                 v.assign(part)
