@@ -9,7 +9,8 @@ def last_run(results_dir):
     return read_rows(results_dir / "runs.csv")[-1]
 
 
-@pytest.mark.parametrize("np_", [2, pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("np_", [pytest.param(2, marks=pytest.mark.slow),
+                                 pytest.param(3, marks=pytest.mark.slow), 4])
 def test_async_dry_run(np_, mnist, tmp_path):
     result = mpirun(np_, "lr", "--async", "--dry-run", "--data-dir", mnist,
                     "--results-dir", tmp_path)

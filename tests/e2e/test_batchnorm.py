@@ -141,7 +141,7 @@ def colour_data(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_resnet_trains(colour_data, tmp_path, mode):
     result = mpirun(3, "resnet", "--data", colour_data, "--steps", "30", "--batch-size", "32",
                     "--results-dir", tmp_path, "--quiet",

@@ -41,11 +41,15 @@ def test_engines_give_the_same_weights(mnist, tmp_path, python, model, steps):
     weights = {}
     for engine in ("mpi", "horovod"):
         out = tmp_path / engine
+        timeline = ["--horovod-timeline"] if engine == "horovod" else []
         result = mpirun(3, model, "--allreduce", engine, "--steps", str(steps), "--data-dir",
-                        mnist, "--results-dir", out, "--quiet", timeout=600, python=python)
+                        mnist, "--results-dir", out, "--quiet", *timeline, timeout=600,
+                        python=python)
         assert result.returncode == 0, result.stderr[-3000:]
         weights[engine], row = final_weights(out, engine)
         assert row["engine"] == engine and int(row["steps"]) == steps
+        if timeline:
+            check_horovod_run(out, row)
     diff = np.abs(weights["mpi"] - weights["horovod"]).max()
     print(f"{model}: max |w_mpi - w_horovod| after {steps} steps = {diff:.3g}")
     np.testing.assert_allclose(weights["horovod"], weights["mpi"], rtol=RTOL, atol=ATOL)
@@ -74,17 +78,20 @@ def test_fp16_compression_with_horovod(mnist, tmp_path, python):
     np.testing.assert_allclose(weights["horovod"], weights["mpi"], rtol=0, atol=2e-3)
 
 
-@pytest.mark.parametrize("model,extra", [
-    ("lr", []), pytest.param("lenet", [], marks=pytest.mark.slow),
-    pytest.param("alexnet", ["--image-size", "32"], marks=pytest.mark.slow)])
+@pytest.mark.slow  # LR: in test_engines_give_the_same_weights
+@pytest.mark.parametrize("model,extra", [("lenet", []), ("alexnet", ["--image-size", "32"])])
 def test_smoke_every_model(mnist, tmp_path, python, model, extra):
     result = mpirun(3, model, "--allreduce", "horovod", "--steps", "2", "--data-dir", mnist,
                     "--results-dir", tmp_path, "--horovod-timeline", *extra, timeout=600,
                     python=python)
     assert result.returncode == 0, result.stderr[-3000:]
-    row = read_rows(tmp_path / "runs.csv")[-1]
+    check_horovod_run(tmp_path, read_rows(tmp_path / "runs.csv")[-1])
+
+
+def check_horovod_run(results, row):
+    """A finished Horovod run: its version recorded and a Chrome-trace timeline written."""
     assert (row["engine"], row["horovod_version"], row["status"]) == ("horovod", "0.28.1", "ok")
-    timeline = tmp_path / row["run"] / "horovod-timeline.json"
+    timeline = results / row["run"] / "horovod-timeline.json"
     assert timeline.stat().st_size > 0
     events = timeline.read_text().rstrip().rstrip(",")
     json.loads(events if events.endswith("]") else events + "]")  # Chrome trace events

@@ -53,6 +53,7 @@ def test_user_file_trains_on_mnist(mode, cnn, mnist, tmp_path):
     assert (meta["config"]["optimizer"], meta["config"]["batch_size"]) == ("adam", 64)
 
 
+@pytest.mark.slow
 def test_module_spec_and_resume_from_another_directory(cnn, mnist, tmp_path):
     """module:FUNCTION from the working directory (as python -m), then the same run
     resumed as ./FILE.py:FUNCTION from a directory where that path does not exist."""

@@ -1,4 +1,4 @@
-"""Telemetry end to end: short sync and async runs under mpirun -np 3 (and an async -np 4).
+"""Telemetry end to end: one short sync and one short async run under mpirun -np 3.
 
 Checks the numbers against arithmetic, not just that files exist: every rank
 sampled; MPI payload bytes equal steps x model size; time breakdowns add up to
@@ -24,9 +24,8 @@ def runs(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("telemetry")
     found = {}
-    for name, np_, extra in (("sync", 3, ()), ("async", 3, ("--async",)),
-                             ("async4", 4, ("--async",))):
-        result = mpirun(np_, "lr", *extra, "--epochs", str(EPOCHS), "--sample-interval", "0.2",
+    for name, extra in (("sync", ()), ("async", ("--async",))):
+        result = mpirun(3, "lr", *extra, "--epochs", str(EPOCHS), "--sample-interval", "0.2",
                         "--data-dir", mnist_dir(), "--results-dir", out, "--quiet")
         assert result.returncode == 0, result.stderr[-3000:]
         row = read_rows(out / "runs.csv")[-1]
@@ -123,18 +122,20 @@ def test_tensorboard_events_written(runs):
     assert events and events[0].stat().st_size > 100
 
 
-def test_async_np4_parameter_server_carries_most(runs):
+def test_async_parameter_server_carries_most(runs):
     """What the reports observed: the PS moves the most traffic and holds the most memory."""
-    run_dir, _ = runs["async4"]
+    run_dir, _ = runs["async"]
     moved = defaultdict(int)
     for r in read_rows(run_dir / "comm.csv"):
         moved[int(r["rank"])] += int(r["sent_bytes"]) + int(r["recv_bytes"])
     assert max(moved, key=moved.get) == 0
-    # rank 0 serves all three workers: 3x a worker's traffic, as in the reports
-    assert moved[0] == pytest.approx(3 * moved[1], rel=0.01)
+    # rank 0 serves both workers: their traffic together, each about half of it (the
+    # reports: 3x a worker's with three)
+    assert moved[0] == pytest.approx(moved[1] + moved[2], rel=0.01)
+    assert moved[1] == pytest.approx(moved[2], rel=0.05)
     peak = defaultdict(float)
     for r in read_rows(run_dir / "telemetry.csv"):
         peak[int(r["rank"])] = max(peak[int(r["rank"])], float(r["rss_mb"]))
     assert max(peak, key=peak.get) == 0, dict(peak)
     meta = json.loads((run_dir / "config.json").read_text())
-    assert meta["config"]["mode"] == "async" and len(meta["ranks"]) == 4
+    assert meta["config"]["mode"] == "async" and len(meta["ranks"]) == 3

@@ -158,7 +158,7 @@ def test_bad_model_spec_is_one_line_exit_2(tmp_path):
                      "keras.layers.Flatten(), keras.layers.Dense(3)])\n")
     for spec, message in ((f"{model}:nothing", "has no function 'nothing'"),
                           (f"{model}:build", "expected (None, 10)")):
-        result = mpirun(3, spec, "--dataset", "digits", "--steps", "1", "--results-dir",
+        result = mpirun(2, spec, "--dataset", "digits", "--steps", "1", "--results-dir",
                         tmp_path / "r", timeout=120)
         assert result.returncode == 2, result.stderr[-3000:]
         lines = [x for x in result.stderr.splitlines() if "mpitrain: error:" in x]
