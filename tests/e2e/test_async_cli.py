@@ -28,6 +28,7 @@ def test_async_dry_run(np_, mnist, tmp_path):
     assert float(run["server_updates_per_s"]) > 0 and float(run["worker_steps_per_s"]) > 0
 
 
+@pytest.mark.slow  # quick: the bound itself, in tests/mpi under test_mpi_tier
 def test_async_staleness_bound_recorded(mnist, tmp_path):
     result = mpirun(3, "lr", "--async", "--staleness", "1", "--steps", "20",
                     "--data-dir", mnist, "--results-dir", tmp_path)

@@ -1,17 +1,15 @@
 """MPI_Finalize is a wait like any other: bounded, and without Open MPI's closing fence
 under --enable-recovery. Each case runs in a fresh process (MPI initialises once per
-process), as a singleton (no mpirun needed)."""
+process), as a singleton (no mpirun needed). Not ``exclusive``: each bound is an alarm
+that ends a process sleeping far longer, or a finalize that takes milliseconds, so
+load beside them cannot change an outcome."""
 
 import signal
 import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from conftest import REPO, mpi_env
-
-pytestmark = pytest.mark.exclusive  # the bounds are timed
 
 
 def python(code: str, **env) -> subprocess.CompletedProcess:

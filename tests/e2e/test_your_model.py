@@ -151,6 +151,7 @@ def test_clip_grad_norm_binds_in_every_mode(mnist, tmp_path):
     assert accuracy["async unclipped"] > 0.8, accuracy
 
 
+@pytest.mark.slow  # quick: test_model_spec_mpirun's syntax-error and rank-2 cases
 def test_bad_model_spec_is_one_line_exit_2(tmp_path):
     model = tmp_path / "m.py"
     model.write_text("import keras\n\ndef build(input_shape, num_classes):\n"
