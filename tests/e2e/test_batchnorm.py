@@ -141,9 +141,11 @@ def colour_data(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
-def test_resnet_trains(colour_data, tmp_path, mode):
-    result = mpirun(3, "resnet", "--data", colour_data, "--steps", "30", "--batch-size", "32",
+@pytest.mark.parametrize("np_,mode", [(2, "sync"), pytest.param(3, "async",
+                                                               marks=pytest.mark.slow)])
+def test_resnet_trains(colour_data, tmp_path, np_, mode):
+    """Quick at -np 2 (one worker); BatchNorm across two workers: the tests above."""
+    result = mpirun(np_, "resnet", "--data", colour_data, "--steps", "30", "--batch-size", "32",
                     "--results-dir", tmp_path, "--quiet",
                     *(["--async"] if mode == "async" else []), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

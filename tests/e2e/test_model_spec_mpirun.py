@@ -154,6 +154,10 @@ def test_check_a_user_model(cnn, mnist, tmp_path):
                       300)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "preflight ok: 2 rank(s)" in job.stdout
+
+
+@pytest.mark.slow  # the message itself: tests/unit/test_model_spec.py, in-process
+def test_check_names_a_wrong_output(mnist, tmp_path):
     (tmp_path / "seven.py").write_text(CNN.replace("L.Dense(num_classes)", "L.Dense(7)"))
     bad = run_bounded([sys.executable, "-m", "mpitrain", "check", "-np", "2", "--hostfile",
                        REPO / "hostfiles" / "local", f"{tmp_path}/seven.py:build",
