@@ -18,12 +18,6 @@ class ModelSpec:
     defaults: Dict[str, object] = field(default_factory=dict)
     #: dataset options for synthetic input (AlexNet): image size, channels, classes...
     synthetic: Dict[str, int] = field(default_factory=dict)
-    #: whether the replica's compiled steps convert Python control flow on tensors
-    #: (tf.function's autograph). A user's model may rely on it, as it would under
-    #: Keras' fit; the built-in models are Keras 3 layers, which never do (they also
-    #: run under jax.jit, which has no autograph), so they skip the conversion: about
-    #: 0.2 s of CPU per rank per launch, and no __autograph_generated_file*.py in /tmp.
-    autograph: bool = True
 
 
 REGISTRY: Dict[str, ModelSpec] = {}
@@ -33,8 +27,7 @@ def register(name: str, summary: str, defaults: Dict[str, object], **synthetic):
     """Decorator adding a builder to the registry under ``name``."""
 
     def add(builder: Callable) -> Callable:
-        REGISTRY[name] = ModelSpec(name, builder, summary, dict(defaults), dict(synthetic),
-                                   autograph=False)
+        REGISTRY[name] = ModelSpec(name, builder, summary, dict(defaults), dict(synthetic))
         return builder
 
     return add

@@ -121,7 +121,12 @@ class Replica:
                       tf.TensorSpec((None,), tf.int32)]
         flat_spec = [tf.TensorSpec((self.n_params,), tf.float32)]
         model, variables, sizes, shapes = self.model, self.variables, self.sizes, self.shapes
-        compiled = functools.partial(tf.function, autograph=spec.autograph)
+        # No autograph: these steps have no Python control flow on tensors, and it
+        # never converts a Keras 3 model's call (it stops at Keras' modules; Keras 3
+        # layers branch with keras.ops, as they also run under jax.jit). Converting
+        # cost about 0.25 s of CPU per rank per launch and left an
+        # __autograph_generated_file*.py in the temporary directory per function.
+        compiled = functools.partial(tf.function, autograph=False)
 
         def flat_grad_and_loss(x, y):
             with tf.GradientTape() as tape:

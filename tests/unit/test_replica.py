@@ -147,3 +147,17 @@ def test_ranks_that_never_apply_build_no_optimizer():
                  reader.optimizer_state):
         with pytest.raises(RuntimeError, match="no optimizer"):
             call()
+
+
+def test_compiled_steps_leave_no_autograph_files(tmp_path, monkeypatch):
+    """The replica's steps compile without autograph (nothing in them needs it): no
+    __autograph_generated_file*.py in the temporary directory, and no CPU spent
+    converting, on every rank of every launch."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    replica = Replica(_bn_spec(), (12, 12, 1), 4, "adam", 0.01)
+    x, y = np.ones((6, 12, 12, 1), np.float32), np.array([0, 1, 2, 3, 0, 1], np.int32)
+    replica.apply(replica.grad(x, y)[0])
+    replica.evaluate(x, y)
+    assert list(tmp_path.iterdir()) == []
