@@ -16,7 +16,8 @@ def traffic(results, kind):
     return sum(int(r["sent_bytes"]) for r in rows), sum(int(r["sent_msgs"]) for r in rows)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+# async quick: the push codec in tests/unit/test_compression.py
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_fp16_halves_the_gradient_bytes(mode, mnist, tmp_path):
     args = ["--async"] if mode == "async" else []
     result = mpirun(3, "lr", *args, "--compression", "fp16", "--steps", "10", "--data-dir",
