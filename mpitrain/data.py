@@ -45,7 +45,7 @@ import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -140,8 +140,9 @@ def _keys(splits) -> List[str]:
     return keys if "y_train" in keys else keys + ["y_train"]
 
 
-def read_mnist_dir(directory: Path, splits=SPLITS) -> Dict[str, np.ndarray]:
+def read_mnist_dir(directory: Union[str, Path], splits=SPLITS) -> Dict[str, np.ndarray]:
     """The MNIST arrays of ``splits`` from IDX files or ``mnist.npz`` in ``directory``."""
+    directory = Path(directory)
     found = {key: _find_idx(directory, IDX_NAMES[key]) for key in _keys(splits)}
     if all(found.values()):
         arrays = {key: read_idx(path) for key, path in found.items()}

@@ -60,7 +60,7 @@ class OneRank:
 @pytest.mark.parametrize("gz", [True, False])
 def test_idx_round_trip(tmp_path, gz):
     write_mnist(tmp_path, gz=gz)
-    arrays = data.read_mnist_dir(tmp_path)
+    arrays = data.read_mnist_dir(str(tmp_path))  # a str as well as a Path
     assert arrays["x_train"].shape == (30, 28, 28) and arrays["y_test"].shape == (10,)
 
 
