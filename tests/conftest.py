@@ -133,8 +133,11 @@ def run_bounded(cmd, timeout: float, env=None, cwd=None) -> subprocess.Completed
 
 
 def mpirun_cmd(np_: int, *args, hostfile: Path = LOCAL_HOSTFILE, module="mpitrain",
-               python=sys.executable) -> list:
-    return ["mpirun", "-q", "-np", np_, "-hostfile", hostfile, python, "-m", module, *args]
+               python=sys.executable, flags=()) -> list:
+    """``mpirun -q FLAGS -np N -hostfile HOSTFILE PYTHON -m MODULE ARGS``; with ``module``
+    None, the first of ``args`` is the script to run."""
+    run = ["-m", module] if module else []
+    return ["mpirun", "-q", *flags, "-np", np_, "-hostfile", hostfile, python, *run, *args]
 
 
 def horovod_python() -> Path:

@@ -5,10 +5,9 @@ complete nor be cancelled; dropping the worker must abandon it, not fail the run
 (the server used to time out on the cancel: "waited 10 s for a gradient from rank 2").
 Real ranks under ``mpirun --enable-recovery``; the communicator only, no TensorFlow."""
 
-import sys
 import textwrap
 
-from conftest import LOCAL_HOSTFILE, run_bounded
+from conftest import mpirun_cmd, run_bounded
 
 SCRIPT = """
     import os, signal, time
@@ -33,8 +32,8 @@ SCRIPT = """
 def test_a_receive_from_a_sender_that_died_mid_message_is_abandoned(tmp_path):
     script = tmp_path / "lost_sender.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    done = run_bounded(["mpirun", "-q", "--enable-recovery", "-np", 2, "-hostfile",
-                        LOCAL_HOSTFILE, sys.executable, script], timeout=120)
+    done = run_bounded(mpirun_cmd(2, script, module=None, flags=["--enable-recovery"]),
+                       timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     [line] = [x for x in done.stdout.splitlines() if x.startswith("abandoned")]
     assert float(line.split()[2]) < 5, line  # LOST_PEER_CANCEL_BOUND is 1 s

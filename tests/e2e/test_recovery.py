@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import LOCAL_HOSTFILE, finish_bounded, mnist_dir, start_bounded
+from conftest import (LOCAL_HOSTFILE, finish_bounded, mnist_dir, mpirun_cmd,
+                      start_bounded)
 
 pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
@@ -25,9 +26,8 @@ TRAINING = ["lr", "--async", "--epochs", "4", "--batch-size", "5", "--lr", "0.05
 
 
 def start(results: Path, mnist: Path, *mpirun_flags) -> subprocess.Popen:
-    return start_bounded(["mpirun", "-q", *mpirun_flags, "-np", "4", "-hostfile",
-                          LOCAL_HOSTFILE, sys.executable, "-m", "mpitrain", *TRAINING,
-                          "--data-dir", mnist, "--results-dir", results])
+    return start_bounded(mpirun_cmd(4, *TRAINING, "--data-dir", mnist, "--results-dir",
+                                    results, flags=mpirun_flags))
 
 
 def run_dir(results: Path, timeout: float = 120) -> Path:

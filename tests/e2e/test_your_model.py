@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import (REPO, mpirun, read_rows, run_bounded, write_cifar,
+from conftest import (REPO, mpirun, mpirun_cmd, read_rows, run_bounded, write_cifar,
                       write_image_folder)
 from mpitrain import data
 
@@ -37,12 +37,8 @@ def small_npz(tmp_path_factory):
 
 
 def example(np_, script, *args, timeout=900):
-    from conftest import LOCAL_HOSTFILE
-    import sys
-
-    cmd = ["mpirun", "-q", "-np", np_, "-hostfile", LOCAL_HOSTFILE, sys.executable,
-           REPO / "examples" / script, *args]
-    result = run_bounded(cmd, timeout)
+    result = run_bounded(mpirun_cmd(np_, REPO / "examples" / script, *args, module=None),
+                         timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     line = [x for x in result.stdout.splitlines() if x.startswith("test accuracy")]
     assert len(line) == 1, result.stdout  # printed by rank 0 alone
