@@ -23,7 +23,8 @@ result that is not a Keras model, the wrong output shape) is one UsageError
 naming the spec. Specs take :data:`USER_DEFAULTS`.
 
 The package: :mod:`.registry` (the named models), :mod:`.zoo` (the built-in ones:
-LR, LeNet, AlexNet, ResNet-20), :mod:`.user` (a user's spec), :mod:`.replica` (a
+LR, LeNet, AlexNet, ResNet-20), :mod:`.user` (a user's spec), :mod:`.keras_import`
+(TensorFlow and Keras imported the quick way), :mod:`.replica` (a
 built model as flat weight and buffer vectors, what the trainers hold) and
 :mod:`.optim` (the async server's numpy updates on a flat vector).
 """
@@ -34,8 +35,8 @@ from typing import Dict
 
 from ..errors import UsageError
 from .registry import REGISTRY, USER_DEFAULTS, ModelSpec, names, register, specs
-from .user import (canonical, from_callable, import_keras, is_spec, precheck, run_name,
-                   same_model, user_spec)
+from .keras_import import import_keras
+from .user import canonical, from_callable, is_spec, precheck, run_name, same_model, user_spec
 
 
 def get(name: str) -> ModelSpec:

@@ -34,7 +34,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..errors import UsageError
-from .user import import_keras
+from .keras_import import import_keras
 
 EVAL_BATCH = 2000
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Dict
 
 from ..errors import UsageError
+from .keras_import import import_keras
 from .registry import USER_DEFAULTS, ModelSpec
 
 
@@ -192,32 +193,6 @@ def _import_module(spec: str, target: str):
     except ModuleNotFoundError as e:
         raise UsageError(f"model {spec}: no module named {e.name!r} (run from the directory "
                          "that holds it, or install it)") from None
-
-
-#: imported by Keras 3 at start-up for features mpitrain never uses (its scikit-learn
-#: wrappers, its image-gallery plot): about 2 s of CPU on every rank of every launch
-#: here (CPU time of import tensorflow, keras: 6.4-6.5 s with them, 4.0-4.4 s without)
-KERAS_OPTIONAL_IMPORTS = ("sklearn", "matplotlib")
-
-
-def import_keras():
-    """Import TensorFlow and Keras (once per process) and return keras.
-
-    The packages of KERAS_OPTIONAL_IMPORTS are hidden during the import (Keras
-    leaves the features that need them unavailable, as it does when they are not
-    installed) and stay importable afterwards: the digits dataset uses
-    scikit-learn, the plots matplotlib."""
-    if "keras" not in sys.modules:
-        hidden = [name for name in KERAS_OPTIONAL_IMPORTS if name not in sys.modules]
-        for name in hidden:
-            sys.modules[name] = None  # import NAME raises ImportError, which Keras handles
-        try:
-            import tensorflow  # noqa: F401
-            import keras  # noqa: F401
-        finally:
-            for name in hidden:
-                del sys.modules[name]
-    return sys.modules["keras"]
 
 
 def _run_import(spec: str, load, module: str = ""):

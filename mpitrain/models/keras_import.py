@@ -1,0 +1,123 @@
+"""Import TensorFlow and Keras the quick way: once per process, on every rank.
+
+Every rank of every launch imports them, and the import is most of a short run's
+CPU time (measured in docs/benchmarks.md, "Start-up"). Two things make it
+cheaper, neither changing what a model or a training step can use:
+
+* Packages Keras imports at start-up for features mpitrain never uses (its
+  scikit-learn wrappers, its image-gallery plot) are hidden while it loads;
+  Keras leaves those features unavailable, as it does when they are not
+  installed. They stay importable afterwards (the digits dataset uses
+  scikit-learn, the plots matplotlib).
+* TensorFlow's and Keras' public API packages (``tensorflow._api.v2.*``, the
+  ``keras.*`` packages outside ``keras.src``) are generated files that only
+  re-export names from the modules that implement them. They load lazily: such a
+  package runs, and imports what it re-exports, on first use of one of its names
+  (``tf.data.Dataset``, ``keras.layers.Dense``). The implementing modules that
+  TensorFlow itself and Keras need still load at once, through their own imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+import types
+
+#: imported by Keras 3 at start-up for features mpitrain never uses
+KERAS_OPTIONAL_IMPORTS = ("sklearn", "matplotlib")
+
+
+def import_keras():
+    """Import TensorFlow and Keras (once per process) and return keras."""
+    if "keras" not in sys.modules:
+        _lazy_api_packages()
+        with _hidden(KERAS_OPTIONAL_IMPORTS):
+            import tensorflow  # noqa: F401
+            import keras  # noqa: F401
+    return sys.modules["keras"]
+
+
+def is_api_package(name: str) -> bool:
+    """True for a generated TensorFlow or Keras API package (re-exports only)."""
+    return name.startswith("tensorflow._api.v2.") or (
+        name.startswith("keras.") and not name.startswith("keras.src"))
+
+
+def loads_lazily(name: str, tensorflow_dirs) -> bool:
+    """True for an API package that may load lazily. Not ``tf.distribute``, ``tf.lite``
+    and what is inside them: a real package of TensorFlow has their name
+    (``tensorflow/lite``). Their modules import from it by that name (``import
+    tensorflow.distribute.experimental.rpc.kernels...``), which works only while
+    ``import tensorflow`` runs, before it binds ``tf.distribute`` to the API."""
+    top = name.split(".")[3] if name.startswith("tensorflow._api.v2.") else ""
+    return is_api_package(name) and not (
+        top and any(os.path.isdir(os.path.join(d, top)) for d in tensorflow_dirs))
+
+
+class _LazyApiFinder(importlib.abc.MetaPathFinder):
+    """Finds API packages as the path finder would, with a lazy loader."""
+
+    def find_spec(self, name, path, target=None):
+        tensorflow = getattr(sys.modules.get("tensorflow"), "__file__", None)
+        if not loads_lazily(name, [os.path.dirname(tensorflow)] if tensorflow else []):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _LazyLoader(spec.loader)
+        return spec
+
+
+class _LazyLoader(importlib.abc.Loader):
+    """Creates the module empty; it runs on the first use of a name it lacks.
+
+    Unlike :class:`importlib.util.LazyLoader`, the module may replace itself in
+    sys.modules while it runs (TF 1's modules in ``tf.compat.v1`` put a deprecation
+    wrapper there; the wrapped module is this one)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__class__ = _LazyModule  # its __spec__, __path__... are set already
+
+
+#: One module runs at a time (a module that runs may use another lazy one: reentrant).
+_RUNNING = threading.RLock()
+
+
+class _LazyModule(types.ModuleType):
+    def __getattr__(self, name):
+        with _RUNNING:
+            if type(self) is _LazyModule:  # not run yet (another thread may have run it)
+                self.__class__ = types.ModuleType  # a name it lacks afterwards: AttributeError
+                self.__spec__.loader.loader.exec_module(self)
+        return getattr(self, name)
+
+
+def _lazy_api_packages() -> None:
+    """API packages load lazily from now on in this process, also those a lazy package
+    imports when it runs (``tf.__internal__.distribute`` runs on a worker's first
+    update; its ``combinations``, a test helper, stays unloaded)."""
+    if not any(isinstance(f, _LazyApiFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LazyApiFinder())
+
+
+@contextlib.contextmanager
+def _hidden(names):
+    """``import NAME`` raises ImportError inside the block for each of ``names`` not yet
+    imported (Keras handles that as 'not installed'); importable again afterwards."""
+    hidden = [name for name in names if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None
+    try:
+        yield
+    finally:
+        for name in hidden:
+            del sys.modules[name]
