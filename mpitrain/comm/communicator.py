@@ -206,8 +206,9 @@ class Comm:
         """
         if self.size > 1:
             MPI = _load_mpi()
-            allreduce_algorithm().before(buf.nbytes)
-            p = Pending(self._c.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), what, None, kind)
+            with allreduce_algorithm().chosen_for(buf.nbytes):
+                request = self._c.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            p = Pending(request, what, None, kind)
             self.wait(p, HOT)
             self.traffic.add_sent(kind, buf.nbytes)
             self.traffic.add_recv(kind, buf.nbytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -15,8 +16,8 @@ class LargeAllreduceRing:
     side in one job; 4M floats: 8-9 ms vs 3 ms; LR and LeNet sizes: the tree wins,
     0.06 vs 0.10 ms). The choice is the MCA variable
     ``coll_libnbc_iallreduce_algorithm``, which libnbc reads at every call; this
-    writes it through the MPI tool interface (MPI_T) only when the size class
-    changes. Anything unexpected (another MPI, no MPI_T, the user set the variable
+    writes it through the MPI tool interface (MPI_T) around each large call and
+    sets the default back right after it. Anything unexpected (another MPI, no MPI_T, the user set the variable
     with ``OMPI_MCA_...``) turns it into a no-op and Open MPI's own choice stands.
     Every rank of a collective must make the same choice, which holds when they
     run the same Open MPI build in the same environment (mpirun forwards ``-x``
@@ -30,7 +31,6 @@ class LargeAllreduceRing:
 
     def __init__(self):
         self._write = None
-        self._current = self.DEFAULT
         if "OMPI_MCA_" + self.VARIABLE in os.environ:
             return
         try:
@@ -60,15 +60,23 @@ class LargeAllreduceRing:
 
         return write if write(self.DEFAULT) else None
 
-    def before(self, nbytes: int) -> None:
-        """Call before starting an allreduce of ``nbytes``; every rank of the
-        collective must call it with the same size (they then agree on the algorithm)."""
-        wanted = self.RING if nbytes >= self.MIN_BYTES else self.DEFAULT
-        if self._write is not None and wanted != self._current:
-            if not self._write(wanted):
+    @contextlib.contextmanager
+    def chosen_for(self, nbytes: int):
+        """Around the start of a nonblocking allreduce of ``nbytes`` (libnbc reads the
+        variable when the call starts): the ring for a large buffer, for that call only.
+        Every other collective, Open MPI's own included (the nonblocking allreduce that
+        agrees on a new communicator's context id: with the ring left set, an
+        MPI_Comm_split at -np 3 hung), and the user's after the run, gets the default.
+        Every rank of the collective must call it with the same size (they then agree
+        on the algorithm)."""
+        ring = self._write is not None and nbytes >= self.MIN_BYTES
+        if ring and not self._write(self.RING):
+            self._write, ring = None, False
+        try:
+            yield
+        finally:
+            if ring and not self._write(self.DEFAULT):
                 self._write = None
-                return
-            self._current = wanted
 
 
 _ALGORITHM: Optional[LargeAllreduceRing] = None

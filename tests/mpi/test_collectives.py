@@ -194,3 +194,14 @@ def test_gather_objects_skips_the_ranks_rank_0_names(comm):
     if comm.rank == 0:
         assert return_value == list(range(comm.size - 1)) + [None]
     comm.barrier("after the gather with a skipped rank")
+
+
+def test_a_communicator_can_be_made_after_a_large_allreduce(comm):
+    """The ring algorithm a large allreduce picks (mpitrain.comm.tuning) holds for that
+    call only: Open MPI's own nonblocking allreduce (a new communicator's context id)
+    and a user's collectives after a run get its default again. Left set, the next
+    run's MPI_Comm_split in the same job hung (AlexNet sync, then any run, -np 3)."""
+    if comm.workers is not None and comm.workers.size > 1:
+        comm.workers.allreduce_mean_(np.ones(1 << 19, np.float32))  # 2 MB: the ring
+    again = Comm.world(timeout=20)
+    assert again.allgather_objects(again.rank) == list(range(comm.size))
