@@ -5,7 +5,7 @@ the replicas stayed identical."""
 
 import pytest
 
-from conftest import mpirun, read_rows
+from conftest import in_one_launch, read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -14,16 +14,17 @@ ALEXNET_SMALL = ["--image-size", "32", "--synthetic-size", "256"]
 
 
 # LeNet sync with the MPI engine also runs in test_horovod.py's equivalence test
-@pytest.mark.parametrize("model,extra,mode", [
-    ("lenet", [], "async"),
-    ("alexnet", ALEXNET_SMALL, "sync"),
-    ("alexnet", ALEXNET_SMALL, "async"),
-])
-def test_model_trains_a_few_steps(mnist, tmp_path, model, extra, mode):
-    args = [model, *extra, "--steps", "3", "--eval-every", "1", "--data-dir", mnist,
-            "--results-dir", tmp_path, "--quiet"]
-    result = mpirun(3, *args, *(["--async"] if mode == "async" else []), timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    run = read_rows(tmp_path / "runs.csv")[-1]
-    assert (run["model"], run["mode"], run["np"], run["status"]) == (model, mode, "3", "ok")
-    assert int(run["steps"]) > 0 and float(run["test_loss"]) == float(run["test_loss"])  # not NaN
+RUNS = [("lenet", [], "async"), ("alexnet", ALEXNET_SMALL, "sync"),
+        ("alexnet", ALEXNET_SMALL, "async")]
+
+
+def test_models_train_a_few_steps(mnist, tmp_path):
+    """All three in one launch (one TensorFlow import per rank)."""
+    in_one_launch(3, [[model, *extra, "--steps", "3", "--eval-every", "1", "--data-dir", mnist,
+                       "--results-dir", tmp_path / f"{model}-{mode}", "--quiet",
+                       *(["--async"] if mode == "async" else [])]
+                      for model, extra, mode in RUNS], tmp_path, timeout=600)
+    for model, _, mode in RUNS:
+        run = read_rows(tmp_path / f"{model}-{mode}" / "runs.csv")[-1]
+        assert (run["model"], run["mode"], run["np"], run["status"]) == (model, mode, "3", "ok")
+        assert int(run["steps"]) > 0 and float(run["test_loss"]) == float(run["test_loss"])

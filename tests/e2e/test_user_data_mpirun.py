@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import mpirun, read_rows
+from conftest import in_one_launch, mpirun, read_rows
 from unit.test_user_data import write_cifar, write_images, write_mnist_npz
 
 
@@ -20,14 +20,34 @@ def last_run(results):
     return row, meta
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Three kinds of the user's data, trained in one launch at -np 3 (one TensorFlow
+    import per rank): {kind: (results dir, data source)}.
+
+    * npz: 6,000 MNIST digits, one epoch of sync LR over 2 workers (30 steps);
+    * cifar: lr on CIFAR-10-layout batches (32x32x3, 10 classes), given the parent
+      directory;
+    * images: lenet on a folder of JPEG class folders with train/ and test/ (24x24
+      RGB, 5 classes)."""
+    root = tmp_path_factory.mktemp("user-data")
+    npz = write_mnist_npz(root / "mnist6k.npz", n_train=6000, n_test=2000)
+    cifar = write_cifar(root / "cifar" / "cifar-10-batches-py", per_batch=200, n_test=300)
+    images = write_images(root / "imgs", n=400, classes=5, channels=3, split=True,
+                          suffix=".jpg")
+    runs = {"npz": (npz, ["lr", "--data", npz, "--epochs", "1"]),
+            "cifar": (cifar, ["lr", "--data", root / "cifar", "--steps", "30"]),
+            "images": (images, ["lenet", "--data", images, "--epochs", "8", "--batch-size",
+                                "32"])}
+    in_one_launch(3, [[*args, "--results-dir", root / kind, "--quiet"]
+                      for kind, (_, args) in runs.items()], root)
+    return {kind: (root / kind, source) for kind, (source, _) in runs.items()}
+
+
 @pytest.mark.slow
-def test_lr_sync_on_an_npz_made_from_mnist(tmp_path):
-    """6,000 MNIST digits in an npz, one epoch of sync LR over 2 workers (30 steps)."""
-    path = write_mnist_npz(tmp_path / "mnist6k.npz", n_train=6000, n_test=2000)
-    result = mpirun(3, "lr", "--data", path, "--epochs", "1", "--results-dir",
-                    tmp_path / "res", "--quiet", timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    row, meta = last_run(tmp_path / "res")
+def test_lr_sync_on_an_npz_made_from_mnist(trained):
+    results, path = trained["npz"]
+    row, meta = last_run(results)
     assert (row["dataset"], row["input_shape"], row["num_classes"], row["steps"]) == \
         ("npz", "28x28x1", "10", "30")
     assert float(row["test_accuracy"]) > 0.6, row  # chance is 0.1; measured 0.82
@@ -38,22 +58,13 @@ def test_lr_sync_on_an_npz_made_from_mnist(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["cifar", "images"])
-def test_train_on_cifar_layout_and_image_folder(tmp_path, kind):
-    """lr on CIFAR-10-layout batches (32x32x3, 10 classes), lenet on a folder of JPEG
-    class folders with train/ and test/ (24x24 RGB, 5 classes); both beat chance."""
-    if kind == "cifar":
-        source = write_cifar(tmp_path / "cifar-10-batches-py", per_batch=200, n_test=300)
-        args = ["lr", "--data", tmp_path, "--steps", "30"]  # the parent directory
-        expect = ("cifar10", "32x32x3", "10", [f"name{k}" for k in range(10)], 0.1)
-    else:
-        source = write_images(tmp_path / "imgs", n=400, classes=5, channels=3, split=True,
-                              suffix=".jpg")
-        args = ["lenet", "--data", source, "--epochs", "8", "--batch-size", "32"]
-        expect = ("images", "24x24x3", "5", [f"c{k}" for k in range(5)], 0.2)
-    result = mpirun(3, *args, "--results-dir", tmp_path / "res", "--quiet", timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    row, meta = last_run(tmp_path / "res")
+@pytest.mark.parametrize("kind,expect", [
+    ("cifar", ("cifar10", "32x32x3", "10", [f"name{k}" for k in range(10)], 0.1)),
+    ("images", ("images", "24x24x3", "5", [f"c{k}" for k in range(5)], 0.2))])
+def test_train_on_cifar_layout_and_image_folder(trained, kind, expect):
+    """Both beat chance by 40 points."""
+    results, source = trained[kind]
+    row, meta = last_run(results)
     name, shape, classes, class_names, chance = expect
     assert (row["dataset"], row["input_shape"], row["num_classes"]) == (name, shape, classes)
     assert meta["dataset"]["classes"] == class_names

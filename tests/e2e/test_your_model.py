@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import (REPO, mpirun, mpirun_cmd, read_rows, run_bounded, write_cifar,
-                      write_image_folder)
+from conftest import (REPO, in_one_launch, mpirun, mpirun_cmd, read_rows, run_bounded,
+                      write_cifar, write_image_folder)
 from mpitrain import data
 
 CNN = f"{REPO}/examples/cnn_batchnorm.py:build"
@@ -95,19 +95,21 @@ def test_resume_of_a_batchnorm_model_is_bit_exact(small_npz, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_resnet_on_a_cifar10_directory(tmp_path, mode):
-    cifar = write_cifar(tmp_path / "cifar-10-batches-py")
-    result = mpirun(3, "resnet", "--data", tmp_path, "--epochs", "6", "--results-dir",
-                    tmp_path / "r", "--quiet", *(["--async"] if mode == "async" else []),
-                    timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    row = last_run(tmp_path / "r")
-    assert (row["dataset"], row["input_shape"], row["num_classes"]) == \
-        ("cifar10", "32x32x3", "10")
-    assert float(row["test_accuracy"]) > 0.5  # chance: 0.1; measured 1.0 in 6 epochs
-    meta = json.loads((tmp_path / "r" / row["run"] / "config.json").read_text())
-    assert meta["dataset"]["classes"][0] == "class0" and meta["dataset"]["source"] == str(cifar)
+def test_resnet_on_a_cifar10_directory_sync_and_async(tmp_path):
+    cifar = write_cifar(tmp_path / "data" / "cifar-10-batches-py")
+    out = tmp_path / "out"
+    out.mkdir()
+    in_one_launch(3, [["resnet", "--data", tmp_path / "data", "--epochs", "6", "--results-dir",
+                       out / mode, "--quiet", *extra]
+                      for mode, extra in (("sync", []), ("async", ["--async"]))], out)
+    for mode in ("sync", "async"):
+        row = last_run(out / mode)
+        assert (row["dataset"], row["input_shape"], row["num_classes"], row["mode"]) == \
+            ("cifar10", "32x32x3", "10", mode)
+        assert float(row["test_accuracy"]) > 0.5  # chance: 0.1; measured 1.0 in 6 epochs
+        meta = json.loads((out / mode / row["run"] / "config.json").read_text())
+        assert meta["dataset"]["classes"][0] == "class0"
+        assert meta["dataset"]["source"] == str(cifar)
 
 
 @pytest.mark.slow
@@ -133,15 +135,18 @@ def test_mlp_example_sync_and_async(tmp_path):
 def test_clip_grad_norm_binds_in_every_mode(mnist, tmp_path):
     """One gradient path: --clip-grad-norm 1e-6 leaves LR at chance in single, sync and
     async alike (async used to ignore it and reach ~91%); without it async learns."""
-    accuracy = {}
-    for name, np_, extra in (("single", 1, []), ("sync", 3, []), ("async", 3, ["--async"]),
-                             ("async unclipped", 3, ["--async"])):
+    runs = {"single": (1, []), "sync": (3, []), "async": (3, ["--async"]),
+            "async unclipped": (3, ["--async"])}
+
+    def args(name):
         clip = [] if "unclipped" in name else ["--clip-grad-norm", "1e-6"]
-        out = tmp_path / name.replace(" ", "-")
-        result = mpirun(np_, "lr", "--steps", "100", "--data-dir", mnist, "--results-dir", out,
-                        "--quiet", *clip, *extra)
-        assert result.returncode == 0, result.stderr[-3000:]
-        accuracy[name] = float(last_run(out)["test_accuracy"])
+        return ["lr", "--steps", "100", "--data-dir", mnist, "--results-dir",
+                tmp_path / name.replace(" ", "-"), "--quiet", *clip, *runs[name][1]]
+
+    for np_ in (1, 3):
+        in_one_launch(np_, [args(name) for name in runs if runs[name][0] == np_], tmp_path)
+    accuracy = {name: float(last_run(tmp_path / name.replace(" ", "-"))["test_accuracy"])
+                for name in runs}
     print(accuracy)
     assert all(accuracy[m] < 0.3 for m in ("single", "sync", "async")), accuracy
     assert accuracy["async unclipped"] > 0.8, accuracy
