@@ -48,10 +48,12 @@ def fit(model: Union[Callable, str], train: Optional[Tuple] = None, test: Option
         *, mode: str = "sync", data: Optional[str] = None, **options) -> Optional[FitResult]:
     """Train ``model`` data-parallel over the MPI job this script runs in.
 
-    Cross-rank contract: every rank of the job calls ``fit`` once, with the same
+    Cross-rank contract: every rank of the job calls ``fit`` with the same
     arguments (the same arrays: each rank may load them itself); rank 0 becomes
     the parameter server, the others workers, as with the CLI. At ``mpirun -np
-    1`` it trains on its own (``mode`` does not matter).
+    1`` it trains on its own (``mode`` does not matter). A script may call it
+    several times (one run after another, e.g. a small sweep), every rank the
+    same number of times in the same order; each call is a run of its own.
 
     ``model``: a function ``(input_shape, num_classes) -> keras.Model`` producing
     logits, a registered name (``"lenet"``) or a ``"FILE.py:FUNCTION"`` spec.
