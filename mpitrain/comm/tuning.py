@@ -17,8 +17,9 @@ class LargeAllreduceRing:
     0.06 vs 0.10 ms). The choice is the MCA variable
     ``coll_libnbc_iallreduce_algorithm``, which libnbc reads at every call; this
     writes it through the MPI tool interface (MPI_T) around each large call and
-    sets the default back right after it. Anything unexpected (another MPI, no MPI_T, the user set the variable
-    with ``OMPI_MCA_...``) turns it into a no-op and Open MPI's own choice stands.
+    sets the default back right after it. Anything unexpected (another MPI, no
+    MPI_T, the user set the variable with ``OMPI_MCA_...``) turns it into a no-op
+    and Open MPI's own choice stands.
     Every rank of a collective must make the same choice, which holds when they
     run the same Open MPI build in the same environment (mpirun forwards ``-x``
     variables to all of them).
