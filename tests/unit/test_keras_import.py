@@ -37,7 +37,8 @@ def probe(how: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_the_quick_import_loads_less_and_everything_still_works():
+@pytest.mark.slow  # two fresh TensorFlow imports; quick: every launch of the quick tier
+def test_the_quick_import_loads_less_and_everything_still_works():  # imports this way
     quick = probe("from mpitrain.models import import_keras; import_keras()")
     plain = probe("import tensorflow, keras")
     # measured: about 2,100 modules instead of 3,800 (TF 2.21, Keras 3)
