@@ -62,6 +62,8 @@ class _LazyApiFinder(importlib.abc.MetaPathFinder):
     """Finds API packages as the path finder would, with a lazy loader."""
 
     def find_spec(self, name, path, target=None):
+        if not is_api_package(name):  # first: it stays asked first about every import
+            return None
         tensorflow = getattr(sys.modules.get("tensorflow"), "__file__", None)
         if not loads_lazily(name, [os.path.dirname(tensorflow)] if tensorflow else []):
             return None
