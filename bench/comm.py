@@ -2,7 +2,8 @@
 gradient sizes, -np 2/3/4.
 
 For each size and process count, side by side in one job: mpitrain's
-``Comm.allreduce_mean_`` (nonblocking, yield-then-sleep wait, in-place scale),
+``Comm.allreduce_sum_`` (the sync hot path: MPI's blocking allreduce under a
+watchdog where every rank has a core, else nonblocking with a yield-then-sleep wait),
 a raw mpi4py ``Allreduce(IN_PLACE)`` on the same buffer, and (one process) a
 memcpy of the same size. Bus bandwidth = 2 (N-1) / N x bytes / time, the
 standard measure (what each rank must move in a ring allreduce).
@@ -67,7 +68,7 @@ def rank_side(seconds: float) -> None:
         reps = 3 if buf.nbytes > 2**24 else 50
         t_raw = _time_collective(raw, MPI.MAX, lambda: raw.Allreduce(MPI.IN_PLACE, buf),
                                  seconds, reps)
-        t_ours = _time_collective(raw, MPI.MAX, lambda: comm.allreduce_mean_(buf), seconds, reps)
+        t_ours = _time_collective(raw, MPI.MAX, lambda: comm.allreduce_sum_(buf), seconds, reps)
         times = raw.gather((t_raw, t_ours), root=0)
         if raw.rank == 0:
             out[name] = {"bytes": buf.nbytes, "raw_s": max(t[0] for t in times),

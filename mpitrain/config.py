@@ -24,6 +24,8 @@ ENGINES = ("mpi", "horovod")
 #: values of --compression (see mpitrain.train.compression)
 COMPRESSIONS = ("none", "fp16")
 OUTPUTS = ("logits", "probabilities")
+#: values of --allreduce-wait (see mpitrain.comm.Comm.spins)
+ALLREDUCE_WAITS = ("auto", "spin", "poll")
 HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
                    "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
                    "--no-build-isolation horovod==0.28.1")
@@ -71,6 +73,12 @@ class Config:
         "feedback: what a cast rounds away is added to the worker's next gradient); the "
         "sync allreduce and the async pushes", "none", flag="--compression",
         choices=COMPRESSIONS)
+    allreduce_wait: str = _opt(
+        "how a sync worker waits in the mpi allreduce: spin (inside MPI's blocking "
+        "allreduce, the fastest when every rank has a core; a watchdog thread holds "
+        "--timeout), poll (test, yield the core, then sleep: for hosts with more ranks "
+        "than cores), or auto (spin unless this host runs more ranks than it has cores)",
+        "auto", flag="--allreduce-wait", choices=ALLREDUCE_WAITS)
     staleness: Optional[int] = _opt(
         "async only: bound on staleness (server updates between the version a gradient "
         "was computed at and its application). 0 = one worker computes at a time on the "

@@ -37,7 +37,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     ``explicit`` names the settings given on the command line (for --resume).
     """
     stop = StopRequest().install()  # first, so a signal during setup is not lost
-    comm = Comm.world(cfg.timeout)
+    comm = Comm.world(cfg.timeout, cfg.allreduce_wait)
     checkpoint, rescale = None, None
     if cfg.resume:
         cfg, checkpoint, rescale = prepare_resume(cfg, explicit, comm)

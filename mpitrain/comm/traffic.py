@@ -3,32 +3,82 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List
 
 
-@dataclass
 class Traffic:
-    """Payload bytes and messages through this rank's communication layer, by kind."""
+    """Payload bytes and messages through this rank's communication layer, by kind.
 
-    sent_bytes: dict = field(default_factory=lambda: defaultdict(int))
-    sent_msgs: dict = field(default_factory=lambda: defaultdict(int))
-    recv_bytes: dict = field(default_factory=lambda: defaultdict(int))
-    recv_msgs: dict = field(default_factory=lambda: defaultdict(int))
-    #: seconds spent blocked in :meth:`Comm.wait`, by kind
-    wait_seconds: dict = field(default_factory=lambda: defaultdict(float))
+    The tables (``sent_bytes``, ``sent_msgs``, ``recv_bytes``, ``recv_msgs``,
+    ``wait_seconds``: dicts by kind) are exact whenever they are read. Collectives
+    on the hot path (:meth:`add_exchanged`, once per gradient allreduce) are kept
+    as per-kind running totals and folded in when a table is read: one dict lookup
+    a call instead of five dict updates (0.4 us, 3% of an LR-sized allreduce at
+    -np 2).
+    """
+
+    def __init__(self):
+        self._tables = {name: defaultdict(int) for name in
+                        ("sent_bytes", "sent_msgs", "recv_bytes", "recv_msgs")}
+        self._tables["wait_seconds"] = defaultdict(float)
+        self._exchanged: Dict[str, list] = {}  # kind -> [calls, bytes, seconds], not folded
 
     def add_sent(self, kind: str, nbytes: int) -> None:
-        self.sent_bytes[kind] += nbytes
-        self.sent_msgs[kind] += 1
+        self._tables["sent_bytes"][kind] += nbytes
+        self._tables["sent_msgs"][kind] += 1
 
     def add_recv(self, kind: str, nbytes: int) -> None:
-        self.recv_bytes[kind] += nbytes
-        self.recv_msgs[kind] += 1
+        self._tables["recv_bytes"][kind] += nbytes
+        self._tables["recv_msgs"][kind] += 1
+
+    def add_exchanged(self, kind: str, nbytes: int, seconds: float) -> None:
+        """A collective that sent and received ``nbytes`` (one message each way, as
+        counted here) and waited ``seconds``."""
+        totals = self._exchanged.get(kind)
+        if totals is None:
+            totals = self._exchanged[kind] = [0, 0, 0.0]
+        totals[0] += 1
+        totals[1] += nbytes
+        totals[2] += seconds
+
+    def _table(self, name: str) -> dict:
+        if self._exchanged:
+            t = self._tables
+            for kind, (calls, nbytes, seconds) in self._exchanged.items():
+                t["sent_bytes"][kind] += nbytes
+                t["recv_bytes"][kind] += nbytes
+                t["sent_msgs"][kind] += calls
+                t["recv_msgs"][kind] += calls
+                t["wait_seconds"][kind] += seconds
+            self._exchanged = {}
+        return self._tables[name]
+
+    @property
+    def sent_bytes(self) -> dict:
+        return self._table("sent_bytes")
+
+    @property
+    def sent_msgs(self) -> dict:
+        return self._table("sent_msgs")
+
+    @property
+    def recv_bytes(self) -> dict:
+        return self._table("recv_bytes")
+
+    @property
+    def recv_msgs(self) -> dict:
+        return self._table("recv_msgs")
+
+    @property
+    def wait_seconds(self) -> dict:
+        """Seconds spent blocked in waits of each kind (add to it: ``[kind] += s``)."""
+        return self._table("wait_seconds")
 
     def rows(self) -> List[dict]:
         """One row per kind: kind, sent/received bytes and messages, wait seconds."""
-        kinds = sorted(set(self.sent_bytes) | set(self.recv_bytes) | set(self.wait_seconds))
-        return [{"kind": k, "sent_bytes": self.sent_bytes[k], "sent_msgs": self.sent_msgs[k],
-                 "recv_bytes": self.recv_bytes[k], "recv_msgs": self.recv_msgs[k],
-                 "wait_s": round(self.wait_seconds[k], 6)} for k in kinds]
+        sent_bytes, sent_msgs = self.sent_bytes, self.sent_msgs
+        recv_bytes, recv_msgs, wait = self.recv_bytes, self.recv_msgs, self.wait_seconds
+        kinds = sorted(set(sent_bytes) | set(recv_bytes) | set(wait))
+        return [{"kind": k, "sent_bytes": sent_bytes[k], "sent_msgs": sent_msgs[k],
+                 "recv_bytes": recv_bytes[k], "recv_msgs": recv_msgs[k],
+                 "wait_s": round(wait[k], 6)} for k in kinds]

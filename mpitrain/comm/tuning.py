@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Optional
+
+from .runtime import _load_mpi
 
 
 class LargeAllreduceRing:
@@ -48,7 +49,11 @@ class LargeAllreduceRing:
             lib = ctypes.CDLL(ctypes.util.find_library("mpi") or "libmpi.so.40")
         provided, index = ctypes.c_int(), ctypes.c_int()
         handle, count = ctypes.c_void_p(), ctypes.c_int()
-        if (lib.MPI_T_init_thread(0, ctypes.byref(provided))
+        # Ask for the thread level MPI already runs at: Open MPI 4.1's MPI_T_init_thread
+        # overwrites the library's level with the one asked for (asking for
+        # MPI_THREAD_SINGLE turned MPI_Query_thread from MULTIPLE to SINGLE, and with it
+        # Open MPI's own locking off, under the watchdog's calls from a second thread).
+        if (lib.MPI_T_init_thread(_load_mpi().Query_thread(), ctypes.byref(provided))
                 or lib.MPI_T_cvar_get_index(self.VARIABLE.encode(), ctypes.byref(index))
                 or lib.MPI_T_cvar_handle_alloc(index, None, ctypes.byref(handle),
                                                ctypes.byref(count)) or count.value != 1):
@@ -61,22 +66,24 @@ class LargeAllreduceRing:
 
         return write if write(self.DEFAULT) else None
 
-    @contextlib.contextmanager
-    def chosen_for(self, nbytes: int):
-        """Around the start of a nonblocking allreduce of ``nbytes`` (libnbc reads the
-        variable when the call starts): the ring for a large buffer, for that call only.
-        Every other collective, Open MPI's own included (the nonblocking allreduce that
-        agrees on a new communicator's context id: with the ring left set, an
-        MPI_Comm_split at -np 3 hung), and the user's after the run, gets the default.
-        Every rank of the collective must call it with the same size (they then agree
-        on the algorithm)."""
-        ring = self._write is not None and nbytes >= self.MIN_BYTES
-        if ring and not self._write(self.RING):
-            self._write, ring = None, False
+    def iallreduce_sum(self, mpi_comm, buf):
+        """Start an in-place nonblocking sum of ``buf`` on ``mpi_comm``; its request.
+
+        A large buffer gets the ring for this call only (libnbc reads the variable
+        when the call starts). Every other collective, Open MPI's own included (the
+        nonblocking allreduce that agrees on a new communicator's context id: with
+        the ring left set, an MPI_Comm_split at -np 3 hung), and the user's after the
+        run, gets the default. Every rank of the collective must call it with the
+        same size (they then agree on the algorithm)."""
+        MPI = _load_mpi()
+        if self._write is None or buf.nbytes < self.MIN_BYTES:
+            return mpi_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        if not self._write(self.RING):
+            self._write = None
         try:
-            yield
+            return mpi_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         finally:
-            if ring and not self._write(self.DEFAULT):
+            if self._write is not None and not self._write(self.DEFAULT):
                 self._write = None
 
 

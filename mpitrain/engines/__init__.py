@@ -1,9 +1,10 @@
 """Sync gradient engines: what averages the workers' fused gradient buffer.
 
-An engine has the contract of :meth:`mpitrain.comm.Comm.allreduce_mean_`: every
-worker calls ``engine.allreduce_mean_(buf)`` with its fused gradient buffer (the
-same size on every worker) and gets the mean of all workers' buffers, in place,
-bit-identical on every worker. mpitrain's own engine is the workers'
+An engine has the contract of :meth:`mpitrain.comm.Comm.allreduce_sum_`: every
+worker calls ``engine.allreduce_sum_(buf)`` with its fused gradient buffer (the
+same size on every worker) and gets the sum of all workers' buffers, in place,
+bit-identical on every worker. (The workers' gradients arrive already divided by
+their number, so the sum is the mean.) mpitrain's own engine is the workers'
 communicator itself; Horovod (:mod:`.horovod`) is the other. Kept out of
 :mod:`mpitrain.comm` so that the communication layer never imports TensorFlow or
 Horovod.

@@ -17,9 +17,9 @@ class HorovodAllreduce:
     Horovod is initialised with the workers' sub-communicator, so the
     parameter server (rank 0) never imports or starts it (Horovod with every
     rank plus a process set would keep a Horovod thread busy on rank 0).
-    ``allreduce_mean_`` has the same contract as :meth:`Comm.allreduce_mean_`:
-    it sums with Horovod and scales by 1/size itself, exactly like the MPI
-    engine, so the two differ only in how the bytes travel. Horovod's own knobs
+    ``allreduce_sum_`` has the same contract as :meth:`Comm.allreduce_sum_`:
+    it sums with Horovod, exactly like the MPI engine, so the two differ only in
+    how the bytes travel. Horovod's own knobs
     come from the environment: HOROVOD_CYCLE_TIME (ms, default 1: its latency
     floor), HOROVOD_FUSION_THRESHOLD, HOROVOD_TIMELINE.
     """
@@ -39,25 +39,23 @@ class HorovodAllreduce:
         self.hvd, self.tf, self.workers = hvd, tf, workers
         self.size = hvd.size()
 
-    def allreduce_mean_(self, buf: np.ndarray, what: str = "the gradient allreduce",
-                        kind: str = "allreduce") -> np.ndarray:
+    def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
+                       kind: str = "allreduce") -> np.ndarray:
         total = self.hvd.allreduce(self.tf.constant(buf), op=self.hvd.Sum,
                                    name="mpitrain_gradient")
         buf[:] = total.numpy()
-        buf *= np.float32(1.0 / self.size)
         self.workers.traffic.add_sent(kind, buf.nbytes)
         self.workers.traffic.add_recv(kind, buf.nbytes)
         return buf
 
-    def allreduce_mean_half_(self, half: np.ndarray, out: np.ndarray,
-                             what: str = "the gradient allreduce",
-                             kind: str = "allreduce") -> np.ndarray:
-        """The contract of :meth:`mpitrain.comm.Comm.allreduce_mean_half_` (float16 on the
-        wire, the float32 mean in ``out``); Horovod sums float16 natively."""
+    def allreduce_sum_half_(self, half: np.ndarray, out: np.ndarray,
+                            what: str = "the gradient allreduce",
+                            kind: str = "allreduce") -> np.ndarray:
+        """The contract of :meth:`mpitrain.comm.Comm.allreduce_sum_half_` (float16 on the
+        wire, the float32 sum in ``out``); Horovod sums float16 natively."""
         total = self.hvd.allreduce(self.tf.constant(half), op=self.hvd.Sum,
                                    name="mpitrain_gradient_half")
-        np.multiply(total.numpy()[:out.size], np.float32(1.0 / self.size), out=out,
-                    dtype=np.float32)
+        out[:] = total.numpy()[:out.size]
         self.workers.traffic.add_sent(kind, half.nbytes)
         self.workers.traffic.add_recv(kind, half.nbytes)
         return out

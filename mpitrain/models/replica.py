@@ -128,10 +128,13 @@ class Replica:
         # __autograph_generated_file*.py in the temporary directory per function.
         compiled = functools.partial(tf.function, autograph=False)
 
-        def flat_grad_and_loss(x, y):
+        def flat_grad_and_loss(x, y, scale=None):
             with tf.GradientTape() as tape:
                 loss = loss_fn(y, model(x, training=True))
-            flat = tf.concat([tf.reshape(g, [-1]) for g in tape.gradient(loss, variables)], 0)
+                # the gradient of scale x loss is scale x the gradient, at the cost
+                # of one scalar product instead of a pass over the flat gradient
+                scaled = loss if scale is None else loss * scale
+            flat = tf.concat([tf.reshape(g, [-1]) for g in tape.gradient(scaled, variables)], 0)
             return flat, loss, tf.norm(flat)  # the norm: non-finite iff the gradient is
 
         def unflatten(flat):
@@ -142,9 +145,10 @@ class Replica:
                 return flat
             return flat * tf.minimum(1.0, clip_norm / (tf.norm(flat) + 1e-12))
 
-        @compiled(input_signature=batch_spec + [tf.TensorSpec((None,), tf.float32)])
-        def grad(x, y, tail):
-            flat, loss, norm = flat_grad_and_loss(x, y)
+        @compiled(input_signature=batch_spec + [tf.TensorSpec((None,), tf.float32),
+                                                tf.TensorSpec((), tf.float32)])
+        def grad(x, y, tail, scale):
+            flat, loss, norm = flat_grad_and_loss(x, y, scale)
             return tf.concat([flat, tail], 0), loss, norm
 
         @compiled(input_signature=flat_spec + batch_spec)
@@ -186,13 +190,16 @@ class Replica:
         self.n_buffers = int(sum(np.prod(v.shape) for v in self._buffer_variables))
 
     # ---- training -------------------------------------------------------------------
-    def grad(self, x: np.ndarray, y: np.ndarray,
-             tail: int = 0) -> Tuple[np.ndarray, float, float]:
-        """(flat gradient + ``tail`` zeros as one writable float32 array, loss, gradient norm).
+    def grad(self, x: np.ndarray, y: np.ndarray, tail: int = 0,
+             scale: float = 1.0) -> Tuple[np.ndarray, float, float]:
+        """(``scale`` x the flat gradient + ``tail`` zeros as one writable float32 array,
+        loss, the norm of that scaled gradient).
 
         The zeros give the caller room for a few status values that travel in
-        the same allreduce as the gradient, at no extra message."""
-        flat, loss, norm = self._grad(x, y, self._zeros(tail))
+        the same allreduce as the gradient, at no extra message. ``scale`` (a sync
+        worker's 1 / workers) is applied to the loss before differentiation: free,
+        where scaling the gradient after it is a pass over every parameter."""
+        flat, loss, norm = self._grad(x, y, self._zeros(tail), np.float32(scale))
         return flat.numpy(), float(loss), float(norm)
 
     def _zeros(self, n: int) -> np.ndarray:

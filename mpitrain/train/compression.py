@@ -42,9 +42,9 @@ class ErrorFeedback:
 class HalfPrecisionEngine:
     """A sync gradient engine moving the fused buffer as float16 with error feedback.
 
-    Same contract as :meth:`mpitrain.comm.Comm.allreduce_mean_` (every worker calls
-    it with its fused buffer; every worker gets the same mean, in place); ``engine``
-    provides ``allreduce_mean_half_`` and ``size``, the number of workers (the workers'
+    Same contract as :meth:`mpitrain.comm.Comm.allreduce_sum_` (every worker calls
+    it with its fused buffer; every worker gets the same sum, in place); ``engine``
+    provides ``allreduce_sum_half_`` and ``size``, the number of workers (the workers'
     communicator or Horovod).
     """
 
@@ -55,10 +55,10 @@ class HalfPrecisionEngine:
         padded = -(-size // engine.size) * engine.size
         self.half = np.zeros(padded, np.float16)
 
-    def allreduce_mean_(self, buf: np.ndarray, what: str = "the gradient allreduce",
-                        kind: str = "allreduce") -> np.ndarray:
+    def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
+                       kind: str = "allreduce") -> np.ndarray:
         self.feedback.encode(buf, self.half)
-        return self.engine.allreduce_mean_half_(self.half, buf, what, kind)
+        return self.engine.allreduce_sum_half_(self.half, buf, what, kind)
 
 
 def sync_engine(engine, compression: str, n_gradient: int, size: int):

@@ -167,12 +167,13 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
             loss, norm = replica.train_step(x, y)
             stop, losses = bool(ctx.stop), [sentinel(loss, norm)]
         else:
-            buf, loss, norm = replica.grad(x, y, tail=tail)
+            # the gradient comes divided by the number of workers: their sum is the mean
+            buf, loss, norm = replica.grad(x, y, tail=tail, scale=1.0 / n_workers)
             buf[n] = 1.0 if ctx.stop else 0.0
             buf[n + 1 + me] = sentinel(loss, norm)
             with timer.collective(transfer):  # moving the data + waiting for the slowest
-                engine.allreduce_mean_(buf)
-            stop, losses = bool(buf[n] > 0), list(buf[n + 1:] * n_workers)
+                engine.allreduce_sum_(buf)
+            stop, losses = bool(buf[n] > 0), list(buf[n + 1:])
         nonfinite = [w for w, value in enumerate(losses) if not math.isfinite(value)]
         if not alone and not nonfinite:
             replica.apply(buf[:n])
@@ -248,10 +249,10 @@ def allreduce_cost(workers, engine, size: int) -> float:
     buf = np.zeros(size, np.float32)
     repeats = 3 if buf.nbytes > 16 * 2**20 else 20
     workers.barrier("the allreduce calibration")
-    engine.allreduce_mean_(buf, kind="calibration")  # warm up (connections, buffers)
+    engine.allreduce_sum_(buf, kind="calibration")  # warm up (connections, buffers)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        engine.allreduce_mean_(buf, kind="calibration")
+        engine.allreduce_sum_(buf, kind="calibration")
     return (time.perf_counter() - t0) / repeats
 
 

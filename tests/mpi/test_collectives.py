@@ -81,21 +81,38 @@ def test_fused_allreduce_equals_mean_of_rank_gradients(comm, replica):
         assert comm.traffic.sent_bytes["allreduce"] - before.get("allreduce", 0) == grad.nbytes
 
 
-def test_half_precision_allreduce_is_the_mean_in_half_the_bytes_on_every_rank(comm):
+@pytest.mark.parametrize("wait", ["spin", "poll"])
+def test_allreduce_sum_is_the_exact_sum_on_every_rank_however_ranks_wait(comm, wait):
+    """Both ways of waiting (MPI's blocking allreduce under the watchdog, or the polled
+    nonblocking one) give every rank the same bits, and count the traffic exactly."""
+    world = Comm.world(timeout=60, allreduce_wait=wait)
+    assert (world._spin is not None) == (wait == "spin")
+    for n in (1, 7854, 61710):  # one value, LR and LeNet gradient sizes
+        mine = np.arange(n, dtype=np.float32) + world.rank  # sums of small integers: exact
+        before = world.traffic.sent_bytes["allreduce"]
+        world.allreduce_sum_(mine)
+        expected = world.size * np.arange(n, dtype=np.float32) + sum(range(world.size))
+        np.testing.assert_array_equal(mine, expected)
+        if world.size > 1:
+            assert world.traffic.sent_bytes["allreduce"] - before == mine.nbytes
+    assert len(set(world.allgather_objects(checksum(mine)))) == 1
+
+
+def test_half_precision_allreduce_is_the_sum_in_half_the_bytes_on_every_rank(comm):
     size = 12 * 5 * 7  # divisible by every -np up to 4 (the caller pads)
     rng = np.random.default_rng(comm.rank)
     mine = (rng.standard_normal(size) * 1e-2).astype(np.float16)
     every = np.stack(comm.allgather_objects(mine)).astype(np.float64)
     out = np.zeros(size, np.float32)
     before = comm.traffic.sent_bytes["allreduce"]
-    comm.allreduce_mean_half_(mine, out)
-    # the float32 mean, but for the float16 rounding of the mean on the way back
-    np.testing.assert_allclose(out, every.mean(axis=0), rtol=2e-3, atol=1e-6)
+    comm.allreduce_sum_half_(mine, out)
+    # the float32 sum, but for the float16 rounding of the sum on the way back
+    np.testing.assert_allclose(out, every.sum(axis=0), rtol=2e-3, atol=1e-6)
     assert len(set(comm.allgather_objects(checksum(out)))) == 1  # bit-identical everywhere
     if comm.size > 1:
         assert comm.traffic.sent_bytes["allreduce"] - before == mine.nbytes == 2 * size
         with pytest.raises(ValueError, match="divisible"):  # equal segments, or no exchange
-            comm.allreduce_mean_half_(np.zeros(comm.size + 1, np.float16),
+            comm.allreduce_sum_half_(np.zeros(comm.size + 1, np.float16),
                                       np.zeros(comm.size + 1, np.float32))
 
 
@@ -200,8 +217,14 @@ def test_a_communicator_can_be_made_after_a_large_allreduce(comm):
     """The ring algorithm a large allreduce picks (mpitrain.comm.tuning) holds for that
     call only: Open MPI's own nonblocking allreduce (a new communicator's context id)
     and a user's collectives after a run get its default again. Left set, the next
-    run's MPI_Comm_split in the same job hung (AlexNet sync, then any run, -np 3)."""
+    run's MPI_Comm_split in the same job hung (AlexNet sync, then any run, -np 3).
+    Choosing it (MPI_T) leaves MPI's thread level as it was: Open MPI's
+    MPI_T_init_thread overwrites it with the level asked for."""
+    from mpi4py import MPI
+
+    level = MPI.Query_thread()
     if comm.workers is not None and comm.workers.size > 1:
         comm.workers.allreduce_mean_(np.ones(1 << 19, np.float32))  # 2 MB: the ring
+    assert MPI.Query_thread() == level
     again = Comm.world(timeout=20)
     assert again.allgather_objects(again.rank) == list(range(comm.size))

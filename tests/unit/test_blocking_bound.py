@@ -1,11 +1,14 @@
-"""The bound around the bootstrap's one blocking MPI call (mpitrain.comm.waiting):
-past it the process ends with one line that names the call and the fix; a call that
-returns in time leaves nothing behind. Each case runs in a fresh process (the bound
-ends the whole process), without MPI."""
+"""The bounds around blocking MPI calls (mpitrain.comm.waiting): the bootstrap's
+MPI_Comm_split and the allreduce's blocking wait. Past the bound the process ends
+with one line that names the call and the fix; a call that returns in time leaves
+nothing behind. Each case runs in a fresh process (the bound ends the whole
+process), without MPI; and which ranks may spin."""
 
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from conftest import REPO
 
@@ -49,3 +52,63 @@ def test_a_call_that_returns_in_time_leaves_no_thread_running():
     """)
     assert done.returncode == 0 and done.stdout.split() == ["still", "here"], done.stderr
     assert done.stderr == ""
+
+
+# ---- the watchdog of the allreduce's blocking wait (SpinWatch) -----------------------
+def test_a_spin_past_its_bound_ends_the_process_with_the_timeout_line():
+    done = python("""
+        import time
+        from mpitrain.comm.waiting import SpinWatch
+        watch = SpinWatch("rank 2 on nodeB")
+        took = watch.run(time.sleep, 0.05, 5, "the gradient allreduce")  # returns in time
+        print("took", 0.05 <= took < 2)
+        watch.run(time.sleep, 60, 1, "the gradient allreduce")
+        print("returned")
+    """)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.split() == ["took", "True"]
+    assert done.stderr.splitlines() == [
+        "mpitrain: error: rank 2 on nodeB waited 1 s for the gradient allreduce; that rank is "
+        "stalled or dead (raise --timeout if this step is legitimately slower)"]
+
+
+def test_a_spin_calls_while_waiting_about_every_second_and_never_after_it_returned():
+    done = python("""
+        import threading, time
+        from mpitrain.comm.waiting import SpinWatch
+        watch, beats, inside = SpinWatch("rank 1 on a"), [], threading.Event()
+
+        def beat():  # the protocol's Python: never while the caller runs its own
+            assert inside.is_set(), "while_waiting ran outside the call"
+            beats.append(time.monotonic())
+
+        def call(seconds):
+            inside.set()
+            time.sleep(seconds)
+            inside.clear()
+
+        watch.run(call, 2.5, 10, "the gradient allreduce", beat)
+        during = len(beats)
+        for _ in range(20):  # short calls back to back: no beat, never one in between
+            watch.run(call, 0.05, 10, "the gradient allreduce", beat)
+        time.sleep(1.5)
+        print(during, len(beats))
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "2"]
+
+
+@pytest.mark.parametrize("wait,hosts,cpus,multiple,spins", [
+    ("auto", ["a", "a"], [2, 2], [True, True], True),  # -np 2 on 2 cores
+    ("auto", ["a", "a", "a"], [2, 2, 2], [True] * 3, False),  # -np 3 on 2 cores
+    ("auto", ["a", "a", "b", "b"], [2, 2, 2, 2], [True] * 4, True),
+    ("auto", ["a", "b", "b", "b"], [4, 2, 2, 2], [True] * 4, False),  # one host short: none
+    ("spin", ["a"] * 4, [2] * 4, [True] * 4, True),
+    ("poll", ["a", "a"], [2, 2], [True, True], False),
+    ("spin", ["a", "a"], [2, 2], [True, False], False),  # a rank without THREAD_MULTIPLE
+])
+def test_ranks_spin_only_where_every_rank_has_a_core_and_all_agree(wait, hosts, cpus,
+                                                                  multiple, spins):
+    from mpitrain.comm.communicator import spins as decide
+
+    assert decide(wait, hosts, cpus, multiple) is spins

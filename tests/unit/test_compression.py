@@ -64,11 +64,11 @@ def test_without_compression_a_push_is_the_gradient_itself():
 
 
 class _Echo:
-    """An engine of two workers that hold the same buffer: the mean is the buffer."""
+    """An engine of two workers, the other sending zeros: the sum is the buffer."""
 
     size = 2
 
-    def allreduce_mean_half_(self, half, out, what, kind):
+    def allreduce_sum_half_(self, half, out, what, kind):
         out[:] = half[:out.size]
         return out
 
@@ -77,7 +77,7 @@ def test_the_sync_engine_moves_the_fused_buffer_as_float16_with_feedback():
     engine = HalfPrecisionEngine(_Echo(), n_gradient=3, size=5)
     assert engine.half.size == 6 and engine.half.dtype == np.float16  # padded to 2 segments
     buf = np.array([0.1, 1e-8, 3.0, 1.0, 0.25], np.float32)
-    engine.allreduce_mean_(buf)
+    engine.allreduce_sum_(buf)
     assert buf.dtype == np.float32 and buf[3] == 1.0 and buf[4] == 0.25
     assert buf[1] == 0.0 and engine.feedback.residual[1] == np.float32(1e-8)
     assert buf[0] == np.float32(np.float16(0.1))
