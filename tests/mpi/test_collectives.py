@@ -98,6 +98,26 @@ def test_allreduce_sum_is_the_exact_sum_on_every_rank_however_ranks_wait(comm, w
     assert len(set(world.allgather_objects(checksum(mine)))) == 1
 
 
+def test_a_rank_spinning_in_the_allreduce_keeps_calling_while_waiting(comm):
+    """A late rank: the others wait inside MPI's blocking allreduce, and the watchdog
+    calls their while_waiting about once a second meanwhile (the sync workers'
+    heartbeats, which let rank 0 tell them from the one that is late)."""
+    if comm.size == 1:
+        pytest.skip("no one to wait for at one rank")
+    world = Comm.world(timeout=60, allreduce_wait="spin")
+    calls = []
+    world.while_waiting = lambda: calls.append(time.monotonic())
+    if world.rank == 0:
+        time.sleep(2.6)
+    buf = np.ones(10, np.float32)
+    world.allreduce_sum_(buf)
+    assert (buf == world.size).all()
+    if world.rank == 0:
+        assert len(calls) < 2  # it came last: it hardly waited
+    else:  # waited 2.6 s or more: a call after each second, not more often
+        assert len(calls) >= 2 and all(b - a > 0.8 for a, b in zip(calls, calls[1:]))
+
+
 def test_half_precision_allreduce_is_the_sum_in_half_the_bytes_on_every_rank(comm):
     size = 12 * 5 * 7  # divisible by every -np up to 4 (the caller pads)
     rng = np.random.default_rng(comm.rank)
