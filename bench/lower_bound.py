@@ -70,9 +70,10 @@ def rank_side(model: str, steps: int) -> None:
                 if i == 3:
                     workers.barrier()
                     t0 = time.perf_counter()
-                grad, _, _ = replica.grad(x, y)
+                # as the trainer: the gradient pre-divided, the allreduce a sum
+                grad, _, _ = replica.grad(x, y, scale=1.0 / workers.size)
                 if mode == "sync":
-                    workers.allreduce_mean_(grad)
+                    workers.allreduce_sum_(grad)
                 replica.apply(grad)
             workers.barrier()
             timed[mode].append((time.perf_counter() - t0) / steps)

@@ -63,9 +63,9 @@ def rank_side(steps: int, data_dir: str) -> None:
                 replica.train_step(x[idx], y[idx])
                 b = c = time.perf_counter()
             else:
-                g, _, _ = replica.grad(x[idx], y[idx])
+                g, _, _ = replica.grad(x[idx], y[idx], scale=1.0 / workers.size)  # as the trainer
                 b = time.perf_counter()
-                workers.allreduce_mean_(g)
+                workers.allreduce_sum_(g)
                 c = time.perf_counter()
                 replica.apply(g)
             d = time.perf_counter()
@@ -76,7 +76,7 @@ def rank_side(steps: int, data_dir: str) -> None:
         g = np.zeros(replica.n_params, np.float32)
         t1 = time.perf_counter()
         for _ in range(200):
-            workers.allreduce_mean_(g)
+            workers.allreduce_sum_(g)
         transfer = (time.perf_counter() - t1) / 200
         # cost of one evaluation report (what keeps rank 0's model current)
         e0 = time.perf_counter()
