@@ -24,8 +24,10 @@ ENGINES = ("mpi", "horovod")
 #: values of --compression (see mpitrain.train.compression)
 COMPRESSIONS = ("none", "fp16")
 OUTPUTS = ("logits", "probabilities")
-#: values of --allreduce-wait (see mpitrain.comm.Comm.spins)
+#: values of --allreduce-wait (see mpitrain.comm.communicator.spins)
 ALLREDUCE_WAITS = ("auto", "spin", "poll")
+#: values of --compile (see mpitrain.models.replica.step_function)
+COMPILERS = ("xla", "graph")
 HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
                    "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
                    "--no-build-isolation horovod==0.28.1")
@@ -79,6 +81,11 @@ class Config:
         "--timeout), poll (test, yield the core, then sleep: for hosts with more ranks "
         "than cores), or auto (spin unless this host runs more ranks than it has cores)",
         "auto", flag="--allreduce-wait", choices=ALLREDUCE_WAITS)
+    compiler: str = _opt(
+        "how the training steps are compiled: graph (tf.function) or xla (TensorFlow's "
+        "XLA fuses each step's kernels: faster steps for long runs, after a compilation "
+        "of seconds per batch shape; a model it cannot compile falls back to graph)",
+        "graph", flag="--compile", choices=COMPILERS)
     staleness: Optional[int] = _opt(
         "async only: bound on staleness (server updates between the version a gradient "
         "was computed at and its application). 0 = one worker computes at a time on the "

@@ -94,15 +94,58 @@ def make_optimizer(name: str, lr: float, decay_steps: Optional[int] = None):
     raise ValueError(f"unknown optimizer {name}")
 
 
+def step_function(input_signature, xla: bool, fell_back: list):
+    """A decorator: the function as a ``tf.function``, compiled by XLA if ``xla``.
+
+    XLA fuses a step's elementwise work into few kernels: measured on this
+    machine (one thread, gradient of one batch, side by side), LR 0.90x, LeNet
+    0.74x and AlexNet 0.78x of the graph-mode time, but it compiles for every
+    batch shape (the epoch's short last batch is a second one): LeNet's
+    gradient took 2-3 s of CPU to compile against 0.4 s to trace, so it pays
+    off on long runs only (docs/benchmarks.md section 13). A model XLA cannot compile (an op it does not
+    support, such as a ``tf.py_function``) fails at that first call, before
+    anything ran; the function then falls back to graph mode for good and its
+    name is added to ``fell_back``. Every rank runs the same model on the same
+    software, so all ranks fall back, or none.
+    """
+    import tensorflow as tf
+
+    def decorate(fn):
+        graph = tf.function(fn, input_signature=input_signature, autograph=False)
+        if not xla:
+            return graph
+        jit = tf.function(fn, input_signature=input_signature, autograph=False,
+                          jit_compile=True)
+        chosen = []
+
+        def call(*args):
+            if chosen:
+                return chosen[0](*args)
+            try:
+                out = jit(*args)
+            except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
+                    tf.errors.NotFoundError):
+                chosen.append(graph)
+                fell_back.append(fn.__name__)
+                return graph(*args)
+            chosen.append(jit)
+            return out
+
+        return call
+
+    return decorate
+
+
 class Replica:
     """A model, its optimizer, and compiled step functions over flat float32 vectors."""
 
     def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float,
                  clip_norm: Optional[float] = None, decay_steps: Optional[int] = None,
-                 from_logits: bool = True, applies: bool = True):
+                 from_logits: bool = True, applies: bool = True, xla: bool = False):
         import tensorflow as tf
         import keras
 
+        self._graph_only: list = []  # step functions XLA could not compile (see step_function)
         self.model = spec.build(tuple(input_shape), num_classes)
         check_outputs(self.model, spec.name, from_logits)
         self.variables = list(self.model.trainable_variables)
@@ -127,6 +170,9 @@ class Replica:
         # cost about 0.25 s of CPU per rank per launch and left an
         # __autograph_generated_file*.py in the temporary directory per function.
         compiled = functools.partial(tf.function, autograph=False)
+        # The training steps (not evaluation, whose last batch has another shape) may be
+        # compiled by XLA, which fuses their kernels: see step_function.
+        step = functools.partial(step_function, xla=xla, fell_back=self._graph_only)
 
         def flat_grad_and_loss(x, y, scale=None):
             with tf.GradientTape() as tape:
@@ -145,23 +191,23 @@ class Replica:
                 return flat
             return flat * tf.minimum(1.0, clip_norm / (tf.norm(flat) + 1e-12))
 
-        @compiled(input_signature=batch_spec + [tf.TensorSpec((None,), tf.float32),
-                                                tf.TensorSpec((), tf.float32)])
+        @step(input_signature=batch_spec + [tf.TensorSpec((None,), tf.float32),
+                                            tf.TensorSpec((), tf.float32)])
         def grad(x, y, tail, scale):
             flat, loss, norm = flat_grad_and_loss(x, y, scale)
             return tf.concat([flat, tail], 0), loss, norm
 
-        @compiled(input_signature=flat_spec + batch_spec)
+        @step(input_signature=flat_spec + batch_spec)
         def grad_at(flat_weights, x, y):
             for v, part in zip(variables, unflatten(flat_weights)):
                 v.assign(part)
             return flat_grad_and_loss(x, y)
 
-        @compiled(input_signature=flat_spec)
+        @step(input_signature=flat_spec)
         def apply(flat):
             self.optimizer.apply_gradients(zip(unflatten(clipped(flat)), variables))
 
-        @compiled(input_signature=batch_spec)
+        @step(input_signature=batch_spec)
         def train_step(x, y):
             flat, loss, norm = flat_grad_and_loss(x, y)
             self.optimizer.apply_gradients(zip(unflatten(clipped(flat)), variables))
@@ -235,6 +281,12 @@ class Replica:
         return float(loss), float(norm)
 
     # ---- state for checkpoints ------------------------------------------------------
+    @property
+    def xla_fallbacks(self) -> list:
+        """Names of the step functions that run in graph mode because XLA could not
+        compile them (empty without ``xla``, or when XLA compiled everything called)."""
+        return list(self._graph_only)
+
     def optimizer_state(self) -> Dict[str, np.ndarray]:
         """The optimizer's variables (step count, slots), in their fixed order."""
         self._applying()
