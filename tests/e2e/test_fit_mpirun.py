@@ -1,6 +1,7 @@
 """``mpitrain.fit`` from a user's script under real mpirun: called twice in one job (a
-sync run, then an async one), rank 0 gets each run's result, the other rank None.
-(-np 2 keeps it quick; examples/ run fit at -np 3 in the slow tier.)"""
+sync run with its steps compiled by XLA, then an async one), rank 0 gets each run's
+result, the other rank None. (-np 2 keeps it quick; examples/ run fit at -np 3 in the
+slow tier.)"""
 
 import json
 
@@ -19,9 +20,9 @@ rng = np.random.default_rng(0)
 y = rng.integers(0, 4, 600)
 x = np.eye(4, 16, dtype=np.float32)[y] + 0.1 * rng.random((600, 16), dtype=np.float32)
 results = []
-for mode in ("sync", "async"):
+for mode, compiler in (("sync", "xla"), ("async", "graph")):
     result = mpitrain.fit(build, train=(x[:500], y[:500]), test=(x[500:], y[500:]),
-                          mode=mode, epochs=3, batch_size=25, lr=0.5,
+                          mode=mode, epochs=3, batch_size=25, lr=0.5, compiler=compiler,
                           results_dir=sys.argv[1], quiet=True)
     results.append(None if result is None else [result.test_accuracy, str(result.run_dir)])
 print("RESULTS", json.dumps(results), flush=True)
@@ -42,3 +43,5 @@ def test_fit_twice_in_one_job(tmp_path):
     assert [(r["mode"], r["status"]) for r in rows] == [("sync", "ok"), ("async", "ok")]
     assert [r["run"] for r in rows] == [sync_dir.rsplit("/", 1)[1], async_dir.rsplit("/", 1)[1]]
     assert sync_accuracy > 0.9 and async_accuracy > 0.9  # 4 classes: chance 0.25
+    assert json.loads((tmp_path / "results" / sync_dir.rsplit("/", 1)[1] / "config.json")
+                      .read_text())["config"]["compiler"] == "xla"

@@ -161,3 +161,53 @@ def test_compiled_steps_leave_no_autograph_files(tmp_path, monkeypatch):
     replica.apply(replica.grad(x, y)[0])
     replica.evaluate(x, y)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- XLA-compiled steps (--compile xla) ------------------------------------------------
+def test_xla_steps_train_like_graph_steps():
+    """The same weights and batch: XLA's gradient and update equal graph mode's up to
+    float rounding (XLA fuses, so bits may differ; every replica compiles alike). LeNet:
+    convolutions, pooling, no dropout (XLA draws other random masks)."""
+    init_tensorflow(1, 0)
+    graph = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05)
+    xla = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, xla=True)
+    xla.set_weights(graph.weights())
+    rng = np.random.default_rng(3)
+    x, y = rng.random((16, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, 16).astype(np.int32)
+    (g1, l1, n1), (g2, l2, n2) = (r.grad(x, y, tail=2, scale=0.5) for r in (graph, xla))
+    assert g2.shape == g1.shape == (graph.n_params + 2,)
+    np.testing.assert_allclose(g2, g1, rtol=1e-3, atol=1e-6)
+    assert l2 == pytest.approx(l1, rel=1e-5) and n2 == pytest.approx(n1, rel=1e-4)
+    for replica in (graph, xla):
+        replica.apply(g1[:graph.n_params])
+    np.testing.assert_allclose(xla.weights(), graph.weights(), rtol=1e-5, atol=1e-7)
+    assert xla.xla_fallbacks == [] and graph.xla_fallbacks == []
+
+
+def test_a_model_xla_cannot_compile_falls_back_to_graph_mode():
+    import keras
+    import tensorflow as tf
+
+    from mpitrain.models.registry import ModelSpec
+
+    class Host(keras.layers.Layer):  # a step on the host: XLA cannot compile it
+        def call(self, x):
+            out = tf.py_function(lambda t: t * 2.0, [x], tf.float32)
+            out.set_shape(x.shape)
+            return out
+
+        def compute_output_shape(self, shape):
+            return shape
+
+    def build(shape, classes):
+        return keras.Sequential([keras.Input(shape), keras.layers.Flatten(), Host(),
+                                 keras.layers.Dense(classes)])
+
+    init_tensorflow(1, 0)
+    replica = Replica(ModelSpec("host", build, "a py_function"), (4, 4, 1), 3, "sgd", 0.1,
+                      xla=True)
+    x, y = np.ones((5, 4, 4, 1), np.float32), np.array([0, 1, 2, 0, 1], np.int32)
+    grad, loss, _ = replica.grad(x, y)
+    replica.apply(grad)
+    assert np.isfinite(loss) and grad.shape == (replica.n_params,)
+    assert replica.xla_fallbacks == ["grad"]  # the update (optimizer only) still compiles
