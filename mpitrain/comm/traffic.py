@@ -53,26 +53,16 @@ class Traffic:
             self._exchanged = {}
         return self._tables[name]
 
-    @property
-    def sent_bytes(self) -> dict:
-        return self._table("sent_bytes")
+    def _table_of(name: str, doc: str):  # noqa: N805 - a helper of the class body
+        return property(lambda self: self._table(name), doc=doc)
 
-    @property
-    def sent_msgs(self) -> dict:
-        return self._table("sent_msgs")
-
-    @property
-    def recv_bytes(self) -> dict:
-        return self._table("recv_bytes")
-
-    @property
-    def recv_msgs(self) -> dict:
-        return self._table("recv_msgs")
-
-    @property
-    def wait_seconds(self) -> dict:
-        """Seconds spent blocked in waits of each kind (add to it: ``[kind] += s``)."""
-        return self._table("wait_seconds")
+    sent_bytes = _table_of("sent_bytes", "Payload bytes sent, by kind.")
+    sent_msgs = _table_of("sent_msgs", "Messages sent, by kind.")
+    recv_bytes = _table_of("recv_bytes", "Payload bytes received, by kind.")
+    recv_msgs = _table_of("recv_msgs", "Messages received, by kind.")
+    wait_seconds = _table_of("wait_seconds", "Seconds blocked in waits, by kind (add to "
+                                             "it: ``[kind] += s``).")
+    del _table_of
 
     def rows(self) -> List[dict]:
         """One row per kind: kind, sent/received bytes and messages, wait seconds."""
