@@ -174,13 +174,16 @@ class Replica:
         # compiled by XLA, which fuses their kernels: see step_function.
         step = functools.partial(step_function, xla=xla, fell_back=self._graph_only)
 
-        def flat_grad_and_loss(x, y, scale=None):
+        def flat_grad_and_loss(x, y, scale=None, tail=None):
             with tf.GradientTape() as tape:
                 loss = loss_fn(y, model(x, training=True))
                 # the gradient of scale x loss is scale x the gradient, at the cost
                 # of one scalar product instead of a pass over the flat gradient
                 scaled = loss if scale is None else loss * scale
-            flat = tf.concat([tf.reshape(g, [-1]) for g in tape.gradient(scaled, variables)], 0)
+            parts = [tf.reshape(g, [-1]) for g in tape.gradient(scaled, variables)]
+            # one concatenation, the caller's zeros included: a second one would copy
+            # the whole gradient again (AlexNet: 244 MB a step); zeros leave the norm
+            flat = tf.concat(parts + ([] if tail is None else [tail]), 0)
             return flat, loss, tf.norm(flat)  # the norm: non-finite iff the gradient is
 
         def unflatten(flat):
@@ -194,8 +197,7 @@ class Replica:
         @step(input_signature=batch_spec + [tf.TensorSpec((None,), tf.float32),
                                             tf.TensorSpec((), tf.float32)])
         def grad(x, y, tail, scale):
-            flat, loss, norm = flat_grad_and_loss(x, y, scale)
-            return tf.concat([flat, tail], 0), loss, norm
+            return flat_grad_and_loss(x, y, scale, tail)
 
         @step(input_signature=flat_spec + batch_spec)
         def grad_at(flat_weights, x, y):
@@ -203,8 +205,14 @@ class Replica:
                 v.assign(part)
             return flat_grad_and_loss(x, y)
 
-        @step(input_signature=flat_spec)
-        def apply(flat):
+        n_params = self.n_params
+
+        # Any length of at least n_params: the fused buffer that grad() returned, status
+        # tail and all, goes in as it is (the tail is left out by a slice that shares
+        # its memory), so a large model's gradient is never copied into TensorFlow.
+        @step(input_signature=[tf.TensorSpec((None,), tf.float32)])
+        def apply(fused):
+            flat = fused[:n_params]
             self.optimizer.apply_gradients(zip(unflatten(clipped(flat)), variables))
 
         @step(input_signature=batch_spec)
@@ -229,6 +237,7 @@ class Replica:
         self._grad, self._grad_at, self._apply, self._train_step = grad, grad_at, apply, train_step
         self._eval_batch, self._set_weights = eval_batch, set_weights
         self._tail = None
+        self._fused, self._fused_view = None, None  # grad()'s last output (see _keep)
         trainable = {id(v) for v in self.variables}
         untrained = [v for v in self.model.variables if id(v) not in trainable]
         self._buffer_variables = [v for v in untrained if "float" in str(v.dtype)]
@@ -246,7 +255,17 @@ class Replica:
         worker's 1 / workers) is applied to the loss before differentiation: free,
         where scaling the gradient after it is a pass over every parameter."""
         flat, loss, norm = self._grad(x, y, self._zeros(tail), np.float32(scale))
-        return flat.numpy(), float(loss), float(norm)
+        return self._keep(flat), float(loss), float(norm)
+
+    def _keep(self, flat) -> np.ndarray:
+        """A writable numpy view of the output tensor ``flat``, no copy (``.numpy()``
+        copies: AlexNet's 244 MB took 50-100 ms). The tensor is kept, so that
+        :meth:`apply` of this buffer hands it back to TensorFlow as it is instead of
+        converting the array (a copy: 0.4 s for AlexNet's gradient, measured). A
+        function's output is a fresh buffer that TensorFlow holds nowhere else."""
+        self._fused = flat
+        self._fused_view = view = flat._numpy()  # noqa: SLF001 - documented above
+        return view
 
     def _zeros(self, n: int) -> np.ndarray:
         if self._tail is None or len(self._tail) != n:
@@ -261,12 +280,21 @@ class Replica:
         assigning them inside the same compiled call saves a TensorFlow dispatch.
         """
         flat, loss, norm = self._grad_at(flat_weights, x, y)
-        return flat.numpy(), float(loss), float(norm)
+        return self._keep(flat), float(loss), float(norm)
 
     def apply(self, flat_grad: np.ndarray) -> None:
-        """Apply one flat gradient with the optimizer (one update; clipped if configured)."""
+        """Apply one flat gradient with the optimizer (one update; clipped if configured).
+
+        ``flat_grad`` may be the array :meth:`grad` returned, or its first
+        ``n_params`` values, changed in place (the allreduce sums into it): that
+        buffer goes to TensorFlow without a copy."""
         self._applying()
-        self._apply(flat_grad)
+        view = self._fused_view
+        if (view is not None and flat_grad.ctypes.data == view.ctypes.data
+                and self.n_params <= flat_grad.size <= view.size):
+            self._apply(self._fused)
+        else:
+            self._apply(flat_grad)
 
     def _applying(self) -> None:
         if not self.applies:

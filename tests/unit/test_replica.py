@@ -211,3 +211,21 @@ def test_a_model_xla_cannot_compile_falls_back_to_graph_mode():
     replica.apply(grad)
     assert np.isfinite(loss) and grad.shape == (replica.n_params,)
     assert replica.xla_fallbacks == ["grad"]  # the update (optimizer only) still compiles
+
+
+def test_the_buffer_grad_returns_is_applied_as_changed_in_place_without_a_copy(replica):
+    """grad() hands out a view of TensorFlow's output (no copy); what the allreduce
+    writes into it in place is what apply() applies, status tail left out."""
+    start = np.random.default_rng(4).standard_normal(replica.n_params).astype(np.float32)
+    x = np.random.default_rng(5).random((8, 28, 28, 1), dtype=np.float32)
+    y = np.arange(8, dtype=np.int32)
+    replica.set_weights(start)
+    buf, _, _ = replica.grad(x, y, tail=3)
+    assert buf.flags.writeable and not buf.flags.owndata  # a view, not a copy
+    buf[:] = 0.25  # as an allreduce would overwrite it (the tail too)
+    replica.apply(buf[:replica.n_params])
+    np.testing.assert_allclose(replica.weights(), start - 0.1 * 0.25, rtol=0, atol=1e-6)
+    again, _, _ = replica.grad(x, y, tail=3)  # a fresh buffer each step
+    assert not np.shares_memory(again, buf) and (again[-3:] == 0).all()
+    replica.apply(np.full(replica.n_params, 0.25, np.float32))  # any other array: copied in
+    np.testing.assert_allclose(replica.weights(), start - 0.2 * 0.25, rtol=0, atol=1e-6)
