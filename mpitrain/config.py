@@ -27,7 +27,7 @@ OUTPUTS = ("logits", "probabilities")
 #: values of --allreduce-wait (see mpitrain.comm.communicator.spins)
 ALLREDUCE_WAITS = ("auto", "spin", "poll")
 #: values of --compile (see mpitrain.models.replica.step_function)
-COMPILERS = ("xla", "graph")
+COMPILERS = ("auto", "graph", "xla")
 HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
                    "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
                    "--no-build-isolation horovod==0.28.1")
@@ -82,10 +82,11 @@ class Config:
         "than cores), or auto (spin unless this host runs more ranks than it has cores)",
         "auto", flag="--allreduce-wait", choices=ALLREDUCE_WAITS)
     compiler: str = _opt(
-        "how the training steps are compiled: graph (tf.function) or xla (TensorFlow's "
+        "how the training steps are compiled: graph (tf.function), xla (TensorFlow's "
         "XLA fuses each step's kernels: faster steps for long runs, after a compilation "
-        "of seconds per batch shape; a model it cannot compile falls back to graph)",
-        "graph", flag="--compile", choices=COMPILERS)
+        "of seconds per batch shape; a model it cannot compile falls back to graph), or "
+        "auto (graph, but XLA for the update of models of 10M parameters or more, "
+        "whose memory-bound update it halves)", "auto", flag="--compile", choices=COMPILERS)
     staleness: Optional[int] = _opt(
         "async only: bound on staleness (server updates between the version a gradient "
         "was computed at and its application). 0 = one worker computes at a time on the "

@@ -64,7 +64,7 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
         spec, dataset.input_shape, dataset.num_classes, cfg.optimizer, cfg.effective_lr,
         cfg.clip_grad_norm, decay_steps(cfg, shard_size), from_logits=cfg.outputs == "logits",
         applies=role.trains and not cfg.async_mode,  # the ranks that run Keras' optimizer
-        xla=cfg.compiler == "xla"))
+        compiler=cfg.compiler))
     if cfg.outputs == "probabilities" and not ends_in_softmax(replica.model):
         console.note(f"--outputs probabilities, but the last layer of {cfg.model} is not a "
                      "softmax: its outputs are taken as probabilities as they are (end it with "

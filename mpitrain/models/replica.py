@@ -94,7 +94,7 @@ def make_optimizer(name: str, lr: float, decay_steps: Optional[int] = None):
     raise ValueError(f"unknown optimizer {name}")
 
 
-def step_function(input_signature, xla: bool, fell_back: list):
+def step_function(input_signature, xla: bool, modes: Dict[str, str]):
     """A decorator: the function as a ``tf.function``, compiled by XLA if ``xla``.
 
     XLA fuses a step's elementwise work into few kernels: measured on this
@@ -102,16 +102,18 @@ def step_function(input_signature, xla: bool, fell_back: list):
     0.74x and AlexNet 0.78x of the graph-mode time, but it compiles for every
     batch shape (the epoch's short last batch is a second one): LeNet's
     gradient took 2-3 s of CPU to compile against 0.4 s to trace, so it pays
-    off on long runs only (docs/benchmarks.md section 13). A model XLA cannot compile (an op it does not
-    support, such as a ``tf.py_function``) fails at that first call, before
-    anything ran; the function then falls back to graph mode for good and its
-    name is added to ``fell_back``. Every rank runs the same model on the same
-    software, so all ranks fall back, or none.
+    off on long runs only (docs/benchmarks.md section 13). A model XLA cannot
+    compile (an op it does not support, such as a ``tf.py_function``) fails at
+    that first call, before anything ran; the function then falls back to graph
+    mode for good. ``modes[name]`` says which the function runs in: 'graph',
+    'xla', or 'graph (XLA could not compile it)'. Every rank runs the same model
+    on the same software, so all ranks fall back, or none.
     """
     import tensorflow as tf
 
     def decorate(fn):
         graph = tf.function(fn, input_signature=input_signature, autograph=False)
+        modes[fn.__name__] = "xla" if xla else "graph"
         if not xla:
             return graph
         jit = tf.function(fn, input_signature=input_signature, autograph=False,
@@ -126,7 +128,7 @@ def step_function(input_signature, xla: bool, fell_back: list):
             except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
                     tf.errors.NotFoundError):
                 chosen.append(graph)
-                fell_back.append(fn.__name__)
+                modes[fn.__name__] = "graph (XLA could not compile it)"
                 return graph(*args)
             chosen.append(jit)
             return out
@@ -136,16 +138,25 @@ def step_function(input_signature, xla: bool, fell_back: list):
     return decorate
 
 
+#: parameters from which ``compiler='auto'`` compiles the update with XLA. The update is
+#: elementwise and memory-bound (momentum SGD reads and writes every parameter a few
+#: times; graph mode makes a temporary per operation, XLA fuses them): measured,
+#: AlexNet's (61.1M) 268 -> 137 ms a step for 0.7 s more of CPU to compile once;
+#: LeNet's (62k) 1.3 -> 0.9 ms for 0.85 s more, 2,000 steps to repay it.
+XLA_UPDATE_MIN = 10_000_000
+
+
 class Replica:
     """A model, its optimizer, and compiled step functions over flat float32 vectors."""
 
     def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float,
                  clip_norm: Optional[float] = None, decay_steps: Optional[int] = None,
-                 from_logits: bool = True, applies: bool = True, xla: bool = False):
+                 from_logits: bool = True, applies: bool = True, compiler: str = "graph"):
         import tensorflow as tf
         import keras
 
-        self._graph_only: list = []  # step functions XLA could not compile (see step_function)
+        #: how each training step function runs: 'graph' or 'xla' (see step_function)
+        self.compiled: Dict[str, str] = {}
         self.model = spec.build(tuple(input_shape), num_classes)
         check_outputs(self.model, spec.name, from_logits)
         self.variables = list(self.model.trainable_variables)
@@ -172,7 +183,11 @@ class Replica:
         compiled = functools.partial(tf.function, autograph=False)
         # The training steps (not evaluation, whose last batch has another shape) may be
         # compiled by XLA, which fuses their kernels: see step_function.
-        step = functools.partial(step_function, xla=xla, fell_back=self._graph_only)
+        xla = compiler == "xla"
+        step = functools.partial(step_function, xla=xla, modes=self.compiled)
+        # 'auto': XLA for the update alone, where the model is large enough to repay it
+        large = compiler == "auto" and self.n_params >= XLA_UPDATE_MIN
+        update = functools.partial(step_function, xla=xla or large, modes=self.compiled)
 
         def flat_grad_and_loss(x, y, scale=None, tail=None):
             with tf.GradientTape() as tape:
@@ -210,7 +225,7 @@ class Replica:
         # Any length of at least n_params: the fused buffer that grad() returned, status
         # tail and all, goes in as it is (the tail is left out by a slice that shares
         # its memory), so a large model's gradient is never copied into TensorFlow.
-        @step(input_signature=[tf.TensorSpec((None,), tf.float32)])
+        @update(input_signature=[tf.TensorSpec((None,), tf.float32)])
         def apply(fused):
             flat = fused[:n_params]
             self.optimizer.apply_gradients(zip(unflatten(clipped(flat)), variables))
@@ -309,12 +324,6 @@ class Replica:
         return float(loss), float(norm)
 
     # ---- state for checkpoints ------------------------------------------------------
-    @property
-    def xla_fallbacks(self) -> list:
-        """Names of the step functions that run in graph mode because XLA could not
-        compile them (empty without ``xla``, or when XLA compiled everything called)."""
-        return list(self._graph_only)
-
     def optimizer_state(self) -> Dict[str, np.ndarray]:
         """The optimizer's variables (step count, slots), in their fixed order."""
         self._applying()

@@ -170,7 +170,7 @@ def test_xla_steps_train_like_graph_steps():
     convolutions, pooling, no dropout (XLA draws other random masks)."""
     init_tensorflow(1, 0)
     graph = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05)
-    xla = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, xla=True)
+    xla = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="xla")
     xla.set_weights(graph.weights())
     rng = np.random.default_rng(3)
     x, y = rng.random((16, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, 16).astype(np.int32)
@@ -181,7 +181,7 @@ def test_xla_steps_train_like_graph_steps():
     for replica in (graph, xla):
         replica.apply(g1[:graph.n_params])
     np.testing.assert_allclose(xla.weights(), graph.weights(), rtol=1e-5, atol=1e-7)
-    assert xla.xla_fallbacks == [] and graph.xla_fallbacks == []
+    assert set(xla.compiled.values()) == {"xla"} and set(graph.compiled.values()) == {"graph"}
 
 
 def test_a_model_xla_cannot_compile_falls_back_to_graph_mode():
@@ -205,12 +205,30 @@ def test_a_model_xla_cannot_compile_falls_back_to_graph_mode():
 
     init_tensorflow(1, 0)
     replica = Replica(ModelSpec("host", build, "a py_function"), (4, 4, 1), 3, "sgd", 0.1,
-                      xla=True)
+                      compiler="xla")
     x, y = np.ones((5, 4, 4, 1), np.float32), np.array([0, 1, 2, 0, 1], np.int32)
     grad, loss, _ = replica.grad(x, y)
     replica.apply(grad)
     assert np.isfinite(loss) and grad.shape == (replica.n_params,)
-    assert replica.xla_fallbacks == ["grad"]  # the update (optimizer only) still compiles
+    assert replica.compiled["grad"] == "graph (XLA could not compile it)"
+    assert replica.compiled["apply"] == "xla"  # the update (optimizer only) still compiles
+
+
+def test_auto_compiles_the_update_of_a_large_model_with_xla(monkeypatch):
+    import mpitrain.models.replica as replica_module
+
+    init_tensorflow(1, 0)
+    small = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="auto")
+    assert small.compiled == {"grad": "graph", "grad_at": "graph", "apply": "graph",
+                              "train_step": "graph"}
+    monkeypatch.setattr(replica_module, "XLA_UPDATE_MIN", small.n_params)  # LeNet is large
+    large = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="auto")
+    assert large.compiled["apply"] == "xla" and large.compiled["grad"] == "graph"
+    large.set_weights(small.weights())
+    grad = np.full(small.n_params, 1e-2, np.float32)
+    for replica in (small, large):
+        replica.apply(grad)
+    np.testing.assert_allclose(large.weights(), small.weights(), rtol=1e-6, atol=1e-8)
 
 
 def test_the_buffer_grad_returns_is_applied_as_changed_in_place_without_a_copy(replica):
