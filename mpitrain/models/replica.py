@@ -223,8 +223,8 @@ class Replica:
         n_params = self.n_params
 
         # Any length of at least n_params: the fused buffer that grad() returned, status
-        # tail and all, goes in as it is (the tail is left out by a slice that shares
-        # its memory), so a large model's gradient is never copied into TensorFlow.
+        # tail and all, goes in as the tensor it is (the tail is sliced off inside), so
+        # a large model's gradient is not converted from numpy again (see apply()).
         @update(input_signature=[tf.TensorSpec((None,), tf.float32)])
         def apply(fused):
             flat = fused[:n_params]
