@@ -20,7 +20,7 @@ from .runtime import Role, _load_mpi
 from .traffic import Traffic
 from .tuning import allreduce_algorithm
 from .waiting import (HOT, IDLE, Backoff, Pending, SpinWatch, blocking_call_bound, poll,
-                      timeout_error)
+                      spin_watch, timeout_error)
 
 #: see Comm._split_workers
 WORKERS_TIMEOUT_FACTOR = 1.5
@@ -80,7 +80,7 @@ class Comm:
         if spins(allreduce_wait, world.hosts, [w[2] for w in where], [w[3] for w in where]):
             for comm in (world, world._workers):
                 if comm is not None and comm._spin is None:
-                    comm._spin = SpinWatch(comm.name(comm.rank))
+                    comm._spin = spin_watch(comm.name(comm.rank))
                     # MPI's blocking in-place sum (SUM: Allreduce's default op)
                     comm._sum_in_place = functools.partial(comm._c.Allreduce, MPI.IN_PLACE)
         return world

@@ -208,6 +208,18 @@ class SpinWatch:
                     while_waiting()
 
 
+_SPIN_WATCH: Optional[SpinWatch] = None
+
+
+def spin_watch(me: str) -> SpinWatch:
+    """The process's one :class:`SpinWatch` (``me``: this rank, 'rank R on HOST'): one
+    watchdog thread however many communicators spin, or runs a script makes."""
+    global _SPIN_WATCH
+    if _SPIN_WATCH is None:
+        _SPIN_WATCH = SpinWatch(me)
+    return _SPIN_WATCH
+
+
 @contextlib.contextmanager
 def blocking_call_bound(seconds: float, what: str, who: str = "this rank") -> Iterator[None]:
     """Bound a blocking call that has no nonblocking form (the bootstrap's MPI_Comm_split).

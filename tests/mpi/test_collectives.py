@@ -96,6 +96,9 @@ def test_allreduce_sum_is_the_exact_sum_on_every_rank_however_ranks_wait(comm, w
         if world.size > 1:
             assert world.traffic.sent_bytes["allreduce"] - before == mine.nbytes
     assert len(set(world.allgather_objects(checksum(mine)))) == 1
+    import threading  # however many communicators spun: one watchdog thread a process
+
+    assert sum(t.name == "mpitrain blocking-call watchdog" for t in threading.enumerate()) <= 1
 
 
 def test_a_rank_spinning_in_the_allreduce_keeps_calling_while_waiting(comm):
