@@ -5,6 +5,7 @@ file under real ``mpirun -np 2, 3, 4``. Every rank runs the same tests in the sa
 order, so collectives line up; every wait is bounded by the comm's timeout.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -96,8 +97,7 @@ def test_allreduce_sum_is_the_exact_sum_on_every_rank_however_ranks_wait(comm, w
         if world.size > 1:
             assert world.traffic.sent_bytes["allreduce"] - before == mine.nbytes
     assert len(set(world.allgather_objects(checksum(mine)))) == 1
-    import threading  # however many communicators spun: one watchdog thread a process
-
+    # however many communicators spun: one watchdog thread a process
     assert sum(t.name == "mpitrain blocking-call watchdog" for t in threading.enumerate()) <= 1
 
 
