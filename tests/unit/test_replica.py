@@ -164,6 +164,7 @@ def test_compiled_steps_leave_no_autograph_files(tmp_path, monkeypatch):
 
 
 # ---- XLA-compiled steps (--compile xla) ------------------------------------------------
+@pytest.mark.slow  # XLA compiles LeNet's gradient: seconds of CPU
 def test_xla_steps_train_like_graph_steps():
     """The same weights and batch: XLA's gradient and update equal graph mode's up to
     float rounding (XLA fuses, so bits may differ; every replica compiles alike). LeNet:
