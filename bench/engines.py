@@ -103,16 +103,16 @@ def main(argv=None, out=None) -> dict:
             ours, theirs = CASES[model]
             measured = {
                 "mpi": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-mpi"),
-                # (not in the smoke run: a few steps say nothing of XLA, and its
-                # compilation would double the smoke's mpitrain time)
-                **({} if args.quick else {"mpi-xla": mpitrain_run(
-                    model, ours, args.quick, Path(tmp) / f"{model}-xla", "--compile", "xla")}),
                 # in setup.sh's Horovod environment (TensorFlow 2.18): Horovod builds
                 # against nothing newer
                 "horovod": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-hvd",
                                         "--allreduce", "horovod", python=horovod_python()),
                 "mwms": tf_baseline("mwms", model, theirs, args.quick),
             }
+            if not args.quick:  # a few steps say nothing of XLA, and its compilation
+                # would double the smoke run's mpitrain time
+                measured["mpi-xla"] = mpitrain_run(model, ours, False, Path(tmp) / f"{model}-xla",
+                                                   "--compile", "xla")
             rows += [engine_row(model, engine, m, workers=WORKERS)
                      for engine, m in measured.items()]
             for ours_as in [e for e in ("mpi", "mpi-xla") if e in measured]:

@@ -56,6 +56,8 @@ class Comm:
         self._half = None  # see _half_buffers
         #: the bound on MPI's blocking allreduce when this rank may spin in it, else None
         self._spin: Optional[SpinWatch] = None
+        # MPI's blocking in-place sum (SUM: Allreduce's default op), made once
+        self._sum_in_place = functools.partial(mpi_comm.Allreduce, _load_mpi().IN_PLACE)
         #: process id of every rank (world communicator only; for fencing a lost rank)
         self.pids: List[int] = []
 
@@ -71,18 +73,16 @@ class Comm:
         # (threads per rank, per-node telemetry).
         bootstrap = cls(c, timeout, Traffic(), [MPI.Get_processor_name()] * c.Get_size(),
                         range(c.Get_size()))
-        where = bootstrap.allgather_objects(
+        hosts, pids, cpus, thread_multiple = zip(*bootstrap.allgather_objects(
             (MPI.Get_processor_name(), os.getpid(), os.cpu_count() or 1,
-             MPI.Query_thread() == MPI.THREAD_MULTIPLE), kind="control")
-        world = cls(c, timeout, bootstrap.traffic, [w[0] for w in where], range(c.Get_size()))
-        world.pids = [w[1] for w in where]
+             MPI.Query_thread() == MPI.THREAD_MULTIPLE), kind="control"))
+        world = cls(c, timeout, bootstrap.traffic, hosts, range(c.Get_size()))
+        world.pids = list(pids)
         world._workers = world._split_workers()
-        if spins(allreduce_wait, world.hosts, [w[2] for w in where], [w[3] for w in where]):
-            for comm in (world, world._workers):
-                if comm is not None and comm._spin is None:
+        if spins(allreduce_wait, hosts, cpus, thread_multiple):
+            for comm in (world, world._workers):  # (the same object at -np 1)
+                if comm is not None:
                     comm._spin = spin_watch(comm.name(comm.rank))
-                    # MPI's blocking in-place sum (SUM: Allreduce's default op)
-                    comm._sum_in_place = functools.partial(comm._c.Allreduce, MPI.IN_PLACE)
         return world
 
     def _split_workers(self) -> Optional["Comm"]:

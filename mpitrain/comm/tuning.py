@@ -76,14 +76,13 @@ class LargeAllreduceRing:
         run, gets the default. Every rank of the collective must call it with the
         same size (they then agree on the algorithm)."""
         MPI = _load_mpi()
-        if self._write is None or buf.nbytes < self.MIN_BYTES:
-            return mpi_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        if not self._write(self.RING):
-            self._write = None
+        ring = self._write is not None and buf.nbytes >= self.MIN_BYTES
+        if ring and not self._write(self.RING):
+            self._write, ring = None, False
         try:
             return mpi_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         finally:
-            if self._write is not None and not self._write(self.DEFAULT):
+            if ring and not self._write(self.DEFAULT):
                 self._write = None
 
 
