@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import contextlib
+import struct
 import time
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
 
@@ -76,21 +77,26 @@ class Header(NamedTuple):
     @classmethod
     def read(cls, buf: np.ndarray) -> "Header":
         """The header in front of ``buf`` (a float32 message)."""
-        # three bulk conversions: the async server reads one header per update
-        version, step, flags = buf[:LOSS].view(np.int32).tolist()
-        loss, elapsed, think = buf[LOSS:EXTRA].tolist()
-        extra, crc = buf[EXTRA:SLOTS].view(np.int32).tolist()
-        return cls(version, step, flags, loss, elapsed, think, extra, crc & 0xFFFFFFFF)
+        return cls._make(_LAYOUT.unpack_from(buf))
 
     def write(self, buf: np.ndarray) -> np.ndarray:
-        """Store this header in front of ``buf`` (a float32 message); returns ``buf``."""
-        ints = buf[:SLOTS].view(np.int32)
-        ints[VERSION], ints[STEP], ints[FLAGS] = self.version, self.step, self.flags
-        ints[EXTRA] = self.extra
-        # a CRC-32 fills all 32 bits: stored as the int32 with the same bits
-        ints[CRC] = self.crc - (1 << 32) if self.crc >= 1 << 31 else self.crc
-        buf[LOSS], buf[ELAPSED], buf[THINK] = self.loss, self.elapsed, self.think
+        """Store this header in front of ``buf`` (a float32 message); returns ``buf``.
+        A float slot beyond float32's range is stored as infinite (as numpy would)."""
+        try:
+            _LAYOUT.pack_into(buf, 0, *self)
+        except OverflowError:  # struct refuses what float32 cannot hold
+            with np.errstate(over="ignore"):
+                floats = {k: float(np.float32(getattr(self, k))) for k in FLOAT_SLOTS}
+            _LAYOUT.pack_into(buf, 0, *self._replace(**floats))
         return buf
+
+
+#: the header's bytes: int32 slots bit-exact, float slots as float32, the CRC-32
+#: unsigned (one struct call each way: ~0.3 us, against ~4 us through numpy views,
+#: and the async server reads and writes a header per update)
+_LAYOUT = struct.Struct("=iiifffiI")
+FLOAT_SLOTS = ("loss", "elapsed", "think")
+assert _LAYOUT.size == SLOTS * 4
 
 
 def new_message(payload: int = 0) -> np.ndarray:

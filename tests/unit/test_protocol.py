@@ -27,6 +27,16 @@ def test_a_header_round_trips_every_slot_bit_exact():
     assert msg[VERSION].view(np.int32) == 2**24 + 1 and msg[SLOTS:].sum() == 0
 
 
+def test_a_header_keeps_what_float32_cannot_hold_as_numpy_would():
+    """A loss past float32's range travels as infinite and NaN as NaN: the health
+    sentinel must still see a diverged worker (a float64 loss of 1e39 would make the
+    struct packing raise)."""
+    back = Header.read(Header(loss=1e39, elapsed=float("nan"), think=-1e40).write(new_message()))
+    assert back.loss == math.inf and math.isnan(back.elapsed) and back.think == -math.inf
+    float32 = Header.read(Header(loss=0.1).write(new_message())).loss
+    assert float32 == float(np.float32(0.1)) != 0.1  # rounded to float32, like the slot
+
+
 def test_the_header_leaves_the_payload_alone():
     msg = new_message(3)
     msg[SLOTS:] = [1.0, 2.0, 3.0]
