@@ -138,7 +138,8 @@ class Comm:
              timeout: Optional[float] = None) -> None:
         """Complete ``pending`` or raise :class:`CommTimeout` after ``timeout`` seconds
         (default: the communicator's)."""
-        self.wait_all([pending], backoff, timeout)
+        if not pending.test():  # most waits find it done: no poll loop to set up
+            self.wait_all([pending], backoff, timeout)
 
     def wait_all(self, pendings: Sequence[Pending], backoff: Backoff = HOT,
                  timeout: Optional[float] = None) -> None:

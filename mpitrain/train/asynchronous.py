@@ -272,6 +272,10 @@ class WorkerLedger:
     farewell: object = None  # the pending FINAL|DROPPED reply of a dropped worker
     fence_at: float = 0.0  # when the server kills it if it is still alive (its host only)
     fenced: bool = False
+    #: what a reply waits for, in a timeout message (made once: the server replies
+    #: thousands of times a second)
+    takes_weights: str = ""
+    takes_last_reply: str = ""
 
 
 class Server:
@@ -290,7 +294,9 @@ class Server:
         self.codec = PushCodec(ctx.cfg.compression, n)
         pushes = self.codec.slots + ctx.replica.n_buffers  # [gradient | buffers]
         self.workers: Dict[int, WorkerLedger] = {
-            r: WorkerLedger(r, new_message(pushes), new_message(ctx.replica.n_state))
+            r: WorkerLedger(r, new_message(pushes), new_message(ctx.replica.n_state),
+                            takes_weights=f"{self.comm.name(r)} to take its weights",
+                            takes_last_reply=f"{self.comm.name(r)} to take its last reply")
             for r in range(1, self.comm.size)}
         self.leases = Leases(ctx.cfg.staleness, self.workers)
         # a worker's silence starts when it is granted a lease (then it owes a push)
@@ -415,9 +421,12 @@ class Server:
             if lost:
                 self._drop(*lost)
                 return None
-        rank = self.silence.first({r: self.workers[r].posted for r in holders},
-                                  self._poll_policy(),  # recovery: wake for the next check
-                                  wake_every=LIVENESS_CHECK_EVERY if self.recovery else None)
+        # a push already here (the others' often are, after an update): no wait to set up
+        rank = next((r for r in holders if self.workers[r].posted.test()), None)
+        if rank is None:
+            rank = self.silence.first({r: self.workers[r].posted for r in holders},
+                                      self._poll_policy(),  # recovery: wake for the next check
+                                      wake_every=LIVENESS_CHECK_EVERY if self.recovery else None)
         if rank is not None:
             self.liveness.observe(rank, self.silence.silent_for(rank))
             return self.workers[rank]
@@ -560,11 +569,10 @@ class Server:
         if with_weights:
             w.send[SLOTS:SLOTS + self.weights.size] = self.weights
             w.send[SLOTS + self.weights.size:] = self.buffers
-            w.sending = self.comm.isend(w.send, w.rank, TAG_WEIGHTS, "pull",
-                                        f"{self.comm.name(w.rank)} to take its weights")
+            w.sending = self.comm.isend(w.send, w.rank, TAG_WEIGHTS, "pull", w.takes_weights)
         else:
             w.sending = self.comm.isend(w.send[:SLOTS], w.rank, TAG_WEIGHTS, "pull",
-                                        f"{self.comm.name(w.rank)} to take its last reply")
+                                        w.takes_last_reply)
 
     # ---- results ----------------------------------------------------------------------
     def _summary(self, wall: float, cpu_share: Dict[str, float]) -> Summary:
