@@ -27,6 +27,7 @@ import numpy as np
 from .common import bench_parser, last_json_line, mnist_dir, mpirun, out_dir, table, write_csv
 
 TARGET = 0.5
+LOOP_TARGET = 0.10  # issue 15: the server's protocol loop, share of a core
 
 
 def rank_side(mode: str, updates: int) -> None:
@@ -157,7 +158,8 @@ def main(argv=None, out=None) -> dict:
               f"{asyn['s_per_epoch'] / sync['s_per_epoch']:.2f}; accuracy async - sync = "
               f"{100 * (asyn['test_accuracy'] - sync['test_accuracy']):+.2f} pp; server "
               f"process {100 * float(asyn['server_cpu_share']):.1f}% of a core (protocol "
-              f"loop {100 * float(asyn['server_loop_cpu_share']):.1f}%, target <= 15%)")
+              f"loop {100 * float(asyn['server_loop_cpu_share']):.1f}%, target <= "
+              f"{100 * LOOP_TARGET:g}%)")
     print(f"\nresults: {out}")
     checks = [{"benchmark": "async_ps", "ratio": f"server updates/s, workers pushing zeros / "
                f"raw MPI bound, -np {r['np']}", "value": r["ratio"], "target": f">= {TARGET}",
@@ -167,7 +169,7 @@ def main(argv=None, out=None) -> dict:
             loop = float(t["server_loop_cpu_share"])
             checks.append({"benchmark": "async_ps", "ratio": f"async server protocol loop CPU "
                            f"(share of a core), LR -np {t['np']}", "value": loop,
-                           "target": "<= 0.15", "met": loop <= 0.15})
+                           "target": f"<= {LOOP_TARGET}", "met": loop <= LOOP_TARGET})
     for np_ in (3, 4):
         sync, asyn = [t for t in timing if t["np"] == np_]
         checks.append({"benchmark": "async_ps", "ratio": f"async / sync LR epoch time, -np {np_}",
