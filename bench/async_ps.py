@@ -7,7 +7,7 @@
    more ranks than cores); the faster is the bound. Busy-polling collapses to a
    few hundred messages/s once three ranks share two cores. mpitrain's server
    (real protocol code, numpy optimizer) is measured the same way. Each of the
-   three is the best of ``--rounds`` (3) interleaved rounds: one sample is
+   three is the best of ``--rounds`` (2) interleaved rounds: one sample is
    bimodal here (a server that stays in its sleeping poll policy at the start
    makes ~1.6k updates/s, 5-10x below its usual rate).
    Ratio mpitrain / bound (target >= 0.5).
@@ -113,7 +113,7 @@ def main(argv=None, out=None) -> dict:
     parser = bench_parser("async_ps", __doc__, "small runs (smoke)")
     parser.add_argument("--rank-side", choices=["raw", "mpitrain"], help=argparse.SUPPRESS)
     parser.add_argument("--updates", type=int, default=20000)
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=2,
                         help="no-compute rates: the best of this many interleaved rounds "
                              "for each of the three (one sample is bimodal on a shared VM)")
     args = parser.parse_args(argv)
