@@ -160,8 +160,8 @@ class Comm:
         live = [(i, p) for i, p in enumerate(pendings) if p is not None]
         if not live:
             raise ValueError("wait_any needs at least one pending request")
-        for i, p in live:
-            if p.done:
+        for i, p in live:  # one already complete (a server's next push often is, after
+            if p.test():  # an update): no poll loop to set up
                 return i
         live_pendings = [p for _, p in live]
         found: List[int] = []

@@ -421,12 +421,9 @@ class Server:
             if lost:
                 self._drop(*lost)
                 return None
-        # a push already here (the others' often are, after an update): no wait to set up
-        rank = next((r for r in holders if self.workers[r].posted.test()), None)
-        if rank is None:
-            rank = self.silence.first({r: self.workers[r].posted for r in holders},
-                                      self._poll_policy(),  # recovery: wake for the next check
-                                      wake_every=LIVENESS_CHECK_EVERY if self.recovery else None)
+        rank = self.silence.first({r: self.workers[r].posted for r in holders},
+                                  self._poll_policy(),  # recovery: wake for the next check
+                                  wake_every=LIVENESS_CHECK_EVERY if self.recovery else None)
         if rank is not None:
             self.liveness.observe(rank, self.silence.silent_for(rank))
             return self.workers[rank]
