@@ -23,6 +23,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 # while the others still train for several seconds
 TRAINING = ["lr", "--async", "--epochs", "4", "--batch-size", "5", "--lr", "0.05",
             "--liveness-floor", "3", "--quiet"]
+# how far two runs' final accuracies may lie apart. Async SGD in batches of 5 ends
+# where its last noisy steps leave it: eleven uninterrupted runs of TRAINING gave
+# 90.86-91.67% (sd 0.27 pp), and CI once saw 91.82 against a faulted run's 90.44.
+# 2 pp is over 4 sd of a difference, and still fails a run that learned visibly
+# worse than an uninterrupted one.
+ACCURACY_SPREAD = 0.02
 
 
 def start(results: Path, mnist: Path, *mpirun_flags) -> subprocess.Popen:
@@ -106,7 +112,7 @@ def test_a_killed_worker_is_dropped_and_the_run_finishes(tmp_path, mnist, refere
     # its remaining steps went to the others: the planned number of updates was made
     assert int(row["steps"]) == int(reference["steps"])
     assert row["updates_short"] == "0"
-    assert abs(float(row["test_accuracy"]) - float(reference["test_accuracy"])) <= 0.01
+    assert abs(float(row["test_accuracy"]) - float(reference["test_accuracy"])) <= ACCURACY_SPREAD
     status = json.loads((directory / "status.json").read_text())
     assert status["status"] == "ok"
     [lost] = status["lost_workers"]
@@ -139,7 +145,7 @@ def test_a_stalled_worker_is_dropped_and_leaves_when_it_wakes(tmp_path, mnist, r
     row = last_run(tmp_path)
     assert row["status"] == "ok" and "silent for" in row["lost_workers"]
     assert int(row["steps"]) == int(reference["steps"])
-    assert abs(float(row["test_accuracy"]) - float(reference["test_accuracy"])) <= 0.01
+    assert abs(float(row["test_accuracy"]) - float(reference["test_accuracy"])) <= ACCURACY_SPREAD
     assert "rank 3 on" in done.stderr and "was dropped by the parameter server" in done.stderr
     assert "restart" not in done.stderr.lower()
     assert alive(rank_pid(directory, r) for r in range(4)) == []
