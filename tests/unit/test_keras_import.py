@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from conftest import REPO
-from mpitrain.models.keras_import import is_api_package, loads_lazily
+import importlib.util
+
+from mpitrain.models.keras_import import _LazyLoader, is_api_package, loads_lazily
 
 PROBE = """
 import json, sys
@@ -19,12 +21,14 @@ found = {{"modules": before,
           "feature_columns_loaded": "tensorflow.python.feature_column.feature_column_v2"
                                     in sys.modules}}
 import sklearn.datasets, tensorflow as tf, keras
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+found["outputs"] = list(model(tf.data.Dataset.from_tensors([[1.0, 2.0, 3.0]]).get_single_element()).shape)
+found["legacy_keras_loaded"] = "tensorflow.python.keras" in sys.modules  # tf.nn was used
+found["cell"] = tf.nn.RNNCellDeviceWrapper.__name__  # tf.nn's re-export of legacy tf.keras
 found["column"] = tf.feature_column.numeric_column("x").key  # a lazy package, used
 found["mwms"] = tf.distribute.MultiWorkerMirroredStrategy.__name__
 found["v1"] = tf.compat.v1.nn.relu(tf.constant([-1.0, 2.0])).numpy().tolist()
 tf.compat.v1.reset_default_graph()  # as keras.backend.clear_session() does
-model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-found["outputs"] = list(model(tf.data.Dataset.from_tensors([[1.0, 2.0, 3.0]]).get_single_element()).shape)
 print(json.dumps(found))
 """
 
@@ -45,10 +49,12 @@ def test_the_quick_import_loads_less_and_everything_still_works():  # imports th
     assert quick["modules"] < 0.8 * plain["modules"], (quick, plain)
     assert quick["skipped_sklearn"] and not plain["skipped_sklearn"]
     assert not quick["feature_columns_loaded"] and plain["feature_columns_loaded"]
+    assert not quick["legacy_keras_loaded"] and plain["legacy_keras_loaded"]
     for found in (quick, plain):
         assert found["column"] == "x" and found["outputs"] == [1, 2]
         assert found["mwms"] == "CollectiveAllReduceStrategy"  # tf.distribute is the API
         assert found["v1"] == [0.0, 2.0]
+        assert found["cell"] == "DeviceWrapper"
 
 
 @pytest.mark.parametrize("name,api", [
@@ -68,3 +74,45 @@ def test_packages_named_like_a_real_tensorflow_package_load_at_once(tmp_path):
     assert loads_lazily("tensorflow._api.v2.data", [str(tmp_path)])
     assert loads_lazily("keras.layers", [str(tmp_path)])
     assert not loads_lazily("tensorflow.python.data", [str(tmp_path)])
+
+
+def lazy_package(directory, name: str, source: str):
+    """``name`` (a package in ``directory`` whose __init__ is ``source``), loaded as the
+    lazy finder loads an API package."""
+    (directory / name).mkdir()
+    (directory / name / "__init__.py").write_text(source)
+    (directory / name / "sub.py").write_text("VALUE = 3\n")
+    spec = importlib.util.spec_from_file_location(name, directory / name / "__init__.py",
+                                                  submodule_search_locations=[str(directory / name)])
+    spec.loader = _LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_package_of_reexports_binds_one_name_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "heavy_dep.py").write_text("import sys\nLOADED = True\n")
+    api = lazy_package(tmp_path, "api_pkg", '"""An API."""\nimport sys as _sys\n'
+                       "from json import dumps as to_json\nfrom heavy_dep import LOADED\n"
+                       "from api_pkg import sub\n")
+    try:
+        assert api.to_json([1]) == "[1]"
+        assert "heavy_dep" not in sys.modules  # its line did not run
+        assert api.sub.VALUE == 3  # a submodule imported by the package itself
+        assert api.LOADED and "heavy_dep" in sys.modules
+        with pytest.raises(AttributeError):
+            api.missing  # the rest runs; a name it lacks is an AttributeError
+    finally:
+        for name in ("api_pkg", "api_pkg.sub", "heavy_dep"):
+            sys.modules.pop(name, None)
+
+
+def test_a_package_that_does_more_than_import_runs_whole(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    api = lazy_package(tmp_path, "compat_pkg", "from json import dumps\nFLAG = 1\n")
+    try:
+        assert api.dumps(2) == "2" and api.__dict__["FLAG"] == 1
+    finally:
+        sys.modules.pop("compat_pkg", None)
