@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import LOCAL_HOSTFILE, learnable_images, mpi_env, mpirun, read_rows
+from conftest import (LOCAL_HOSTFILE, in_one_launch, learnable_images, mpi_env, mpirun,
+                      read_rows)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 import bn_model  # noqa: E402
@@ -77,10 +78,25 @@ def check_statistics(run_dir, row, data):
     return accuracy
 
 
+@pytest.fixture(scope="module")
+def two_epoch_runs(bn_data, tmp_path_factory):
+    """{mode: (run directory, runs.csv row)}: a 2-epoch sync and async run, one launch."""
+    out = tmp_path_factory.mktemp("bn-runs")
+    modes = {"sync": [], "async": ["--async"]}
+    in_one_launch(3, [[bn_model.SPEC, "--data", bn_data, "--batch-size", "32", "--epochs",
+                       "2", "--results-dir", out / mode, "--quiet", *extra]
+                      for mode, extra in modes.items()], out)
+    found = {}
+    for mode in modes:
+        row = read_rows(out / mode / "runs.csv")[-1]
+        assert row["status"] == "ok" and row["mode"] == mode, row
+        found[mode] = (out / mode / row["run"], row)
+    return found
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_batchnorm_statistics_are_kept_and_evaluated(bn_data, tmp_path, mode):
-    run_dir, row = train(3, bn_data, tmp_path, "--epochs", "2",
-                         *(["--async"] if mode == "async" else []))
+def test_batchnorm_statistics_are_kept_and_evaluated(bn_data, two_epoch_runs, mode):
+    run_dir, row = two_epoch_runs[mode]
     accuracy = check_statistics(run_dir, row, bn_data)
     assert accuracy > 0.9  # chance: 0.25
     assert len(read_rows(run_dir / "curve.csv")) == 3  # initial + 2 epochs (sync: each

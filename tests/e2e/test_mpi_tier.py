@@ -6,7 +6,10 @@ import pytest
 from conftest import REPO, mpirun_cmd, run_bounded
 
 
-@pytest.mark.parametrize("np_", [2, 4])  # 1: plain pytest; 4 covers the 3+ cases
+# 1: plain pytest. The quick tier runs -np 3, where the 2+ and 3+ cases all run; -np 2
+# (one worker) and 4 (oversubscribed) are in the whole suite.
+@pytest.mark.parametrize("np_", [pytest.param(2, marks=pytest.mark.slow), 3,
+                                 pytest.param(4, marks=pytest.mark.slow)])
 def test_mpi_tier_at_process_count(np_):
     cmd = mpirun_cmd(np_, "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:randomly",
                      str(REPO / "tests" / "mpi"), module="pytest")
