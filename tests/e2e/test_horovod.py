@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import horovod_python, mpirun, read_rows
+from conftest import horovod_python, in_one_launch, mpirun, read_rows
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +39,16 @@ def final_weights(results, name):
                                          pytest.param("lenet", 10, marks=pytest.mark.slow)])
 def test_engines_give_the_same_weights(mnist, tmp_path, python, model, steps):
     weights = {}
-    for engine in ("mpi", "horovod"):
-        out = tmp_path / engine
-        timeline = ["--horovod-timeline"] if engine == "horovod" else []
-        result = mpirun(3, model, "--allreduce", engine, "--steps", str(steps), "--data-dir",
-                        mnist, "--results-dir", out, "--quiet", *timeline, timeout=600,
-                        python=python)
-        assert result.returncode == 0, result.stderr[-3000:]
-        weights[engine], row = final_weights(out, engine)
-        assert row["engine"] == engine and int(row["steps"]) == steps
-        if timeline:
-            check_horovod_run(out, row)
+    engines = {"mpi": [], "horovod": ["--horovod-timeline"]}
+    in_one_launch(3, [[model, "--allreduce", engine, "--steps", steps, "--data-dir", mnist,
+                       "--results-dir", tmp_path / engine, "--quiet", *extra]
+                      for engine, extra in engines.items()], tmp_path, timeout=600,
+                  python=python)
+    rows = {}
+    for engine in engines:
+        weights[engine], rows[engine] = final_weights(tmp_path / engine, engine)
+        assert rows[engine]["engine"] == engine and int(rows[engine]["steps"]) == steps
+    check_horovod_run(tmp_path / "horovod", rows["horovod"])
     diff = np.abs(weights["mpi"] - weights["horovod"]).max()
     print(f"{model}: max |w_mpi - w_horovod| after {steps} steps = {diff:.3g}")
     np.testing.assert_allclose(weights["horovod"], weights["mpi"], rtol=RTOL, atol=ATOL)
@@ -61,12 +60,12 @@ def test_fp16_compression_with_horovod(mnist, tmp_path, python):
     float16, where the MPI engine sums in float32), so the weights agree to float16's
     precision, not bit for bit; half the bytes either way."""
     weights = {}
+    in_one_launch(3, [["lr", "--allreduce", engine, "--compression", "fp16", "--steps", "20",
+                       "--data-dir", mnist, "--results-dir", tmp_path / engine, "--quiet",
+                       "--sample-interval", "0"] for engine in ("mpi", "horovod")],
+                  tmp_path, timeout=600, python=python)
     for engine in ("mpi", "horovod"):
         out = tmp_path / engine
-        result = mpirun(3, "lr", "--allreduce", engine, "--compression", "fp16", "--steps",
-                        "20", "--data-dir", mnist, "--results-dir", out, "--quiet",
-                        "--sample-interval", "0", timeout=600, python=python)
-        assert result.returncode == 0, result.stderr[-3000:]
         weights[engine], row = final_weights(out, engine)
         assert row["compression"] == "fp16"
         sent = [int(r["sent_bytes"]) // int(r["sent_msgs"])
