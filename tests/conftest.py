@@ -21,6 +21,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +44,11 @@ def _exclusive_or_shared(request, tmp_path_factory):
     exclusive = request.node.get_closest_marker("exclusive") is not None
     root = session_dir(tmp_path_factory)
     with open(root / "suite.lock", "a") as lock, open(root / "turnstile.lock", "a") as gate:
+        waiting = time.monotonic()
         with _flock(gate, fcntl.LOCK_EX):
             fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        # not the test's own time (tests/durations.json leaves it out)
+        request.node.user_properties.append(("lock_wait", time.monotonic() - waiting))
         try:
             yield
         finally:
@@ -79,7 +83,9 @@ def pytest_collection_modifyitems(items):
 
 def pytest_runtest_logreport(report):
     if os.environ.get("MPITRAIN_RECORD_DURATIONS"):
-        _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
+        own = report.duration - dict(report.user_properties).get("lock_wait", 0.0) * (
+            report.when == "setup")
+        _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + max(0.0, own)
 
 
 def pytest_sessionfinish(session):
