@@ -72,6 +72,12 @@ def pytest_collection_modifyitems(items):
         seconds = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
         return
+    longest_files_first(items, seconds)
+
+
+def longest_files_first(items, seconds: dict) -> None:
+    """Sort ``items`` (having ``nodeid``) in place: files by the sum of their items'
+    ``seconds``, longest first, ties and each file's items in their original order."""
     per_file, first = {}, {}
     for i, item in enumerate(items):
         name = item.nodeid.split("::")[0]

@@ -1,0 +1,24 @@
+"""The suite's own file order (tests/conftest.py): longest files first."""
+
+from types import SimpleNamespace
+
+from conftest import longest_files_first
+
+
+def ids(*nodeids):
+    return [SimpleNamespace(nodeid=n) for n in nodeids]
+
+
+def test_files_go_longest_first_and_keep_their_tests_together_in_order():
+    items = ids("a.py::t1", "a.py::t2", "b.py::t1", "c.py::t1", "c.py::t2")
+    seconds = {"a.py::t1": 1, "a.py::t2": 1, "b.py::t1": 5, "c.py::t1": 0.5, "c.py::t2": 9}
+    longest_files_first(items, seconds)
+    assert [i.nodeid for i in items] == ["c.py::t1", "c.py::t2", "b.py::t1", "a.py::t1",
+                                         "a.py::t2"]
+
+
+def test_only_the_selected_tests_count_and_unknown_ones_count_nothing():
+    # b.py's long test was deselected (-m "not slow"): b.py now weighs 1 s, after a.py
+    items = ids("a.py::t1", "b.py::quick", "d.py::new")
+    longest_files_first(items, {"a.py::t1": 2, "b.py::quick": 1, "b.py::slow": 100})
+    assert [i.nodeid for i in items] == ["a.py::t1", "b.py::quick", "d.py::new"]
