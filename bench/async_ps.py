@@ -8,8 +8,9 @@
    few hundred messages/s once three ranks share two cores. mpitrain's server
    (real protocol code, numpy optimizer) is measured the same way. Each of the
    three is the best of ``--rounds`` (2) interleaved rounds: one sample is
-   bimodal here (a server that stays in its sleeping poll policy at the start
-   makes ~1.6k updates/s, 5-10x below its usual rate).
+   bimodal here (some rounds of mpitrain's server make ~1.6k updates/s, 5-10x
+   below its usual rate; the cause is not established: starting the server in
+   its polling policy instead of its sleeping one changed nothing measurable).
    Ratio mpitrain / bound (target >= 0.5).
 2. **Async vs sync epoch time** on LR at -np 3 (and 4), real CLI runs, same epochs.
 

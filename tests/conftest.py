@@ -68,11 +68,9 @@ def pytest_collection_modifyitems(items):
     files are handed out in this order, so a long file handed out last leaves the other
     worker idle: the quick tier's last file was the 50 s tests/unit/test_plots.py, and a
     sampler saw 15% of the CPU idle, most of it at the end. Unknown tests count 0 s."""
-    try:
-        seconds = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
-        return
-    longest_files_first(items, seconds)
+    seconds = _measured_seconds()
+    if seconds:
+        longest_files_first(items, seconds)
 
 
 def longest_files_first(items, seconds: dict) -> None:
@@ -87,19 +85,24 @@ def longest_files_first(items, seconds: dict) -> None:
                                  first[item.nodeid.split("::")[0]]))
 
 
+def _measured_seconds() -> dict:
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def pytest_runtest_logreport(report):
     if os.environ.get("MPITRAIN_RECORD_DURATIONS"):
-        own = report.duration - dict(report.user_properties).get("lock_wait", 0.0) * (
-            report.when == "setup")
+        own = report.duration
+        if report.when == "setup":  # the lock fixture's wait is not the test's own time
+            own -= dict(report.user_properties).get("lock_wait", 0.0)
         _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + max(0.0, own)
 
 
 def pytest_sessionfinish(session):
     if _recorded and not os.environ.get("PYTEST_XDIST_WORKER"):
-        try:
-            seconds = json.loads(DURATIONS.read_text())
-        except (OSError, ValueError):
-            seconds = {}
+        seconds = _measured_seconds()
         seconds.update({name: round(s, 2) for name, s in _recorded.items()})
         DURATIONS.write_text(json.dumps(dict(sorted(seconds.items())), indent=0) + "\n")
 
@@ -228,6 +231,18 @@ def in_one_launch(np_: int, runs, workdir: Path, timeout: float = 900, **kw):
     return result
 
 
+def named_runs_in_one_launch(np_: int, runs: dict, out: Path, **kw) -> dict:
+    """``runs`` ({name: ``mpitrain`` arguments}) in one launch (in_one_launch), each with
+    ``--results-dir out/name``: {name: (its run directory, its runs.csv row)}."""
+    in_one_launch(np_, [[*args, "--results-dir", out / name] for name, args in runs.items()],
+                  out, **kw)
+    found = {}
+    for name in runs:
+        row = read_rows(out / name / "runs.csv")[-1]
+        found[name] = (out / name / row["run"], row)
+    return found
+
+
 #: The LR accuracy runs the acceptance tests compare (default LR, 30 epochs on the real
 #: MNIST), by process count. The first test that asks for one at some -np runs all of
 #: that -np's in one launch (in_one_launch); a test asking for another must add it here.
@@ -264,9 +279,10 @@ def lr_runs(np_: int, results: Path) -> dict:
     """Every LR_ACCURACY_RUNS[np_] run in one launch: {options: test accuracy}."""
     options = LR_ACCURACY_RUNS[np_]
     results.mkdir()
-    in_one_launch(np_, [["lr", "--data-dir", mnist_dir(), "--results-dir", results / str(i),
-                         "--quiet", *extra] for i, extra in enumerate(options)], results)
-    return {" ".join(extra): float(read_rows(results / str(i) / "runs.csv")[-1]["test_accuracy"])
+    found = named_runs_in_one_launch(np_, {str(i): ["lr", "--data-dir", mnist_dir(), "--quiet",
+                                                    *extra] for i, extra in enumerate(options)},
+                                     results)
+    return {" ".join(extra): float(found[str(i)][1]["test_accuracy"])
             for i, extra in enumerate(options)}
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (LOCAL_HOSTFILE, in_one_launch, learnable_images, mpi_env, mpirun,
-                      read_rows)
+from conftest import (LOCAL_HOSTFILE, learnable_images, mpi_env, mpirun,
+                      named_runs_in_one_launch, read_rows)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 import bn_model  # noqa: E402
@@ -81,16 +81,11 @@ def check_statistics(run_dir, row, data):
 @pytest.fixture(scope="module")
 def two_epoch_runs(bn_data, tmp_path_factory):
     """{mode: (run directory, runs.csv row)}: a 2-epoch sync and async run, one launch."""
-    out = tmp_path_factory.mktemp("bn-runs")
-    modes = {"sync": [], "async": ["--async"]}
-    in_one_launch(3, [[bn_model.SPEC, "--data", bn_data, "--batch-size", "32", "--epochs",
-                       "2", "--results-dir", out / mode, "--quiet", *extra]
-                      for mode, extra in modes.items()], out)
-    found = {}
-    for mode in modes:
-        row = read_rows(out / mode / "runs.csv")[-1]
+    common = [bn_model.SPEC, "--data", bn_data, "--batch-size", "32", "--epochs", "2", "--quiet"]
+    found = named_runs_in_one_launch(3, {"sync": common, "async": [*common, "--async"]},
+                                     tmp_path_factory.mktemp("bn-runs"))
+    for mode, (_, row) in found.items():
         assert row["status"] == "ok" and row["mode"] == mode, row
-        found[mode] = (out / mode / row["run"], row)
     return found
 
 

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import horovod_python, in_one_launch, mpirun, read_rows
+from conftest import horovod_python, mpirun, named_runs_in_one_launch, read_rows
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +28,10 @@ def python():
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def final_weights(results, name):
-    row = read_rows(results / "runs.csv")[-1]
+def final_weights(run_dir, row):
     assert row["status"] == "ok"
-    with np.load(results / row["run"] / "checkpoint.npz") as ckpt:
-        return ckpt["weights"].copy(), row
+    with np.load(run_dir / "checkpoint.npz") as ckpt:
+        return ckpt["weights"].copy()
 
 
 @pytest.mark.parametrize("model,steps", [("lr", 20),
@@ -40,15 +39,14 @@ def final_weights(results, name):
 def test_engines_give_the_same_weights(mnist, tmp_path, python, model, steps):
     weights = {}
     engines = {"mpi": [], "horovod": ["--horovod-timeline"]}
-    in_one_launch(3, [[model, "--allreduce", engine, "--steps", steps, "--data-dir", mnist,
-                       "--results-dir", tmp_path / engine, "--quiet", *extra]
-                      for engine, extra in engines.items()], tmp_path, timeout=600,
-                  python=python)
-    rows = {}
-    for engine in engines:
-        weights[engine], rows[engine] = final_weights(tmp_path / engine, engine)
-        assert rows[engine]["engine"] == engine and int(rows[engine]["steps"]) == steps
-    check_horovod_run(tmp_path / "horovod", rows["horovod"])
+    runs = named_runs_in_one_launch(3, {engine: [model, "--allreduce", engine, "--steps", steps,
+                                                 "--data-dir", mnist, "--quiet", *extra]
+                                        for engine, extra in engines.items()},
+                                    tmp_path, timeout=600, python=python)
+    for engine, (run_dir, row) in runs.items():
+        weights[engine] = final_weights(run_dir, row)
+        assert row["engine"] == engine and int(row["steps"]) == steps
+    check_horovod_run(tmp_path / "horovod", runs["horovod"][1])
     diff = np.abs(weights["mpi"] - weights["horovod"]).max()
     print(f"{model}: max |w_mpi - w_horovod| after {steps} steps = {diff:.3g}")
     np.testing.assert_allclose(weights["horovod"], weights["mpi"], rtol=RTOL, atol=ATOL)
@@ -60,16 +58,16 @@ def test_fp16_compression_with_horovod(mnist, tmp_path, python):
     float16, where the MPI engine sums in float32), so the weights agree to float16's
     precision, not bit for bit; half the bytes either way."""
     weights = {}
-    in_one_launch(3, [["lr", "--allreduce", engine, "--compression", "fp16", "--steps", "20",
-                       "--data-dir", mnist, "--results-dir", tmp_path / engine, "--quiet",
-                       "--sample-interval", "0"] for engine in ("mpi", "horovod")],
-                  tmp_path, timeout=600, python=python)
-    for engine in ("mpi", "horovod"):
-        out = tmp_path / engine
-        weights[engine], row = final_weights(out, engine)
+    runs = named_runs_in_one_launch(3, {engine: ["lr", "--allreduce", engine, "--compression",
+                                                 "fp16", "--steps", "20", "--data-dir", mnist,
+                                                 "--quiet", "--sample-interval", "0"]
+                                        for engine in ("mpi", "horovod")},
+                                    tmp_path, timeout=600, python=python)
+    for engine, (run_dir, row) in runs.items():
+        weights[engine] = final_weights(run_dir, row)
         assert row["compression"] == "fp16"
         sent = [int(r["sent_bytes"]) // int(r["sent_msgs"])
-                for r in read_rows(out / row["run"] / "comm.csv")
+                for r in read_rows(run_dir / "comm.csv")
                 if r["kind"] == "allreduce" and r["role"] == "worker"]
         assert sent == [2 * (7850 + 1 + 2 + 1)] * 2  # float16 gradient + status tail, padded
     diff = np.abs(weights["mpi"] - weights["horovod"]).max()

@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import pytest
 
-from conftest import in_one_launch, read_rows
+from conftest import named_runs_in_one_launch, read_rows
 
 N_PARAMS = 7850  # LR: 784 x 10 + 10
 HEADER_FLOATS = 8  # async messages carry an 8-float header
@@ -22,17 +22,11 @@ EPOCHS = 2
 def runs(tmp_path_factory):
     from conftest import mnist_dir
 
-    out = tmp_path_factory.mktemp("telemetry")
-    modes = {"sync": [], "async": ["--async"]}
+    common = ["lr", "--epochs", EPOCHS, "--sample-interval", "0.2", "--data-dir", mnist_dir(),
+              "--quiet"]
     # one launch (each run counts its own traffic and samples from its own start)
-    in_one_launch(3, [["lr", *extra, "--epochs", EPOCHS, "--sample-interval", "0.2",
-                       "--data-dir", mnist_dir(), "--results-dir", out / name, "--quiet"]
-                      for name, extra in modes.items()], out)
-    found = {}
-    for name in modes:
-        row = read_rows(out / name / "runs.csv")[-1]
-        found[name] = (out / name / row["run"], row)
-    return found
+    return named_runs_in_one_launch(3, {"sync": common, "async": [*common, "--async"]},
+                                    tmp_path_factory.mktemp("telemetry"))
 
 
 def by_rank(rows, key="rank"):

@@ -1,6 +1,7 @@
 """TensorFlow and Keras imported the quick way (mpitrain.models.keras_import): less is
 loaded at start-up, and everything stays usable."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -8,8 +9,6 @@ import sys
 import pytest
 
 from conftest import REPO
-import importlib.util
-
 from mpitrain.models.keras_import import _LazyLoader, is_api_package, loads_lazily
 
 PROBE = """
