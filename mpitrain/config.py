@@ -28,6 +28,8 @@ OUTPUTS = ("logits", "probabilities")
 ALLREDUCE_WAITS = ("auto", "spin", "poll")
 #: values of --compile (see mpitrain.models.replica.step_function)
 COMPILERS = ("auto", "graph", "xla")
+#: values of --overlap (see mpitrain.train.overlap)
+OVERLAPS = ("auto", "on", "off")
 HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
                    "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
                    "--no-build-isolation horovod==0.28.1")
@@ -87,6 +89,15 @@ class Config:
         "of seconds per batch shape; a model it cannot compile falls back to graph), or "
         "auto (graph, but XLA for the update of models of 10M parameters or more, "
         "whose memory-bound update it halves)", "auto", flag="--compile", choices=COMPILERS)
+    overlap: str = _opt(
+        "sync only: allreduce the gradient in buckets of --bucket-mb, each one started "
+        "while back-propagation still computes the layers before it (as Horovod and "
+        "PyTorch DDP do): on, off, or auto (on for the mpi engine when the gradient "
+        "fills two buckets or more, without --compile xla or --compression fp16)",
+        "auto", flag="--overlap", choices=OVERLAPS)
+    bucket_mb: float = _opt(
+        "with --overlap: megabytes of gradient per allreduce bucket (PyTorch DDP's "
+        "default, 25)", 25.0, flag="--bucket-mb", type=float, metavar="MB")
     staleness: Optional[int] = _opt(
         "async only: bound on staleness (server updates between the version a gradient "
         "was computed at and its application). 0 = one worker computes at a time on the "
@@ -276,6 +287,19 @@ class Config:
                 raise UsageError(horovod_missing())
         elif self.horovod_timeline:
             raise UsageError("--horovod-timeline needs --allreduce horovod")
+        if not self.bucket_mb > 0:
+            raise UsageError(f"--bucket-mb must be a positive number (got {self.bucket_mb})")
+        if self.overlap == "on":
+            if self.async_mode:
+                raise UsageError("--overlap on overlaps the sync allreduce: drop --async "
+                                 "(async workers push whole gradients)")
+            if self.compression != "none":
+                raise UsageError("--overlap on moves float32 buckets: drop --compression "
+                                 f"{self.compression} or use --overlap off")
+            if self.compiler == "xla":
+                raise UsageError("--overlap on hands each bucket to MPI from inside the "
+                                 "gradient step, which XLA cannot compile: use --compile "
+                                 "auto or graph, or --overlap off")
         if self.async_mode and self.world_size < 2:
             raise UsageError(
                 "--async needs a parameter server and at least one worker: "

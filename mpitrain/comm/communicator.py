@@ -211,7 +211,7 @@ class Comm:
         return buf
 
     def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
-                       kind: str = "allreduce") -> np.ndarray:
+                       kind: str = "allreduce", computing: bool = False) -> np.ndarray:
         """Replace ``buf`` on every rank by the sum of all ranks' ``buf``, in place.
 
         One MPI allreduce on the whole (fused) buffer; a sync worker sends its
@@ -225,11 +225,14 @@ class Comm:
         bound held by a watchdog thread (:class:`SpinWatch`), when this host has a
         core for every rank of the job; else started nonblocking and polled with the HOT
         backoff, which yields the core. Both are bounded by the communicator's
-        timeout and keep calling :attr:`while_waiting`.
+        timeout and keep calling :attr:`while_waiting`. ``computing``: this process
+        computes meanwhile (an overlapped bucket, :mod:`mpitrain.train.overlap`), so
+        it polls even where it could spin: a spinning thread would take a core from
+        the computation it overlaps.
         """
         if self.size == 1:
             return buf
-        if self._spin is not None and self._failures.pending is None:
+        if self._spin is not None and self._failures.pending is None and not computing:
             seconds = self._spin.run(self._sum_in_place, buf, self.timeout, what,
                                      self.while_waiting)
         else:

@@ -40,7 +40,8 @@ class HorovodAllreduce:
         self.size = hvd.size()
 
     def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
-                       kind: str = "allreduce") -> np.ndarray:
+                       kind: str = "allreduce", computing: bool = False) -> np.ndarray:
+        # (computing: Horovod's background thread waits for it in any case)
         total = self.hvd.allreduce(self.tf.constant(buf), op=self.hvd.Sum,
                                    name="mpitrain_gradient")
         buf[:] = total.numpy()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import zlib
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -249,6 +249,22 @@ class Replica:
             for v, part in zip(variables, unflatten(flat)):
                 v.assign(part)
 
+        def grad_in_buckets(x, y, scale, hand_offs):
+            """The gradient handed out bucket by bucket as back-propagation produces it:
+            ``hand_offs`` is [(variable indices, callback)], each callback a stateful
+            ``numpy_function`` that runs as soon as its variables' gradients exist."""
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+                scaled = loss * scale
+            grads = tape.gradient(scaled, variables)
+            for indices, hand_off in hand_offs:
+                tf.numpy_function(hand_off, [grads[i] for i in indices], tf.int32,
+                                  stateful=True, name="mpitrain_bucket")
+            # the norm only flags a non-finite gradient: per-variable sums will do
+            squares = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+            return loss, tf.sqrt(squares)
+
+        self._grad_in_buckets_fn, self._batch_spec = grad_in_buckets, batch_spec
         self._grad, self._grad_at, self._apply, self._train_step = grad, grad_at, apply, train_step
         self._eval_batch, self._set_weights = eval_batch, set_weights
         self._tail = None
@@ -271,6 +287,62 @@ class Replica:
         where scaling the gradient after it is a pass over every parameter."""
         flat, loss, norm = self._grad(x, y, self._zeros(tail), np.float32(scale))
         return self._keep(flat), float(loss), float(norm)
+
+    def gradient_buckets(self, bucket_bytes: float) -> List[Tuple[int, int]]:
+        """The flat gradient cut into buckets of whole variables, ``[(lo, hi), ...]`` in the
+        order back-propagation produces them (last layer first), each of at least
+        ``bucket_bytes`` (float32) but the last, which ends at 0. The same on every rank."""
+        offsets = np.cumsum([0] + self.sizes)
+        bounds, hi = [], self.n_params
+        for i in reversed(range(len(self.sizes))):
+            if 4 * (hi - offsets[i]) >= bucket_bytes:
+                bounds.append((int(offsets[i]), hi))
+                hi = int(offsets[i])
+        if hi > 0:
+            bounds.append((0, hi))
+        return bounds
+
+    def bucketed_grad(self, bounds: List[Tuple[int, int]], tail: int,
+                      on_ready: Callable[[int], None]):
+        """A gradient step that fills ONE persistent fused buffer (``n_params + tail``
+        float32, the tail zeros the caller's) bucket by bucket while back-propagation
+        runs, calling ``on_ready(b)`` (from a TensorFlow thread) as soon as bucket ``b``
+        of ``bounds`` (:meth:`gradient_buckets`) is in it.
+
+        Returns ``(grad, buffer)``: ``grad(x, y, scale) -> (buffer, loss, norm)``, like
+        :meth:`grad`, always the same buffer, which :meth:`apply` hands TensorFlow as
+        the tensor behind it, without a copy. Each gradient is copied once, into its
+        place in the buffer, as :meth:`grad`'s one concatenation does."""
+        import tensorflow as tf
+
+        fused = tf.fill([self.n_params + tail], np.float32(0))  # a fresh buffer, ours alone
+        view = fused._numpy()  # noqa: SLF001 - writable, no copy (see _keep)
+        starts = np.cumsum([0] + self.sizes)
+        hand_offs = []
+        for b, (lo, hi) in enumerate(bounds):
+            indices = [i for i in range(len(self.sizes)) if lo <= starts[i] < hi]
+
+            def hand_off(*grads, b=b, lo=lo):
+                offset = lo
+                for g in grads:
+                    view[offset:offset + g.size] = g.reshape(-1)
+                    offset += g.size
+                on_ready(b)
+                return np.int32(0)
+
+            hand_offs.append((indices, hand_off))
+        fn = tf.function(lambda x, y, scale: self._grad_in_buckets_fn(x, y, scale, hand_offs),
+                         input_signature=self._batch_spec + [tf.TensorSpec((), tf.float32)],
+                         autograph=False)
+        self.compiled["grad_in_buckets"] = "graph"
+
+        def grad(x: np.ndarray, y: np.ndarray, scale: float) -> Tuple[np.ndarray, float, float]:
+            view[self.n_params:] = 0.0
+            loss, norm = fn(x, y, np.float32(scale))
+            self._fused, self._fused_view = fused, view
+            return view, float(loss), float(norm)
+
+        return grad, view
 
     def _keep(self, flat) -> np.ndarray:
         """A writable numpy view of the output tensor ``flat``, no copy (``.numpy()``

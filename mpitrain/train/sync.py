@@ -69,6 +69,7 @@ from .compression import sync_engine
 from .context import (Context, Summary, diverged, interrupted, is_checkpoint_point,
                       is_eval_point, worker_batches)
 from .evaluation import Evaluator, Stopwatch
+from .overlap import exchange_for
 from .protocol import (CHECKPOINT, DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED,
                        REPORT, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
                        SilentPeers, new_message, sentinel, stalled)
@@ -152,13 +153,26 @@ def _rng_table(ckpt, size: int, width: int) -> np.ndarray:
 # Workers
 # ---------------------------------------------------------------------------------------
 def _work(ctx: Context, link, start_step: int) -> Summary:
-    replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
-    n, n_workers, me = replica.n_params, workers.size, workers.rank
+    replica, workers = ctx.replica, ctx.comm.workers
+    n, n_workers = replica.n_params, workers.size
     alone = n_workers == 1  # nothing to average: use the fused one-call step
     tail = 1 + n_workers  # the status tail: a stop flag, a loss per worker
     engine = workers if alone else sync_engine(
         gradient_engine(ctx.cfg, workers, ctx.run_dir), ctx.cfg.compression, n, n + tail)
     transfer = 0.0 if alone else allreduce_cost(workers, engine, n + tail)
+    # the gradient comes divided by the number of workers: their sum is the mean
+    exchange = None if alone else exchange_for(ctx.cfg, replica, engine, tail,
+                                               1.0 / n_workers, workers)
+    try:
+        return _steps(ctx, link, start_step, exchange, transfer)
+    finally:
+        if exchange is not None:
+            exchange.close()
+
+
+def _steps(ctx: Context, link, start_step: int, exchange, transfer: float) -> Summary:
+    replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
+    n, me, alone = replica.n_params, workers.rank, exchange is None
     loss_sum, n_batches, step = 0.0, 0, start_step
     timer.restart()  # every second of an epoch is accounted from here on
     for epoch, step, x, y, end_of_epoch in worker_batches(ctx, start_step):
@@ -167,12 +181,11 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
             loss, norm = replica.train_step(x, y)
             stop, losses = bool(ctx.stop), [sentinel(loss, norm)]
         else:
-            # the gradient comes divided by the number of workers: their sum is the mean
-            buf, loss, norm = replica.grad(x, y, tail=tail, scale=1.0 / n_workers)
+            buf, loss, norm = exchange.grad(x, y)
             buf[n] = 1.0 if ctx.stop else 0.0
             buf[n + 1 + me] = sentinel(loss, norm)
             with timer.collective(transfer):  # moving the data + waiting for the slowest
-                engine.allreduce_sum_(buf)
+                exchange.allreduce_(buf)
             stop, losses = bool(buf[n] > 0), list(buf[n + 1:])
         nonfinite = [w for w, value in enumerate(losses) if not math.isfinite(value)]
         if not alone and not nonfinite:

@@ -1,0 +1,151 @@
+"""How a sync worker's gradient reaches the allreduce: whole after back-propagation, or
+in buckets while back-propagation still runs (``--overlap``).
+
+Back-propagation produces the gradient from the last layer to the first. With
+overlap, the gradient is cut into buckets of whole variables of about
+``--bucket-mb`` each, in that order (:meth:`Replica.gradient_buckets`); as soon as
+TensorFlow has a bucket's gradients, a ``numpy_function`` inside the step copies
+them into their place in the fused buffer and a background thread of this module
+allreduces that bucket while TensorFlow computes the layers before it: Horovod's
+and PyTorch DDP's design. The caller then sums the status tail (stop flag,
+losses) with one small allreduce once the step has returned, so every worker
+still learns at the same step who stopped or diverged.
+
+Cross-rank contract: every worker makes the same calls in the same order, bucket
+0 (the last layers) first, then the tail, whatever order TensorFlow fills the
+buckets in; each bucket's sum is bit-identical on every worker (one MPI
+allreduce each), so replicas stay identical. With two workers a sum is one
+addition, so the weights are also bit-identical to the fused exchange's.
+
+Only one thread makes MPI calls at a time: the background thread while the step
+computes, the caller's once the buckets are summed (the caller waits for them
+first), so MPI's thread level needs only be SERIALIZED (it is MULTIPLE).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import CommTimeout
+
+#: seconds the background thread waits for TensorFlow between looks at an abort
+LOOK_EVERY = 1.0
+
+
+class FusedExchange:
+    """The whole gradient and the status tail in ONE allreduce after the step."""
+
+    def __init__(self, replica, engine, tail: int, scale: float):
+        self.replica, self.engine, self.tail, self.scale = replica, engine, tail, scale
+
+    def grad(self, x: np.ndarray, y: np.ndarray) -> Tuple[np.ndarray, float, float]:
+        """(fused buffer: the scaled gradient then ``tail`` zeros, loss, gradient norm)."""
+        return self.replica.grad(x, y, tail=self.tail, scale=self.scale)
+
+    def allreduce_(self, buf: np.ndarray) -> None:
+        """Sum ``buf`` (the gradient and the status tail the caller wrote) over the
+        workers, in place. Collective over the workers."""
+        self.engine.allreduce_sum_(buf)
+
+    def close(self) -> None:
+        pass
+
+
+class BucketedExchange(FusedExchange):
+    """The gradient's buckets allreduced in a background thread as back-propagation
+    fills them; :meth:`allreduce_` waits for them and sums the status tail."""
+
+    def __init__(self, replica, engine, tail: int, scale: float,
+                 bounds: List[Tuple[int, int]], bound_seconds: float, me: str):
+        super().__init__(replica, engine, tail, scale)
+        self.bounds = bounds
+        self.bound_seconds = bound_seconds  # the caller's wait for the background buckets
+        self.me = me  # 'rank R on HOST', for the timeout's message
+        self._ready = [threading.Event() for _ in bounds]
+        self._grad, self._buf = replica.bucketed_grad(bounds, tail, self._ready_now)
+        self._start = threading.Event()  # a step began: its buckets are coming
+        self._done = threading.Event()  # this step's buckets are summed, or one failed
+        self._done.set()
+        self._error: Optional[BaseException] = None
+        self._abort = False  # the step failed on this rank: sum no more buckets
+        self._closing = False
+        self._thread: Optional[threading.Thread] = None
+
+    def _ready_now(self, bucket: int) -> None:  # called from a TensorFlow thread
+        self._ready[bucket].set()
+
+    def grad(self, x: np.ndarray, y: np.ndarray) -> Tuple[np.ndarray, float, float]:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True,
+                                            name="mpitrain bucket allreduce")
+            self._thread.start()
+        for ready in self._ready:
+            ready.clear()
+        self._error, self._abort = None, False
+        self._done.clear()
+        self._start.set()
+        try:
+            return self._grad(x, y, self.scale)
+        except BaseException:
+            self._abort = True  # the others will time out on this rank's buckets
+            raise
+
+    def allreduce_(self, buf: np.ndarray) -> None:
+        if not self._done.wait(self.bound_seconds):
+            raise CommTimeout(f"{self.me} waited {self.bound_seconds:g} s for the gradient "
+                              "buckets' allreduce; a rank is stalled or dead (raise "
+                              "--timeout if this step is legitimately slower)")
+        if self._error is not None:
+            raise self._error
+        n = self.replica.n_params
+        self.engine.allreduce_sum_(buf[n:], what="the status allreduce")
+
+    def _serve(self) -> None:
+        while True:
+            self._start.wait()  # idle between steps; a daemon thread, ended by close()
+            self._start.clear()
+            if self._closing:
+                return
+            try:
+                self._sum_buckets()
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                self._error = e
+            finally:
+                self._done.set()
+
+    def _sum_buckets(self) -> None:
+        count = len(self.bounds)
+        for b, (lo, hi) in enumerate(self.bounds):
+            while not self._ready[b].wait(LOOK_EVERY):
+                if self._abort:
+                    return
+            self.engine.allreduce_sum_(self._buf[lo:hi], computing=True,
+                                       what=f"the gradient allreduce (bucket {b + 1} of "
+                                            f"{count})")
+
+    def close(self) -> None:
+        """End the background thread (after the last step)."""
+        if self._thread is not None:
+            self._closing = True
+            self._start.set()
+            self._thread.join(LOOK_EVERY)
+
+
+def exchange_for(cfg, replica, engine, tail: int, scale: float, workers):
+    """The exchange ``cfg.overlap`` asks for: buckets where it is 'on', or 'auto' and
+    the gradient fills two buckets or more on the mpi engine (with no fp16
+    compression and no XLA step, which cannot call out to MPI); else fused.
+    Every worker decides the same (same config, same model)."""
+    bounds = replica.gradient_buckets(cfg.bucket_mb * 2**20)
+    wanted = cfg.overlap == "on" or (
+        cfg.overlap == "auto" and len(bounds) >= 2 and cfg.allreduce == "mpi"
+        and cfg.compression == "none" and cfg.compiler != "xla")
+    if not wanted:
+        return FusedExchange(replica, engine, tail, scale)
+    # each bucket's allreduce has the workers' bound; this one only catches a thread gone
+    bound = workers.timeout * (len(bounds) + 1) + 10.0
+    return BucketedExchange(replica, engine, tail, scale, bounds, bound,
+                            workers.name(workers.rank))
