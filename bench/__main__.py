@@ -24,10 +24,11 @@ BENCHMARKS = {
     "netns": "LR and LeNet epoch time on the emulated 3-node cluster, 10 GbE vs 1 GbE",
     "compression": "--compression fp16 vs float32 on the emulated cluster at 1 GbE",
     "lower_bound": "sync step / compute-only step at 2 workers (LeNet, AlexNet)",
+    "overlap": "AlexNet sync step time with --overlap on vs off, shared memory and 1 GbE",
     "startup": "CPU of importing TensorFlow and Keras: mpitrain's way vs plain",
 }
 ALL = ["comm", "engines", "async_engines", "scaling", "sync_step", "async_ps", "sampler",
-       "netns", "compression", "lower_bound", "startup"]
+       "netns", "compression", "lower_bound", "overlap", "startup"]
 
 
 def main(argv):

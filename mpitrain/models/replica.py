@@ -138,6 +138,22 @@ def step_function(input_signature, xla: bool, modes: Dict[str, str]):
     return decorate
 
 
+def bucket_bounds(sizes, bucket_bytes: float) -> List[Tuple[int, int]]:
+    """A flat float32 vector of variables of ``sizes`` cut into buckets of whole
+    variables, ``[(lo, hi), ...]`` in the order back-propagation produces them (last
+    variable first): each bucket is the fewest variables that make ``bucket_bytes``,
+    the last bucket whatever remains. The same on every rank for the same model."""
+    offsets = np.cumsum([0] + list(sizes))
+    bounds, hi = [], int(offsets[-1])
+    for i in reversed(range(len(sizes))):
+        if 4 * (hi - offsets[i]) >= bucket_bytes:
+            bounds.append((int(offsets[i]), hi))
+            hi = int(offsets[i])
+    if hi > 0:
+        bounds.append((0, hi))
+    return bounds
+
+
 #: parameters from which ``compiler='auto'`` compiles the update with XLA. The update is
 #: elementwise and memory-bound (momentum SGD reads and writes every parameter a few
 #: times; graph mode makes a temporary per operation, XLA fuses them): measured,
@@ -289,18 +305,8 @@ class Replica:
         return self._keep(flat), float(loss), float(norm)
 
     def gradient_buckets(self, bucket_bytes: float) -> List[Tuple[int, int]]:
-        """The flat gradient cut into buckets of whole variables, ``[(lo, hi), ...]`` in the
-        order back-propagation produces them (last layer first), each of at least
-        ``bucket_bytes`` (float32) but the last, which ends at 0. The same on every rank."""
-        offsets = np.cumsum([0] + self.sizes)
-        bounds, hi = [], self.n_params
-        for i in reversed(range(len(self.sizes))):
-            if 4 * (hi - offsets[i]) >= bucket_bytes:
-                bounds.append((int(offsets[i]), hi))
-                hi = int(offsets[i])
-        if hi > 0:
-            bounds.append((0, hi))
-        return bounds
+        """This model's flat gradient in buckets: see :func:`bucket_bounds`."""
+        return bucket_bounds(self.sizes, bucket_bytes)
 
     def bucketed_grad(self, bounds: List[Tuple[int, int]], tail: int,
                       on_ready: Callable[[int], None]):

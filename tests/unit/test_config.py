@@ -98,3 +98,17 @@ def test_horovod_options():
         resolved(3, allreduce="horovod", async_mode=True)
     with pytest.raises(UsageError, match="--horovod-timeline needs --allreduce horovod"):
         resolved(3, horovod_timeline=True)
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(overlap="on", async_mode=True), "--overlap on overlaps the sync allreduce: drop --async"),
+    (dict(overlap="on", compression="fp16"), "--overlap on moves float32 buckets: drop "
+                                             "--compression fp16"),
+    (dict(overlap="on", compiler="xla"), "XLA cannot compile: use --compile auto or graph"),
+    (dict(bucket_mb=0.0), r"--bucket-mb must be a positive number \(got 0.0\)"),
+])
+def test_overlap_options(settings, message):
+    with pytest.raises(UsageError, match=message):
+        resolved(3, **settings)
+    # auto never refuses: it leaves overlap off where it cannot apply
+    resolved(3, **{**settings, "overlap": "auto", "bucket_mb": 25.0})

@@ -1,0 +1,67 @@
+"""--overlap: AlexNet (32x32 synthetic images, 27.5M parameters, a 110 MB gradient) sync
+at -np 3 with its gradient allreduced in 25 MB buckets while back-propagation runs,
+against the whole gradient in one allreduce after it: on this machine's shared memory
+and on the emulated 3-node cluster2 with 1 GbE links (skipped where it cannot be made).
+
+Steady-state seconds per step: the workers' time in the middle epochs of a run of
+``--batches-per-epoch 3 --epochs 4`` (the first epoch traces and calibrates, the last
+one writes the final checkpoint), the two settings interleaved.
+
+    python -m bench overlap [--quick]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import tempfile
+from pathlib import Path
+
+from .common import bench_parser, out_dir, table, train, write_csv
+from .netns import Skipped, emulated_cluster
+
+STEPS_PER_EPOCH, EPOCHS = 3, 4
+
+
+def steady_step_seconds(overlap: str, results: Path, epochs: int = EPOCHS,
+                        steps_per_epoch: int = STEPS_PER_EPOCH, **cluster) -> float:
+    """Seconds per step of the workers in the epochs after the first and before the last."""
+    row = train(3, ["alexnet", "--image-size", "32", "--batches-per-epoch", steps_per_epoch,
+                    "--epochs", epochs, "--eval-every", "1000", "--checkpoint-every", "1000",
+                    "--sample-interval", "0", "--overlap", overlap], results, **cluster)
+    with open(Path(row["run_dir"]) / "timing.csv", newline="") as f:
+        timing = [r for r in csv.DictReader(f) if r["role"] == "worker"]
+    middle = [float(r["wall_s"]) for r in timing if 1 < float(r["epoch"]) < epochs]
+    return sum(middle) / len(middle) / steps_per_epoch
+
+
+def main(argv=None, out=None) -> dict:
+    args = bench_parser("overlap", __doc__).parse_args(argv)
+    out = out or out_dir()
+    epochs, steps = (3, 1) if args.quick else (EPOCHS, STEPS_PER_EPOCH)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for where in ("shared memory", "emulated cluster, 1 GbE"):
+            cluster = emulated_cluster("1gbit") if "1 GbE" in where \
+                else contextlib.nullcontext({})
+            try:
+                with cluster as launch:
+                    seconds = {overlap: steady_step_seconds(
+                        overlap, Path(tmp) / f"{len(rows)}-{overlap}", epochs, steps, **launch)
+                        for overlap in ("on", "off")}
+            except Skipped as why:
+                print(f"{where}: skipped: {why}")
+                continue
+            rows.append({"where": where, "on_s_per_step": round(seconds["on"], 3),
+                         "off_s_per_step": round(seconds["off"], 3),
+                         "on_over_off": round(seconds["on"] / seconds["off"], 3)})
+    write_csv(out / "overlap.csv", rows)
+    print(table(rows, list(rows[0])))
+    return {"rows": rows, "checks": [
+        {"benchmark": "overlap", "ratio": f"AlexNet 32x32 sync -np 3, {r['where']}: step time "
+         "with --overlap on / off", "value": r["on_over_off"], "target": "< 1",
+         "met": r["on_over_off"] < 1} for r in rows]}
+
+
+if __name__ == "__main__":
+    main()
