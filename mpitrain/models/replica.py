@@ -205,13 +205,17 @@ class Replica:
         large = compiler == "auto" and self.n_params >= XLA_UPDATE_MIN
         update = functools.partial(step_function, xla=xla or large, modes=self.compiled)
 
-        def flat_grad_and_loss(x, y, scale=None, tail=None):
+        def loss_and_grads(x, y, scale=None):
             with tf.GradientTape() as tape:
                 loss = loss_fn(y, model(x, training=True))
                 # the gradient of scale x loss is scale x the gradient, at the cost
                 # of one scalar product instead of a pass over the flat gradient
                 scaled = loss if scale is None else loss * scale
-            parts = [tf.reshape(g, [-1]) for g in tape.gradient(scaled, variables)]
+            return loss, tape.gradient(scaled, variables)
+
+        def flat_grad_and_loss(x, y, scale=None, tail=None):
+            loss, grads = loss_and_grads(x, y, scale)
+            parts = [tf.reshape(g, [-1]) for g in grads]
             # one concatenation, the caller's zeros included: a second one would copy
             # the whole gradient again (AlexNet: 244 MB a step); zeros leave the norm
             flat = tf.concat(parts + ([] if tail is None else [tail]), 0)
@@ -269,10 +273,7 @@ class Replica:
             """The gradient handed out bucket by bucket as back-propagation produces it:
             ``hand_offs`` is [(variable indices, callback)], each callback a stateful
             ``numpy_function`` that runs as soon as its variables' gradients exist."""
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-                scaled = loss * scale
-            grads = tape.gradient(scaled, variables)
+            loss, grads = loss_and_grads(x, y, scale)
             for indices, hand_off in hand_offs:
                 tf.numpy_function(hand_off, [grads[i] for i in indices], tf.int32,
                                   stateful=True, name="mpitrain_bucket")

@@ -17,6 +17,9 @@ buckets in; each bucket's sum is bit-identical on every worker (one MPI
 allreduce each), so replicas stay identical. With two workers a sum is one
 addition, so the weights are also bit-identical to the fused exchange's.
 
+The phase timer (timing.csv) charges the step to compute and only the wait after
+it to comm and waiting: what the background thread hides is not counted twice.
+
 Only one thread makes MPI calls at a time: the background thread while the step
 computes, the caller's once the buckets are summed (the caller waits for them
 first), so MPI's thread level needs only be SERIALIZED (it is MULTIPLE).
