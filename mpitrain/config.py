@@ -93,7 +93,7 @@ class Config:
         "sync only: allreduce the gradient in buckets of --bucket-mb, each one started "
         "while back-propagation still computes the layers before it (as Horovod and "
         "PyTorch DDP do): on, off, or auto (on for the mpi engine when the gradient "
-        "fills two buckets or more, without --compile xla or --compression fp16)",
+        "fills two buckets or more, without --compile xla)",
         "auto", flag="--overlap", choices=OVERLAPS)
     bucket_mb: float = _opt(
         "with --overlap: megabytes of gradient per allreduce bucket (PyTorch DDP's "
@@ -293,9 +293,6 @@ class Config:
             if self.async_mode:
                 raise UsageError("--overlap on overlaps the sync allreduce: drop --async "
                                  "(async workers push whole gradients)")
-            if self.compression != "none":
-                raise UsageError("--overlap on moves float32 buckets: drop --compression "
-                                 f"{self.compression} or use --overlap off")
             if self.compiler == "xla":
                 raise UsageError("--overlap on hands each bucket to MPI from inside the "
                                  "gradient step, which XLA cannot compile: use --compile "

@@ -53,7 +53,7 @@ class Comm:
         #: protocol can tell a watcher "alive, waiting" (the sync workers do)
         self.while_waiting: Optional[Callable[[], None]] = None
         self._failures = FailureListener(mpi_comm)  # rank 0: reports from failing ranks
-        self._half = None  # see _half_buffers
+        self._half = {}  # see _half_buffers
         #: the bound on MPI's blocking allreduce when this rank may spin in it, else None
         self._spin: Optional[SpinWatch] = None
         # MPI's blocking in-place sum (SUM: Allreduce's default op), made once
@@ -281,13 +281,14 @@ class Comm:
         return widen_(sums[:out.size], out)
 
     def _half_buffers(self, segment: int):
-        """The exchange buffers of :meth:`allreduce_sum_half_`, kept between calls (a
-        large model's are 100s of MB: allocating them every step costs page faults)."""
-        if self._half is None or self._half[1].size != segment:
-            self._half = (np.empty((self.size, segment), np.float16),
-                          np.empty(segment, np.float16), np.empty(self.size * segment,
-                                                                  np.float16))
-        return self._half
+        """The exchange buffers of :meth:`allreduce_sum_half_` by segment length, kept
+        between calls (a large model's are 100s of MB: allocating them every step costs
+        page faults; an overlapped gradient has one set per bucket size)."""
+        if segment not in self._half:
+            self._half[segment] = (np.empty((self.size, segment), np.float16),
+                                   np.empty(segment, np.float16),
+                                   np.empty(self.size * segment, np.float16))
+        return self._half[segment]
 
     def barrier(self, what: str = "a barrier", backoff: Backoff = IDLE) -> None:
         """Wait until every rank has arrived (bounded). Collective."""

@@ -8,6 +8,9 @@ some of it one step late. What remains is the rounding of the average itself
 (sync: the mean segments travel back as float16) and a gradient's values above
 float16's range (65504), which become infinite and stop the run as a divergence.
 
+With ``--overlap`` the gradient travels in buckets, each encoded with its own part
+of the residual: the same bits as the whole buffer at once.
+
 Weights, BatchNorm statistics, the sync status tail's flags and the protocol
 headers stay float32. A resumed run starts with zero residuals, so under
 compression a resume is not bit-exact with the uninterrupted run (it is without).
@@ -30,11 +33,12 @@ class ErrorFeedback:
     def __init__(self, n: int):
         self.residual = np.zeros(n, np.float32)
 
-    def encode(self, values: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def encode(self, values: np.ndarray, out: np.ndarray, at: int = 0) -> np.ndarray:
         """``out[:len(values)]`` := float16(values + residual); the residual keeps what the
-        cast lost. ``out`` is float16; returns it."""
-        n = self.residual.size
-        encode_(values, self.residual, out)
+        cast lost. ``values`` may be a part of the vector, from index ``at`` (a gradient
+        bucket): the residual's same part is used. ``out`` is float16; returns it."""
+        n = min(values.size, max(0, self.residual.size - at))
+        encode_(values[:n], self.residual[at:at + n], out)
         out[n:values.size] = values[n:]
         return out
 
@@ -50,15 +54,26 @@ class HalfPrecisionEngine:
 
     def __init__(self, engine, n_gradient: int, size: int):
         self.engine = engine
+        self.size = engine.size
         self.feedback = ErrorFeedback(n_gradient)
-        # the exchange splits the buffer in equal segments, one per worker
-        padded = -(-size // engine.size) * engine.size
-        self.half = np.zeros(padded, np.float16)
+        self._halves = {}  # float16 buffer by the length of the part it carries
+        self.half = self._half_for(size)  # the whole fused buffer's
 
     def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
-                       kind: str = "allreduce") -> np.ndarray:
-        self.feedback.encode(buf, self.half)
-        return self.engine.allreduce_sum_half_(self.half, buf, what, kind)
+                       kind: str = "allreduce", computing: bool = False,
+                       at: int = 0) -> np.ndarray:
+        """``buf``: the fused buffer, or its part from index ``at`` (an overlapped
+        bucket, :mod:`.overlap`); each value gets its own error feedback either way,
+        and its sum is the same bits (summed in float32 in rank order by one rank)."""
+        half = self._half_for(buf.size)
+        self.feedback.encode(buf, half, at)
+        return self.engine.allreduce_sum_half_(half, buf, what, kind)
+
+    def _half_for(self, size: int) -> np.ndarray:
+        half = self._halves.get(size)
+        if half is None:  # the exchange splits it in equal segments, one per worker
+            half = self._halves[size] = np.zeros(-(-size // self.size) * self.size, np.float16)
+        return half
 
 
 def sync_engine(engine, compression: str, n_gradient: int, size: int):

@@ -20,9 +20,11 @@ addition, so the weights are also bit-identical to the fused exchange's.
 The phase timer (timing.csv) charges the step to compute and only the wait after
 it to comm and waiting: what the background thread hides is not counted twice.
 
-Only one thread makes MPI calls at a time: the background thread while the step
-computes, the caller's once the buckets are summed (the caller waits for them
-first), so MPI's thread level needs only be SERIALIZED (it is MULTIPLE).
+This module's two threads never make MPI calls at the same time: the background
+thread while the step computes (its polled waits also send the heartbeats), the
+caller's once the buckets are summed (it waits for them first). The
+heartbeats a blocking allreduce's watchdog sends need MPI_THREAD_MULTIPLE, which
+mpi4py initialises, as before.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..errors import CommTimeout
+from .compression import HalfPrecisionEngine
 
 #: seconds the background thread waits for TensorFlow between looks at an abort
 LOOK_EVERY = 1.0
@@ -67,6 +70,8 @@ class BucketedExchange(FusedExchange):
         self.bounds = bounds
         self.bound_seconds = bound_seconds  # the caller's wait for the background buckets
         self.me = me  # 'rank R on HOST', for the timeout's message
+        # fp16 keeps an error-feedback residual per value: it must know where a part is
+        self._part_at = isinstance(engine, HalfPrecisionEngine)
         self._ready = [threading.Event() for _ in bounds]
         self._grad, self._buf = replica.bucketed_grad(bounds, tail, self._ready_now)
         self._start = threading.Event()  # a step began: its buckets are coming
@@ -103,8 +108,11 @@ class BucketedExchange(FusedExchange):
                               "--timeout if this step is legitimately slower)")
         if self._error is not None:
             raise self._error
-        n = self.replica.n_params
-        self.engine.allreduce_sum_(buf[n:], what="the status allreduce")
+        self._sum(buf, self.replica.n_params, buf.size, "the status allreduce", False)
+
+    def _sum(self, buf: np.ndarray, lo: int, hi: int, what: str, computing: bool) -> None:
+        at = {"at": lo} if self._part_at else {}
+        self.engine.allreduce_sum_(buf[lo:hi], what=what, computing=computing, **at)
 
     def _serve(self) -> None:
         while True:
@@ -125,9 +133,8 @@ class BucketedExchange(FusedExchange):
             while not self._ready[b].wait(LOOK_EVERY):
                 if self._abort:
                     return
-            self.engine.allreduce_sum_(self._buf[lo:hi], computing=True,
-                                       what=f"the gradient allreduce (bucket {b + 1} of "
-                                            f"{count})")
+            self._sum(self._buf, lo, hi, f"the gradient allreduce (bucket {b + 1} of "
+                                         f"{count})", True)
 
     def close(self) -> None:
         """End the background thread (after the last step)."""
@@ -139,13 +146,13 @@ class BucketedExchange(FusedExchange):
 
 def exchange_for(cfg, replica, engine, tail: int, scale: float, workers):
     """The exchange ``cfg.overlap`` asks for: buckets where it is 'on', or 'auto' and
-    the gradient fills two buckets or more on the mpi engine (with no fp16
-    compression and no XLA step, which cannot call out to MPI); else fused.
+    the gradient fills two buckets or more on the mpi engine (and no XLA step, which
+    cannot call out to MPI); else fused.
     Every worker decides the same (same config, same model)."""
     bounds = replica.gradient_buckets(cfg.bucket_mb * 2**20)
     wanted = cfg.overlap == "on" or (
         cfg.overlap == "auto" and len(bounds) >= 2 and cfg.allreduce == "mpi"
-        and cfg.compression == "none" and cfg.compiler != "xla")
+        and cfg.compiler != "xla")
     if not wanted:
         return FusedExchange(replica, engine, tail, scale)
     # each bucket's allreduce has the workers' bound; this one only catches a thread gone

@@ -102,8 +102,6 @@ def test_horovod_options():
 
 @pytest.mark.parametrize("settings,message", [
     (dict(overlap="on", async_mode=True), "--overlap on overlaps the sync allreduce: drop --async"),
-    (dict(overlap="on", compression="fp16"), "--overlap on moves float32 buckets: drop "
-                                             "--compression fp16"),
     (dict(overlap="on", compiler="xla"), "XLA cannot compile: use --compile auto or graph"),
     (dict(bucket_mb=0.0), r"--bucket-mb must be a positive number \(got 0.0\)"),
 ])

@@ -144,7 +144,7 @@ class PlannedReplica(FakeReplica):
     (1, {"overlap": "on"}, True),
     (3, {"overlap": "off"}, False),
     (3, {"allreduce": "horovod"}, False),
-    (3, {"compression": "fp16"}, False),
+    (3, {"compression": "fp16"}, True),
     (3, {"compiler": "xla"}, False),
 ])
 def test_auto_overlaps_where_it_applies(buckets, settings, bucketed):
@@ -154,3 +154,18 @@ def test_auto_overlaps_where_it_applies(buckets, settings, bucketed):
     made = overlap.exchange_for(cfg, PlannedReplica(buckets), FakeEngine(), 2, 0.5, FakeWorkers())
     assert isinstance(made, BucketedExchange) == bucketed
     made.close()
+
+
+def test_fp16_parts_get_the_same_bits_and_residuals_as_the_whole():
+    from mpitrain.train.compression import ErrorFeedback
+
+    rng = np.random.default_rng(0)
+    whole, parts = ErrorFeedback(1000), ErrorFeedback(1000)
+    for _ in range(3):  # residuals carried from step to step
+        grad = np.concatenate([rng.normal(size=1000), [1.0, 0.5, 2.0]]).astype(np.float32)
+        expected = whole.encode(grad, np.zeros(1003, np.float16))
+        got = np.zeros(1003, np.float16)
+        for lo, hi in [(600, 1000), (0, 600), (1000, 1003)]:  # buckets, then the tail
+            got[lo:hi] = parts.encode(grad[lo:hi], np.zeros(hi - lo, np.float16), at=lo)
+        assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))
+        assert np.array_equal(parts.residual, whole.residual)
