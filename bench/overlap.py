@@ -5,7 +5,7 @@ and on the emulated 3-node cluster2 with 1 GbE links (skipped where it cannot be
 
 Steady-state seconds per step: the workers' time in the middle epochs of a run of
 ``--batches-per-epoch 3 --epochs 4`` (the first epoch traces and calibrates, the last
-one writes the final checkpoint), the two settings interleaved.
+one writes the final checkpoint); one run of each setting per place, on then off.
 
     python -m bench overlap [--quick]
 """
