@@ -38,14 +38,18 @@ def final_weights(run_dir, row):
                                          pytest.param("lenet", 10, marks=pytest.mark.slow)])
 def test_engines_give_the_same_weights(mnist, tmp_path, python, model, steps):
     weights = {}
-    engines = {"mpi": [], "horovod": ["--horovod-timeline"]}
-    runs = named_runs_in_one_launch(3, {engine: [model, "--allreduce", engine, "--steps", steps,
-                                                 "--data-dir", mnist, "--quiet", *extra]
-                                        for engine, extra in engines.items()},
+    # horovod-overlap: Horovod under --overlap (buckets from the background thread;
+    # 3e-5 MB: 31 bytes, so LR in two buckets, LeNet in several)
+    engines = {"mpi": ["mpi"], "horovod": ["horovod", "--horovod-timeline"],
+               "horovod-overlap": ["horovod", "--overlap", "on", "--bucket-mb", "3e-5"]}
+    runs = named_runs_in_one_launch(3, {name: [model, "--allreduce", *engine, "--steps", steps,
+                                               "--data-dir", mnist, "--quiet"]
+                                        for name, engine in engines.items()},
                                     tmp_path, timeout=600, python=python)
-    for engine, (run_dir, row) in runs.items():
-        weights[engine] = final_weights(run_dir, row)
-        assert row["engine"] == engine and int(row["steps"]) == steps
+    for name, (run_dir, row) in runs.items():
+        weights[name] = final_weights(run_dir, row)
+        assert row["engine"] == engines[name][0] and int(row["steps"]) == steps
+    np.testing.assert_allclose(weights["horovod-overlap"], weights["mpi"], rtol=RTOL, atol=ATOL)
     check_horovod_run(tmp_path / "horovod", runs["horovod"][1])
     diff = np.abs(weights["mpi"] - weights["horovod"]).max()
     print(f"{model}: max |w_mpi - w_horovod| after {steps} steps = {diff:.3g}")

@@ -83,8 +83,9 @@ def test_overlapped_buckets_keep_replicas_identical(comm):
     weights = {}
     for overlap in ("off", "on"):
         replica = fresh_replica()
-        # 4e-5 MB: 42 bytes, so the bias (40 bytes) and the kernel are two buckets
-        sync.train(context(comm, replica, 1, NullResults(), overlap=overlap, bucket_mb=4e-5))
+        assert len(replica.gradient_buckets(3e-5 * 2**20)) == 2
+        # 3e-5 MB: 31 bytes, so the bias (40 bytes) and the kernel are two buckets
+        sync.train(context(comm, replica, 1, NullResults(), overlap=overlap, bucket_mb=3e-5))
         weights[overlap] = replica.weights()
         assert len(set(comm.allgather_objects(checksum(replica.state())))) == 1
     if comm.size <= 3:
