@@ -243,6 +243,13 @@ def named_runs_in_one_launch(np_: int, runs: dict, out: Path, **kw) -> dict:
     return found
 
 
+def final_weights(run_dir: Path, row: dict):
+    """The trained weights in a finished run's final checkpoint (the run must be ok)."""
+    assert row["status"] == "ok", row
+    with np.load(run_dir / "checkpoint.npz") as ckpt:
+        return ckpt["weights"].copy()
+
+
 #: The LR accuracy runs the acceptance tests compare (default LR, 30 epochs on the real
 #: MNIST), by process count. The first test that asks for one at some -np runs all of
 #: that -np's in one launch (in_one_launch); a test asking for another must add it here.

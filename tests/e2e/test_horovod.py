@@ -12,7 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import horovod_python, mpirun, named_runs_in_one_launch, read_rows
+from conftest import (final_weights, horovod_python, mpirun, named_runs_in_one_launch,
+                      read_rows)
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +27,6 @@ def python():
 # float32 round-off accumulated over the steps (rtol 1e-5, atol 1e-6). Observed on
 # this machine: bit-identical weights (max difference 0) for LR and LeNet.
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def final_weights(run_dir, row):
-    assert row["status"] == "ok"
-    with np.load(run_dir / "checkpoint.npz") as ckpt:
-        return ckpt["weights"].copy()
 
 
 @pytest.mark.parametrize("model,steps", [("lr", 20),

@@ -8,7 +8,7 @@ import csv
 import numpy as np
 import pytest
 
-from conftest import named_runs_in_one_launch
+from conftest import final_weights, named_runs_in_one_launch
 
 STEPS = 12
 
@@ -21,11 +21,11 @@ def test_lenet_in_buckets_trains_the_same_weights_as_in_one_allreduce(mnist, tmp
         for overlap in ("on", "off") for compression in ("none", "fp16")}, tmp_path, timeout=600)
     # fp16: each value has its own error feedback and is summed by one rank in rank
     # order, whichever bucket carries it, so buckets change no bit there either
-    assert _final_weights(runs["onfp16"]).tobytes() == _final_weights(runs["offfp16"]).tobytes()
+    assert final_weights(*runs["onfp16"]).tobytes() == final_weights(*runs["offfp16"]).tobytes()
     runs = {overlap: runs[f"{overlap}none"] for overlap in ("on", "off")}
     weights, allreduces = {}, {}
     for overlap, (run_dir, row) in runs.items():
-        weights[overlap] = _final_weights((run_dir, row))
+        weights[overlap] = final_weights(run_dir, row)
         with open(run_dir / "comm.csv", newline="") as f:
             allreduces[overlap] = {(r["rank"], int(r["sent_msgs"]), int(r["sent_bytes"]))
                                    for r in csv.DictReader(f) if r["kind"] == "allreduce"}
@@ -35,10 +35,3 @@ def test_lenet_in_buckets_trains_the_same_weights_as_in_one_allreduce(mnist, tmp
     assert {(rank, n // STEPS, b) for rank, n, b in allreduces["off"]} == \
         {(rank, n // 3 // STEPS, b) for rank, n, b in allreduces["on"]}
     assert {n for _, n, _ in allreduces["on"]} == {3 * STEPS}
-
-
-def _final_weights(run):
-    run_dir, row = run
-    assert row["status"] == "ok", row
-    with np.load(run_dir / "checkpoint.npz") as ckpt:
-        return ckpt["weights"].copy()
