@@ -109,6 +109,7 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     leases = [new_message(replica.n_state), new_message(replica.n_state)]  # weights
     reply_bound = 2 * comm.timeout
     current, in_flight, timer = 0, None, ctx.timer
+    total_steps = ctx.total_steps  # (a property: read once, not per step)
     comm.wait(comm.irecv(leases[0], 0, TAG_WEIGHTS, "pull", "the initial weights"), IDLE,
               timeout=reply_bound)
     # what the lease in use says: its version, the step to resume from (> 0 when
@@ -134,7 +135,7 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         else:
             target = 1 - current if pipelined else current
         health = sentinel(loss, norm)
-        flags = _push_flags(ctx, step, ctx.total_steps + lease.extra, health)
+        flags = _push_flags(ctx, step, total_steps + lease.extra, health)
         if lease.flags:  # the server is stopping: this gradient is not wanted
             break
         codec.encode(grad, gradient_slots)
@@ -314,7 +315,8 @@ class Server:
         self.checkpoint_steps = (ctx.cfg.checkpoint_steps or 0) * len(self.workers)
         self.recovery = recovery_enabled() and len(self.workers) > 1
         self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.liveness_floor)
-        self.quotas = Quotas(self.workers, ctx.total_steps)
+        self.total_steps = ctx.total_steps  # (a property: read once, not per reply)
+        self.quotas = Quotas(self.workers, self.total_steps)
         self.processes = Processes(self.comm) if self.recovery else None
         self.next_liveness_check = 0.0
         if ctx.resume_from is not None:
@@ -421,17 +423,25 @@ class Server:
             if lost:
                 self._drop(*lost)
                 return None
+        for rank in holders:  # a push already here (the usual case when workers are
+            w = self.workers[rank]  # busy): taken without setting up a wait
+            if w.posted.test():
+                return self._arrived(w)
         rank = self.silence.first({r: self.workers[r].posted for r in holders},
                                   self._poll_policy(),  # recovery: wake for the next check
                                   wake_every=LIVENESS_CHECK_EVERY if self.recovery else None)
         if rank is not None:
-            self.liveness.observe(rank, self.silence.silent_for(rank))
-            return self.workers[rank]
+            return self._arrived(self.workers[rank])
         late = None if self.recovery else self.silence.overdue(holders)  # else: dropped above
         if late is not None:
             raise stalled(self.comm, late, f"has not pushed a gradient for "
                                            f"{self.comm.timeout:g} s")
         return None
+
+    def _arrived(self, w: WorkerLedger) -> WorkerLedger:
+        if self.recovery:  # its push interval is what its liveness bound is made of
+            self.liveness.observe(w.rank, self.silence.silent_for(w.rank))
+        return w
 
     def _lost_because(self, rank: int) -> str:
         """Why lease holder ``rank`` counts as lost, or '' (it is still in)."""
@@ -562,10 +572,11 @@ class Server:
             self.comm.wait(w.sending, IDLE)  # its last reply was received: completes at once
         Header(version=self.version, step=w.steps,  # step: where to resume from
                flags=0 if with_weights else FINAL | self.ending,
-               extra=self.quotas.of[w.rank] - self.ctx.total_steps).write(w.send)
+               extra=self.quotas.of[w.rank] - self.total_steps).write(w.send)
         if with_weights:
             w.send[SLOTS:SLOTS + self.weights.size] = self.weights
-            w.send[SLOTS + self.weights.size:] = self.buffers
+            if self.buffers.size:
+                w.send[SLOTS + self.weights.size:] = self.buffers
             w.sending = self.comm.isend(w.send, w.rank, TAG_WEIGHTS, "pull", w.takes_weights)
         else:
             w.sending = self.comm.isend(w.send[:SLOTS], w.rank, TAG_WEIGHTS, "pull",
