@@ -28,7 +28,7 @@ def one_run(results: Path, interval: str, epochs: int) -> float:
 
 def main(argv=None, out=None) -> dict:
     parser = bench_parser("sampler", __doc__, "1 repeat of 2 epochs (smoke)")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=20)
     args = parser.parse_args(argv)
     repeats, epochs = (1, 2) if args.quick else (args.repeats, args.epochs)

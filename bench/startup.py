@@ -59,7 +59,7 @@ def measure(how: str) -> dict:
 
 def main(argv=None, out=None) -> dict:
     parser = bench_parser("startup", __doc__, "3 repeats")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     repeats = 3 if args.quick else args.repeats
     found = {name: [] for name in IMPORTS}
