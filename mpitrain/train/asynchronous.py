@@ -58,7 +58,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
 
@@ -71,8 +71,9 @@ from .compression import PushCodec
 from .context import Context, Summary, diverged, interrupted, worker_batches
 from .evaluation import BackgroundEvaluator, Evaluator, Stopwatch
 from .leases import Leases, Liveness, Quotas
-from .protocol import (DIVERGED, DROPPED, FINAL, INTERRUPTED, SLOTS, TAG_GRADIENT,
-                       TAG_WEIGHTS, Header, SilentPeers, new_message, sentinel, stalled)
+from .protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, SLOTS,
+                       TAG_GRADIENT, TAG_WEIGHTS, Header, SilentPeers, new_message, sentinel,
+                       stalled)
 
 #: workers whose steps take less than this (EWMA) make the server poll, not sleep
 FAST_STEP = 2e-4
@@ -91,24 +92,47 @@ def train(ctx: Context) -> Summary:
 # ---------------------------------------------------------------------------------------
 # Worker
 # ---------------------------------------------------------------------------------------
+#: pushes a worker may have in flight under unbounded staleness (see _work)
+PIPELINE_DEPTH = 2
+
+
+class _InFlight(NamedTuple):
+    """One push of a worker that the server has not answered yet (as the worker knows)."""
+
+    reply: object  # the pending receive of the server's reply
+    push: object  # the pending send of the push
+    lease: int  # the lease buffer the reply lands in
+
+
 def _work(ctx: Context, clock: Stopwatch) -> Summary:
     """The worker loop: compute at the lease's weights, push, take the next lease.
 
     Unbounded staleness pipelines it (communication hidden behind compute):
-    while push k and its reply are in flight, the worker computes gradient k+1
-    at the weights it already has; two lease buffers alternate so the reply
-    never lands in the weights being used. One push is in flight at a time.
-    With --staleness K the worker waits for each reply (one gradient per
-    lease, which the server's bound accounting relies on).
+    up to PIPELINE_DEPTH (2) pushes are in flight, so the worker computes
+    gradient k+1 at the weights it already has while push k and its reply
+    travel, and pushes k+1 without waiting for reply k; before each push it
+    takes every reply already in (the newest weights), and waits for the
+    oldest only when the pipeline is full. Two push buffers and three lease
+    buffers rotate, so no reply lands in the weights being used and no push
+    buffer changes while it is sent. With --staleness K the worker waits for
+    each reply (one gradient per lease, which the server's bound accounting
+    relies on).
+
+    A worker's last message is always a FINAL push: its last step's, or, when
+    the server dismissed it (the run is stopping, or a resumed worker had its
+    steps done), a FINAL|FAREWELL push without a gradient, sent after the
+    pushes it had in flight; the server listens to it until then, so no push is
+    left unmatched.
     """
     comm, replica, n = ctx.comm, ctx.replica, ctx.replica.n_params
     pipelined = ctx.cfg.staleness is None
+    depth = PIPELINE_DEPTH if pipelined else 1
     codec = PushCodec(ctx.cfg.compression, n)
-    push = new_message(codec.slots + replica.n_buffers)  # [header | gradient | buffers]
-    gradient_slots = push[SLOTS:SLOTS + codec.slots]
-    leases = [new_message(replica.n_state), new_message(replica.n_state)]  # weights
+    pushes = [new_message(codec.slots + replica.n_buffers)  # [header | gradient | buffers]
+              for _ in range(depth)]
+    leases = [new_message(replica.n_state) for _ in range(depth + 1)]  # weights
     reply_bound = 2 * comm.timeout
-    current, in_flight, timer = 0, None, ctx.timer
+    current, flight, timer = 0, collections.deque(), ctx.timer
     total_steps = ctx.total_steps  # (a property: read once, not per step)
     comm.wait(comm.irecv(leases[0], 0, TAG_WEIGHTS, "pull", "the initial weights"), IDLE,
               timeout=reply_bound)
@@ -117,6 +141,7 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     # to this one (extra: its FINAL push comes at its own last step plus those)
     lease = Header.read(leases[0])
     start_step = step = lease.step
+    ending, flags = lease.flags, 0  # (flags: of this worker's last push)
     if replica.n_buffers:  # the statistics the run has so far (a resumed run's)
         replica.set_buffers(leases[0][SLOTS + n:])
     timer.restart()
@@ -126,44 +151,47 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         grad, loss, norm = replica.grad_at(leases[current][SLOTS:SLOTS + n], x, y)
         think = time.perf_counter() - started  # lets the server pick its poll policy
         version = lease.version
-        if in_flight is not None:  # the previous push's reply landed in the other buffer
+        # the replies already in, the oldest one anyway when the pipeline is full
+        while flight and (len(flight) >= depth or flight[0].reply.test()) \
+                and not lease.flags:
             with timer("wait"):
-                _complete(comm, in_flight, leases[1 - current], HOT, reply_bound)
-            in_flight = None
-            target, current = current, 1 - current
+                current = _take_reply(comm, flight, leases, HOT, reply_bound)
             lease = Header.read(leases[current])
-        else:
-            target = 1 - current if pipelined else current
         health = sentinel(loss, norm)
-        flags = _push_flags(ctx, step, total_steps + lease.extra, health)
         if lease.flags:  # the server is stopping: this gradient is not wanted
             break
-        codec.encode(grad, gradient_slots)
+        flags = _push_flags(ctx, step, total_steps + lease.extra, health)
+        push = pushes[step % depth]  # (its last send completed with its reply)
+        codec.encode(grad, push[SLOTS:SLOTS + codec.slots])
         if replica.n_buffers:  # this worker's statistics travel with each push
             push[SLOTS + codec.slots:] = replica.buffers()
         Header(version, step, flags, health, clock(), think).write(push)
+        target = next(i for i in range(depth + 1)  # a lease buffer nobody uses
+                      if i != current and all(i != f.lease for f in flight))
         with timer("comm"):
-            in_flight = [comm.irecv(leases[target], 0, TAG_WEIGHTS, "pull",
-                                    "new weights from the server"),
-                         comm.isend(push, 0, TAG_GRADIENT, "push",
-                                    "the server to take a gradient")]
+            flight.append(_InFlight(comm.irecv(leases[target], 0, TAG_WEIGHTS, "pull",
+                                               "new weights from the server"),
+                                    comm.isend(push, 0, TAG_GRADIENT, "push",
+                                               "the server to take a gradient"), target))
         if not pipelined:
             with timer("wait"):
-                _complete(comm, in_flight, leases[target], HOT, reply_bound)
-            in_flight = None
-            current = target
+                current = _take_reply(comm, flight, leases, HOT, reply_bound)
             lease = Header.read(leases[current])
         if end_of_epoch or flags & FINAL:
             timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
         if flags & FINAL or lease.flags:
             break
-    ending = lease.flags
-    if in_flight is not None:
-        _complete(comm, in_flight, leases[1 - current], IDLE, reply_bound)
-        ending |= Header.read(leases[1 - current]).flags
+    ending |= lease.flags
+    while flight and not ending & DROPPED:
+        ending |= Header.read(leases[_take_reply(comm, flight, leases, IDLE,
+                                                 reply_bound)]).flags
     if ending & DROPPED:
+        for f in flight:  # the server will not answer these: their receives must go
+            comm.cancel(f.reply)
         raise Dropped(f"{comm.name(comm.rank)} was dropped by the parameter server after it "
                       "stopped answering; the run went on without it (this process leaves)")
+    if not flags & FINAL:  # dismissed: say the last word, so the server stops listening
+        ending |= _farewell(comm, pushes[0], leases[current], reply_bound)
     if ending & DIVERGED:
         raise Divergence("training diverged (see rank 0's message)", everywhere=True)
     if ending & INTERRUPTED:
@@ -172,16 +200,27 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     return Summary(clock(), step, step / ctx.steps_per_epoch, nan, nan, nan)
 
 
-def _complete(comm, in_flight, reply_buffer: np.ndarray, backoff: Backoff,
-              bound: float) -> None:
-    """Wait for the reply (into ``reply_buffer``), then for the push (``in_flight =
-    [reply, push]``), unless the reply dismisses this worker: the server cancelled its
-    receive, so that push is never taken (a pending send to a live rank does not stop
-    MPI_Finalize)."""
-    reply, push = in_flight
-    comm.wait(reply, backoff, timeout=bound)
-    if not Header.read(reply_buffer).flags & DROPPED:
-        comm.wait(push, backoff, timeout=bound)
+def _take_reply(comm, flight, leases, backoff: Backoff, bound: float) -> int:
+    """Complete the oldest push in ``flight``: wait for its reply, then for the push
+    itself, unless the reply dismisses this worker as lost (DROPPED: the server
+    cancelled its receive, so that push is never taken; a pending send to a live rank
+    does not stop MPI_Finalize). Returns the lease buffer the reply is in."""
+    oldest = flight.popleft()
+    comm.wait(oldest.reply, backoff, timeout=bound)
+    if not Header.read(leases[oldest.lease]).flags & DROPPED:
+        comm.wait(oldest.push, backoff, timeout=bound)
+    return oldest.lease
+
+
+def _farewell(comm, message: np.ndarray, reply: np.ndarray, bound: float) -> int:
+    """A dismissed worker's last push (FINAL|FAREWELL, no gradient; into the free
+    ``message``) and the server's answer (into ``reply``); returns its flags."""
+    Header(flags=FINAL | FAREWELL).write(message)
+    answer = comm.irecv(reply[:SLOTS], 0, TAG_WEIGHTS, "pull", "the server's last reply")
+    comm.wait(comm.isend(message[:SLOTS], 0, TAG_GRADIENT, "push",
+                         "the server to take this worker's farewell"), IDLE, timeout=bound)
+    comm.wait(answer, IDLE, timeout=bound)
+    return Header.read(reply).flags
 
 
 def _push_flags(ctx: Context, step: int, quota: int, loss: float) -> int:
@@ -259,10 +298,15 @@ class WorkerLedger:
 
     rank: int
     recv: np.ndarray  # [header | gradient | buffers] receive buffer
-    send: np.ndarray  # [header | weights | buffers] reply buffer
+    #: [header | weights | buffers] reply buffers: one, or two for a pipelined worker
+    #: that pushes again before it has taken the last reply (see _reply)
+    sends: List[np.ndarray]
     posted: object = None  # the pending Irecv for its next push
-    sending: object = None  # the pending Isend of its last reply
+    #: the pending Isend of the last reply from each of ``sends``, and which was last
+    sending: List[object] = field(default_factory=lambda: [None])
+    last_reply: int = 0
     applied: int = 0
+    dismissed: bool = False  # told to stop; listened to until its FINAL push
     steps: int = 0
     start_step: int = 0  # steps done before this session (a resumed run)
     elapsed: float = 0.0
@@ -295,11 +339,13 @@ class Server:
         self.codec = PushCodec(ctx.cfg.compression, n)
         pushes = self.codec.slots + ctx.replica.n_buffers  # [gradient | buffers]
         self.workers: Dict[int, WorkerLedger] = {
-            r: WorkerLedger(r, new_message(pushes), new_message(ctx.replica.n_state),
+            r: WorkerLedger(r, new_message(pushes), [new_message(ctx.replica.n_state)],
                             takes_weights=f"{self.comm.name(r)} to take its weights",
                             takes_last_reply=f"{self.comm.name(r)} to take its last reply")
             for r in range(1, self.comm.size)}
         self.leases = Leases(ctx.cfg.staleness, self.workers)
+        #: workers told to stop whose FINAL push has not come yet (see _dismiss)
+        self.dismissed: List[int] = []
         # a worker's silence starts when it is granted a lease (then it owes a push)
         self.silence = SilentPeers(self.comm, self.workers)
         self.updates_per_epoch = len(self.workers) * ctx.steps_per_epoch
@@ -389,7 +435,8 @@ class Server:
                 self.evaluations.evaluator.progress(self.version, self.last_loss)
         for w in self.workers.values():
             if not w.lost:  # a lost worker's last reply may never be taken; Open MPI
-                self.comm.wait(w.sending, IDLE)  # finalizes with it pending (measured)
+                self.comm.wait_all([p for p in w.sending if p is not None], IDLE)
+                # finalizes with it pending (measured)
         self._fence_lost(at_end=True)
         wall = self.clock()
         span = max(1e-9, time.perf_counter() - t0)
@@ -413,7 +460,7 @@ class Server:
     def _next_push(self) -> Optional[WorkerLedger]:
         """The next worker whose push arrived; None when a lost worker was dropped
         instead (only under --enable-recovery)."""
-        holders = self.leases.holders
+        holders = self.leases.holders + self.dismissed  # who owes a push
         if self.recovery and time.monotonic() >= self.next_liveness_check:
             # also while the others push: one silent worker among busy ones is the case
             self.next_liveness_check = time.monotonic() + LIVENESS_CHECK_EVERY
@@ -452,6 +499,8 @@ class Server:
         """Go on without ``w``: no request of its left to match, its steps reassigned."""
         self.comm.cancel(w.posted, peer_lost=True)
         self.leases.drop(w.rank)
+        if w.dismissed:
+            self.dismissed.remove(w.rank)
         w.posted, w.done, w.lost = None, True, why
         w.fence_at = time.monotonic() + FENCE_GRACE
         if self.processes.alive(w.rank):  # stalled: if it comes back, it must leave
@@ -513,13 +562,16 @@ class Server:
     def _apply(self, w: WorkerLedger) -> None:
         header = Header.read(w.recv)
         flags = header.flags
+        if flags & FAREWELL:  # a dismissed worker's last word: nothing to apply
+            self._finish(w)
+            return
         w.steps, w.elapsed = header.step, header.elapsed
-        self.leases.returned(w.rank)
+        if not w.dismissed:  # (a dismissed worker's pushes were sent before it knew)
+            self.leases.returned(w.rank)
         if flags & DIVERGED or not math.isfinite(header.loss):
             self.ending |= DIVERGED  # never apply a non-finite gradient
             self.diverged_at.append(f"{self.comm.name(w.rank)} at its step {w.steps}")
-            w.done = True
-            self._reply(w, with_weights=False)
+            self._finish(w)
             return
         self.ending |= flags & INTERRUPTED
         staleness = self.version - header.version
@@ -534,11 +586,13 @@ class Server:
         self.last_loss = header.loss
         self.losses.append(self.last_loss)
         if flags & FINAL:
-            w.done = True
             if not self.ending and w.steps < self.quotas.of[w.rank]:  # a raise it never saw
                 self.quotas.reassign(w.rank, w.steps,
-                                     [r for r, v in self.workers.items() if not v.done])
-            self._reply(w, with_weights=False)
+                                     [r for r, v in self.workers.items()
+                                      if not v.done and r != w.rank])
+            self._finish(w)
+        elif w.dismissed:  # one it had in flight: told again, listened to until FINAL
+            self._dismiss(w)
         else:
             self.leases.wait(w.rank)
         if self.version % self.eval_interval == 0:
@@ -558,29 +612,64 @@ class Server:
         for rank in self.leases.next_waiting(self.version, force=bool(self.ending)):
             w = self.workers[rank]
             if self.ending or (w.applied == 0 and w.steps >= self.quotas.of[rank]):
-                # stopping, or resumed with its steps done: no lease, the final reply
-                w.done = True
-                self._reply(w, with_weights=False)
+                self._dismiss(w)  # stopping, or resumed with its steps done: no lease
                 continue
             self.leases.grant(rank, self.version)
             self.silence.heard(rank)
             w.posted = self.comm.irecv(w.recv, rank, TAG_GRADIENT, "push", "a gradient")
             self._reply(w, with_weights=True)
 
+    def _dismiss(self, w: WorkerLedger) -> None:
+        """Tell ``w`` to stop (a header-only FINAL reply) and go on listening to it: the
+        pushes it had in flight come in and are answered the same way, until its FINAL
+        push (its last step's, or a FAREWELL) ends it, so none is left unmatched."""
+        if not w.dismissed:
+            w.dismissed = True
+            self.dismissed.append(w.rank)
+        self.silence.heard(w.rank)  # it owes a push now
+        w.posted = self.comm.irecv(w.recv, w.rank, TAG_GRADIENT, "push",
+                                   "a gradient or its farewell")
+        self._reply(w, with_weights=False)
+
+    def _finish(self, w: WorkerLedger) -> None:
+        """``w`` sent its FINAL push: the final reply, and no more listening to it."""
+        w.done = True
+        if w.dismissed:
+            self.dismissed.remove(w.rank)
+        self._reply(w, with_weights=False)
+
     def _reply(self, w: WorkerLedger, with_weights: bool) -> None:
-        if w.sending is not None:
-            self.comm.wait(w.sending, IDLE)  # its last reply was received: completes at once
+        i = w.last_reply = self._free_reply_buffer(w)
+        send = w.sends[i]
         Header(version=self.version, step=w.steps,  # step: where to resume from
                flags=0 if with_weights else FINAL | self.ending,
-               extra=self.quotas.of[w.rank] - self.total_steps).write(w.send)
+               extra=self.quotas.of[w.rank] - self.total_steps).write(send)
         if with_weights:
-            w.send[SLOTS:SLOTS + self.weights.size] = self.weights
+            send[SLOTS:SLOTS + self.weights.size] = self.weights
             if self.buffers.size:
-                w.send[SLOTS + self.weights.size:] = self.buffers
-            w.sending = self.comm.isend(w.send, w.rank, TAG_WEIGHTS, "pull", w.takes_weights)
+                send[SLOTS + self.weights.size:] = self.buffers
+            w.sending[i] = self.comm.isend(send, w.rank, TAG_WEIGHTS, "pull", w.takes_weights)
         else:
-            w.sending = self.comm.isend(w.send[:SLOTS], w.rank, TAG_WEIGHTS, "pull",
-                                        w.takes_last_reply)
+            w.sending[i] = self.comm.isend(send[:SLOTS], w.rank, TAG_WEIGHTS, "pull",
+                                           w.takes_last_reply)
+
+    def _free_reply_buffer(self, w: WorkerLedger) -> int:
+        """A reply buffer of ``w`` whose last reply was taken. A pipelined worker may
+        push again before it takes the last reply (it is computing, so the send waits
+        for its next MPI call): then a second buffer is made, once; with both busy, the
+        older one's reply was taken before the push being answered was sent (the
+        worker has at most PIPELINE_DEPTH pushes in flight), so its send completes at
+        once. Slow steps (large models) never need the second buffer."""
+        for i, sending in enumerate(w.sending):
+            if sending is None or sending.test():
+                return i
+        if len(w.sends) < PIPELINE_DEPTH:
+            w.sends.append(np.empty_like(w.sends[0]))
+            w.sending.append(None)
+            return len(w.sends) - 1
+        older = (w.last_reply + 1) % len(w.sends)
+        self.comm.wait(w.sending[older], IDLE)
+        return older
 
     # ---- results ----------------------------------------------------------------------
     def _summary(self, wall: float, cpu_share: Dict[str, float]) -> Summary:

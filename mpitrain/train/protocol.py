@@ -10,8 +10,8 @@
   1. STEP (int): the worker's step (sync report, async push); the step to resume
      from (async reply).
   2. FLAGS (int): sync report REPORT (else a heartbeat), FINAL, INTERRUPTED,
-     DIVERGED, EVALUATE, CHECKPOINT; async push FINAL, INTERRUPTED, DIVERGED;
-     async reply also DROPPED.
+     DIVERGED, EVALUATE, CHECKPOINT; async push FINAL, INTERRUPTED, DIVERGED,
+     FAREWELL; async reply also DROPPED.
   3. LOSS: sync, the running train loss; async push, the batch's (the sentinel).
   4. ELAPSED: the worker's wall time (sync report, async push).
   5. THINK: async push, its seconds of compute (the server's poll policy).
@@ -60,6 +60,7 @@ DROPPED = 8  # async reply: the server went on without this worker
 EVALUATE = 16  # sync report: this step is an evaluation point
 CHECKPOINT = 32  # sync report: this step is a checkpoint point
 REPORT = 64  # sync report: a report of a step all workers reach (else a heartbeat)
+FAREWELL = 128  # async push (with FINAL): no gradient, the last word of a dismissed worker
 
 
 class Header(NamedTuple):
