@@ -3,6 +3,7 @@
 * :class:`Leases`: who may compute next under bounded staleness (``--staleness K``).
 * :class:`Liveness`: when a silent lease holder counts as lost (``--enable-recovery``).
 * :class:`Quotas`: how many steps each worker runs, and who takes a lost worker's.
+* :func:`first_look`: how long the server may sleep before it looks for a push.
 """
 
 from __future__ import annotations
@@ -133,3 +134,18 @@ class Quotas:
         for r, extra in gained.items():
             self.of[r] += extra
         return gained
+
+
+#: pipelined workers need the reply to push k when they would push k+2, two steps
+#: after push k; the server first looks this many steps after the oldest lease
+LOOK_AFTER_STEPS = 2.0
+#: ... but never sleeps longer than this at once (a stop is noticed within it)
+MAX_FIRST_SLEEP = 0.05
+
+
+def first_look(oldest_lease: float, step: float, now: float) -> float:
+    """Seconds the server may sleep before it first looks for a push from pipelined
+    workers: until LOOK_AFTER_STEPS steps of ``step`` seconds after ``oldest_lease``
+    (when the oldest lease it is owed a push for was granted), at most MAX_FIRST_SLEEP;
+    0 or less: look now. The push is then in, and its reply still a step early."""
+    return min(oldest_lease + LOOK_AFTER_STEPS * step - now, MAX_FIRST_SLEEP)

@@ -4,8 +4,9 @@ These drive the real :class:`mpitrain.train.asynchronous.Server` and worker loop
 every rank (LR on small random batches) and check the protocol's promises:
 every pushed gradient is applied exactly once, workers with unequal numbers of
 batches terminate cleanly, a slow worker does not stall the fast ones when
-staleness is unbounded, and with ``--staleness K`` no gradient is older than K
-and fast workers are held back. At one rank (plain pytest) they skip: async
+staleness is unbounded, with ``--staleness K`` no gradient is older than K and
+fast workers are held back, and a stop ends every worker with no push left
+unmatched. At one rank (plain pytest) they skip: async
 needs a server and a worker, which the first test checks at any process count.
 """
 
@@ -19,7 +20,7 @@ from mpitrain import models, schema
 from mpitrain.comm import Comm, Role
 from mpitrain.config import Config, resolve
 from mpitrain.console import NullConsole
-from mpitrain.errors import UsageError
+from mpitrain.errors import Interrupted, UsageError
 from mpitrain.models.replica import Replica, init_tensorflow
 from mpitrain.results import NullResults
 from mpitrain.train import Context, asynchronous
@@ -144,4 +145,39 @@ def test_staleness_bound_holds_and_holds_fast_workers_back(comm, replica, bound)
         # ~1.0 at K=0, 0.5-0.6 at K=1, ~0.9 at K=2) instead of at once (~0.03
         # unbounded, see the test above).
         assert fast > 0.3 * slow, (fast, slow)
+    comm.barrier()
+
+
+@pytest.mark.parametrize("staleness", [None, 1])
+def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replica, staleness):
+    """The server stops the run (as on SIGTERM) at its 6th update: every worker is
+    dismissed, sends the pushes it had in flight and then its FAREWELL, and every
+    push that reached the server is applied once; nothing is left pending (the
+    barrier after it and the next test's exchanges would hang or mismatch)."""
+    if comm.size == 1:
+        pytest.skip(NEEDS_WORKER)
+    ctx = context(comm, replica, 200, staleness=staleness)
+    if ctx.role is Role.SERVER:
+        server = asynchronous.Server(ctx, Stopwatch())
+        apply = server._apply
+
+        def apply_then_stop(w):
+            apply(w)
+            if server.version == 6:
+                ctx.stop.request()
+
+        server._apply = apply_then_stop
+        with pytest.raises(Interrupted, match="stopped by SIGTERM after"):
+            server.run()
+        assert all(w.done and w.dismissed for w in server.workers.values())
+        assert server.dismissed == []
+        assert server.version == sum(w.applied for w in server.workers.values())
+        assert all(w.applied == w.steps for w in server.workers.values())
+        assert 6 <= server.version <= 6 + 2 * (comm.size - 1)  # in flight: two a worker
+        assert all(len(w.sends) <= asynchronous.PIPELINE_DEPTH for w in server.workers.values())
+        comm.allgather_objects(server.version)
+    else:
+        with pytest.raises(Interrupted, match="stopped"):
+            asynchronous.train(ctx)
+        assert comm.allgather_objects(None)[0] <= 6 + 2 * (comm.size - 1)
     comm.barrier()

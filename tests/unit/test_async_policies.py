@@ -1,8 +1,9 @@
-"""The async server's pure policies: staleness leases, liveness bounds and step quotas."""
+"""The async server's pure policies: staleness leases, liveness bounds, step quotas and
+when it first looks for a push."""
 
 import pytest
 
-from mpitrain.train.leases import Leases, Liveness, Quotas
+from mpitrain.train.leases import MAX_FIRST_SLEEP, Leases, Liveness, Quotas, first_look
 
 
 def test_liveness_gives_the_whole_timeout_before_a_first_push():
@@ -110,3 +111,17 @@ def test_liveness_names_why_a_worker_is_lost():
     assert live.lost_because(1, silent_for=5.0, alive=True) == ""
     assert "past its liveness bound of 10.0 s" in live.lost_because(1, 11.0, alive=True)
     assert live.lost_because(1, 0.5, alive=False).startswith("its process died")
+
+
+def test_first_look_is_two_steps_after_the_oldest_lease():
+    # lease granted at t=10.0, steps of 1 ms, now 10.0005: look at 10.002
+    assert first_look(10.0, 1e-3, 10.0005) == pytest.approx(1.5e-3)
+
+
+def test_first_look_is_now_when_the_push_is_already_due():
+    assert first_look(10.0, 1e-3, 10.003) <= 0.0
+
+
+def test_first_look_never_sleeps_longer_than_its_cap():
+    # slow steps (a large model): a stop request must still be noticed soon
+    assert first_look(10.0, 5.0, 10.0) == MAX_FIRST_SLEEP
