@@ -436,9 +436,10 @@ class Server:
             if self.version % 64 == 0:
                 self.evaluations.evaluator.progress(self.version, self.last_loss)
         for w in self.workers.values():
-            if not w.lost:  # a lost worker's last reply may never be taken; Open MPI
+            # a lost worker's last reply may never be taken; Open MPI finalizes with it
+            # pending (measured)
+            if not w.lost:
                 self.comm.wait_all([p for p in w.sending if p is not None], IDLE)
-                # finalizes with it pending (measured)
         self._fence_lost(at_end=True)
         wall = self.clock()
         span = max(1e-9, time.perf_counter() - t0)
