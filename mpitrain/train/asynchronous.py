@@ -141,7 +141,7 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     # to this one (extra: its FINAL push comes at its own last step plus those)
     lease = Header.read(leases[0])
     start_step = step = lease.step
-    ending, flags = lease.flags, 0  # (flags: of this worker's last push)
+    flags = 0  # of this worker's last push
     if replica.n_buffers:  # the statistics the run has so far (a resumed run's)
         replica.set_buffers(leases[0][SLOTS + n:])
     timer.restart()
@@ -181,7 +181,7 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
             timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
         if flags & FINAL or lease.flags:
             break
-    ending |= lease.flags
+    ending = lease.flags
     while flight and not ending & DROPPED:
         ending |= Header.read(leases[_take_reply(comm, flight, leases, IDLE,
                                                  reply_bound)]).flags
