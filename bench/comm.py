@@ -1,7 +1,8 @@
 """Communication vs the limit: fused allreduce bus bandwidth at LR, LeNet and AlexNet
 gradient sizes, -np 2/3/4.
 
-For each size and process count, side by side in one job: mpitrain's
+For each size and process count, side by side in one job (5 interleaved rounds,
+the median of each): mpitrain's
 ``Comm.allreduce_sum_`` (the sync hot path: MPI's blocking allreduce under a
 watchdog where every rank has a core, else nonblocking with a yield-then-sleep wait),
 a raw mpi4py ``Allreduce(IN_PLACE)`` on the same buffer, and (one process) a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -26,6 +28,8 @@ from .common import bench_parser, last_json_line, mpirun, out_dir, table, write_
 
 SIZES = {"lr": 7850 + 4, "lenet": 61706 + 4, "alexnet": 61100840 + 4}  # + status tail
 TARGET = 0.9
+#: interleaved rounds per size (each reports its median)
+ROUNDS = 5
 
 
 def _time(fn, seconds: float, min_reps: int) -> float:
@@ -38,16 +42,20 @@ def _time(fn, seconds: float, min_reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _time_collective(raw, max_op, fn, seconds: float, min_reps: int) -> float:
-    """Seconds per call of the collective ``fn``: every rank must run the same number
-    of calls, so rank 0 sizes the run from a calibration and tells the others."""
+def _calls_per_round(raw, max_op, fn, seconds: float, min_reps: int) -> int:
+    """How many calls of the collective ``fn`` fill ``seconds`` (at least one), from a
+    warm-up and ``min_reps`` timed calls; the same number on every rank (each rank must
+    make the same calls), sized by the slowest."""
     fn()  # warm up
     raw.Barrier()
     t0 = time.perf_counter()
     for _ in range(min_reps):
         fn()
     per_call = raw.allreduce((time.perf_counter() - t0) / min_reps, op=max_op)
-    reps = max(min_reps, int(seconds / max(per_call, 1e-9)))
+    return max(1, int(seconds / max(per_call, 1e-9)))
+
+
+def _seconds_per_call(raw, fn, reps: int) -> float:
     raw.Barrier()
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -65,14 +73,22 @@ def rank_side(seconds: float) -> None:
     out = {}
     for name, n in SIZES.items():
         buf = np.ones(n, np.float32)
-        reps = 3 if buf.nbytes > 2**24 else 50
-        t_raw = _time_collective(raw, MPI.MAX, lambda: raw.Allreduce(MPI.IN_PLACE, buf),
-                                 seconds, reps)
-        t_ours = _time_collective(raw, MPI.MAX, lambda: comm.allreduce_sum_(buf), seconds, reps)
-        times = raw.gather((t_raw, t_ours), root=0)
+        calls = {"raw_s": lambda: raw.Allreduce(MPI.IN_PLACE, buf),
+                 "mpitrain_s": lambda: comm.allreduce_sum_(buf)}
+        reps = {key: _calls_per_round(raw, MPI.MAX, fn, seconds / ROUNDS,
+                                      3 if buf.nbytes > 2**24 else 50)
+                for key, fn in calls.items()}
+        rounds = {key: [] for key in calls}
+        # Interleaved rounds, the order swapped every round: whichever ran second in a
+        # single pair was measured up to 2x slower or faster (the cache, the other ranks'
+        # start), so one sample each made the ratio swing between runs.
+        for r in range(ROUNDS):
+            for key in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+                rounds[key].append(_seconds_per_call(raw, calls[key], reps[key]))
+        times = raw.gather({key: statistics.median(t) for key, t in rounds.items()}, root=0)
         if raw.rank == 0:
-            out[name] = {"bytes": buf.nbytes, "raw_s": max(t[0] for t in times),
-                         "mpitrain_s": max(t[1] for t in times)}
+            out[name] = {"bytes": buf.nbytes,
+                         **{key: max(t[key] for t in times) for key in calls}}
     if raw.rank == 0:
         print(json.dumps(out))
 

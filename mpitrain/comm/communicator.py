@@ -232,9 +232,9 @@ class Comm:
         """
         if self.size == 1:
             return buf
-        if self._spin is not None and self._failures.pending is None and not computing:
-            seconds = self._spin.run(self._sum_in_place, buf, self.timeout, what,
-                                     self.while_waiting)
+        spin = self._spin  # (a sync step's hot path: at LR's size each 0.1 us is 1%)
+        if spin is not None and not computing and self._failures.pending is None:
+            seconds = spin.run(self._sum_in_place, buf, self.timeout, what, self.while_waiting)
         else:
             p = Pending(allreduce_algorithm().iallreduce_sum(self._c, buf), what, None, kind)
             self._poll(p.test, [p], HOT)  # (adds its wait to the traffic table)
