@@ -31,6 +31,10 @@ from mpitrain.launch import kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
+#: the BatchNorm + Dropout test model as a model spec (tests/helpers/bn_model.py). A
+#: path, not an import: importing it at collection would import Keras there, the slow
+#: way (7 s of CPU in each pytest worker, against mpitrain.models.keras_import's 4 s)
+BN_MODEL_SPEC = f"{REPO / 'tests' / 'helpers' / 'bn_model.py'}:build"
 
 
 @pytest.fixture(autouse=True)

@@ -19,11 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (LOCAL_HOSTFILE, learnable_images, mpi_env, mpirun,
+from conftest import (BN_MODEL_SPEC, LOCAL_HOSTFILE, learnable_images, mpi_env, mpirun,
                       named_runs_in_one_launch, read_rows)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-import bn_model  # noqa: E402
 
 SHAPE, CLASSES = (12, 12, 1), 4
 
@@ -41,7 +38,7 @@ def bn_data(tmp_path_factory):
 
 
 def train(np_, data, results, *extra, timeout=300):
-    result = mpirun(np_, bn_model.SPEC, "--data", data, "--batch-size", "32",
+    result = mpirun(np_, BN_MODEL_SPEC, "--data", data, "--batch-size", "32",
                     "--results-dir", results, "--quiet", *extra, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     row = read_rows(Path(results) / "runs.csv")[-1]
@@ -62,7 +59,7 @@ def check_statistics(run_dir, row, data):
 
     init_tensorflow(1, 0)
     weights, buffers = checkpoint(run_dir)
-    replica = Replica(models.get(bn_model.SPEC), SHAPE, CLASSES, "sgd", 0.1, applies=False)
+    replica = Replica(models.get(BN_MODEL_SPEC), SHAPE, CLASSES, "sgd", 0.1, applies=False)
     assert buffers.shape == (replica.n_buffers,) == (48,)
     replica.set_weights(weights)
     replica.set_buffers(buffers)
@@ -81,7 +78,7 @@ def check_statistics(run_dir, row, data):
 @pytest.fixture(scope="module")
 def two_epoch_runs(bn_data, tmp_path_factory):
     """{mode: (run directory, runs.csv row)}: a 2-epoch sync and async run, one launch."""
-    common = [bn_model.SPEC, "--data", bn_data, "--batch-size", "32", "--epochs", "2", "--quiet"]
+    common = [BN_MODEL_SPEC, "--data", bn_data, "--batch-size", "32", "--epochs", "2", "--quiet"]
     found = named_runs_in_one_launch(3, {"sync": common, "async": [*common, "--async"]},
                                      tmp_path_factory.mktemp("bn-runs"))
     for mode, (_, row) in found.items():
@@ -112,7 +109,7 @@ def test_stopped_sync_run_resumes_bit_exact(bn_data, tmp_path):
     straight, _ = train(3, bn_data, tmp_path / "straight", "--epochs", str(RESUME_EPOCHS))
     results = tmp_path / "stopped"
     cmd = ["mpirun", "-np", "3", "-hostfile", LOCAL_HOSTFILE, sys.executable, "-m",
-           "mpitrain", bn_model.SPEC, "--data", bn_data, "--batch-size", "32",
+           "mpitrain", BN_MODEL_SPEC, "--data", bn_data, "--batch-size", "32",
            "--epochs", str(RESUME_EPOCHS), "--results-dir", results, "--quiet"]
     job = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=mpi_env(),
@@ -135,7 +132,7 @@ def test_stopped_sync_run_resumes_bit_exact(bn_data, tmp_path):
     stopped = read_rows(results / "runs.csv")[-1]
     assert stopped["status"] == "interrupted"
     assert 0 < int(stopped["steps"]) < 38 * RESUME_EPOCHS
-    again = mpirun(3, bn_model.SPEC, "--resume", run_dir, "--quiet", timeout=300)
+    again = mpirun(3, BN_MODEL_SPEC, "--resume", run_dir, "--quiet", timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_rows(results / "runs.csv")[-1]["status"] == "ok"
     (w_straight, b_straight), (w_resumed, b_resumed) = checkpoint(straight), checkpoint(run_dir)

@@ -1,13 +1,10 @@
 """A small test model with both kinds of state that is not trained: BatchNorm moving
 statistics (float buffers, averaged across workers) and a Dropout seed (integer
-random-generator state, kept per worker). Loaded as a model spec:
-``tests/helpers/bn_model.py:build`` (the CLI and ``mpitrain.models.get`` alike)."""
-
-from pathlib import Path
+random-generator state, kept per worker). Loaded as a model spec,
+``tests/helpers/bn_model.py:build`` (the CLI and ``mpitrain.models.get`` alike; the
+tests name it ``conftest.BN_MODEL_SPEC``)."""
 
 import keras
-
-SPEC = f"{Path(__file__).resolve()}:build"
 
 
 def build(input_shape, num_classes):

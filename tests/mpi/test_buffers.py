@@ -8,19 +8,14 @@ equal to the mean of what they had, so their whole state (weights + buffers)
 has one checksum. The Dropout seed is generator state, not a buffer.
 """
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import BN_MODEL_SPEC
 
 from mpitrain import models
 from mpitrain.comm import Comm
 from mpitrain.models.replica import Replica, checksum, init_tensorflow
 from mpitrain.train.sync import average_buffers
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-import bn_model  # noqa: E402
 
 SHAPE, CLASSES = (12, 12, 1), 4
 
@@ -33,7 +28,7 @@ def comm():
 def test_buffers_averaged_to_identical_replicas(comm):
     init_tensorflow(1, 0)
     workers = comm.workers
-    replica = Replica(models.get(bn_model.SPEC), SHAPE, CLASSES, "momentum", 0.05,
+    replica = Replica(models.get(BN_MODEL_SPEC), SHAPE, CLASSES, "momentum", 0.05,
                       applies=workers is not None)
     assert replica.n_buffers == 2 * (8 + 16)  # moving mean and variance per channel
     assert replica.rng_state().dtype == np.int64 and replica.rng_state().size > 0

@@ -98,13 +98,9 @@ def test_checksum_detects_one_flipped_bit():
 
 
 def _bn_spec():
-    import sys
-    from pathlib import Path
+    from conftest import BN_MODEL_SPEC
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-    import bn_model
-
-    return models.get(bn_model.SPEC)
+    return models.get(BN_MODEL_SPEC)
 
 
 def test_state_that_is_not_trained_is_split_into_buffers_and_generator_state():
