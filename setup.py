@@ -34,5 +34,12 @@ setup(
     # float16 conversions with F16C for --compression fp16 (mpitrain/half.py); optional:
     # without a compiler the install goes on and numpy converts (slower, same bits)
     ext_modules=[Extension("mpitrain._half", ["mpitrain/_half.c"], optional=True,
-                           extra_compile_args=["-O3"])],
+                           extra_compile_args=["-O3"]),
+                 # the async server's fused optimizer updates (mpitrain/models/optim.py);
+                 # optional the same way (numpy does them: slower, same bits). No fused
+                 # multiply-adds: each product is rounded as numpy rounds it; no errno
+                 # from sqrtf (never negative here), so Adam's square roots vectorize
+                 Extension("mpitrain.models._optim", ["mpitrain/models/_optim.c"],
+                           optional=True,
+                           extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"])],
 )

