@@ -18,8 +18,8 @@ every mode (single, sync, async) transforms gradients the same way.
 Each update is one fused pass in C (``mpitrain/models/_optim.c``, built by ``pip
 install``) where it was built, else numpy; both give the same bits (the C code
 makes numpy's float32 operations in numpy's order). Measured per update, numpy ->
-fused, on LR's 7,850 values: SGD 5.7 -> 2.6 us, momentum 11.3 -> 4.0, Adam 42 -> 13;
-on the 32x32 AlexNet's 27.5M: SGD 44 -> 17 ms, momentum 75 -> 27, Adam 269 -> 38.
+fused, on LR's 7,850 values: SGD 5.6 -> 2.5 us, momentum 10.3 -> 3.6, Adam 41 -> 12;
+on the 32x32 AlexNet's 27.5M: SGD 32 -> 16 ms, momentum 61 -> 24, Adam 209 -> 35.
 """
 
 from __future__ import annotations
@@ -64,6 +64,14 @@ class FlatOptimizer:
         self.clip_norm = clip_norm  # --clip-grad-norm, applied before every update
         self.iterations = 0
         self.n_params = n_params
+        self._work: Optional[np.ndarray] = None  # see _scratch
+
+    def _scratch(self) -> np.ndarray:
+        """A work vector of the numpy path, made at its first use: the fused path needs
+        none (the 32x32 AlexNet's would be 110 MB)."""
+        if self._work is None:
+            self._work = np.empty(self.n_params, np.float32)
+        return self._work
 
     @property
     def lr(self) -> np.float32:
@@ -95,7 +103,9 @@ class SGD(FlatOptimizer):
         if FUSED:
             _optim.sgd(weights, grad, self.lr)
         else:
-            weights -= grad * self.lr
+            scratch = self._scratch()
+            np.multiply(grad, self.lr, out=scratch)
+            weights -= scratch
         self.iterations += 1
 
 
@@ -111,8 +121,10 @@ class Momentum(FlatOptimizer):
         if FUSED:
             _optim.momentum(weights, grad, self.velocity, self.lr, self.momentum)
         else:
+            scratch = self._scratch()
             self.velocity *= self.momentum
-            self.velocity -= grad * self.lr
+            np.multiply(grad, self.lr, out=scratch)
+            self.velocity -= scratch
             weights += self.velocity
         self.iterations += 1
 
@@ -144,9 +156,15 @@ class Adam(FlatOptimizer):
         if FUSED:
             _optim.adam(weights, grad, self.m, self.v, c1, c2, self.epsilon, alpha)
             return
+        scratch = self._scratch()
         self.m += (grad - self.m) * c1
-        self.v += (np.square(grad) - self.v) * c2
-        weights -= self.m / (np.sqrt(self.v) + self.epsilon) * alpha
+        np.square(grad, out=scratch)
+        self.v += (scratch - self.v) * c2
+        np.sqrt(self.v, out=scratch)
+        scratch += self.epsilon
+        np.divide(self.m, scratch, out=scratch)
+        scratch *= alpha
+        weights -= scratch
 
     def state(self):
         return {**super().state(), "m": self.m.copy(), "v": self.v.copy()}
