@@ -144,6 +144,8 @@ class Adam(FlatOptimizer):
         super().__init__(n_params, lr, decay_steps, clip_norm)
         self.beta_1, self.beta_2 = np.float32(beta_1), np.float32(beta_2)
         self.epsilon = np.float32(epsilon)
+        # 1 - beta, made once (float32, as numpy computes them), for every update
+        self._c1, self._c2 = 1 - self.beta_1, 1 - self.beta_2
         self.m = np.zeros(n_params, np.float32)
         self.v = np.zeros(n_params, np.float32)
 
@@ -152,7 +154,7 @@ class Adam(FlatOptimizer):
         self.iterations += 1
         t = self.iterations
         alpha = np.float32(lr * np.sqrt(1 - self.beta_2 ** t) / (1 - self.beta_1 ** t))
-        c1, c2 = 1 - self.beta_1, 1 - self.beta_2  # (float32, as numpy computes them)
+        c1, c2 = self._c1, self._c2
         if FUSED:
             _optim.adam(weights, grad, self.m, self.v, c1, c2, self.epsilon, alpha)
             return

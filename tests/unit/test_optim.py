@@ -86,11 +86,11 @@ def test_fused_updates_refuse_vectors_that_do_not_match():
         optim._optim.sgd(w, np.zeros(4, np.float64), 0.1)
     with pytest.raises(ValueError, match="float32, of one length"):
         optim._optim.momentum(w, np.zeros(4, np.float32), np.zeros(5, np.float32), 0.1, 0.9)
-    with pytest.raises((ValueError, BufferError, TypeError)):
+    with pytest.raises(ValueError, match="not C-contiguous"):
         optim._optim.sgd(np.zeros(4, np.float32)[::2], np.zeros(2, np.float32), 0.1)
-    with pytest.raises((ValueError, BufferError, TypeError)):
+    with pytest.raises(ValueError, match="not C-contiguous"):
         optim._optim.sgd(np.zeros(4, np.float32), np.zeros(4, np.float32)[::-1], 0.1)
     read_only = np.zeros(4, np.float32)
     read_only.flags.writeable = False
-    with pytest.raises((ValueError, BufferError, TypeError)):
+    with pytest.raises(ValueError, match="read-only"):
         optim._optim.adam(read_only, w, w.copy(), w.copy(), 0.1, 0.001, 1e-7, 0.01)
