@@ -9,10 +9,10 @@ With 2 workers, 3 epochs on the 20,000-image MNIST subset reach ~98.7% (sync).
 
 import argparse
 
+import mpitrain  # first: TensorFlow then loads with oneDNN's kernels (see the README)
+
 import keras
 import numpy as np
-
-import mpitrain
 
 
 def build(input_shape, num_classes):

@@ -9,10 +9,10 @@ pattern for any tabular (N, D) dataset you already hold in numpy.
 
 import argparse
 
+import mpitrain  # first: TensorFlow then loads with oneDNN's kernels (see the README)
+
 import keras
 import numpy as np
-
-import mpitrain
 
 
 def build(input_shape, num_classes):

@@ -26,6 +26,7 @@ from .config import Config, resolve
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError
 from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
 from .console import Console, NullConsole
+from .models.keras_import import onednn_enabled, onednn_hint
 from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from .results import NullResults, RunResults
 from .train import Context, Summary, decay_steps, protocol
@@ -70,6 +71,9 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
                      "softmax: its outputs are taken as probabilities as they are (end it with "
                      "a softmax, or pass --outputs logits)")
     ranks = comm.allgather_objects(rank_facts(threads))
+    hint = onednn_hint(ranks)
+    if hint:
+        console.note(hint)
     results = open_results(cfg, comm)
     results.write_json("config.json" if checkpoint is None else
                        f"resumed-{time.strftime('%Y%m%d-%H%M%S')}.json",
@@ -308,7 +312,8 @@ def rank_facts(threads: int) -> dict:
 
     facts = {"host": platform.node(), "pid": os.getpid(), "threads": threads,
              "python": platform.python_version(), "tensorflow": tf.__version__,
-             "numpy": numpy.__version__, "mpitrain": __version__}
+             "numpy": numpy.__version__, "mpitrain": __version__,
+             "onednn": onednn_enabled()}
     facts.update(library_versions())
     return facts
 

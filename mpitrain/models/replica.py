@@ -46,7 +46,6 @@ def init_tensorflow(intra_threads: int, seed: int) -> None:
     default (one thread per core in every process) oversubscribes the CPU as
     soon as two ranks share a host.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     keras = import_keras()
     import tensorflow as tf
 

@@ -145,7 +145,6 @@ def from_callable(builder: Callable) -> str:
 
 def user_spec(spec: str) -> ModelSpec:
     if spec not in _LOADED:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the user's file may import TF
         target, function = _split(spec)
         if not function or not target:
             precheck(spec)  # raises: the spec names no function

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from mpitrain.models.keras_import import _LazyLoader, is_api_package, loads_lazily
+from mpitrain.models.keras_import import _LazyLoader, is_api_package, loads_lazily, onednn_hint
 
 PROBE = """
 import json, sys
@@ -115,3 +115,61 @@ def test_a_package_that_does_more_than_import_runs_whole(tmp_path, monkeypatch):
         assert api.dumps(2) == "2" and api.__dict__["FLAG"] == 1
     finally:
         sys.modules.pop("compat_pkg", None)
+
+
+FILTER = """
+import os, sys
+from mpitrain.models.keras_import import _stderr_without
+print("before", file=sys.stderr, flush=True)
+with _stderr_without((b"custom operations are on", b"before absl")):
+    os.write(2, b"I0000 port.cc] oneDNN custom operations are on.\\nkept from C\\n")
+    print("kept from Python", file=sys.stderr)
+    os.write(2, b"WARNING: All log messages before absl::InitializeLog() is called\\n")
+    os.write(2, b"no newline at the end")
+print("after", file=sys.stderr)
+"""
+
+
+def test_the_import_filter_drops_the_notices_and_passes_on_everything_else():
+    out = subprocess.run([sys.executable, "-c", FILTER], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ("before\nkept from C\nkept from Python\nno newline at the end"
+                          "after\n")
+
+
+ONEDNN = """
+import json, os, sys
+{how}
+from mpitrain.models.keras_import import onednn_enabled
+print(json.dumps({{"onednn": onednn_enabled(), "env": os.environ.get("TF_ENABLE_ONEDNN_OPTS")}}))
+"""
+
+
+def onednn_probe(how: str, **env) -> tuple:
+    out = subprocess.run([sys.executable, "-c", ONEDNN.format(how=how)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+@pytest.mark.slow  # three fresh TensorFlow imports
+def test_tensorflow_loads_with_onednn_quietly_unless_the_user_said_otherwise():
+    quick = "from mpitrain.models import import_keras; import_keras()"
+    found, stderr = onednn_probe(quick)
+    assert found == {"onednn": True, "env": "1"} and stderr == ""
+    found, stderr = onednn_probe(quick, TF_ENABLE_ONEDNN_OPTS="0")
+    assert found == {"onednn": False, "env": "0"} and stderr == ""
+    # TensorFlow imported first: too late for the default, and the hint says so
+    found, _ = onednn_probe("import tensorflow\n" + quick)
+    assert found["onednn"] is False
+
+
+def test_the_onednn_hint_names_the_ranks_without_it(monkeypatch):
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    facts = [{"onednn": True}, {"onednn": False}, {"onednn": None}, {"onednn": False}]
+    assert "rank(s) 1, 3:" in onednn_hint(facts) and "import mpitrain first" in onednn_hint(facts)
+    assert onednn_hint([{"onednn": True}, {"onednn": None}]) == ""
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")  # the user turned them off
+    assert onednn_hint(facts) == ""
