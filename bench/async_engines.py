@@ -5,7 +5,8 @@ Two workers each (mpitrain at -np 3: rank 0 is the server; PSS: a coordinator,
 one parameter server and two workers over gRPC on localhost), the same model,
 data, per-worker batch, number of applied updates and (unscaled) learning rate.
 Epoch time excludes process start-up on both sides. Target: mpitrain <= 0.5x
-PSS's epoch time at equal accuracy (within 1 pp).
+PSS's epoch time at equal accuracy (within 1 pp). PSS runs as TensorFlow ships
+and with oneDNN's kernels, which mpitrain uses (see ``bench engines``).
 
     python -m bench async_engines [--quick]
 """
@@ -38,11 +39,13 @@ def main(argv=None, out=None) -> dict:
         for model in args.models.split(","):
             ours, theirs = CASES[model]
             mine = mpitrain_run(model, ours, args.quick, Path(tmp) / model, "--async")
-            pss = tf_baseline("ps", model, theirs, args.quick)
-            rows += [engine_row(model, "mpitrain-async", mine),
-                     engine_row(model, "ParameterServerStrategy", pss)]
-            checks += comparison("async_engines", f"{model}: mpitrain async / "
-                                 "ParameterServerStrategy", mine, pss, TARGET, 1, args.quick)
+            rows.append(engine_row(model, "mpitrain-async", mine))
+            for name, onednn in (("ParameterServerStrategy", False),
+                                 ("ParameterServerStrategy-onednn", True)):
+                pss = tf_baseline("ps", model, theirs, args.quick, onednn=onednn)
+                rows.append(engine_row(model, name, pss))
+                checks += comparison("async_engines", f"{model}: mpitrain async / {name}",
+                                     mine, pss, TARGET, 1, args.quick)
     write_csv(out / "async_engines.csv", rows)
     print(table(rows, list(rows[0])))
     print_checks(checks)

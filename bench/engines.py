@@ -10,6 +10,11 @@ included). mpitrain runs twice: as it does by default (graph-mode steps) and wit
 ``--compile xla``. Ratios (issue 15's targets): mpi / horovod <= 0.6 and mpi / MWMS
 <= 0.9 on all three, each for both mpitrain runs; accuracy within 0.5 pp.
 
+mpitrain runs TensorFlow with oneDNN's kernels (TF_ENABLE_ONEDNN_OPTS=1; its wheels
+turn them on only on AVX-512 VNNI/AMX CPUs), and so does its Horovod engine. MWMS
+runs twice: as TensorFlow ships ("mwms") and with the same kernels as mpitrain
+("mwms-onednn"), so the ratios show what the kernels gain and what the engine does.
+
     python -m bench engines [--quick]
 """
 
@@ -43,15 +48,25 @@ TARGET_HOROVOD = 0.6
 TARGET_MWMS = 0.9
 
 
-def tf_baseline(strategy: str, model: str, args, quick: bool, timeout=3600) -> dict:
-    """Run bench/tf_baselines.py (TensorFlow alone) and return its JSON result."""
+def tf_baseline(strategy: str, model: str, args, quick: bool, onednn: bool = False,
+                timeout=3600) -> dict:
+    """Run bench/tf_baselines.py (TensorFlow alone) and return its JSON result.
+
+    ``onednn``: with TF_ENABLE_ONEDNN_OPTS=1, the kernels mpitrain runs TensorFlow
+    with; else TensorFlow's own default (oneDNN only on CPUs with AVX-512 VNNI/BF16
+    or AMX), as a user of the strategy gets it without setting anything."""
+    env = mpi_env()
+    if onednn:
+        env["TF_ENABLE_ONEDNN_OPTS"] = "1"
+    else:
+        env.pop("TF_ENABLE_ONEDNN_OPTS", None)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         extra = ["--steps", QUICK[model][1]] if quick else []
         cmd = [sys.executable, str(REPO / "bench" / "tf_baselines.py"), "--strategy", strategy,
                "--model", model, "--workers", str(WORKERS), "--data-dir", mnist_dir(),
                "--json-out", str(out), *args, *extra]
-        result = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(),
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env,
                                 timeout=timeout)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
@@ -67,16 +82,18 @@ def mpitrain_run(model: str, args, quick: bool, results: Path, *extra,
                               mnist_dir(), "--eval-every", epochs, *extra], results,
                 python=python)
     epochs = float(row["epochs"])
+    ranks = json.loads((Path(row["run_dir"]) / "config.json").read_text())["ranks"]
     return {"wall_time_s": float(row["wall_time_s"]),
             "epoch_time_s": float(row["wall_time_s"]) / epochs,
-            "test_accuracy": float(row["test_accuracy"]), "epochs": epochs}
+            "test_accuracy": float(row["test_accuracy"]), "epochs": epochs,
+            "onednn": all(rank.get("onednn") for rank in ranks)}
 
 
 def engine_row(model: str, engine: str, m: dict, **extra) -> dict:
-    """One CSV row of an engine's measurement."""
+    """One CSV row of an engine's measurement (``onednn``: TensorFlow ran oneDNN's kernels)."""
     return {"model": model, "engine": engine, **extra,
             "epoch_time_s": round(m["epoch_time_s"], 4), "wall_time_s": round(m["wall_time_s"], 3),
-            "test_accuracy": round(m["test_accuracy"], 4)}
+            "test_accuracy": round(m["test_accuracy"], 4), "onednn": m.get("onednn")}
 
 
 def comparison(benchmark: str, label: str, ours: dict, theirs: dict, time_target: float,
@@ -108,6 +125,7 @@ def main(argv=None, out=None) -> dict:
                 "horovod": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-hvd",
                                         "--allreduce", "horovod", python=horovod_python()),
                 "mwms": tf_baseline("mwms", model, theirs, args.quick),
+                "mwms-onednn": tf_baseline("mwms", model, theirs, args.quick, onednn=True),
             }
             if not args.quick:  # a few steps say nothing of XLA, and its compilation
                 # would double the smoke run's mpitrain time
@@ -116,7 +134,8 @@ def main(argv=None, out=None) -> dict:
             rows += [engine_row(model, engine, m, workers=WORKERS)
                      for engine, m in measured.items()]
             for ours_as in [e for e in ("mpi", "mpi-xla") if e in measured]:
-                for engine, target in (("horovod", TARGET_HOROVOD), ("mwms", TARGET_MWMS)):
+                for engine, target in (("horovod", TARGET_HOROVOD), ("mwms", TARGET_MWMS),
+                                       ("mwms-onednn", TARGET_MWMS)):
                     checks += comparison("engines", f"{model}: {ours_as} / {engine}",
                                          measured[ours_as], measured[engine], target, 0.5,
                                          args.quick)

@@ -567,7 +567,16 @@ def base_result(args, plan: Plan, threads: int, tf, keras) -> dict:
             "steps_per_worker_planned": plan.steps_per_worker,
             "decay_steps": plan.decay_steps if args.lr_schedule == "cosine" else None,
             "intra_op_threads": threads, "inter_op_threads": 1,
-            "tensorflow": tf.__version__, "keras": keras.__version__, "seed": args.seed}
+            "tensorflow": tf.__version__, "keras": keras.__version__, "seed": args.seed,
+            "onednn": onednn_enabled()}
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs oneDNN's kernels in this process (TF_ENABLE_ONEDNN_OPTS,
+    or TensorFlow's default for this CPU)."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def finish(args, result: dict, wall: float, examples: int, t_first: float,

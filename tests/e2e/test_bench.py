@@ -28,9 +28,17 @@ def test_quick_benchmarks_run():
     """The engine comparisons (mpitrain MPI and Horovod, MultiWorkerMirrored,
     ParameterServerStrategy) for LR, in one invocation as `bench all` runs them."""
     out, summary = bench("engines,async_engines", "--quick", "--models", "lr")
-    for csv_name, rows in (("engines.csv", 3), ("async_engines.csv", 2)):
+    # each baseline runs as TensorFlow ships and with oneDNN's kernels, as mpitrain runs
+    for csv_name, engines in (("engines.csv", {"mpi": "True", "horovod": "True",
+                                               "mwms-onednn": "True", "mwms": None}),
+                              ("async_engines.csv", {"mpitrain-async": "True",
+                                                     "ParameterServerStrategy-onednn": "True",
+                                                     "ParameterServerStrategy": None})):
         with open(out / csv_name, newline="") as f:
-            assert len(list(csv.DictReader(f))) == rows
+            rows = {row["engine"]: row for row in csv.DictReader(f)}
+        assert set(rows) == set(engines)
+        for engine, onednn in engines.items():  # None: TensorFlow's default for this CPU
+            assert rows[engine]["onednn"] in ((onednn,) if onednn else ("True", "False"))
         assert (out / csv_name).with_suffix(".png").stat().st_size > 0
     assert "| engines |" in summary and "| async_engines |" in summary and "cores" in summary
 
