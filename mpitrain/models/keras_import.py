@@ -95,11 +95,14 @@ def _stderr_without(notices):
     """Inside the block, lines written to file descriptor 2 (by C++ too) that contain one
     of ``notices`` are dropped; every other line is passed on as it comes, so a crash's
     last words still reach the terminal."""
-    if not notices:
+    try:
+        terminal = os.dup(2) if notices else None
+    except OSError:  # no stderr to filter (a daemon's closed descriptor)
+        terminal = None
+    if terminal is None:
         yield
         return
     sys.stderr.flush()
-    terminal = os.dup(2)
     read_end, write_end = os.pipe()
     os.dup2(write_end, 2)
     os.close(write_end)
