@@ -85,8 +85,9 @@ class Config:
         "auto", flag="--allreduce-wait", choices=ALLREDUCE_WAITS)
     compiler: str = _opt(
         "how the training steps are compiled: graph (tf.function), xla (TensorFlow's "
-        "XLA fuses each step's kernels: faster steps for long runs, after a compilation "
-        "of seconds per batch shape; a model it cannot compile falls back to graph), or "
+        "XLA fuses each step's kernels, after a compilation of seconds per batch shape, "
+        "but runs its own, not oneDNN's: slower for convolutional models on CPUs where "
+        "oneDNN runs; a model it cannot compile falls back to graph), or "
         "auto (graph, but XLA for the update of models of 10M parameters or more, "
         "whose memory-bound update it halves)", "auto", flag="--compile", choices=COMPILERS)
     overlap: str = _opt(

@@ -97,8 +97,11 @@ def step_function(input_signature, xla: bool, modes: Dict[str, str]):
     """A decorator: the function as a ``tf.function``, compiled by XLA if ``xla``.
 
     XLA fuses a step's elementwise work into few kernels: measured on this
-    machine (one thread, gradient of one batch, side by side), LR 0.90x, LeNet
-    0.74x and AlexNet 0.78x of the graph-mode time, but it compiles for every
+    machine (one thread, gradient of one batch, side by side) against Eigen's
+    kernels, LR 0.90x, LeNet 0.74x and AlexNet 0.78x of the graph-mode time.
+    XLA runs its own kernels, not oneDNN's: against graph mode with oneDNN (the
+    default, see keras_import.TENSORFLOW_ENV) LeNet's gradient took 2.4x as
+    long (35.7 against 15.1 ms; docs/benchmarks.md section 15). It compiles for every
     batch shape (the epoch's short last batch is a second one): LeNet's
     gradient took 2-3 s of CPU to compile against 0.4 s to trace, so it pays
     off on long runs only (docs/benchmarks.md section 13). A model XLA cannot
