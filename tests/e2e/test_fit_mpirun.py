@@ -1,11 +1,13 @@
 """``mpitrain.fit`` from a user's script under real mpirun: called twice in one job (a
 sync run, then an async one, each with a setting of its own), rank 0 gets each run's
 result, the other rank None. (-np 2 keeps it quick; examples/ run fit at -np 3 in the
-slow tier.)"""
+slow tier.) The script imports Keras before mpitrain, with TF_ENABLE_ONEDNN_OPTS unset,
+so TensorFlow loads with its own default: where that leaves oneDNN's kernels off (CPUs
+without AVX-512 VNNI or AMX, such as this machine's), rank 0 names the ranks."""
 
 import json
 
-from conftest import mpirun_cmd, read_rows, run_bounded
+from conftest import mpi_env, mpirun_cmd, read_rows, run_bounded
 
 SCRIPT = """
 import json, sys
@@ -32,7 +34,9 @@ print("RESULTS", json.dumps(results), flush=True)
 def test_fit_twice_in_one_job(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    result = run_bounded(mpirun_cmd(2, script, tmp_path / "results", module=None), 300)
+    env = mpi_env()
+    env.pop("TF_ENABLE_ONEDNN_OPTS", None)  # (importing mpitrain set it in this process)
+    result = run_bounded(mpirun_cmd(2, script, tmp_path / "results", module=None), 300, env)
     assert result.returncode == 0, result.stderr[-3000:]
     printed = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
                if line.startswith("RESULTS ")]
@@ -43,5 +47,12 @@ def test_fit_twice_in_one_job(tmp_path):
     assert [(r["mode"], r["status"]) for r in rows] == [("sync", "ok"), ("async", "ok")]
     assert [r["run"] for r in rows] == [sync_dir.rsplit("/", 1)[1], async_dir.rsplit("/", 1)[1]]
     assert sync_accuracy > 0.9 and async_accuracy > 0.9  # 4 classes: chance 0.25
-    assert json.loads((tmp_path / "results" / sync_dir.rsplit("/", 1)[1] / "config.json")
-                      .read_text())["config"]["compiler"] == "graph"
+    config = json.loads((tmp_path / "results" / sync_dir.rsplit("/", 1)[1] / "config.json")
+                        .read_text())
+    assert config["config"]["compiler"] == "graph"
+    without = [rank for rank, facts in enumerate(config["ranks"]) if facts["onednn"] is False]
+    hints = [line for line in result.stdout.splitlines() if "without oneDNN's kernels" in line]
+    if without:  # once per run, naming them
+        assert len(hints) == 2 and f"rank(s) {', '.join(map(str, without))}:" in hints[0], hints
+    else:
+        assert hints == []
