@@ -34,15 +34,6 @@ import types
 KERAS_OPTIONAL_IMPORTS = ("sklearn", "matplotlib")
 
 
-#: TensorFlow's environment defaults in every process mpitrain starts TensorFlow in
-#: (a value the user set wins). TF_ENABLE_ONEDNN_OPTS: TensorFlow's x86 wheels use
-#: oneDNN's kernels by default only on CPUs with AVX-512 VNNI/BF16 or AMX; elsewhere
-#: (this machine's AVX2 EPYC) they fall back to Eigen's. Measured here, one thread, one
-#: training step: LeNet batch 64 34.5 -> 11.0 ms, AlexNet 32x32 batch 32 1304 -> 732 ms,
-#: LR unchanged (docs/benchmarks.md, "oneDNN"). The results differ in rounding only
-#: (sums in another order): LeNet sync at -np 3, 2 epochs, 97.20% -> 97.18%.
-TENSORFLOW_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "1"}
-
 #: what TensorFlow writes to stderr at import whatever TF_CPP_MIN_LOG_LEVEL says
 #: (tensorflow/tensorflow#100442): dropped unless that level lets INFO through
 IMPORT_NOTICES = (b"oneDNN custom operations are on",
@@ -52,12 +43,12 @@ IMPORT_NOTICES = (b"oneDNN custom operations are on",
 def import_keras():
     """Import TensorFlow and Keras (once per process) and return keras.
 
-    A first import of TensorFlow here loads it with :data:`TENSORFLOW_ENV`'s
-    defaults (TensorFlow reads them when it loads: a process that imported it
-    before keeps its own settings) and without :data:`IMPORT_NOTICES`."""
+    A first import of TensorFlow here loads it with ``TF_CPP_MIN_LOG_LEVEL=2`` and
+    the oneDNN default that importing mpitrain set (``mpitrain/__init__.py``; a value
+    the user set wins; TensorFlow reads both when it loads, so a process that
+    imported it before keeps its own settings), and without :data:`IMPORT_NOTICES`."""
     if "keras" not in sys.modules:
-        for name, value in TENSORFLOW_ENV.items():
-            os.environ.setdefault(name, value)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         quiet = os.environ["TF_CPP_MIN_LOG_LEVEL"] not in ("", "0")
         notices = IMPORT_NOTICES if quiet and "tensorflow" not in sys.modules else ()
         _lazy_api_packages()

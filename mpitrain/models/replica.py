@@ -27,7 +27,6 @@ rank (the async server updates with :mod:`mpitrain.models.optim`) never do.
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -100,7 +99,7 @@ def step_function(input_signature, xla: bool, modes: Dict[str, str]):
     machine (one thread, gradient of one batch, side by side) against Eigen's
     kernels, LR 0.90x, LeNet 0.74x and AlexNet 0.78x of the graph-mode time.
     XLA runs its own kernels, not oneDNN's: against graph mode with oneDNN (the
-    default, see keras_import.TENSORFLOW_ENV) LeNet's gradient took 2.4x as
+    default, see mpitrain/__init__.py) LeNet's gradient took 2.4x as
     long (35.7 against 15.1 ms; docs/benchmarks.md section 15). It compiles for every
     batch shape (the epoch's short last batch is a second one): LeNet's
     gradient took 2-3 s of CPU to compile against 0.4 s to trace, so it pays
