@@ -3,7 +3,8 @@ runs them all.
 
 Every benchmark measures its comparisons side by side in one run and prints
 ratios; ``all`` writes everything into one ``results/bench/<timestamp>/`` with a
-``summary.md`` (each ratio with its target and whether it is met).
+``summary.md`` (each ratio with its target and whether it is met, the minutes each
+benchmark took, and every CSV as a table).
 """
 
 import importlib
@@ -41,9 +42,10 @@ def main(argv):
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     names = ALL if argv[0] == "all" else argv[0].split(",")
     out = out_dir()
-    checks, failed, started = [], [], time.time()
+    checks, failed, started, minutes = [], [], time.time(), {}
     for name in names:
         print(f"\n=== {name}: {BENCHMARKS[name]} ===", flush=True)
+        began = time.time()
         try:
             result = importlib.import_module(f"bench.{name}").main(argv[1:], out) or {}
         except Exception as exc:  # one broken benchmark must not cost the others' results
@@ -53,7 +55,8 @@ def main(argv):
                                   "value": f"failed: {str(exc).splitlines()[0][:120]}",
                                   "target": "runs", "met": False}]}
         checks += result.get("checks", [])
-    summary = write_summary(out, checks, argv, time.time() - started)
+        minutes[name] = (time.time() - began) / 60
+    summary = write_summary(out, checks, argv, time.time() - started, minutes)
     figures = draw(out)
     print(f"\nsummary: {summary}\nfigures: {', '.join(p.name for p in figures) or 'none'}")
     return 1 if failed else 0

@@ -80,6 +80,22 @@ def train(np_: int, args: List[str], results: Path, timeout: float = 3600,
     return {**row, "run_dir": str(results / row["run"])}
 
 
+def steady_epoch_seconds(run_dir, roles=("worker",)) -> float:
+    """Mean wall seconds of one epoch in steady state, from a run's timing.csv: the
+    epochs after the first (tracing, the allreduce calibration, rank 0's evaluation
+    of the initial model) and before the last (the final report, evaluation and
+    checkpoint), over the ranks whose role is in ``roles``. Benchmarks of
+    throughput drop the warm-up like this (Horovod's synthetic benchmark too)."""
+    with open(Path(run_dir) / "timing.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["role"] in roles]
+    last = max(float(r["epoch"]) for r in rows)
+    middle = [float(r["wall_s"]) for r in rows if 1 < float(r["epoch"]) < last]
+    if not middle:
+        raise RuntimeError(f"{run_dir}: timing.csv has no epoch between the first and the "
+                           "last: a steady-state measure needs a run of 3 epochs or more")
+    return sum(middle) / len(middle)
+
+
 def last_json_line(text: str) -> dict:
     """The last line of ``text`` that is a JSON object (what a rank-side script prints)."""
     for line in reversed(text.splitlines()):
@@ -120,8 +136,21 @@ def print_checks(checks: List[Dict]) -> None:
         print(f"{c['ratio']}: {shown} (target {c.get('target', '-')}: {verdict})")
 
 
-def write_summary(out: Path, checks: List[Dict], argv: List[str], seconds: float) -> Path:
-    """summary.md: every ratio with its target and whether it is met."""
+def markdown_table(path: Path) -> List[str]:
+    """A CSV file as the lines of a Markdown table."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return []
+    return ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])] + [
+        "| " + " | ".join(row) + " |" for row in rows[1:]]
+
+
+def write_summary(out: Path, checks: List[Dict], argv: List[str], seconds: float,
+                  minutes: Dict[str, float] = None) -> Path:
+    """summary.md: every ratio with its target and whether it is met, the minutes each
+    benchmark took, then every CSV the run wrote, as a table (docs/benchmarks.md is
+    written from these)."""
     import os
     import platform
 
@@ -136,6 +165,11 @@ def write_summary(out: Path, checks: List[Dict], argv: List[str], seconds: float
         verdict = "" if c.get("met") is None else ("met" if c["met"] else "**short**")
         lines.append(f"| {c['benchmark']} | {c['ratio']} | {shown} | {c.get('target', '')} "
                      f"| {verdict} |")
+    if minutes:
+        lines += ["", "Minutes per benchmark: " + ", ".join(
+            f"{name} {value:.1f}" for name, value in minutes.items()) + "."]
+    for table_path in sorted(out.glob("*.csv"), key=lambda p: p.stat().st_mtime):
+        lines += ["", f"## {table_path.name}", "", *markdown_table(table_path)]
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path

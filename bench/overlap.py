@@ -4,8 +4,9 @@ against the whole gradient in one allreduce after it: on this machine's shared m
 and on the emulated 3-node cluster2 with 1 GbE links (skipped where it cannot be made).
 
 Steady-state seconds per step: the workers' time in the middle epochs of a run of
-``--batches-per-epoch 3 --epochs 4`` (the first epoch traces and calibrates, the last
-one writes the final checkpoint); one run of each setting per place, on then off.
+640 images, ``--batches-per-epoch 3 --epochs 4`` (batches of 107 images a worker;
+the first epoch traces and calibrates, the last one writes the final checkpoint);
+one run of each setting per place, on then off.
 
     python -m bench overlap [--quick]
 """
@@ -13,11 +14,10 @@ one writes the final checkpoint); one run of each setting per place, on then off
 from __future__ import annotations
 
 import contextlib
-import csv
 import tempfile
 from pathlib import Path
 
-from .common import bench_parser, out_dir, table, train, write_csv
+from .common import bench_parser, out_dir, steady_epoch_seconds, table, train, write_csv
 from .netns import Skipped, emulated_cluster
 
 STEPS_PER_EPOCH, EPOCHS = 3, 4
@@ -26,13 +26,11 @@ STEPS_PER_EPOCH, EPOCHS = 3, 4
 def steady_step_seconds(overlap: str, results: Path, epochs: int = EPOCHS,
                         steps_per_epoch: int = STEPS_PER_EPOCH, **cluster) -> float:
     """Seconds per step of the workers in the epochs after the first and before the last."""
-    row = train(3, ["alexnet", "--image-size", "32", "--batches-per-epoch", steps_per_epoch,
+    row = train(3, ["alexnet", "--image-size", "32", "--synthetic-size", "640",
+                    "--batches-per-epoch", steps_per_epoch,
                     "--epochs", epochs, "--eval-every", "1000", "--checkpoint-every", "1000",
                     "--sample-interval", "0", "--overlap", overlap], results, **cluster)
-    with open(Path(row["run_dir"]) / "timing.csv", newline="") as f:
-        timing = [r for r in csv.DictReader(f) if r["role"] == "worker"]
-    middle = [float(r["wall_s"]) for r in timing if 1 < float(r["epoch"]) < epochs]
-    return sum(middle) / len(middle) / steps_per_epoch
+    return steady_epoch_seconds(row["run_dir"]) / steps_per_epoch
 
 
 def main(argv=None, out=None) -> dict:

@@ -41,6 +41,10 @@ def test_quick_benchmarks_run():
             assert rows[engine]["onednn"] in ((onednn,) if onednn else ("True", "False"))
         assert (out / csv_name).with_suffix(".png").stat().st_size > 0
     assert "| engines |" in summary and "| async_engines |" in summary and "cores" in summary
+    # every ratio's floor (our compute alone) beside it, and the CSVs as tables
+    assert "lr: mpi / horovod epoch time's floor" in summary
+    assert "Minutes per benchmark: engines " in summary and ", async_engines " in summary
+    assert "## engines.csv" in summary and "| lr | mpi | 2 |" in summary
 
 
 def test_unknown_benchmark_is_a_usage_error():

@@ -1,0 +1,58 @@
+"""The benchmarks' pure helpers: steady-state epochs and compute time from a run's
+timing.csv, and a CSV as a Markdown table (what summary.md and docs/benchmarks.md
+are written from)."""
+
+import csv
+
+import pytest
+
+from bench.common import markdown_table, steady_epoch_seconds
+from bench.engines import compute_seconds
+
+COLUMNS = ["epoch", "rank", "host", "role", "wall_s", "compute_s", "comm_s", "wait_s"]
+
+
+def write_timing(run_dir, rows):
+    with open(run_dir / "timing.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        writer.writerows(rows)
+
+
+def test_the_steady_state_is_the_epochs_between_the_first_and_the_last(tmp_path):
+    write_timing(tmp_path, [
+        [1, 0, "vm", "server", 9.0, 0.1, 0, 8.9],
+        [1, 1, "vm", "worker", 4.0, 3.8, 0.1, 0.1],  # tracing, the first evaluation
+        [1, 2, "vm", "worker", 4.2, 3.9, 0.1, 0.2],
+        [2, 0, "vm", "server", 9.0, 0.1, 0, 8.9],
+        [2, 1, "vm", "worker", 2.9, 2.7, 0.1, 0.1],
+        [2, 2, "vm", "worker", 3.1, 2.8, 0.1, 0.2],
+        [3, 0, "vm", "server", 9.0, 0.1, 0, 8.9],
+        [3, 1, "vm", "worker", 3.0, 2.8, 0.1, 0.1],
+        [3, 2, "vm", "worker", 3.0, 2.8, 0.1, 0.1],
+        [4, 1, "vm", "worker", 5.0, 2.8, 2.1, 0.1],  # the final report
+        [4, 2, "vm", "worker", 5.0, 2.8, 2.1, 0.1],
+    ])
+    assert steady_epoch_seconds(tmp_path) == pytest.approx(3.0)
+    assert steady_epoch_seconds(tmp_path, ("server",)) == pytest.approx(9.0)
+    # the workers' compute over the whole run: the floor of an engine's epoch time
+    assert compute_seconds(tmp_path) == pytest.approx((3.8 + 2.7 + 2.8 + 2.8 + 3.9 + 2.8
+                                                       + 2.8 + 2.8) / 2)
+
+
+def test_a_run_too_short_for_a_steady_state_is_an_error(tmp_path):
+    write_timing(tmp_path, [[1, 0, "vm", "single", 4.0, 4.0, 0, 0],
+                            [2, 0, "vm", "single", 3.0, 3.0, 0, 0]])
+    with pytest.raises(RuntimeError, match="3 epochs or more"):
+        steady_epoch_seconds(tmp_path, ("single",))
+
+
+def test_a_csv_becomes_a_markdown_table(tmp_path):
+    path = tmp_path / "engines.csv"
+    path.write_text("model,engine,epoch_time_s\nlr,mpi,0.43\nlenet,mwms,\n")
+    assert markdown_table(path) == ["| model | engine | epoch_time_s |",
+                                    "| --- | --- | --- |",
+                                    "| lr | mpi | 0.43 |",
+                                    "| lenet | mwms |  |"]
+    (tmp_path / "empty.csv").write_text("")
+    assert markdown_table(tmp_path / "empty.csv") == []
