@@ -126,7 +126,7 @@ def main(argv=None, out=None) -> dict:
     write_csv(out / "memory.csv", memory)
     print("Throughput (examples/s) and speed-up over 1 worker; physical cap = min(workers, "
           f"cores={cores}):")
-    print(table(rows, list(rows[0])))
+    print(table(rows, list(dict.fromkeys(k for r in rows for k in r))))  # + steady columns
     print("\nPeak RSS per rank (MB):")
     print(table(memory, list(memory[0])))
     lenet1 = [r for r in rows if r["model"].startswith("lenet (1") and r["workers"] == 2]
