@@ -8,7 +8,7 @@ localhost), the same model, data, per-worker batch, global batch, epochs and
 start-up excluded on every side (the first step's tracing, or XLA's compilation,
 included). mpitrain runs as it does by default (graph-mode steps); ``--xla`` adds a
 run with ``--compile xla`` (left out of ``bench all``: with oneDNN's kernels XLA's
-own are slower on every model here, docs/benchmarks.md section 15). Ratios (issue
+own are slower on every model here, docs/benchmarks.md section 13). Ratios (issue
 15's targets): mpi / horovod <= 0.6 and mpi / MWMS <= 0.9 on all three, for each
 mpitrain run; accuracy within 0.5 pp. Beside each ratio, its floor: our workers'
 compute time alone (timing.csv) over the other engine's epoch time, the ratio an

@@ -100,7 +100,7 @@ def step_function(input_signature, xla: bool, modes: Dict[str, str]):
     kernels, LR 0.90x, LeNet 0.74x and AlexNet 0.78x of the graph-mode time.
     XLA runs its own kernels, not oneDNN's: against graph mode with oneDNN (the
     default, see mpitrain/__init__.py) LeNet's gradient took 2.4x as
-    long (35.7 against 15.1 ms; docs/benchmarks.md section 15). It compiles for every
+    long (35.7 against 15.1 ms; docs/benchmarks.md section 13). It compiles for every
     batch shape (the epoch's short last batch is a second one): LeNet's
     gradient took 2-3 s of CPU to compile against 0.4 s to trace, so it pays
     off on long runs only (docs/benchmarks.md section 13). A model XLA cannot
