@@ -80,20 +80,31 @@ def train(np_: int, args: List[str], results: Path, timeout: float = 3600,
     return {**row, "run_dir": str(results / row["run"])}
 
 
+def timing(run_dir, roles):
+    """The rows of a run's timing.csv whose role is in ``roles``, read and validated by
+    mpitrain's own reader (a damaged file is named; numbers come as floats)."""
+    import numpy as np
+
+    from mpitrain.schema import TIMING
+    from mpitrain.tools.plots import read_table
+
+    table = read_table(Path(run_dir) / "timing.csv", TIMING)
+    return table.where(np.isin(table["role"], list(roles)))
+
+
 def steady_epoch_seconds(run_dir, roles=("worker",)) -> float:
     """Mean wall seconds of one epoch in steady state, from a run's timing.csv: the
     epochs after the first (tracing, the allreduce calibration, rank 0's evaluation
     of the initial model) and before the last (the final report, evaluation and
     checkpoint), over the ranks whose role is in ``roles``. Benchmarks of
     throughput drop the warm-up like this (Horovod's synthetic benchmark too)."""
-    with open(Path(run_dir) / "timing.csv", newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["role"] in roles]
-    last = max(float(r["epoch"]) for r in rows)
-    middle = [float(r["wall_s"]) for r in rows if 1 < float(r["epoch"]) < last]
-    if not middle:
+    rows = timing(run_dir, roles)
+    epoch = rows["epoch"]
+    middle = rows["wall_s"][(epoch > 1) & (epoch < epoch.max())]
+    if not middle.size:
         raise RuntimeError(f"{run_dir}: timing.csv has no epoch between the first and the "
                            "last: a steady-state measure needs a run of 3 epochs or more")
-    return sum(middle) / len(middle)
+    return float(middle.mean())
 
 
 def last_json_line(text: str) -> dict:
@@ -138,12 +149,11 @@ def print_checks(checks: List[Dict]) -> None:
 
 def markdown_table(path: Path) -> List[str]:
     """A CSV file as the lines of a Markdown table."""
+    from mpitrain.tools.report import md_table
+
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
-    if not rows:
-        return []
-    return ["| " + " | ".join(rows[0]) + " |", "|" + " --- |" * len(rows[0])] + [
-        "| " + " | ".join(row) + " |" for row in rows[1:]]
+    return md_table(rows[0], rows[1:]).splitlines() if rows else []
 
 
 def write_summary(out: Path, checks: List[Dict], argv: List[str], seconds: float,

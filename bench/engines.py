@@ -24,7 +24,6 @@ runs twice: as TensorFlow ships ("mwms") and with the same kernels as mpitrain
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -32,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from .common import (REPO, bench_parser, horovod_python, mnist_dir, mpi_env, out_dir,
-                     print_checks, table, train, write_csv)
+                     print_checks, table, timing, train, write_csv)
 
 WORKERS = 2
 # model: (mpitrain options, tf_baselines options); the learning rate given to MWMS
@@ -100,12 +99,8 @@ def compute_seconds(run_dir: str) -> float:
     tracing included) over a run, from its timing.csv: its training time if the
     exchange and every wait cost nothing, so compute / another engine's time is the
     lowest ratio any exchange could reach with these kernels."""
-    per_rank = {}
-    with open(Path(run_dir) / "timing.csv", newline="") as f:
-        for r in csv.DictReader(f):
-            if r["role"] in ("worker", "single"):
-                per_rank[r["rank"]] = per_rank.get(r["rank"], 0.0) + float(r["compute_s"])
-    return sum(per_rank.values()) / len(per_rank)
+    rows = timing(run_dir, ("worker", "single"))
+    return float(rows["compute_s"].sum()) / len(rows.values("rank"))  # mean over ranks
 
 
 def engine_row(model: str, engine: str, m: dict, **extra) -> dict:
