@@ -18,6 +18,7 @@ import gzip
 import json
 import os
 import pickle
+import resource
 import struct
 import subprocess
 import sys
@@ -96,7 +97,38 @@ def _measured_seconds() -> dict:
         return {}
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of every child it has waited for:
+    a test's real launches (mpirun reaps its ranks, subprocess reaps mpirun)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), \
+        resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.user_properties.append(("cpu_start", _cpu_seconds()))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The test's CPU seconds (setup to teardown, its processes included) go with its
+    teardown report to the controller, for :func:`pytest_terminal_summary`."""
+    outcome = yield
+    if call.when == "teardown":
+        start = dict(item.user_properties).get("cpu_start")
+        if start is not None:
+            outcome.get_result().user_properties.append(("cpu", _cpu_seconds() - start))
+
+
+_cpu_by_file: dict = {}
+
+
 def pytest_runtest_logreport(report):
+    cpu = dict(report.user_properties).get("cpu") if report.when == "teardown" else None
+    if cpu is not None:
+        name = report.nodeid.split("::")[0]
+        _cpu_by_file[name] = _cpu_by_file.get(name, 0.0) + cpu
     if os.environ.get("MPITRAIN_RECORD_DURATIONS"):
         own = report.duration
         if report.when == "setup":  # the lock fixture's wait is not the test's own time
@@ -109,6 +141,18 @@ def pytest_sessionfinish(session):
         seconds = _measured_seconds()
         seconds.update({name: round(s, 2) for name, s in _recorded.items()})
         DURATIONS.write_text(json.dumps(dict(sorted(seconds.items())), indent=0) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the suite's CPU went: the files that used most (their tests' own processes
+    and real launches; module fixtures count in their first test's file). On two
+    cores the suite's wall time is at least half its CPU time."""
+    if not _cpu_by_file:
+        return
+    total = sum(_cpu_by_file.values())
+    terminalreporter.write_sep("=", f"CPU seconds by test file ({total:.0f} s in all)")
+    for name, seconds in sorted(_cpu_by_file.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {name}")
 
 
 def session_dir(tmp_path_factory) -> Path:
