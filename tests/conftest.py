@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -279,11 +280,15 @@ def in_one_launch(np_: int, runs, workdir: Path, timeout: float = 900, **kw):
     return result
 
 
-def named_runs_in_one_launch(np_: int, runs: dict, out: Path, **kw) -> dict:
+def named_runs_in_one_launch(np_: int, runs: dict, out: Path, launch: Optional[dict] = None,
+                             **kw) -> dict:
     """``runs`` ({name: ``mpitrain`` arguments}) in one launch (in_one_launch), each with
-    ``--results-dir out/name``: {name: (its run directory, its runs.csv row)}."""
-    in_one_launch(np_, [[*args, "--results-dir", out / name] for name, args in runs.items()],
-                  out, **kw)
+    ``--results-dir out/name``: {name: (its run directory, its runs.csv row)}. The
+    launch's stdout goes to ``launch["stdout"]`` if given."""
+    result = in_one_launch(np_, [[*args, "--results-dir", out / name]
+                                 for name, args in runs.items()], out, **kw)
+    if launch is not None:
+        launch["stdout"] = result.stdout
     found = {}
     for name in runs:
         row = read_rows(out / name / "runs.csv")[-1]
@@ -310,22 +315,29 @@ LR_ACCURACY_RUNS = {
 }
 
 
+def once_per_session(tmp_path_factory, name: str, make):
+    """``make(directory)``'s JSON-able result, made once in the whole test session, also
+    across the xdist workers (under a file lock; the first caller makes it in
+    ``directory``, the others read what it wrote)."""
+    shared = session_dir(tmp_path_factory) / "shared"
+    shared.mkdir(exist_ok=True)
+    found = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "a") as lock, _flock(lock, fcntl.LOCK_EX):
+        if not found.is_file():
+            found.write_text(json.dumps(make(shared / name)))
+    return json.loads(found.read_text())
+
+
 @pytest.fixture(scope="session")
 def lr_accuracy(tmp_path_factory):
     """``lr_accuracy(np, *options)``: test accuracy of a default LR run on the real
-    MNIST (30 epochs), run once in the whole session, also across xdist workers (a file
-    per -np under a lock): the sync and async accuracy tests compare against the same
-    sync runs."""
-    shared = session_dir(tmp_path_factory) / "lr-accuracy"
-    shared.mkdir(exist_ok=True)
-
+    MNIST (30 epochs), run once in the whole session (:func:`once_per_session`, all of
+    one -np's runs in one launch): the sync and async accuracy tests compare against the
+    same sync runs."""
     def accuracy(np_: int, *options) -> float:
         assert options in LR_ACCURACY_RUNS[np_], f"add {options} to LR_ACCURACY_RUNS[{np_}]"
-        found = shared / f"np{np_}.json"
-        with open(shared / f"np{np_}.lock", "a") as lock, _flock(lock, fcntl.LOCK_EX):
-            if not found.is_file():
-                found.write_text(json.dumps(lr_runs(np_, shared / f"np{np_}")))
-        return json.loads(found.read_text())[" ".join(options)]
+        return once_per_session(tmp_path_factory, f"lr-accuracy-np{np_}",
+                                lambda out: lr_runs(np_, out))[" ".join(options)]
 
     return accuracy
 
@@ -339,6 +351,64 @@ def lr_runs(np_: int, results: Path) -> dict:
                                      results)
     return {" ".join(extra): float(found[str(i)][1]["test_accuracy"])
             for i, extra in enumerate(options)}
+
+
+#: A user's model file (FILE.py:build) for the shared runs below and the model-spec tests
+MY_CNN = """
+import keras
+
+def build(input_shape, num_classes):
+    L = keras.layers
+    return keras.Sequential([
+        keras.Input(input_shape),
+        L.Conv2D(8, 3, activation="relu"),
+        L.MaxPooling2D(2),
+        L.Flatten(),
+        L.Dense(num_classes),
+    ])
+"""
+
+#: Short runs several test files check, by process count: {np: {name: the ``mpitrain``
+#: arguments after the model, which {cnn} and {mnist} fill in}}. The first test that asks
+#: for one at some -np runs all of that -np's in one launch (:func:`shared_run`), so each
+#: rank starts TensorFlow once for all of them. Telemetry's two come first: their memory
+#: and traffic are checked, and a run's samples and counts start with the run.
+TELEMETRY = ["lr", "--epochs", "2", "--sample-interval", "0.2", "--quiet"]
+SHARED_RUNS = {
+    1: {"dry": ["lr", "--dry-run"]},
+    2: {"dry": ["lr", "--dry-run"], "async-dry": ["lr", "--async", "--dry-run"]},
+    3: {"telemetry-sync": TELEMETRY, "telemetry-async": [*TELEMETRY, "--async"],
+        "dry": ["lr", "--dry-run"], "async-dry": ["lr", "--async", "--dry-run"],
+        "my_cnn-sync": ["{cnn}:build", "--steps", "60", "--quiet"],
+        "my_cnn-async": ["{cnn}:build", "--async", "--steps", "60", "--quiet"]},
+    4: {"dry": ["lr", "--dry-run"], "async-dry": ["lr", "--async", "--dry-run"]},
+}
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """``shared_run(np, name)``: (run directory, runs.csv row, the launch's stdout) of
+    SHARED_RUNS[np][name], on the real MNIST; made once per session, all of one -np's
+    runs in one launch (:func:`once_per_session`, :func:`in_one_launch`)."""
+    def run(np_: int, name: str):
+        assert name in SHARED_RUNS[np_], f"add {name!r} to SHARED_RUNS[{np_}]"
+        made = once_per_session(tmp_path_factory, f"shared-np{np_}",
+                                lambda out: _shared_launch(np_, out))
+        run_dir, row = made["runs"][name]
+        return Path(run_dir), row, made["stdout"]
+
+    return run
+
+
+def _shared_launch(np_: int, out: Path) -> dict:
+    out.mkdir()
+    cnn = out / "my_cnn.py"
+    cnn.write_text(MY_CNN)
+    launch: dict = {}
+    found = named_runs_in_one_launch(np_, {
+        name: [arg.format(cnn=cnn) for arg in args] + ["--data-dir", mnist_dir()]
+        for name, args in SHARED_RUNS[np_].items()}, out, launch)
+    return {"runs": {name: (str(d), row) for name, (d, row) in found.items()}, **launch}
 
 
 # ---- the user's own data, made by the tests: small and learnable ----------------------

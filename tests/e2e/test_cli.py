@@ -17,25 +17,21 @@ def error_lines(result):
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
-def test_dry_run_writes_results(np_, mnist, tmp_path):
-    result = mpirun(np_, "lr", "--dry-run", "--data-dir", mnist, "--results-dir", tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs = read_rows(tmp_path / "runs.csv")
-    assert len(runs) == 1
-    run = runs[0]
+def test_dry_run_writes_results(np_, shared_run):
+    run_dir, run, stdout = shared_run(np_, "dry")
     mode = "single" if np_ == 1 else "sync"
     assert (run["model"], run["mode"], run["np"], run["workers"]) == (
         "lr", mode, str(np_), str(max(1, np_ - 1)))
     assert run["steps"] == "2" and run["dataset"] == "mnist" and run["status"] == "ok"
     assert 0.0 < float(run["test_accuracy"]) <= 1.0
-    run_dir = tmp_path / run["run"]
+    assert len(read_rows(run_dir.parent / "runs.csv")) == 1
     curve = read_rows(run_dir / "curve.csv")
     assert [row["step"] for row in curve] == ["0", "2"]
     meta = json.loads((run_dir / "config.json").read_text())
     assert len(meta["ranks"]) == np_ and meta["config"]["mode"] == mode
     assert meta["versions"]["tensorflow"].startswith("2.")
     assert "Open MPI" in meta["versions"]["mpi_library"]
-    assert f"results: {run_dir}" in result.stdout
+    assert f"results: {run_dir}" in stdout
 
 
 def test_console_script_and_steps(mnist, tmp_path):

@@ -9,22 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, mpirun, mpirun_cmd, read_rows, run_bounded
-
-CNN = '''
-import keras
-
-def build(input_shape, num_classes):
-    L = keras.layers
-    return keras.Sequential([
-        keras.Input(input_shape),
-        L.Conv2D(8, 3, activation="relu"),
-        L.MaxPooling2D(2),
-        L.Flatten(),
-        L.Dense(num_classes),
-    ])
-'''
-
+from conftest import MY_CNN, REPO, mpirun, mpirun_cmd, read_rows, run_bounded
 
 def error_lines(result):
     return [line for line in result.stderr.splitlines() if line.startswith("mpitrain: error")]
@@ -33,22 +18,20 @@ def error_lines(result):
 @pytest.fixture
 def cnn(tmp_path):
     path = tmp_path / "my_cnn.py"
-    path.write_text(CNN)
+    path.write_text(MY_CNN)
     return path
 
 
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
-def test_user_file_trains_on_mnist(mode, cnn, mnist, tmp_path):
-    """60 steps per worker at -np 3 (measured: sync 88%, async 82%; chance is 10%)."""
-    spec = f"{cnn}:build"
-    result = mpirun(3, spec, *(["--async"] if mode == "async" else []), "--steps", "60",
-                    "--data-dir", mnist, "--results-dir", tmp_path / "res", "--quiet")
-    assert result.returncode == 0, result.stderr[-3000:]
-    run = read_rows(tmp_path / "res" / "runs.csv")[0]
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_user_file_trains_on_mnist(mode, shared_run):
+    """60 steps per worker at -np 3 (measured: sync 88%, async 82%; chance is 10%); the
+    runs share a launch with other tests' (conftest.SHARED_RUNS)."""
+    run_dir, run, _ = shared_run(3, f"my_cnn-{mode}")
+    spec = f"{run_dir.parent.parent / 'my_cnn.py'}:build"  # where conftest wrote it
     assert (run["model"], run["mode"], run["status"]) == (spec, mode, "ok")
     assert float(run["test_accuracy"]) > 0.6, run
     assert run["run"].endswith(f"-my_cnn-build-{mode}-np3")
-    meta = json.loads((tmp_path / "res" / run["run"] / "config.json").read_text())
+    meta = json.loads((run_dir / "config.json").read_text())
     assert meta["config"]["model"] == spec and meta["model"]["parameters"] == 13610
     assert (meta["config"]["optimizer"], meta["config"]["batch_size"]) == ("adam", 64)
 
@@ -60,7 +43,7 @@ def test_module_spec_and_resume_from_another_directory(cnn, mnist, tmp_path):
     package = tmp_path / "mynets"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "small.py").write_text(CNN)
+    (package / "small.py").write_text(MY_CNN)
     res = tmp_path / "res"
     first = run_bounded(mpirun_cmd(1, "mynets.small:build", "--steps", "30", "--data-dir",
                                    mnist, "--results-dir", res, "--quiet"), 300, cwd=tmp_path)
@@ -84,7 +67,7 @@ def test_module_spec_and_resume_from_another_directory(cnn, mnist, tmp_path):
         run_dir.name, "8", "True")
 
 
-SOFTMAX = CNN.replace("L.Dense(num_classes)", "L.Dense(num_classes, activation='softmax')")
+SOFTMAX = MY_CNN.replace("L.Dense(num_classes)", "L.Dense(num_classes, activation='softmax')")
 
 
 def test_outputs_probabilities_trains_a_softmax_model(tmp_path, mnist):
@@ -158,7 +141,7 @@ def test_check_a_user_model(cnn, mnist, tmp_path):
 
 @pytest.mark.slow  # the message itself: tests/unit/test_model_spec.py, in-process
 def test_check_names_a_wrong_output(mnist, tmp_path):
-    (tmp_path / "seven.py").write_text(CNN.replace("L.Dense(num_classes)", "L.Dense(7)"))
+    (tmp_path / "seven.py").write_text(MY_CNN.replace("L.Dense(num_classes)", "L.Dense(7)"))
     bad = run_bounded([sys.executable, "-m", "mpitrain", "check", "-np", "2", "--hostfile",
                        REPO / "hostfiles" / "local", f"{tmp_path}/seven.py:build",
                        "--data-dir", mnist], 300)

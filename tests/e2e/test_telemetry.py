@@ -11,22 +11,17 @@ from collections import defaultdict
 
 import pytest
 
-from conftest import named_runs_in_one_launch, read_rows
+from conftest import TELEMETRY, read_rows
 
 N_PARAMS = 7850  # LR: 784 x 10 + 10
 HEADER_FLOATS = 8  # async messages carry an 8-float header
-EPOCHS = 2
+EPOCHS = int(TELEMETRY[TELEMETRY.index("--epochs") + 1])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from conftest import mnist_dir
-
-    common = ["lr", "--epochs", EPOCHS, "--sample-interval", "0.2", "--data-dir", mnist_dir(),
-              "--quiet"]
+def runs(shared_run):
     # one launch (each run counts its own traffic and samples from its own start)
-    return named_runs_in_one_launch(3, {"sync": common, "async": [*common, "--async"]},
-                                    tmp_path_factory.mktemp("telemetry"))
+    return {name: shared_run(3, f"telemetry-{name}")[:2] for name in ("sync", "async")}
 
 
 def by_rank(rows, key="rank"):
