@@ -39,25 +39,54 @@ LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
 BN_MODEL_SPEC = f"{REPO / 'tests' / 'helpers' / 'bn_model.py'}:build"
 
 
+def is_exclusive(item) -> bool:
+    return item.get_closest_marker("exclusive") is not None
+
+
+#: this xdist worker's readers-writer lock files (open for its whole life), and whether it
+#: kept the exclusive lock from its previous test for the next one
+_lock_files: dict = {}
+_kept_exclusive = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.next_item = nextitem  # for _exclusive_or_shared: may it keep its lock?
+
+
 @pytest.fixture(autouse=True)
 def _exclusive_or_shared(request, tmp_path_factory):
     """A readers-writer lock across the xdist workers: an ``exclusive`` test holds it
     alone, every other test shares it. A turnstile, taken by everyone on the way in,
-    keeps a waiting exclusive test from being starved by a stream of shared ones."""
+    keeps a waiting exclusive test from being starved by a stream of shared ones.
+
+    An exclusive test followed by another on this worker (a file's exclusive tests run
+    one after another: :func:`exclusive_tests_first`) hands the lock straight on:
+    released in between, the other worker would start a test, and the next exclusive
+    one would wait for it to end with a core idle (258 s of such waits in one
+    whole-suite run)."""
+    global _kept_exclusive
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield  # one process: nothing runs beside this test
         return
-    exclusive = request.node.get_closest_marker("exclusive") is not None
-    root = session_dir(tmp_path_factory)
-    with open(root / "suite.lock", "a") as lock, open(root / "turnstile.lock", "a") as gate:
-        waiting = time.monotonic()
-        with _flock(gate, fcntl.LOCK_EX):
+    exclusive = is_exclusive(request.node)
+    if not _lock_files:
+        root = session_dir(tmp_path_factory)
+        _lock_files.update(lock=open(root / "suite.lock", "a"),
+                           gate=open(root / "turnstile.lock", "a"))
+    lock = _lock_files["lock"]
+    waiting = time.monotonic()
+    if not (exclusive and _kept_exclusive):
+        with _flock(_lock_files["gate"], fcntl.LOCK_EX):
             fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        # not the test's own time (tests/durations.json leaves it out)
-        request.node.user_properties.append(("lock_wait", time.monotonic() - waiting))
-        try:
-            yield
-        finally:
+    # not the test's own time (tests/durations.json leaves it out)
+    request.node.user_properties.append(("lock_wait", time.monotonic() - waiting))
+    try:
+        yield
+    finally:
+        following = getattr(request.node, "next_item", None)
+        _kept_exclusive = exclusive and following is not None and is_exclusive(following)
+        if not _kept_exclusive:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
@@ -70,13 +99,24 @@ _recorded: dict = {}
 @pytest.hookimpl(trylast=True)  # after -m/-k have deselected
 def pytest_collection_modifyitems(items):
     """Files in order of their selected tests' measured time, longest first, each file's
-    tests in their own order. Under ``--dist loadfile`` a file runs on one worker and
+    exclusive tests first, then the others, each in their own order. Under ``--dist loadfile`` a file runs on one worker and
     files are handed out in this order, so a long file handed out last leaves the other
     worker idle: the quick tier's last file was the 50 s tests/unit/test_plots.py, and a
     sampler saw 15% of the CPU idle, most of it at the end. Unknown tests count 0 s."""
     seconds = _measured_seconds()
     if seconds:
         longest_files_first(items, seconds)
+    exclusive_tests_first(items, is_exclusive)
+
+
+def exclusive_tests_first(items, exclusive) -> None:
+    """Sort ``items`` in place so that each file's ``exclusive`` tests come first, one
+    after another (each group in its own order; files keep their order): consecutive
+    exclusive tests hand their lock on (:func:`_exclusive_or_shared`)."""
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda item: (first[item.nodeid.split("::")[0]], not exclusive(item)))
 
 
 def longest_files_first(items, seconds: dict) -> None:
