@@ -80,16 +80,22 @@ def train(np_: int, args: List[str], results: Path, timeout: float = 3600,
     return {**row, "run_dir": str(results / row["run"])}
 
 
-def timing(run_dir, roles):
-    """The rows of a run's timing.csv whose role is in ``roles``, read and validated by
-    mpitrain's own reader (a damaged file is named; numbers come as floats)."""
+def run_table(run_dir, name: str, roles=None):
+    """A run's ``name``.csv (timing, telemetry, comm, staleness), read and validated by
+    mpitrain's own reader (a damaged file is named; numbers come as floats); only the
+    rows whose role is in ``roles``, if given."""
     import numpy as np
 
-    from mpitrain.schema import TIMING
+    from mpitrain.schema import OPTIONAL_TABLES
     from mpitrain.tools.plots import read_table
 
-    table = read_table(Path(run_dir) / "timing.csv", TIMING)
-    return table.where(np.isin(table["role"], list(roles)))
+    table = read_table(Path(run_dir) / f"{name}.csv", OPTIONAL_TABLES[name])
+    return table if roles is None else table.where(np.isin(table["role"], list(roles)))
+
+
+def timing(run_dir, roles):
+    """The rows of a run's timing.csv whose role is in ``roles`` (:func:`run_table`)."""
+    return run_table(run_dir, "timing", roles)
 
 
 def steady_epoch_seconds(run_dir, roles=("worker",)) -> float:

@@ -27,14 +27,14 @@ of workers.
 
 from __future__ import annotations
 
-import csv
 import os
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
-from .common import (bench_parser, mnist_dir, out_dir, steady_epoch_seconds, table, train,
-                     write_csv)
+import numpy as np
+
+from .common import (bench_parser, mnist_dir, out_dir, run_table, steady_epoch_seconds, table,
+                     train, write_csv)
 
 MODELS = {
     "lr": ["--epochs", "10"],
@@ -67,16 +67,15 @@ def steady_examples_per_s(row) -> float:
 
 
 def peak_rss(run_dir: str):
-    peaks = defaultdict(float)
-    with open(Path(run_dir) / "telemetry.csv", newline="") as f:
-        for r in csv.DictReader(f):
-            peaks[(int(r["rank"]), r["role"])] = max(peaks[(int(r["rank"]), r["role"])],
-                                                     float(r["rss_mb"]))
-    server = max((v for (rank, role), v in peaks.items() if role in ("server", "single")),
-                 default=0.0)
-    worker = max((v for (rank, role), v in peaks.items() if role in ("worker", "single")),
-                 default=0.0)
-    return server, worker
+    """The highest resident memory (MB) of the serving rank and of any worker (a single
+    rank counts as both), from the run's telemetry.csv."""
+    samples = run_table(run_dir, "telemetry")
+
+    def peak(roles) -> float:
+        rss = samples.where(np.isin(samples["role"], roles))["rss_mb"]
+        rss = rss[~np.isnan(rss)]
+        return float(rss.max()) if rss.size else 0.0
+    return peak(["server", "single"]), peak(["worker", "single"])
 
 
 def main(argv=None, out=None) -> dict:

@@ -1,5 +1,5 @@
 """The benchmarks' pure helpers: steady-state epochs and compute time from a run's
-timing.csv, and a CSV as a Markdown table (what summary.md and docs/benchmarks.md
+timing.csv, peak memory by role from its telemetry.csv, and a CSV as a Markdown table (what summary.md and docs/benchmarks.md
 are written from)."""
 
 import csv
@@ -8,6 +8,7 @@ import pytest
 
 from bench.common import markdown_table, steady_epoch_seconds
 from bench.engines import compute_seconds
+from bench.scaling import peak_rss
 
 COLUMNS = ["epoch", "rank", "host", "role", "wall_s", "compute_s", "comm_s", "wait_s"]
 
@@ -56,3 +57,13 @@ def test_a_csv_becomes_a_markdown_table(tmp_path):
                                     "| lenet | mwms |  |"]
     (tmp_path / "empty.csv").write_text("")
     assert markdown_table(tmp_path / "empty.csv") == []
+
+
+def test_peak_memory_by_role_from_the_telemetry(tmp_path):
+    header = ["time_s", "rank", "host", "role", "cpu_percent", "rss_mb", "host_cpu_percent"]
+    rows = [[0.5, 0, "vm", "server", 50, 610.5, 90], [0.5, 1, "vm", "worker", 99, 580, ""],
+            [1.0, 0, "vm", "server", 40, 640.25, 95], [1.0, 1, "vm", "worker", 98, 575, ""],
+            [1.0, 2, "vm", "worker", 97, "", ""]]  # a sample without memory: skipped
+    with open(tmp_path / "telemetry.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    assert peak_rss(tmp_path) == (640.25, 580.0)
