@@ -420,7 +420,9 @@ SHARED_RUNS = {
     3: {"telemetry-sync": TELEMETRY, "telemetry-async": [*TELEMETRY, "--async"],
         "dry": ["lr", "--dry-run"], "async-dry": ["lr", "--async", "--dry-run"],
         "my_cnn-sync": ["{cnn}:build", "--steps", "60", "--quiet"],
-        "my_cnn-async": ["{cnn}:build", "--async", "--steps", "60", "--quiet"]},
+        "my_cnn-async": ["{cnn}:build", "--async", "--steps", "60", "--quiet"],
+        "fp16-sync": ["lr", "--compression", "fp16", "--steps", "10", "--quiet"],
+        "fp16-async": ["lr", "--async", "--compression", "fp16", "--steps", "10", "--quiet"]},
     4: {"dry": ["lr", "--dry-run"], "async-dry": ["lr", "--async", "--dry-run"]},
 }
 

@@ -3,34 +3,31 @@
 
 import pytest
 
-from conftest import mpirun, read_rows
+from conftest import read_rows
 
 LR_PARAMS = 7850  # 784 x 10 weights + 10 biases
 
 
-def traffic(results, kind):
-    """(bytes, messages) the workers sent of ``kind`` in the run of ``results``."""
-    run = read_rows(results / "runs.csv")[-1]
-    rows = [r for r in read_rows(results / run["run"] / "comm.csv")
+def traffic(run_dir, kind):
+    """(bytes, messages) the workers sent of ``kind`` in the run at ``run_dir``."""
+    rows = [r for r in read_rows(run_dir / "comm.csv")
             if r["kind"] == kind and r["role"] == "worker"]
     return sum(int(r["sent_bytes"]) for r in rows), sum(int(r["sent_msgs"]) for r in rows)
 
 
-# async quick: the push codec in tests/unit/test_compression.py
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
-def test_fp16_halves_the_gradient_bytes(mode, mnist, tmp_path):
-    args = ["--async"] if mode == "async" else []
-    result = mpirun(3, "lr", *args, "--compression", "fp16", "--steps", "10", "--data-dir",
-                    mnist, "--results-dir", tmp_path, "--sample-interval", "0")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert read_rows(tmp_path / "runs.csv")[-1]["compression"] == "fp16"
+# conftest.SHARED_RUNS[3]: 10 steps of LR with --compression fp16, in a launch shared
+# with other tests' runs
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fp16_halves_the_gradient_bytes(mode, shared_run):
+    run_dir, row, _ = shared_run(3, f"fp16-{mode}")
+    assert (row["compression"], row["mode"], row["status"]) == ("fp16", mode, "ok")
     if mode == "sync":
-        sent, messages = traffic(tmp_path, "allreduce")
+        sent, messages = traffic(run_dir, "allreduce")
         # gradient + stop flag + a loss per worker, padded to 2 equal segments, 2 bytes each
         fused = LR_PARAMS + 1 + 2
         assert sent == messages * 2 * (fused + fused % 2) and messages == 2 * 10
     else:
-        sent, messages = traffic(tmp_path, "push")
+        sent, messages = traffic(run_dir, "push")
         # a float32 header of 8 slots, then the float16 gradient packed in float32 slots
         assert sent == messages * 4 * (8 + LR_PARAMS // 2) and messages == 2 * 10
 
