@@ -177,8 +177,10 @@ class RunResults:
     def add_run_row(self, row: Dict) -> None:
         append_run_row(self.results_dir / "runs.csv", {"run": self.dir.name, **row})
 
-    def save_checkpoint(self, checkpoint) -> None:
-        checkpoint.save(self.dir)
+    def save_checkpoint(self, checkpoint, meanwhile=None) -> None:
+        """Write ``checkpoint`` (:meth:`mpitrain.lifecycle.Checkpoint.save`: ``meanwhile``,
+        the step's evaluation, runs while it is written)."""
+        checkpoint.save(self.dir, meanwhile)
 
 
 class NullResults:
@@ -201,8 +203,9 @@ class NullResults:
     def add_run_row(self, row):
         pass
 
-    def save_checkpoint(self, checkpoint):
-        pass
+    def save_checkpoint(self, checkpoint, meanwhile=None):
+        if meanwhile is not None:  # the evaluation is not the file's to skip
+            meanwhile()
 
     def set_status(self, status, reason="", **facts):
         pass

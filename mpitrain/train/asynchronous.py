@@ -445,10 +445,8 @@ class Server:
         span = max(1e-9, time.perf_counter() - t0)
         cpu_share = {"server_cpu_share": round((time.process_time() - cpu0) / span, 4),
                      "server_loop_cpu_share": round((time.thread_time() - loop_cpu0) / span, 4)}
-        if self.evaluations.last_step != self.version and not self.ending & DIVERGED:
-            self.evaluations.submit(self.version, self._state(), self._train_loss(), wall)
         if not self.ending & DIVERGED:
-            self.evaluations.save(self.checkpoint())
+            self._evaluate_and_save(self.evaluations.last_step != self.version, True, wall)
         self.evaluations.close()
         summary = self._summary(wall, cpu_share)
         self._raise_if_ending(summary)
@@ -618,12 +616,20 @@ class Server:
             self._dismiss(w)
         else:
             self.leases.wait(w.rank)
-        if self.version % self.eval_interval == 0:
-            self.evaluations.submit(self.version, self._state(), self._train_loss(),
-                                    self.clock())
-        if self.version % self.checkpoint_interval == 0 or (
-                self.checkpoint_steps and self.version % self.checkpoint_steps == 0):
-            self.evaluations.save(self.checkpoint())
+        self._evaluate_and_save(
+            self.version % self.eval_interval == 0,
+            self.version % self.checkpoint_interval == 0 or bool(
+                self.checkpoint_steps and self.version % self.checkpoint_steps == 0),
+            self.clock())
+
+    def _evaluate_and_save(self, evaluate: bool, save: bool, wall: float) -> None:
+        """Queue the current version's evaluation and/or checkpoint (written meanwhile)."""
+        checkpoint = self.checkpoint() if save else None
+        if evaluate:
+            self.evaluations.submit(self.version, self._state(), self._train_loss(), wall,
+                                    checkpoint)
+        elif checkpoint is not None:
+            self.evaluations.save(checkpoint)
 
     def _train_loss(self) -> Optional[float]:
         loss = float(np.mean(self.losses)) if self.losses else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -78,6 +78,18 @@ class Evaluator:
                        train_loss=row["train_loss"], extra=dict(extra))
 
 
+def evaluate_and_save(ctx: Context, evaluate: Optional[Callable[[], object]],
+                      checkpoint: Optional[Checkpoint]) -> None:
+    """Run ``evaluate`` (it appends a curve row) and save ``checkpoint``; either may be
+    None. With both, the checkpoint is written while the evaluation runs and replaces
+    the previous one after it (:meth:`mpitrain.lifecycle.Checkpoint.save`). Local to the
+    serving rank."""
+    if checkpoint is not None:
+        ctx.results.save_checkpoint(checkpoint, meanwhile=evaluate)
+    elif evaluate is not None:
+        evaluate()
+
+
 class Stopwatch:
     """Wall time since the training start (a shared point: the initial broadcast).
 
@@ -110,11 +122,13 @@ class BackgroundEvaluator:
         self.thread = threading.Thread(target=self._run, name="evaluator", daemon=True)
         self.thread.start()
 
-    def submit(self, version: int, state: np.ndarray, train_loss, wall: float) -> None:
+    def submit(self, version: int, state: np.ndarray, train_loss, wall: float,
+               checkpoint: Optional[Checkpoint] = None) -> None:
         """Evaluate ``state`` (weights and buffers, a copy the caller will not touch) in
-        the background."""
+        the background, and save ``checkpoint`` (of the same version) meanwhile."""
         self.last_step = version
-        self._put(lambda: self._evaluate(version, state, train_loss, wall))
+        self._put(lambda: evaluate_and_save(
+            self.ctx, lambda: self._evaluate(version, state, train_loss, wall), checkpoint))
 
     def save(self, checkpoint: Checkpoint) -> None:
         """Write ``checkpoint`` in the background, in order with the evaluations."""

@@ -68,7 +68,7 @@ from ..models.replica import checksum
 from .compression import sync_engine
 from .context import (Context, Summary, diverged, interrupted, is_checkpoint_point,
                       is_eval_point, worker_batches)
-from .evaluation import Evaluator, Stopwatch
+from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .overlap import exchange_for
 from .protocol import (CHECKPOINT, DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED,
                        REPORT, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
@@ -288,16 +288,16 @@ class LocalEvaluation:
         self.evaluator.progress(step, running_loss)
 
     def report(self, step: int, train_loss: float, flags: int) -> None:
-        if flags & EVALUATE:
-            self.evaluator.record(step, train_loss, self.clock())
+        now, replica = self.clock(), self.ctx.replica
+        checkpoint = None
         if flags & CHECKPOINT:
-            replica = self.ctx.replica
             rng = replica.rng_state()
-            self.ctx.results.save_checkpoint(Checkpoint(
-                replica.weights(), replica.optimizer_state(), step, self.clock(),
-                extra={"rng": {0: rng.tolist()} if rng.size else {},
-                       "geometry": self.ctx.geometry},
-                buffers=replica.buffers()))
+            checkpoint = Checkpoint(replica.weights(), replica.optimizer_state(), step, now,
+                                    extra={"rng": {0: rng.tolist()} if rng.size else {},
+                                           "geometry": self.ctx.geometry},
+                                    buffers=replica.buffers())
+        evaluate_and_save(self.ctx, (lambda: self.evaluator.record(step, train_loss, now))
+                          if flags & EVALUATE else None, checkpoint)
 
     def close(self, step: int) -> Summary:
         return self.evaluator.summary(self.clock())
@@ -472,15 +472,15 @@ class Server:
         ctx.replica.set_state(self.weights)
         train_loss = float(np.mean([h.loss for h in reports.values()]))
         wall = max(h.elapsed for h in reports.values())
-        if union & EVALUATE:
-            self.evaluator.record(step, train_loss, wall)
+        checkpoint = None
         if state is not None:
             optimizer, rng = state
             n = ctx.replica.n_params
-            ctx.results.save_checkpoint(Checkpoint(self.weights[:n].copy(), optimizer, step,
-                                                   wall, extra={"rng": rng,
-                                                                "geometry": ctx.geometry},
-                                                   buffers=self.weights[n:].copy()))
+            checkpoint = Checkpoint(self.weights[:n].copy(), optimizer, step, wall,
+                                    extra={"rng": rng, "geometry": ctx.geometry},
+                                    buffers=self.weights[n:].copy())
+        evaluate_and_save(ctx, (lambda: self.evaluator.record(step, train_loss, wall))
+                          if union & EVALUATE else None, checkpoint)
         timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
         if union & INTERRUPTED:
             raise interrupted(ctx, f"at step {step}", self.evaluator.summary(wall))

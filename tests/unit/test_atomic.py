@@ -56,3 +56,50 @@ def test_checkpoint_is_written_through_it(tmp_path, monkeypatch):
     path = ckpt.save(tmp_path)
     assert renamed == [path] and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
     assert np.array_equal(Checkpoint.load(tmp_path).weights, ckpt.weights)
+
+
+def test_a_checkpoint_written_during_an_evaluation_replaces_the_old_one_after_it(tmp_path):
+    """Checkpoint.save(meanwhile=...): the evaluation runs while the file is written, and
+    until it returns the previous checkpoint is the one on disk (a run killed then
+    resumes from a checkpoint whose curve rows are all written)."""
+    old = Checkpoint(weights=np.zeros(3, np.float32), optimizer={}, step=1, wall_time_s=1.0)
+    old.save(tmp_path)
+    new = Checkpoint(weights=np.arange(300_000, dtype=np.float32), optimizer={}, step=2,
+                     wall_time_s=2.0)
+    seen = []
+
+    def evaluate():
+        seen.append(Checkpoint.load(tmp_path).step)
+    new.save(tmp_path, meanwhile=evaluate)
+    assert seen == [1]
+    assert Checkpoint.load(tmp_path).step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.npz"]
+
+
+def test_a_failed_evaluation_leaves_the_previous_checkpoint(tmp_path):
+    Checkpoint(weights=np.zeros(3, np.float32), optimizer={}, step=1, wall_time_s=1.0) \
+        .save(tmp_path)
+
+    def evaluate():
+        raise RuntimeError("evaluation failed")
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        Checkpoint(weights=np.ones(3, np.float32), optimizer={}, step=2, wall_time_s=2.0) \
+            .save(tmp_path, meanwhile=evaluate)
+    assert Checkpoint.load(tmp_path).step == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.npz"]
+
+
+def test_a_failed_write_is_raised_after_the_evaluation(tmp_path):
+    """A write that fails (here: weights that cannot be read, as a full disk fails a
+    write) does not cut the evaluation short; its error comes after, the old file stays."""
+    Checkpoint(weights=np.zeros(3, np.float32), optimizer={}, step=1, wall_time_s=1.0) \
+        .save(tmp_path)
+    evaluated = []
+    class Unreadable:
+        def __array__(self, *args, **kwargs):
+            raise OSError("No space left on device")
+    bad = Checkpoint(weights=Unreadable(), optimizer={}, step=2, wall_time_s=2.0)
+    with pytest.raises(OSError, match="No space left"):
+        bad.save(tmp_path, meanwhile=lambda: evaluated.append(True))
+    assert evaluated == [True] and Checkpoint.load(tmp_path).step == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.npz"]
