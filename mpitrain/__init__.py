@@ -9,8 +9,8 @@ __version__ = "0.1.0"
 import os as _os
 
 # oneDNN's kernels, unless the user set it. TensorFlow's x86 wheels use them by default
-# only on CPUs with AVX-512 VNNI/BF16 or AMX; elsewhere (this machine's AVX2 EPYC) they
-# fall back to Eigen's. Measured here, one thread, one training step: LeNet batch 64
+# only on CPUs with AVX-512 VNNI/BF16 or AMX; elsewhere (the AVX2 EPYC these machines
+# had) they fall back to Eigen's. Measured there, one thread, one training step: LeNet batch 64
 # 34.5 -> 11.0 ms, AlexNet 32x32 batch 32 1304 -> 732 ms, LR unchanged
 # (docs/benchmarks.md section 15); results differ in rounding only (sums in another
 # order): LeNet sync at -np 3, 2 epochs, 97.20% -> 97.18%. Set here, it is set before
