@@ -129,6 +129,10 @@ def test_a_stalled_worker_is_dropped_and_leaves_when_it_wakes(tmp_path, mnist, r
     restarts allowed: the run must finish in its one job."""
     proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "4",
                           "-hostfile", LOCAL_HOSTFILE, "--max-restarts", "0", *TRAINING,
+                          # dropped 1 s into its stall, not 3: the others must still be
+                          # training to take over its steps, and on a fast machine they
+                          # finished theirs ~3.7 s after epoch 1 (a CI run lost that race)
+                          "--liveness-floor", "1",
                           "--data-dir", mnist, "--results-dir", tmp_path])
     directory = run_dir(tmp_path)
     wait_for_epoch(directory, 1)

@@ -46,8 +46,9 @@ class _Recording(NullResults):
     def add_curve_row(self, row):
         self.curve.append(row)
 
-    def save_checkpoint(self, checkpoint):
+    def save_checkpoint(self, checkpoint, meanwhile=None):
         self.checkpoints.append(checkpoint)
+        super().save_checkpoint(checkpoint, meanwhile)  # runs the evaluation
 
 
 def context(comm, replica, epochs, results, **settings):
