@@ -40,7 +40,7 @@ class FitResult:
     train_loss: Optional[float]
     epochs: float
     steps: int
-    wall_time_s: float
+    wall_time_s: float  # training time, to the last update (runs.csv's finish_s: the rest)
     run_dir: Path  # config.json, curve.csv, checkpoint.npz, telemetry... (runs.csv beside it)
 
 

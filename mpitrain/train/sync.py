@@ -280,6 +280,7 @@ class LocalEvaluation:
         if start_step == 0:
             self.evaluator.record(0, None, 0.0)  # the initial model, outside the timed run
         clock.restart()
+        self.wall: Optional[float] = None  # the clock at the latest report
 
     def poll_stop(self) -> None:
         pass
@@ -289,6 +290,7 @@ class LocalEvaluation:
 
     def report(self, step: int, train_loss: float, flags: int) -> None:
         now, replica = self.clock(), self.ctx.replica
+        self.wall = now
         checkpoint = None
         if flags & CHECKPOINT:
             rng = replica.rng_state()
@@ -300,7 +302,7 @@ class LocalEvaluation:
                           if flags & EVALUATE else None, checkpoint)
 
     def close(self, step: int) -> Summary:
-        return self.evaluator.summary(self.clock())
+        return self.evaluator.summary(self.clock() if self.wall is None else self.wall)
 
 
 class ServerLink:
@@ -394,6 +396,7 @@ class Server:
         self.reports: Dict[int, Dict[int, Header]] = {}
         self.finished = set()
         self.stop_sent: Dict[int, object] = {}
+        self.wall: Optional[float] = None  # the workers' clock at the latest complete report
 
     def _post(self, w: int):
         return self.comm.irecv(self.headers[w], w, TAG_REPORT, "control", "a progress report")
@@ -420,7 +423,7 @@ class Server:
                 self._handle_complete_reports()
         finally:
             self._send_stops(stop=False)  # exactly one per worker, also when failing
-        return self.evaluator.summary(self.clock())
+        return self.evaluator.summary(self.clock() if self.wall is None else self.wall)
 
     def _maybe_forward_stop(self) -> None:
         if self.ctx.stop and len(self.stop_sent) < len(self.workers):
@@ -471,7 +474,7 @@ class Server:
         self._check_replicas(step, reports)
         ctx.replica.set_state(self.weights)
         train_loss = float(np.mean([h.loss for h in reports.values()]))
-        wall = max(h.elapsed for h in reports.values())
+        wall = self.wall = max(h.elapsed for h in reports.values())
         checkpoint = None
         if state is not None:
             optimizer, rng = state

@@ -98,6 +98,20 @@ def test_timing_adds_up_to_epoch_wall_time(runs, name):
     assert server and all(float(r["wait_s"]) > 0 for r in server)
 
 
+@pytest.mark.parametrize("name", ["sync", "async"])
+def test_wall_time_ends_at_the_last_update_and_finish_counts_the_rest(runs, name):
+    # in both modes (and like TensorFlow's own timings) the run's wall time is its
+    # training time; the final evaluation and checkpoint are finish_s, after it
+    run_dir, row = runs[name]
+    last = read_rows(run_dir / "curve.csv")[-1]  # the final evaluation, of the last update
+    ahead = float(row["wall_time_s"]) - float(last["wall_time_s"])
+    if name == "sync":  # the final report's clock, on both
+        assert abs(ahead) <= 0.0006
+    else:  # evaluated at the last update; the run ends after its last replies are sent
+        assert 0 <= ahead < 1.0
+    assert float(row["finish_s"]) > 0
+
+
 def test_runs_csv_has_resource_columns(runs):
     _, row = runs["sync"]
     for column in ("node0_host", "node0_cpu_avg", "node0_cpu_max", "node0_rss_mb_avg",
