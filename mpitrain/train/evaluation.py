@@ -70,12 +70,14 @@ class Evaluator:
                                   updates, self.total_updates, loss,
                                   rate * self.examples_per_update, eta)
 
-    def summary(self, wall_time_s: float, **extra) -> Summary:
+    def summary(self, wall_time_s: Optional[float], **extra) -> Summary:
         """The run's outcome. ``wall_time_s`` is its training time: the clock at the
         last update (its final evaluation and checkpoint excluded, as TensorFlow's own
-        measurements exclude theirs); ``finish_s``, the seconds from then to now."""
-        row = self.last
-        extra = {**extra, "finish_s": round(self.clock() - wall_time_s, 3)}
+        measurements exclude theirs; None: no update was reported, so now);
+        ``finish_s``, the seconds from then to now."""
+        row, now = self.last, self.clock()
+        wall_time_s = now if wall_time_s is None else wall_time_s
+        extra = {**extra, "finish_s": round(now - wall_time_s, 3)}
         return Summary(wall_time_s=wall_time_s, steps=int(row["step"]),
                        epochs_done=float(row["epoch"]), test_loss=float(row["test_loss"]),
                        test_accuracy=float(row["test_accuracy"]),

@@ -302,7 +302,7 @@ class LocalEvaluation:
                           if flags & EVALUATE else None, checkpoint)
 
     def close(self, step: int) -> Summary:
-        return self.evaluator.summary(self.clock() if self.wall is None else self.wall)
+        return self.evaluator.summary(self.wall)
 
 
 class ServerLink:
@@ -423,7 +423,7 @@ class Server:
                 self._handle_complete_reports()
         finally:
             self._send_stops(stop=False)  # exactly one per worker, also when failing
-        return self.evaluator.summary(self.clock() if self.wall is None else self.wall)
+        return self.evaluator.summary(self.wall)
 
     def _maybe_forward_stop(self) -> None:
         if self.ctx.stop and len(self.stop_sent) < len(self.workers):
