@@ -99,14 +99,20 @@ _recorded: dict = {}
 @pytest.hookimpl(trylast=True)  # after -m/-k have deselected
 def pytest_collection_modifyitems(items):
     """Files in order of their selected tests' measured time, longest first, each file's
-    exclusive tests first, then the others, each in their own order. Under ``--dist loadfile`` a file runs on one worker and
-    files are handed out in this order, so a long file handed out last leaves the other
-    worker idle: the quick tier's last file was the 50 s tests/unit/test_plots.py, and a
-    sampler saw 15% of the CPU idle, most of it at the end. Unknown tests count 0 s."""
+    exclusive tests first, then the others, each in their own order. Under ``--dist
+    loadfile`` a file runs on one worker and files are handed out in this order, so a
+    long file handed out last leaves the other worker idle: the quick tier's last file
+    was the 50 s tests/unit/test_plots.py, and a sampler saw 15% of the CPU idle, most
+    of it at the end. Unknown tests count 0 s."""
     seconds = _measured_seconds()
     if seconds:
         longest_files_first(items, seconds)
     exclusive_tests_first(items, is_exclusive)
+
+
+def file_of(nodeid: str) -> str:
+    """The file part of a pytest node id (``tests/e2e/test_cli.py::test_x[2]``)."""
+    return nodeid.split("::")[0]
 
 
 def exclusive_tests_first(items, exclusive) -> None:
@@ -115,8 +121,8 @@ def exclusive_tests_first(items, exclusive) -> None:
     exclusive tests hand their lock on (:func:`_exclusive_or_shared`)."""
     first = {}
     for i, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::")[0], i)
-    items.sort(key=lambda item: (first[item.nodeid.split("::")[0]], not exclusive(item)))
+        first.setdefault(file_of(item.nodeid), i)
+    items.sort(key=lambda item: (first[file_of(item.nodeid)], not exclusive(item)))
 
 
 def longest_files_first(items, seconds: dict) -> None:
@@ -124,11 +130,11 @@ def longest_files_first(items, seconds: dict) -> None:
     ``seconds``, longest first, ties and each file's items in their original order."""
     per_file, first = {}, {}
     for i, item in enumerate(items):
-        name = item.nodeid.split("::")[0]
+        name = file_of(item.nodeid)
         per_file[name] = per_file.get(name, 0.0) + seconds.get(item.nodeid, 0.0)
         first.setdefault(name, i)
-    items.sort(key=lambda item: (-per_file[item.nodeid.split("::")[0]],
-                                 first[item.nodeid.split("::")[0]]))
+    items.sort(key=lambda item: (-per_file[file_of(item.nodeid)],
+                                 first[file_of(item.nodeid)]))
 
 
 def _measured_seconds() -> dict:
@@ -168,7 +174,7 @@ _cpu_by_file: dict = {}
 def pytest_runtest_logreport(report):
     cpu = dict(report.user_properties).get("cpu") if report.when == "teardown" else None
     if cpu is not None:
-        name = report.nodeid.split("::")[0]
+        name = file_of(report.nodeid)
         _cpu_by_file[name] = _cpu_by_file.get(name, 0.0) + cpu
     if os.environ.get("MPITRAIN_RECORD_DURATIONS"):
         own = report.duration
@@ -409,10 +415,11 @@ def build(input_shape, num_classes):
 """
 
 #: Short runs several test files check, by process count: {np: {name: the ``mpitrain``
-#: arguments after the model, which {cnn} and {mnist} fill in}}. The first test that asks
-#: for one at some -np runs all of that -np's in one launch (:func:`shared_run`), so each
-#: rank starts TensorFlow once for all of them. Telemetry's two come first: their memory
-#: and traffic are checked, and a run's samples and counts start with the run.
+#: arguments, {cnn} standing for the MY_CNN file}}; each gets the real MNIST's
+#: --data-dir. The first test that asks for one at some -np runs all of that -np's in
+#: one launch (:func:`shared_run`), so each rank starts TensorFlow once for all of them.
+#: Telemetry's two come first: their memory and traffic are checked, and a run's samples
+#: and counts start with the run.
 TELEMETRY = ["lr", "--epochs", "2", "--sample-interval", "0.2", "--quiet"]
 SHARED_RUNS = {
     1: {"dry": ["lr", "--dry-run"]},

@@ -1,6 +1,6 @@
 """The benchmarks' pure helpers: steady-state epochs and compute time from a run's
-timing.csv, peak memory by role from its telemetry.csv, and a CSV as a Markdown table (what summary.md and docs/benchmarks.md
-are written from)."""
+timing.csv, peak memory by role from its telemetry.csv, and a CSV as a Markdown table
+(what summary.md and docs/benchmarks.md are written from)."""
 
 import csv
 
