@@ -276,8 +276,9 @@ def explicit_settings(argv: List[str]) -> frozenset:
     return frozenset(given)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``mpitrain`` and ``python -m mpitrain``; returns the exit code."""
+def main(argv: Optional[List[str]] = None, ends_process: bool = True) -> int:
+    """Entry point of ``mpitrain`` and ``python -m mpitrain``; returns the exit code.
+    ``ends_process``: no other run follows in this process (see :func:`session.run`)."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser(user_model_in(argv)).parse_args(argv)
@@ -287,7 +288,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from . import session  # imports TensorFlow and MPI: only once arguments are valid
 
         bound_finalize()  # every rank of a training run reaches its end together
-        session.run(cfg, explicit_settings(argv))
+        session.run(cfg, explicit_settings(argv), ends_process)
         return 0
     except Dropped as error:
         _fail(error)

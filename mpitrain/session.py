@@ -32,10 +32,13 @@ from .results import NullResults, RunResults
 from .train import Context, Summary, decay_steps, protocol
 
 
-def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
+def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = False
+        ) -> Summary:
     """Train as configured; the serving rank writes the results. Collective.
 
-    ``explicit`` names the settings given on the command line (for --resume).
+    ``explicit`` names the settings given on the command line (for --resume);
+    ``ends_process``: the process ends with this run (the CLI's last run), so what the
+    run changes about the process need not be undone (:mod:`.train.priority`).
     """
     stop = StopRequest().install()  # first, so a signal during setup is not lost
     comm = Comm.world(cfg.timeout, cfg.allreduce_wait)
@@ -86,7 +89,8 @@ def run(cfg: Config, explicit: frozenset = frozenset()) -> Summary:
     run_dir = comm.allgather_objects(str(results.path) if results.path else None)[0]
     ctx = Context(cfg, comm, role, replica, dataset, results, console, stop=stop,
                   resume_from=checkpoint, run_dir=run_dir, shard_size=shard_size,
-                  worker_index=worker_index, rescaled=rescale.rule if rescale else "")
+                  worker_index=worker_index, rescaled=rescale.rule if rescale else "",
+                  ends_process=ends_process)
     trained = check_resumable(ctx, comm)  # a run killed after its final checkpoint
     train = protocol(cfg.async_mode)
     sampler = start_sampler(cfg, comm)

@@ -59,7 +59,7 @@ STYLE = {
 }
 PHASE_COLORS = {"compute": "#4c72b0", "comm": "#dd8452", "wait": "#c44e52", "other": "#bbbbbb"}
 KIND_COLORS = {"allreduce": "C0", "pull": "C1", "push": "C2", "broadcast": "C4",
-               "calibration": "C8", "control": "C7"}
+               "control": "C7"}
 MODE_STYLE = {"single": ("-", "o"), "sync": ("-", "s"), "async": ("--", "^")}
 DAMAGED = "the file is damaged or half-written; re-run the experiment or restore the file"
 

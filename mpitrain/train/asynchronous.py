@@ -71,6 +71,7 @@ from .compression import PushCodec
 from .context import Context, Summary, diverged, interrupted, worker_batches
 from .evaluation import BackgroundEvaluator, Evaluator, Stopwatch
 from .leases import Leases, Liveness, Quotas, first_look
+from .priority import niceness
 from .protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, SLOTS,
                        TAG_GRADIENT, TAG_WEIGHTS, Header, SilentPeers, new_message, sentinel,
                        stalled)
@@ -444,7 +445,8 @@ class Server:
         wall = self.clock()
         span = max(1e-9, time.perf_counter() - t0)
         cpu_share = {"server_cpu_share": round((time.process_time() - cpu0) / span, 4),
-                     "server_loop_cpu_share": round((time.thread_time() - loop_cpu0) / span, 4)}
+                     "server_loop_cpu_share": round((time.thread_time() - loop_cpu0) / span, 4),
+                     "server_nice": niceness()}  # (it keeps its priority: .priority)
         if not self.ending & DIVERGED:
             self._evaluate_and_save(self.evaluations.last_step != self.version, True, wall)
         self.evaluations.close()

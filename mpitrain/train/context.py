@@ -45,6 +45,9 @@ class Context:
     lost: List[dict] = field(default_factory=list)
     #: how this session continues a run saved on another number of ranks ('' if it does not)
     rescaled: str = ""
+    #: the process ends with this run (the CLI's last): what the run changes about the
+    #: process need not be undone (see .priority)
+    ends_process: bool = False
 
     @property
     def geometry(self) -> Dict[str, int]:

@@ -180,12 +180,14 @@ class PhaseTimer:
         # one reusable context object per phase: a generator-based context manager
         # costs microseconds per use, and the async server marks two phases per update
         self._blocks = {phase: _Phase(self, phase) for phase in self.PHASES}
+        self._fastest = float("inf")  # seconds of the fastest collective (see collective)
         self.restart()
 
     def restart(self) -> None:
         """Start the current epoch now (drops what was charged so far)."""
         self._start = self._mark = time.perf_counter()
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._collectives = 0  # this epoch's, charged as wait until it closes
 
     def lap(self, phase: Optional[str] = None) -> float:
         """Charge the time since the last mark to ``phase`` (default: the default);
@@ -200,21 +202,26 @@ class PhaseTimer:
         return self._blocks[phase]
 
     @contextlib.contextmanager
-    def collective(self, transfer: float) -> Iterator[None]:
-        """A collective call: up to ``transfer`` seconds (what it takes when nobody is
-        late) count as comm, the rest as waiting for the slowest rank."""
+    def collective(self) -> Iterator[None]:
+        """A collective call. The fastest one of the run so far, which nobody was late
+        for, is what moving the data takes: when the epoch closes, that much of each
+        of its collectives counts as comm, the rest as waiting for the slowest rank.
+        (Learnt from the calls themselves: measuring it up front took four extra
+        allreduces, 0.53 s before an AlexNet run's first step.)"""
         self.lap()
         try:
             yield
         finally:
-            spent = self.lap("wait")
-            moving = min(spent, transfer)
-            self.seconds["wait"] -= moving
-            self.seconds["comm"] += moving
+            self._fastest = min(self._fastest, self.lap("wait"))
+            self._collectives += 1
 
     def end_epoch(self, epoch: float) -> None:
         """Close the epoch (its last stretch charged to the default phase) as a row."""
         self.lap()
+        moving = self._collectives * self._fastest if self._collectives else 0.0
+        self.seconds["wait"] -= moving  # (each collective took at least the fastest)
+        self.seconds["comm"] += moving
+        self._collectives = 0
         self.rows.append({"epoch": epoch, "wall_s": round(self._mark - self._start, 6),
                           **{f"{p}_s": round(s, 6) for p, s in self.seconds.items()}})
         self._start = self._mark

@@ -55,7 +55,6 @@ At -np 1 the single rank trains with the fused step and evaluates itself.
 from __future__ import annotations
 
 import math
-import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -70,6 +69,7 @@ from .context import (Context, Summary, diverged, interrupted, is_checkpoint_poi
                       is_eval_point, worker_batches)
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .overlap import exchange_for
+from .priority import deferring_to_workers
 from .protocol import (CHECKPOINT, DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED,
                        REPORT, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
                        SilentPeers, new_message, sentinel, stalled)
@@ -159,18 +159,17 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
     tail = 1 + n_workers  # the status tail: a stop flag, a loss per worker
     engine = workers if alone else sync_engine(
         gradient_engine(ctx.cfg, workers, ctx.run_dir), ctx.cfg.compression, n, n + tail)
-    transfer = 0.0 if alone else allreduce_cost(workers, engine, n + tail)
     # the gradient comes divided by the number of workers: their sum is the mean
     exchange = None if alone else exchange_for(ctx.cfg, replica, engine, tail,
                                                1.0 / n_workers, workers)
     try:
-        return _steps(ctx, link, start_step, exchange, transfer)
+        return _steps(ctx, link, start_step, exchange)
     finally:
         if exchange is not None:
             exchange.close()
 
 
-def _steps(ctx: Context, link, start_step: int, exchange, transfer: float) -> Summary:
+def _steps(ctx: Context, link, start_step: int, exchange) -> Summary:
     replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
     n, me, alone = replica.n_params, workers.rank, exchange is None
     loss_sum, n_batches, step = 0.0, 0, start_step
@@ -184,7 +183,7 @@ def _steps(ctx: Context, link, start_step: int, exchange, transfer: float) -> Su
             buf, loss, norm = exchange.grad(x, y)
             buf[n] = 1.0 if ctx.stop else 0.0
             buf[n + 1 + me] = sentinel(loss, norm)
-            with timer.collective(transfer):  # moving the data + waiting for the slowest
+            with timer.collective():  # moving the data + waiting for the slowest
                 exchange.allreduce_(buf)
             stop, losses = bool(buf[n] > 0), list(buf[n + 1:])
         nonfinite = [w for w, value in enumerate(losses) if not math.isfinite(value)]
@@ -250,23 +249,6 @@ def diverged_at(ctx: Context, world_ranks: List[int], step: int) -> Divergence:
     where = ", ".join(ctx.comm.name(r) if ctx.comm.size > 1 else "the single rank"
                       for r in world_ranks)
     return diverged(f"{where} at step {step} (epoch {step / ctx.steps_per_epoch:.2f})")
-
-
-def allreduce_cost(workers, engine, size: int) -> float:
-    """Seconds one gradient allreduce takes when nobody is late (measured back to back).
-
-    Lets the timing split a step's time in the allreduce into moving data
-    (this much) and waiting for the slowest worker (the rest). Collective
-    over the workers. Counted as "calibration" traffic, not as "allreduce".
-    """
-    buf = np.zeros(size, np.float32)
-    repeats = 3 if buf.nbytes > 16 * 2**20 else 20
-    workers.barrier("the allreduce calibration")
-    engine.allreduce_sum_(buf, kind="calibration")  # warm up (connections, buffers)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        engine.allreduce_sum_(buf, kind="calibration")
-    return (time.perf_counter() - t0) / repeats
 
 
 class LocalEvaluation:
@@ -402,9 +384,14 @@ class Server:
         return self.comm.irecv(self.headers[w], w, TAG_REPORT, "control", "a progress report")
 
     def run(self, start_step: int) -> Summary:
-        if start_step == 0:
-            self.evaluator.record(0, None, 0.0)  # the curve starts with the initial model
-        self.ctx.timer.restart()  # the timed run starts with the workers' first step
+        with deferring_to_workers(self.ctx) as nice:  # (the workers' first steps go first)
+            if start_step == 0:
+                self.evaluator.record(0, None, 0.0)  # the curve starts with the initial model
+            self.ctx.timer.restart()  # the timed run starts with the workers' first step
+            self._serve()
+        return self.evaluator.summary(self.wall, server_nice=nice)
+
+    def _serve(self) -> None:
         try:
             while len(self.finished) < len(self.workers):
                 self._maybe_forward_stop()
@@ -423,7 +410,6 @@ class Server:
                 self._handle_complete_reports()
         finally:
             self._send_stops(stop=False)  # exactly one per worker, also when failing
-        return self.evaluator.summary(self.wall)
 
     def _maybe_forward_stop(self) -> None:
         if self.ctx.stop and len(self.stop_sent) < len(self.workers):

@@ -1,5 +1,7 @@
 """End-to-end async mode under real mpirun: smoke runs, results, bad input, accuracy."""
 
+import os
+
 import pytest
 
 from conftest import mpirun, read_rows
@@ -22,6 +24,10 @@ def test_async_dry_run(np_, shared_run):
     curve = read_rows(run_dir / "curve.csv")
     assert curve[0]["step"] == "0" and curve[-1]["step"] == str(2 * workers)
     assert float(run["server_updates_per_s"]) > 0 and float(run["worker_steps_per_s"]) > 0
+    # the async server applies every update: it keeps the launcher's priority
+    # (train/priority.py), also after the sync run before it in this process lowered it
+    # for that run (the shared launch)
+    assert run["server_nice"] == str(os.getpriority(os.PRIO_PROCESS, 0))
 
 
 @pytest.mark.slow  # quick: the bound itself, in tests/mpi under test_mpi_tier

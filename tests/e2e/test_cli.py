@@ -29,6 +29,9 @@ def test_dry_run_writes_results(np_, shared_run):
     assert [row["step"] for row in curve] == ["0", "2"]
     meta = json.loads((run_dir / "config.json").read_text())
     assert len(meta["ranks"]) == np_ and meta["config"]["mode"] == mode
+    # the sync server shares this host with the workers: it served at the lowest
+    # priority, running only when they leave a core free (mpitrain/train/priority.py)
+    assert run.get("server_nice") == (None if np_ == 1 else "19")
     assert meta["versions"]["tensorflow"].startswith("2.")
     assert "Open MPI" in meta["versions"]["mpi_library"]
     assert f"results: {run_dir}" in stdout

@@ -105,10 +105,11 @@ def test_wall_time_ends_at_the_last_update_and_finish_counts_the_rest(runs, name
     run_dir, row = runs[name]
     last = read_rows(run_dir / "curve.csv")[-1]  # the final evaluation, of the last update
     ahead = float(row["wall_time_s"]) - float(last["wall_time_s"])
+    rounding = 0.0006  # runs.csv keeps 3 decimals, curve.csv 4
     if name == "sync":  # the final report's clock, on both
-        assert abs(ahead) <= 0.0006
+        assert abs(ahead) <= rounding
     else:  # evaluated at the last update; the run ends after its last replies are sent
-        assert 0 <= ahead < 1.0
+        assert -rounding <= ahead < 1.0
     assert float(row["finish_s"]) > 0
 
 

@@ -21,8 +21,8 @@ def main(path: str) -> int:
     with open(path) as f:
         runs = json.load(f)
     status = 0
-    for argv in runs:
-        code = cli.main([str(arg) for arg in argv])
+    for i, argv in enumerate(runs):
+        code = cli.main([str(arg) for arg in argv], ends_process=i == len(runs) - 1)
         status = status or code
     return status
 

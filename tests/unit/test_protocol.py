@@ -123,14 +123,22 @@ def test_the_phase_timer_charges_every_second_to_one_phase():
 
 
 def test_a_collective_splits_its_time_into_moving_data_and_waiting():
+    """The run's fastest collective is the data moving; the rest of each is waiting."""
     timer = PhaseTimer()
-    with timer.collective(transfer=0.01):
-        time.sleep(0.05)  # 0.01 s moving the data, the rest waiting for a late rank
+    for late in (0.05, 0.01, 0.03):  # seconds of one rank arriving late, or nobody (0.01)
+        with timer.collective():
+            time.sleep(late)
     timer.end_epoch(1)
     row = timer.rows[0]
-    assert row["comm_s"] == pytest.approx(0.01)
-    assert row["wait_s"] >= 0.039
-    with timer.collective(transfer=1.0):  # faster than the calibration: all comm
-        pass
+    fastest = row["comm_s"] / 3
+    assert 0.01 <= fastest < 0.02  # the middle call's
+    assert row["wait_s"] == pytest.approx(0.09 - 3 * fastest, abs=0.01)
+    assert row["comm_s"] + row["wait_s"] + row["compute_s"] == pytest.approx(row["wall_s"],
+                                                                            abs=1e-5)
+    with timer.collective():  # an epoch's split uses the fastest of the run so far
+        time.sleep(0.03)
     timer.end_epoch(2)
-    assert timer.rows[1]["wait_s"] == 0.0
+    assert timer.rows[1]["comm_s"] == pytest.approx(fastest, abs=1e-5)
+    assert timer.rows[1]["wait_s"] >= 0.03 - fastest - 1e-3
+    timer.end_epoch(3)  # no collective: nothing moved
+    assert timer.rows[2]["comm_s"] == 0.0

@@ -1,0 +1,76 @@
+"""The serving rank's CPU priority: a sync server makes room for the workers on its host.
+
+Its work (taking reports, evaluating, writing checkpoints) is never on the sync
+workers' critical path, so on a host with fewer cores than ranks it should take only
+the CPU they leave: its evaluation of the initial model beside the workers' first
+steps cost an AlexNet run 0.4 s of its 5.4 (2 workers on 2 cores, measured). At the
+lowest priority it still runs at once whenever they wait, and at full speed once they
+are done. The async server applies every update: it is the critical path and keeps
+its priority.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+from ..comm import Role
+
+#: the niceness of a sync server that shares its host with workers (the most deferent)
+SERVER_NICENESS = 19
+
+
+def defers_to_workers(async_mode: bool, role: Role, roles_on_host) -> bool:
+    """Whether this rank runs below its host's workers' priority: a sync server with a
+    worker on its host (``roles_on_host``: the roles of every rank there)."""
+    return (role is Role.SERVER and not async_mode
+            and any(r.trains for r in roles_on_host))
+
+
+@contextlib.contextmanager
+def deferring_to_workers(ctx) -> Iterator[Optional[int]]:
+    """Inside the block, run at SERVER_NICENESS if :func:`defers_to_workers`, every
+    thread of the process (Linux keeps a niceness per thread; threads made later,
+    TensorFlow's, inherit it), then the previous niceness again. Yields the niceness
+    the block runs at (None where the OS has none). Undoing it needs the privilege to
+    raise a priority (root, or RLIMIT_NICE): without it only a run that ends its
+    process (``ctx.ends_process``: the CLI's) defers, so a user's script under
+    mpitrain.fit does not go on below the priority it had. Local to this rank."""
+    before = niceness()
+    comm = ctx.comm
+    can_undo = before is not None and _may_raise_priority_to(before)
+    if before is None or not (can_undo or ctx.ends_process) or not defers_to_workers(
+            ctx.cfg.async_mode, ctx.role,
+            [Role.of(r, comm.size) for r in comm.ranks_on_host()]):
+        yield before
+        return
+    _set_niceness(max(SERVER_NICENESS, before))
+    try:
+        yield niceness()
+    finally:
+        if can_undo:
+            _set_niceness(before)
+
+
+def niceness() -> Optional[int]:
+    """This thread's niceness (None where the OS has none)."""
+    return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None
+
+
+def _may_raise_priority_to(value: int) -> bool:
+    import resource
+
+    return os.geteuid() == 0 or 20 - value <= resource.getrlimit(resource.RLIMIT_NICE)[0]
+
+
+def _set_niceness(value: int) -> None:
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the process's
+        threads = [0]
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+        except OSError:  # a thread that just ended
+            pass
