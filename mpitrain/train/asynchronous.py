@@ -368,6 +368,7 @@ class Server:
         self.quotas = Quotas(self.workers, self.total_steps)
         self.processes = Processes(self.comm) if self.recovery else None
         self.next_liveness_check = 0.0
+        self.training = len(self.workers)  # workers not done (see _retire)
         if ctx.resume_from is not None:
             self._restore(ctx.resume_from)
 
@@ -420,18 +421,22 @@ class Server:
         timer = self.ctx.timer
         self._grant_leases()
         timer.restart()
-        while not all(w.done for w in self.workers.values()):
+        # (the phases marked with timer.lap, not `with timer(...)`: the loop runs tens of
+        # thousands of times a second when workers push zeros, and a block costs more)
+        while self.training:
             if self.ctx.stop and not self.ending:
                 self.ending |= INTERRUPTED
                 self._grant_leases()  # releases the waiting workers
                 continue
-            with timer("wait"):
-                worker = self._next_push()
+            timer.lap()
+            worker = self._next_push()
+            timer.lap("wait")
             if worker is None:  # a worker was dropped instead
                 continue
             self._apply(worker)
-            with timer("comm"):
-                self._grant_leases()
+            timer.lap()
+            self._grant_leases()
+            timer.lap("comm")
             if self.version % self.updates_per_epoch == 0:
                 timer.end_epoch(self.version // self.updates_per_epoch)
             if self.version % 64 == 0:
@@ -504,7 +509,8 @@ class Server:
         self.leases.drop(w.rank)
         if w.dismissed:
             self.dismissed.remove(w.rank)
-        w.posted, w.done, w.lost = None, True, why
+        w.posted, w.lost = None, why
+        self._retire(w)
         w.fence_at = time.monotonic() + FENCE_GRACE
         if self.processes.alive(w.rank):  # stalled: if it comes back, it must leave
             farewell = Header(flags=FINAL | DROPPED).write(new_message())
@@ -618,11 +624,12 @@ class Server:
             self._dismiss(w)
         else:
             self.leases.wait(w.rank)
-        self._evaluate_and_save(
-            self.version % self.eval_interval == 0,
-            self.version % self.checkpoint_interval == 0 or bool(
-                self.checkpoint_steps and self.version % self.checkpoint_steps == 0),
-            self.clock())
+        version = self.version
+        evaluate = version % self.eval_interval == 0
+        save = version % self.checkpoint_interval == 0 or bool(
+            self.checkpoint_steps and version % self.checkpoint_steps == 0)
+        if evaluate or save:
+            self._evaluate_and_save(evaluate, save, self.clock())
 
     def _evaluate_and_save(self, evaluate: bool, save: bool, wall: float) -> None:
         """Queue the current version's evaluation and/or checkpoint (written meanwhile)."""
@@ -664,10 +671,15 @@ class Server:
 
     def _finish(self, w: WorkerLedger) -> None:
         """``w`` sent its FINAL push: the final reply, and no more listening to it."""
-        w.done = True
+        self._retire(w)
         if w.dismissed:
             self.dismissed.remove(w.rank)
         self._reply(w, with_weights=False)
+
+    def _retire(self, w: WorkerLedger) -> None:
+        """``w`` is done (finished, or dropped): the loop no longer waits for it."""
+        w.done = True
+        self.training -= 1
 
     def _reply(self, w: WorkerLedger, with_weights: bool) -> None:
         i = w.last_reply = self._free_reply_buffer(w)
