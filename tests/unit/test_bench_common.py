@@ -1,13 +1,15 @@
 """The benchmarks' pure helpers: steady-state epochs and compute time from a run's
-timing.csv, peak memory by role from its telemetry.csv, and a CSV as a Markdown table
-(what summary.md and docs/benchmarks.md are written from)."""
+timing.csv, peak memory by role from its telemetry.csv, a CSV as a Markdown table
+(what summary.md and docs/benchmarks.md are written from), and how repeated rounds
+are summarised."""
 
 import csv
 
 import pytest
 
 from bench.common import markdown_table, steady_epoch_seconds
-from bench.engines import compute_seconds
+from bench.compression import spread
+from bench.engines import compute_seconds, median_round
 from bench.scaling import peak_rss
 
 COLUMNS = ["epoch", "rank", "host", "role", "wall_s", "compute_s", "comm_s", "wait_s"]
@@ -67,3 +69,18 @@ def test_peak_memory_by_role_from_the_telemetry(tmp_path):
     with open(tmp_path / "telemetry.csv", "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
     assert peak_rss(tmp_path) == (640.25, 580.0)
+
+
+def test_a_side_of_several_rounds_keeps_its_median_run_whole():
+    runs = [{"epoch_time_s": t, "test_accuracy": a}
+            for t, a in ((6.2, 0.1), (5.3, 0.2), (5.5, 0.3))]
+    kept = median_round(runs)
+    assert (kept["epoch_time_s"], kept["test_accuracy"]) == (5.5, 0.3)  # one run's numbers
+    assert kept["rounds_s"] == "6.200 5.300 5.500"  # every round, in order
+    assert median_round(runs[:1])["epoch_time_s"] == 6.2
+    assert median_round(runs[:2])["epoch_time_s"] == 5.3  # even: the faster middle one
+
+
+def test_repeated_accuracies_print_their_mean_and_range():
+    rows = [{"test_accuracy": a} for a in (0.9556, 0.9583, 0.9585)]
+    assert spread(rows) == "95.75% (95.56-95.85%)"
