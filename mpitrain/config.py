@@ -196,9 +196,10 @@ class Config:
         "seconds any rank waits for another before the job is aborted with the "
         "stalled rank named", 300.0, flag="--timeout", type=float, metavar="S")
     liveness_floor: float = _opt(
-        "async under mpirun --enable-recovery: the least time a silent worker gets "
-        "before the server drops it and goes on without it (its bound is 20x its "
-        "measured step interval, at least this, at most --timeout)", 10.0,
+        "the least time a silent worker gets before rank 0 counts it as lost: async "
+        "under mpirun --enable-recovery drops it and goes on, sync names it and ends "
+        "the job (its bound is 20x its measured interval between messages, at least "
+        "this, at most --timeout)", 10.0,
         flag="--liveness-floor", type=float, metavar="S")
 
     # ---- derived, filled by resolve() -------------------------------------------------

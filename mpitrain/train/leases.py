@@ -1,7 +1,8 @@
 """The async server's policies, pure (no MPI, no clock of their own; unit-tested).
 
 * :class:`Leases`: who may compute next under bounded staleness (``--staleness K``).
-* :class:`Liveness`: when a silent lease holder counts as lost (``--enable-recovery``).
+* :class:`Liveness`: when a silent worker counts as lost (async: a lease holder, under
+  ``--enable-recovery``; sync: any worker).
 * :class:`Quotas`: how many steps each worker runs, and who takes a lost worker's.
 * :func:`first_look`: how long the server may sleep before it looks for a push.
 """
@@ -73,14 +74,15 @@ class Leases:
 
 
 class Liveness:
-    """When a silent lease holder counts as lost.
+    """When a silent worker counts as lost.
 
-    A worker's bound is ``factor`` times the interval between its lease and its
-    push (an EWMA of what it has shown so far), at least ``floor`` seconds (a
-    garbage collection, a page-in or the server's evaluation thread must not
-    cost a worker its place) and at most ``timeout`` (``--timeout``, the stall
-    bound that ends the job). Before its first push (which includes building
-    and tracing the model) a worker gets the whole ``timeout``.
+    A worker's bound is ``factor`` times its usual interval (an EWMA of what it
+    has shown so far: async, between its lease and its push; sync, between its
+    messages), at least ``floor`` seconds (a garbage collection, a page-in or
+    the server's evaluation thread must not cost a worker its place) and at
+    most ``timeout`` (``--timeout``, the stall bound that ends the job). Before
+    its first push or message (which includes building and tracing the model)
+    a worker gets the whole ``timeout``.
     """
 
     def __init__(self, timeout: float, floor: float = 10.0, factor: float = 20.0):
@@ -104,7 +106,7 @@ class Liveness:
         bound = self.bound(rank)
         if silent_for > bound:
             return (f"silent for {silent_for:.1f} s, past its liveness bound of {bound:.1f} s "
-                    f"({self.factor:g}x its step interval, at least {self.floor:g} s)")
+                    f"({self.factor:g}x its usual interval, at least {self.floor:g} s)")
         return ""
 
 

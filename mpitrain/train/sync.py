@@ -55,6 +55,7 @@ At -np 1 the single rank trains with the fused step and evaluates itself.
 from __future__ import annotations
 
 import math
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -68,6 +69,7 @@ from .compression import sync_engine
 from .context import (Context, Summary, diverged, interrupted, is_checkpoint_point,
                       is_eval_point, worker_batches)
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
+from .leases import Liveness
 from .overlap import exchange_for
 from .priority import deferring_to_workers
 from .protocol import (CHECKPOINT, DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED,
@@ -364,7 +366,18 @@ class ServerLink:
 # Server
 # ---------------------------------------------------------------------------------------
 class Server:
-    """Rank 0 in sync mode: evaluates and checkpoints what the workers report."""
+    """Rank 0 in sync mode: evaluates and checkpoints what the workers report.
+
+    A worker sends something at least about once a second while it trains or
+    waits in the allreduce (heartbeats), and otherwise only during a step longer
+    than that. So a worker that stays silent for 20x its usual interval between
+    messages, at least ``--liveness-floor`` (10 s), has died, stopped or lost its
+    network (a host gone without closing its connections): the server names it
+    then (:class:`~mpitrain.train.leases.Liveness`, the async server's rule), not
+    only after ``--timeout`` (300 s) as before, so ``mpitrain launch`` restarts
+    the run without it minutes sooner. Before its first message (the first step
+    traces the model) a worker gets the whole ``--timeout``.
+    """
 
     def __init__(self, ctx: Context, clock: Stopwatch, optimizer_layout):
         self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
@@ -374,6 +387,8 @@ class Server:
         self.headers = {w: new_message() for w in self.workers}
         self.posted = {w: self._post(w) for w in self.workers}
         self.silence = SilentPeers(self.comm, self.workers)
+        self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.liveness_floor)
+        self.next_liveness_check = 0.0
         self.weights = np.empty(ctx.replica.n_state, np.float32)  # weights, then buffers
         self.reports: Dict[int, Dict[int, Header]] = {}
         self.finished = set()
@@ -427,18 +442,29 @@ class Server:
                 self.comm.wait(pending, IDLE)
 
     def _next_message(self) -> Optional[int]:
-        """The worker whose message arrived, or None after a quiet second."""
+        """The worker whose message arrived, or None after a quiet second; raises the
+        error naming a worker silent past its liveness bound (see :class:`Server`)."""
         live = [w for w in self.workers if w not in self.finished]
         with self.ctx.timer("wait"):
             w = self.silence.first({v: self.posted[v] for v in live}, IDLE, wake_every=1.0)
+        if time.monotonic() >= self.next_liveness_check:  # (the others may keep talking)
+            self.next_liveness_check = time.monotonic() + 1.0
+            self._name_a_lost_worker(live)
         if w is None:
-            late = self.silence.overdue(live)
-            if late is not None:
-                raise stalled(self.comm, late, f"sent nothing for {self.comm.timeout:g} s",
-                              waiting=[v for v in live if v != late])
             return None
+        self.liveness.observe(w, self.silence.silent_for(w))
         self.silence.heard(w)
         return w
+
+    def _name_a_lost_worker(self, live: List[int]) -> None:
+        """Raise the error naming a worker of ``live`` silent past its liveness bound.
+        One whose message has come is not silent, only not read yet (the server may
+        have been evaluating)."""
+        for late in live:
+            why = self.liveness.lost_because(late, self.silence.silent_for(late), True)
+            if why and not self.posted[late].test():
+                raise stalled(self.comm, late, f"sent nothing: {why}",
+                              waiting=[v for v in live if v != late])
 
     def _handle_complete_reports(self) -> None:
         for step in sorted(self.reports):

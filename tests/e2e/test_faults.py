@@ -138,6 +138,28 @@ def test_stalled_worker_is_named_by_the_watchdog(mnist, tmp_path, np_, extra):
     job.assert_no_leftovers()
 
 
+@pytest.mark.exclusive
+def test_a_silent_sync_worker_is_named_at_its_liveness_bound_long_before_the_timeout(
+        mnist, tmp_path):
+    # what a host lost without closing its connections looks like to rank 0: a worker
+    # that says nothing; the others wait in the allreduce, which --timeout bounds
+    job = Job(4, tmp_path, "--data-dir", str(mnist), "--liveness-floor", "1", timeout=120)
+    job.wait_for_evaluations(3)
+    victim = job.pid(2)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        code, out, seconds = job.finish(bound=60)
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(victim).resume()
+    assert code != 0 and seconds < 60  # (the 120 s timeout would fail the bound above)
+    lines = [l for l in out.splitlines() if l.startswith("mpitrain: error")]
+    assert lines and "rank 2 on" in lines[0] and "past its liveness bound" in lines[0], out
+    assert read_rows(tmp_path / "runs.csv")[-1]["status"] == "failed"
+    check_results_readable(job.run_dir())
+    job.assert_no_leftovers()
+
+
 def final_weights(run_dir: Path) -> np.ndarray:
     with np.load(run_dir / "checkpoint.npz") as ckpt:
         return ckpt["weights"].copy()
