@@ -499,9 +499,12 @@ class Server:
         return w
 
     def _lost_because(self, rank: int) -> str:
-        """Why lease holder ``rank`` counts as lost, or '' (it is still in)."""
-        return self.liveness.lost_because(rank, self.silence.silent_for(rank),
-                                          self.processes.alive(rank))
+        """Why lease holder ``rank`` counts as lost, or '' (it is still in). One whose
+        push has come is not silent, only not taken yet (the server's loop may have
+        been held up: by its evaluation thread, or by the workers on its cores)."""
+        why = self.liveness.lost_because(rank, self.silence.silent_for(rank),
+                                         self.processes.alive(rank))
+        return "" if why and self.workers[rank].posted.test() else why
 
     def _drop(self, w: WorkerLedger, why: str) -> None:
         """Go on without ``w``: no request of its left to match, its steps reassigned."""
