@@ -305,8 +305,7 @@ def place_on_cpus(cfg: Config, comm: Comm) -> int:
         os.cpu_count() or 1)
     if not comm.role.trains:
         return 1
-    workers_here = [r for r in comm.ranks_on_host() if Role.of(r, comm.size).trains]
-    return max(1, cpus // max(1, len(workers_here)))
+    return max(1, cpus // max(1, len(comm.workers_on_host())))
 
 
 def rank_facts(threads: int) -> dict:

@@ -133,6 +133,10 @@ class Comm:
         host = self.host if host is None else host
         return [r for r, h in enumerate(self.hosts) if h == host]
 
+    def workers_on_host(self) -> List[int]:
+        """Ranks on this rank's host that train (workers, or the single rank)."""
+        return [r for r in self.ranks_on_host() if Role.of(r, self.size).trains]
+
     # ---- waiting ----------------------------------------------------------------------
     def wait(self, pending: Pending, backoff: Backoff = HOT,
              timeout: Optional[float] = None) -> None:

@@ -21,11 +21,10 @@ from ..comm import Role
 SERVER_NICENESS = 19
 
 
-def defers_to_workers(async_mode: bool, role: Role, roles_on_host) -> bool:
+def defers_to_workers(async_mode: bool, role: Role, workers_on_host: int) -> bool:
     """Whether this rank runs below its host's workers' priority: a sync server with a
-    worker on its host (``roles_on_host``: the roles of every rank there)."""
-    return (role is Role.SERVER and not async_mode
-            and any(r.trains for r in roles_on_host))
+    worker on its host (``workers_on_host``: how many ranks there train)."""
+    return role is Role.SERVER and not async_mode and workers_on_host > 0
 
 
 @contextlib.contextmanager
@@ -38,11 +37,9 @@ def deferring_to_workers(ctx) -> Iterator[Optional[int]]:
     process (``ctx.ends_process``: the CLI's) defers, so a user's script under
     mpitrain.fit does not go on below the priority it had. Local to this rank."""
     before = niceness()
-    comm = ctx.comm
     can_undo = before is not None and _may_raise_priority_to(before)
     if before is None or not (can_undo or ctx.ends_process) or not defers_to_workers(
-            ctx.cfg.async_mode, ctx.role,
-            [Role.of(r, comm.size) for r in comm.ranks_on_host()]):
+            ctx.cfg.async_mode, ctx.role, len(ctx.comm.workers_on_host())):
         yield before
         return
     _set_niceness(max(SERVER_NICENESS, before))
