@@ -473,10 +473,11 @@ class Server:
             # also while the others push: one silent worker among busy ones is the case
             self.next_liveness_check = time.monotonic() + LIVENESS_CHECK_EVERY
             self._fence_lost()
-            lost = next(((self.workers[r], why) for r in holders
-                         for why in [self._lost_because(r)] if why), None)
-            if lost:
-                self._drop(*lost)
+            lost = self.silence.lost({r: self.workers[r].posted for r in holders},
+                                     self.liveness, self.processes.alive)
+            if lost is not None:
+                rank, why = lost
+                self._drop(self.workers[rank], why)
                 return None
         for rank in holders:  # a push already here (the usual case when workers are
             w = self.workers[rank]  # busy): taken without setting up a wait
@@ -497,14 +498,6 @@ class Server:
         if self.recovery:  # its push interval is what its liveness bound is made of
             self.liveness.observe(w.rank, self.silence.silent_for(w.rank))
         return w
-
-    def _lost_because(self, rank: int) -> str:
-        """Why lease holder ``rank`` counts as lost, or '' (it is still in). One whose
-        push has come is not silent, only not taken yet (the server's loop may have
-        been held up: by its evaluation thread, or by the workers on its cores)."""
-        why = self.liveness.lost_because(rank, self.silence.silent_for(rank),
-                                         self.processes.alive(rank))
-        return "" if why and self.workers[rank].posted.test() else why
 
     def _drop(self, w: WorkerLedger, why: str) -> None:
         """Go on without ``w``: no request of its left to match, its steps reassigned."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import time
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -156,6 +156,19 @@ class SilentPeers:
             left = min(left, wake_every)
         index = self.comm.wait_any([posted[p] for p in peers], backoff, timeout=max(0.0, left))
         return None if index is None else peers[index]
+
+    def lost(self, posted: Dict[int, object], liveness,
+             alive: Callable[[int], bool] = lambda peer: True) -> Optional[Tuple[int, str]]:
+        """(peer, why) for the first peer of ``posted`` (peer -> its pending receive)
+        silent past its ``liveness`` bound (:class:`~mpitrain.train.leases.Liveness`),
+        or whose process is gone (``alive``); None if none is. One whose message has
+        come is not silent, only not read yet: the server's loop may have been held
+        up (by its evaluation, or by the workers on its cores)."""
+        for peer, pending in posted.items():
+            why = liveness.lost_because(peer, self.silent_for(peer), alive(peer))
+            if why and not pending.test():
+                return peer, why
+        return None
 
     def overdue(self, peers: Sequence[int]) -> Optional[int]:
         """The peer of ``peers`` silent for ``comm.timeout`` seconds or more, if any."""

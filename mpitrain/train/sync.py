@@ -461,22 +461,16 @@ class Server:
             w = self.silence.first({v: self.posted[v] for v in live}, IDLE, wake_every=1.0)
         if time.monotonic() >= self.next_liveness_check:  # (the others may keep talking)
             self.next_liveness_check = time.monotonic() + 1.0
-            self._name_a_lost_worker(live)
+            lost = self.silence.lost({v: self.posted[v] for v in live}, self.liveness)
+            if lost is not None:
+                late, why = lost
+                raise stalled(self.comm, late, f"sent nothing: {why}",
+                              waiting=[v for v in live if v != late])
         if w is None:
             return None
         self.liveness.observe(w, self.silence.silent_for(w))
         self.silence.heard(w)
         return w
-
-    def _name_a_lost_worker(self, live: List[int]) -> None:
-        """Raise the error naming a worker of ``live`` silent past its liveness bound.
-        One whose message has come is not silent, only not read yet (the server may
-        have been evaluating)."""
-        for late in live:
-            why = self.liveness.lost_because(late, self.silence.silent_for(late), True)
-            if why and not self.posted[late].test():
-                raise stalled(self.comm, late, f"sent nothing: {why}",
-                              waiting=[v for v in live if v != late])
 
     def _handle_complete_reports(self) -> None:
         for step in sorted(self.reports):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mpitrain.errors import CommTimeout
+from mpitrain.train.leases import Liveness
 from mpitrain.train.protocol import (CRC, SLOTS, VERSION, Header, PhaseTimer, SilentPeers,
                                      new_message, sentinel, stalled)
 
@@ -56,6 +57,9 @@ class _Pending:
     def __init__(self, done=False):
         self.done = done
 
+    def test(self):
+        return self.done
+
 
 class _FakeComm:
     """The two things SilentPeers uses: the bound and a wait_any that reports which
@@ -95,6 +99,21 @@ def test_silent_peers_never_waits_past_the_oldest_silence_and_names_it():
     assert str(error) == ("rank 1 on host1 sent nothing for 0.2 s while rank 2 on host2 kept "
                           "waiting for it; it is stalled or dead (raise --timeout if its "
                           "steps are legitimately that slow)")
+
+
+def test_a_peer_silent_past_its_liveness_bound_is_lost_unless_its_message_came():
+    watch = SilentPeers(_FakeComm(timeout=300.0), [1, 2, 3])
+    live = Liveness(timeout=300.0, floor=0.01)
+    for peer in (1, 2, 3):
+        live.observe(peer, 0.0001)
+    time.sleep(0.03)
+    watch.heard(3)
+    # 1 and 2 are past the 0.01 s floor; 1's message has come (not read yet)
+    lost = watch.lost({1: _Pending(done=True), 2: _Pending(), 3: _Pending()}, live)
+    assert lost is not None and lost[0] == 2 and "past its liveness bound" in lost[1]
+    assert watch.lost({1: _Pending(done=True), 3: _Pending()}, live) is None
+    dead = watch.lost({3: _Pending()}, live, alive=lambda peer: False)
+    assert dead is not None and dead[1].startswith("its process died")
 
 
 def test_silent_peers_wakes_up_early_when_asked_and_then_nobody_is_overdue():
