@@ -30,6 +30,8 @@ ALLREDUCE_WAITS = ("auto", "spin", "poll")
 COMPILERS = ("auto", "graph", "xla")
 #: values of --overlap (see mpitrain.train.overlap)
 OVERLAPS = ("auto", "on", "off")
+#: values of --shared-memory (see mpitrain.comm.shared)
+SHARED_MEMORY = ("auto", "on", "off")
 HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
                    "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
                    "--no-build-isolation horovod==0.28.1")
@@ -99,6 +101,13 @@ class Config:
     bucket_mb: float = _opt(
         "with --overlap: megabytes of gradient per allreduce bucket (PyTorch DDP's "
         "default, 25)", 25.0, flag="--bucket-mb", type=float, metavar="MB")
+    shared_memory: str = _opt(
+        "sync, mpi engine: where every worker runs on one host, sum the gradient through "
+        "memory the workers share instead of through MPI (each worker sums its chunk "
+        "of every worker's buffer, bit-identical everywhere): auto (for overlapped "
+        "buckets of 1 MB or more, without --compression), on (every bucket, overlapping "
+        "as with --overlap on), or off (always MPI)",
+        "auto", flag="--shared-memory", choices=SHARED_MEMORY)
     staleness: Optional[int] = _opt(
         "async only: bound on staleness (server updates between the version a gradient "
         "was computed at and its application). 0 = one worker computes at a time on the "
@@ -291,6 +300,16 @@ class Config:
             raise UsageError("--horovod-timeline needs --allreduce horovod")
         if not self.bucket_mb > 0:
             raise UsageError(f"--bucket-mb must be a positive number (got {self.bucket_mb})")
+        if self.shared_memory == "on":
+            needs = ("the async protocol pushes to rank 0: drop --async" if self.async_mode
+                     else "Horovod moves its own bytes: use --allreduce mpi"
+                     if self.allreduce == "horovod" else
+                     "it sums float32: drop --compression fp16" if self.compression != "none"
+                     else "it sums the overlapped buckets: drop --overlap off"
+                     if self.overlap == "off" else "")
+            if needs:
+                raise UsageError(f"--shared-memory on is for the sync mpi engine's float32 "
+                                 f"buckets; {needs}")
         if self.overlap == "on":
             if self.async_mode:
                 raise UsageError("--overlap on overlaps the sync allreduce: drop --async "

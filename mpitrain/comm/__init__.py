@@ -37,6 +37,7 @@ The parts, one concern each:
 * ``tuning``: Open MPI's allreduce algorithm by buffer size (MPI_T);
 * ``failures``: the one-line failure reports to rank 0;
 * ``objects``: the pickled exchanges (allgather, gather, agree);
+* ``shared``: the workers' sum through memory they share, on one host;
 * ``communicator``: :class:`Comm`, which puts them together.
 
 The names below are the package's interface; the rest of mpitrain imports from here.
@@ -48,6 +49,7 @@ from ..errors import CommTimeout, PeerFailure
 from .communicator import WORKERS_TIMEOUT_FACTOR, Comm
 from .failures import FAILURE_BYTES, TAG_FAILURE, report_failure
 from .objects import TAG_GATHER
+from .shared import SharedMemorySum, one_host
 from .runtime import (FINALIZE_BOUND, OPEN_MPI_LAUNCHERS, Role, abort_world, bound_finalize,
                       finalize, launcher_rank, launcher_world_size, library_versions,
                       recovery_enabled, world_rank_if_running, world_size_if_running)
@@ -57,7 +59,7 @@ from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending,
                       blocking_call_bound)
 
 __all__ = [
-    "Comm", "Role", "Traffic", "Pending", "Backoff", "HOT", "IDLE", "SERVING",
+    "Comm", "SharedMemorySum", "one_host", "Role", "Traffic", "Pending", "Backoff", "HOT", "IDLE", "SERVING",
     "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",
     "WAITING_CALL_EVERY", "WORKERS_TIMEOUT_FACTOR", "TAG_FAILURE", "TAG_GATHER",
     "FAILURE_BYTES", "FINALIZE_BOUND", "OPEN_MPI_LAUNCHERS",

@@ -294,10 +294,12 @@ class Comm:
                                    np.empty(self.size * segment, np.float16))
         return self._half[segment]
 
-    def barrier(self, what: str = "a barrier", backoff: Backoff = IDLE) -> None:
-        """Wait until every rank has arrived (bounded). Collective."""
+    def barrier(self, what: str = "a barrier", backoff: Backoff = IDLE,
+                kind: str = "control") -> None:
+        """Wait until every rank has arrived (bounded; the wait counts under ``kind``).
+        Collective."""
         if self.size > 1:
-            self.wait(Pending(self._c.Ibarrier(), what, None, "control"), backoff)
+            self.wait(Pending(self._c.Ibarrier(), what, None, kind), backoff)
 
     # ---- point to point on buffers ----------------------------------------------------
     def isend(self, buf: np.ndarray, dest: int, tag: int, kind: str, what: str) -> Pending:

@@ -14,13 +14,31 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..comm import SharedMemorySum, one_host
+from ..errors import UsageError
+
 
 def gradient_engine(cfg, workers, run_dir: Optional[str] = None):
-    """The engine ``cfg.allreduce`` names, over the workers' communicator ``workers``.
+    """The engine ``cfg.allreduce`` names, over the workers' communicator ``workers``:
+    for mpi, the communicator itself, or its sum through shared memory where every
+    worker runs on one host (``--shared-memory``, :mod:`mpitrain.comm.shared`).
     Collective over the workers (Horovod initialises on it)."""
     if cfg.allreduce != "horovod":
-        return workers
+        return _mpi_engine(cfg, workers)
     from .horovod import HorovodAllreduce
 
     timeline = f"{run_dir}/horovod-timeline.json" if cfg.horovod_timeline else None
     return HorovodAllreduce(workers, timeline, stall_seconds=cfg.timeout)
+
+
+def _mpi_engine(cfg, workers):
+    if cfg.shared_memory == "off" or cfg.compression != "none" or cfg.async_mode:
+        return workers
+    if one_host(workers):
+        return SharedMemorySum(workers, min_bytes=0) if cfg.shared_memory == "on" \
+            else SharedMemorySum(workers)
+    if cfg.shared_memory == "on":
+        raise UsageError(f"--shared-memory on needs every worker on one host; these run on "
+                         f"{len(set(workers.hosts))} ({', '.join(sorted(set(workers.hosts)))})"
+                         ": use --shared-memory auto")
+    return workers

@@ -311,7 +311,7 @@ class Replica:
         return bucket_bounds(self.sizes, bucket_bytes)
 
     def bucketed_grad(self, bounds: List[Tuple[int, int]], tail: int,
-                      on_ready: Callable[[int], None]):
+                      on_ready: Callable[[int], None], out: Optional[np.ndarray] = None):
         """A gradient step that fills ONE persistent fused buffer (``n_params + tail``
         float32, the tail zeros the caller's) bucket by bucket while back-propagation
         runs, calling ``on_ready(b)`` (from a TensorFlow thread) as soon as bucket ``b``
@@ -320,10 +320,16 @@ class Replica:
         Returns ``(grad, buffer)``: ``grad(x, y, scale) -> (buffer, loss, norm)``, like
         :meth:`grad`, always the same buffer, which :meth:`apply` hands TensorFlow as
         the tensor behind it, without a copy. Each gradient is copied once, into its
-        place in the buffer, as :meth:`grad`'s one concatenation does."""
+        place in the buffer, as :meth:`grad`'s one concatenation does.
+
+        ``out``: the buffer to fill instead of a fresh one (zeroed float32 of that
+        length, 64-byte aligned: TensorFlow takes it through DLPack, without a copy;
+        where it would copy, a fresh buffer is filled instead)."""
         import tensorflow as tf
 
-        fused = tf.fill([self.n_params + tail], np.float32(0))  # a fresh buffer, ours alone
+        fused = None if out is None else tf.experimental.dlpack.from_dlpack(out.__dlpack__())
+        if fused is None or fused._numpy().ctypes.data != out.ctypes.data:  # noqa: SLF001
+            fused = tf.fill([self.n_params + tail], np.float32(0))  # a fresh one, ours alone
         view = fused._numpy()  # noqa: SLF001 - writable, no copy (see _keep)
         starts = np.cumsum([0] + self.sizes)
         hand_offs = []

@@ -73,7 +73,12 @@ class BucketedExchange(FusedExchange):
         # fp16 keeps an error-feedback residual per value: it must know where a part is
         self._part_at = isinstance(engine, HalfPrecisionEngine)
         self._ready = [threading.Event() for _ in bounds]
-        self._grad, self._buf = replica.bucketed_grad(bounds, tail, self._ready_now)
+        # the engine's own memory for the buffer, where it has some (shared memory: the
+        # gradient step writes straight into what the other workers read)
+        shared = getattr(engine, "fused_buffer", None)
+        self._grad, self._buf = replica.bucketed_grad(
+            bounds, tail, self._ready_now,
+            out=shared(replica.n_params + tail) if shared is not None else None)
         self._start = threading.Event()  # a step began: its buckets are coming
         self._done = threading.Event()  # this step's buckets are summed, or one failed
         self._done.set()
@@ -145,12 +150,12 @@ class BucketedExchange(FusedExchange):
 
 
 def exchange_for(cfg, replica, engine, tail: int, scale: float, workers):
-    """The exchange ``cfg.overlap`` asks for: buckets where it is 'on', or 'auto' and
-    the gradient fills two buckets or more on the mpi engine (and no XLA step, which
-    cannot call out to MPI); else fused.
+    """The exchange ``cfg.overlap`` asks for: buckets where it is 'on' (or
+    ``--shared-memory on``), or 'auto' and the gradient fills two buckets or more on
+    the mpi engine (and no XLA step, which cannot call out to MPI); else fused.
     Every worker decides the same (same config, same model)."""
     bounds = replica.gradient_buckets(cfg.bucket_mb * 2**20)
-    wanted = cfg.overlap == "on" or (
+    wanted = cfg.overlap == "on" or cfg.shared_memory == "on" or (
         cfg.overlap == "auto" and len(bounds) >= 2 and cfg.allreduce == "mpi"
         and cfg.compiler != "xla")
     if not wanted:

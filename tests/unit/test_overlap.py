@@ -34,8 +34,8 @@ class FakeReplica:
     def __init__(self, fill_order, fail=False):
         self.fill_order, self.fail = fill_order, fail
 
-    def bucketed_grad(self, bounds, tail, on_ready):
-        buf = np.zeros(self.n_params + tail, np.float32)
+    def bucketed_grad(self, bounds, tail, on_ready, out=None):
+        buf = np.zeros(self.n_params + tail, np.float32) if out is None else out
 
         def grad(x, y, scale):
             for b in self.fill_order:

@@ -1,0 +1,146 @@
+"""The workers' sum through memory they share, where every worker runs on one host.
+
+Open MPI's shared-memory transport moves an allreduce's bytes through its own
+buffers: each rank copies its half in, the other copies it out, sums it, and the
+sum travels back the same way. Workers that map one segment need none of that:
+each worker's fused gradient buffer is its slot in the segment (the gradient
+step writes straight into it), and a sum is one pass: every worker adds up its
+chunk of the region over all the slots, in worker order, and writes that sum into
+every slot. Each value is summed once, by one worker, in one order, so every
+worker ends with the bit-identical sum, as with MPI's allreduce (with two
+workers the very bits of MPI's ``a + b``). docs/benchmarks.md has the
+measurements.
+
+Cross-rank contract: :meth:`SharedMemorySum.fused_buffer` and every
+:meth:`SharedMemorySum.allreduce_sum_` are collective over the workers, called in
+the same order with the same region. Both waits of a sum (for every worker's
+region to be written, then for every chunk to be summed) are the communicator's
+bounded barriers, so a dead or stalled worker is named there as in any
+allreduce, and the heartbeats go on while a worker waits.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import List, Optional
+
+import numpy as np
+
+from .waiting import HOT, IDLE
+
+#: regions smaller than this go through MPI ('auto'): two barriers cost more than
+#: moving them
+SHARED_MIN_BYTES = 1 << 20
+#: values summed per pass: a block stays in the cache between its sum and its copies
+BLOCK = 1 << 16
+PAGE = mmap.PAGESIZE
+#: the traffic table's kind for bytes summed through the shared segment
+KIND = "shared"
+
+
+def one_host(workers) -> bool:
+    """Whether every worker of ``workers`` (a :class:`~.communicator.Comm`) runs on one
+    host: only then can they share memory."""
+    return workers.size > 1 and len(set(workers.hosts)) == 1
+
+
+class SharedMemorySum:
+    """The mpi gradient engine for workers that share a host: sums through one shared
+    segment, with the contract of :meth:`~.communicator.Comm.allreduce_sum_`.
+
+    A region is summed through the segment when it lies in this worker's slot
+    (:meth:`fused_buffer`) and has ``min_bytes`` or more; any other buffer, and
+    every sum when the segment could not be mapped, goes through MPI on
+    ``workers``, so the engine never changes what a caller gets, only how.
+    """
+
+    def __init__(self, workers, min_bytes: int = SHARED_MIN_BYTES):
+        self.workers = workers
+        self.min_bytes = min_bytes
+        self.slots: List[np.ndarray] = []  # every worker's buffer, by worker rank
+        self._scratch = np.empty(BLOCK, np.float32)
+
+    def fused_buffer(self, size: int) -> Optional[np.ndarray]:
+        """This worker's fused buffer: ``size`` float32 in the shared segment, page
+        aligned, zeroed; None (on every worker) when the workers could not map one.
+        Collective over the workers, once."""
+        self.slots = map_segment(self.workers, size)
+        return self.slots[self.workers.rank] if self.slots else None
+
+    def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
+                       kind: str = "allreduce", computing: bool = False) -> np.ndarray:
+        """Replace ``buf`` on every worker by the sum of every worker's, in place;
+        bit-identical on every worker. Collective over the workers."""
+        lo = self._offset(buf)
+        if lo is None or buf.nbytes < self.min_bytes:
+            return self.workers.allreduce_sum_(buf, what, kind, computing)
+        workers, size = self.workers, buf.size
+        workers.barrier(f"{what} (every worker's gradient written)", HOT, KIND)
+        rank, count = workers.rank, workers.size
+        sum_into_all(self.slots, lo + rank * size // count, lo + (rank + 1) * size // count,
+                     self._scratch)
+        workers.barrier(f"{what} (every worker's chunk summed)", HOT, KIND)
+        workers.traffic.add_exchanged(KIND, buf.nbytes, 0.0)
+        return buf
+
+    def _offset(self, buf: np.ndarray) -> Optional[int]:
+        """Where ``buf`` starts in this worker's slot, or None if it is not in it."""
+        if not self.slots or buf.dtype != np.float32 or not buf.flags.c_contiguous:
+            return None
+        mine = self.slots[self.workers.rank]
+        start = buf.ctypes.data - mine.ctypes.data
+        if start < 0 or start % 4 or start // 4 + buf.size > mine.size:
+            return None
+        return start // 4
+
+
+def sum_into_all(slots: List[np.ndarray], lo: int, hi: int, scratch: np.ndarray) -> None:
+    """``slots[k][lo:hi] :=`` the sum of every slot's ``[lo:hi]``, added in slot order
+    (float32), for every ``k``; a block at a time through ``scratch``."""
+    for start in range(lo, hi, scratch.size):
+        end = min(hi, start + scratch.size)
+        total = scratch[:end - start]
+        np.add(slots[0][start:end], slots[1][start:end], out=total)
+        for slot in slots[2:]:
+            np.add(total, slot[start:end], out=total)
+        for slot in slots:
+            slot[start:end] = total
+
+
+def slot_stride(size: int) -> int:
+    """Bytes between two workers' slots: ``size`` float32, rounded up to whole pages
+    (every slot page aligned: TensorFlow takes it without a copy only when aligned)."""
+    return -(-size * 4 // PAGE) * PAGE
+
+
+def map_segment(workers, size: int) -> List[np.ndarray]:
+    """Every worker's slot of ``size`` float32 in one segment all of them map: worker
+    0 makes it (an anonymous memory file, gone with the last process that maps it:
+    nothing is left behind, even by a killed run), the others open it through
+    /proc. Empty on every worker if one could not. Collective over the workers."""
+    stride = slot_stride(size)
+    fd, segment = -1, None
+    where = np.zeros(2, np.int64)  # worker 0's pid and the file's descriptor
+    try:
+        if workers.rank == 0:
+            fd = os.memfd_create("mpitrain-gradients", os.MFD_CLOEXEC)
+            os.ftruncate(fd, stride * workers.size)
+            where[:] = os.getpid(), fd
+    except (AttributeError, OSError):  # no memfd here: worker 0 says -1
+        where[:] = -1
+    workers.bcast_(where, 0, "control", IDLE)
+    try:
+        if workers.rank != 0 and where[0] >= 0:
+            fd = os.open(f"/proc/{where[0]}/fd/{where[1]}", os.O_RDWR)
+        if fd >= 0:
+            segment = mmap.mmap(fd, stride * workers.size)
+    except OSError:
+        segment = None
+    mapped = np.array([1.0 if segment is not None else 0.0], np.float32)
+    workers.allreduce_sum_(mapped, "the shared gradient segment's set-up", "control")
+    if fd >= 0:  # every worker has mapped it (or given up): the mappings keep it
+        os.close(fd)
+    if mapped[0] != workers.size:
+        return []
+    return [np.frombuffer(segment, np.float32, size, k * stride) for k in range(workers.size)]
