@@ -306,7 +306,9 @@ class Config:
                      if self.allreduce == "horovod" else
                      "it sums float32: drop --compression fp16" if self.compression != "none"
                      else "it sums the overlapped buckets: drop --overlap off"
-                     if self.overlap == "off" else "")
+                     if self.overlap == "off" else "it sums the overlapped buckets, which "
+                     "XLA cannot compile: use --compile auto or graph"
+                     if self.compiler == "xla" else "")
             if needs:
                 raise UsageError(f"--shared-memory on is for the sync mpi engine's float32 "
                                  f"buckets; {needs}")

@@ -63,9 +63,9 @@ class SharedMemorySum:
 
     def fused_buffer(self, size: int) -> Optional[np.ndarray]:
         """This worker's fused buffer: ``size`` float32 in the shared segment, page
-        aligned, zeroed; None (on every worker) when the workers could not map one.
-        Collective over the workers, once."""
-        self.slots = map_segment(self.workers, size)
+        aligned, zeroed; None (on every worker) when the workers could not map one, or
+        there is one worker (nobody to share with). Collective over the workers, once."""
+        self.slots = map_segment(self.workers, size) if self.workers.size > 1 else []
         return self.slots[self.workers.rank] if self.slots else None
 
     def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",

@@ -5,6 +5,7 @@ file under real ``mpirun -np 2, 3, 4``. Every rank runs the same tests in the sa
 order, so collectives line up; every wait is bounded by the comm's timeout.
 """
 
+import mmap
 import threading
 import time
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpitrain import models
-from mpitrain.comm import Comm, Role
+from mpitrain.comm import Comm, Role, SharedMemorySum, shared
 from mpitrain.errors import CommTimeout, DataError
 from mpitrain.models.replica import Replica, checksum, init_tensorflow
 
@@ -251,3 +252,40 @@ def test_a_communicator_can_be_made_after_a_large_allreduce(comm):
     assert MPI.Query_thread() == level
     again = Comm.world(timeout=20)
     assert again.allgather_objects(again.rank) == list(range(comm.size))
+
+
+def test_shared_memory_sum_is_the_ordered_sum_on_every_worker(comm):
+    """The workers' sum through their shared segment (every worker of this job runs on
+    one host): the float32 sum in worker order, bit-identical on every worker, in the
+    worker's own buffer; regions under its threshold and buffers outside the segment
+    go through MPI. Counted under 'shared' and 'allreduce' exactly."""
+    workers = comm.workers
+    if workers is None:
+        pytest.skip("rank 0, the parameter server, is not part of the gradient sum")
+    engine = SharedMemorySum(workers, min_bytes=4096)
+    size = 3 * shared.BLOCK + 1001  # several blocks, chunks of uneven length
+    buf = engine.fused_buffer(size)
+    if workers.size == 1:
+        assert buf is None  # one worker: nobody to share with
+        return
+    assert buf is not None and buf.size == size and not buf.any()
+    assert buf.ctypes.data % mmap.PAGESIZE == 0  # what TensorFlow takes without a copy
+    rng = np.random.default_rng(workers.rank)
+    buf[:] = rng.standard_normal(size).astype(np.float32)
+    every = workers.allgather_objects(buf.copy())
+    before = dict(comm.traffic.sent_bytes)
+    region = buf[17:size - 5]  # (not at the slot's start)
+    engine.allreduce_sum_(region)
+    expected = every[0][17:size - 5] + every[1][17:size - 5]
+    for other in every[2:]:
+        expected += other[17:size - 5]
+    assert region.tobytes() == expected.tobytes()
+    assert buf[:17].tobytes() == every[workers.rank][:17].tobytes()  # the rest untouched
+    assert len(set(workers.allgather_objects(checksum(region)))) == 1
+    small, private = buf[:16], np.ones(4096, np.float32)  # under the threshold; elsewhere
+    engine.allreduce_sum_(small)
+    engine.allreduce_sum_(private)
+    assert (private == workers.size).all()
+    sent = comm.traffic.sent_bytes
+    assert sent["shared"] - before.get("shared", 0) == region.nbytes
+    assert sent["allreduce"] - before.get("allreduce", 0) == small.nbytes + private.nbytes
