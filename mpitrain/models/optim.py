@@ -89,11 +89,19 @@ class FlatOptimizer:
     def update(self, weights: np.ndarray, grad: np.ndarray) -> None:
         raise NotImplementedError
 
+    def slots(self) -> Dict[str, np.ndarray]:
+        """The per-parameter state vectors by name, themselves (no copies)."""
+        return {}
+
     def state(self) -> Dict[str, np.ndarray]:
-        return {"iterations": np.array(self.iterations)}
+        """A copy of the whole state: the update count, then :meth:`slots`."""
+        return {"iterations": np.array(self.iterations),
+                **{name: slot.copy() for name, slot in self.slots().items()}}
 
     def load_state(self, state: Dict[str, np.ndarray]) -> None:
         self.iterations = int(state["iterations"])
+        for name, slot in self.slots().items():
+            slot[:] = state[name]
 
 
 class SGD(FlatOptimizer):
@@ -128,12 +136,8 @@ class Momentum(FlatOptimizer):
             weights += self.velocity
         self.iterations += 1
 
-    def state(self):
-        return {**super().state(), "velocity": self.velocity.copy()}
-
-    def load_state(self, state):
-        super().load_state(state)
-        self.velocity[:] = state["velocity"]
+    def slots(self):
+        return {"velocity": self.velocity}
 
 
 class Adam(FlatOptimizer):
@@ -168,13 +172,8 @@ class Adam(FlatOptimizer):
         scratch *= alpha
         weights -= scratch
 
-    def state(self):
-        return {**super().state(), "m": self.m.copy(), "v": self.v.copy()}
-
-    def load_state(self, state):
-        super().load_state(state)
-        self.m[:] = state["m"]
-        self.v[:] = state["v"]
+    def slots(self):
+        return {"m": self.m, "v": self.v}
 
 
 def make(name: str, n_params: int, lr: float, decay_steps: Optional[int] = None,

@@ -19,9 +19,12 @@ buffers differ between the points where the trainers average them; the
 *state* vector (:meth:`state`: weights, then buffers) is what a model is
 evaluated, checkpointed and compared with.
 
-Only ranks that apply updates with Keras (sync workers, the single rank) build
-the optimizer and its slots (``applies=True``); the sync server and every async
-rank (the async server updates with :mod:`mpitrain.models.optim`) never do.
+Only ranks that apply updates (sync workers, the single rank) build the
+optimizer and its slots (``applies=True``); the sync server and every async rank
+(the async server updates with :mod:`mpitrain.models.optim`) never do. The
+optimizer is Keras', except for large models under ``compiler='auto'``
+(:data:`FLAT_UPDATE_MIN`), which update a flat copy of the weights with
+:mod:`mpitrain.models.optim`'s fused C pass and assign it to the variables.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import UsageError
+from . import optim
 from .keras_import import import_keras
 
 EVAL_BATCH = 2000
@@ -155,12 +159,13 @@ def bucket_bounds(sizes, bucket_bytes: float) -> List[Tuple[int, int]]:
     return bounds
 
 
-#: parameters from which ``compiler='auto'`` compiles the update with XLA. The update is
-#: elementwise and memory-bound (momentum SGD reads and writes every parameter a few
-#: times; graph mode makes a temporary per operation, XLA fuses them): measured,
-#: AlexNet's (61.1M) 268 -> 137 ms a step for 0.7 s more of CPU to compile once;
-#: LeNet's (62k) 1.3 -> 0.9 ms for 0.85 s more, 2,000 steps to repay it.
-XLA_UPDATE_MIN = 10_000_000
+#: parameters from which ``compiler='auto'`` updates the weights with the flat optimizer
+#: (:mod:`.optim`: one fused pass in C over a flat copy of the weights, then one
+#: assignment of every variable from it) instead of Keras' (in graph mode a temporary
+#: per operation; XLA fuses them, but still slices and splits the gradient first). The
+#: update is elementwise and memory-bound; docs/benchmarks.md section 2 has the times.
+#: Small models keep Keras' update: its one dispatch costs less than the assignment.
+FLAT_UPDATE_MIN = 10_000_000
 
 
 class Replica:
@@ -180,12 +185,19 @@ class Replica:
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.n_params = int(sum(self.sizes))
-        # Only a rank that applies updates with Keras needs the optimizer and its slots
-        # (sync workers, the single rank): the sync server and every async rank would
-        # hold them for nothing (AlexNet's momentum: 244 MB per rank).
+        # Only a rank that applies updates needs the optimizer and its slots (sync
+        # workers, the single rank): the sync server and every async rank would hold
+        # them for nothing (AlexNet's momentum: 244 MB per rank).
         self.applies = applies
-        self.optimizer = make_optimizer(optimizer, lr, decay_steps) if applies else None
-        if applies:
+        flat = applies and compiler == "auto" and self.n_params >= FLAT_UPDATE_MIN
+        #: the flat optimizer of a large model (see FLAT_UPDATE_MIN), else None
+        self.flat_optimizer = optim.make(optimizer, self.n_params, lr, decay_steps,
+                                         clip_norm) if flat else None
+        self._flat_weights: Optional[np.ndarray] = None  # its copy of the weights, if current
+        self._flat_tensor = None  # TensorFlow's view of that copy
+        self.optimizer = make_optimizer(optimizer, lr, decay_steps) \
+            if applies and not flat else None
+        if self.optimizer is not None:
             self.optimizer.build(self.variables)
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits)
         batch_spec = [tf.TensorSpec((None,) + tuple(input_shape), tf.float32),
@@ -202,9 +214,7 @@ class Replica:
         # compiled by XLA, which fuses their kernels: see step_function.
         xla = compiler == "xla"
         step = functools.partial(step_function, xla=xla, modes=self.compiled)
-        # 'auto': XLA for the update alone, where the model is large enough to repay it
-        large = compiler == "auto" and self.n_params >= XLA_UPDATE_MIN
-        update = functools.partial(step_function, xla=xla or large, modes=self.compiled)
+        update = functools.partial(step_function, xla=xla, modes=self.compiled)
 
         def loss_and_grads(x, y, scale=None):
             with tf.GradientTape() as tape:
@@ -285,6 +295,8 @@ class Replica:
         self._grad_in_buckets_fn, self._batch_spec = grad_in_buckets, batch_spec
         self._grad, self._grad_at, self._apply, self._train_step = grad, grad_at, apply, train_step
         self._eval_batch, self._set_weights = eval_batch, set_weights
+        if self.flat_optimizer is not None:
+            self.compiled.update(apply="flat", train_step="graph, flat update")
         self._tail = None
         self._fused, self._fused_view = None, None  # grad()'s last output (see _keep)
         trainable = {id(v) for v in self.variables}
@@ -388,14 +400,27 @@ class Replica:
 
         ``flat_grad`` may be the array :meth:`grad` returned, or its first
         ``n_params`` values, changed in place (the allreduce sums into it): that
-        buffer goes to TensorFlow without a copy."""
+        buffer goes to TensorFlow without a copy. The flat optimizer (a large model,
+        see :data:`FLAT_UPDATE_MIN`) clips ``flat_grad`` in place."""
         self._applying()
+        if self.flat_optimizer is not None:
+            self._apply_flat(flat_grad[:self.n_params])
+            return
         view = self._fused_view
         if (view is not None and flat_grad.ctypes.data == view.ctypes.data
                 and self.n_params <= flat_grad.size <= view.size):
             self._apply(self._fused)
         else:
             self._apply(flat_grad)
+
+    def _apply_flat(self, grad: np.ndarray) -> None:
+        """The flat optimizer's update of its copy of the weights, then every variable
+        assigned from that copy (handed to TensorFlow through DLPack: no conversion)."""
+        if self._flat_weights is None:  # first update, or the weights were set since
+            self._flat_weights = _aligned(self.weights())
+            self._flat_tensor = _as_tensor(self._flat_weights)
+        self.flat_optimizer.step(self._flat_weights, grad)
+        self._set_weights(self._flat_tensor)
 
     def _applying(self) -> None:
         if not self.applies:
@@ -404,30 +429,46 @@ class Replica:
     def train_step(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, float]:
         """Gradient and update in one compiled call (one worker: nothing to average).
 
-        Returns (loss, gradient norm before clipping)."""
+        Returns (loss, gradient norm before clipping). With the flat optimizer: the
+        gradient, then :meth:`apply`."""
         self._applying()
+        if self.flat_optimizer is not None:
+            grad, loss, norm = self.grad(x, y)
+            self.apply(grad)
+            return loss, norm
         loss, norm = self._train_step(x, y)
         return float(loss), float(norm)
 
     # ---- state for checkpoints ------------------------------------------------------
     def optimizer_state(self) -> Dict[str, np.ndarray]:
-        """The optimizer's variables (step count, slots), in their fixed order."""
-        self._applying()
-        return {f"o{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)}
+        """The optimizer's variables (step count, slots), in their fixed order: o0, o1..."""
+        return {f"o{i}": np.asarray(value) for i, value in enumerate(self._state_values())}
 
     def optimizer_layout(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         """{name: (shape, dtype)} of :meth:`optimizer_state`, without copying any value."""
-        self._applying()
         return {f"o{i}": (tuple(int(d) for d in v.shape), np.dtype(v.dtype).name)
-                for i, v in enumerate(self.optimizer.variables)}
+                for i, v in enumerate(self._state_values(copy=False))}
 
     def set_optimizer_state(self, state: Dict[str, np.ndarray]) -> None:
-        self._applying()
-        if len(state) != len(self.optimizer.variables):
-            raise ValueError(f"optimizer state has {len(state)} variables, expected "
-                             f"{len(self.optimizer.variables)}")
+        expected = len(self._state_values(copy=False))
+        if len(state) != expected:
+            raise ValueError(f"optimizer state has {len(state)} variables, expected {expected}")
+        if self.flat_optimizer is not None:
+            names = ["iterations", *self.flat_optimizer.slots()]
+            self.flat_optimizer.load_state({name: state[f"o{i}"] for i, name in enumerate(names)})
+            return
         for i, v in enumerate(self.optimizer.variables):
             v.assign(state[f"o{i}"])
+
+    def _state_values(self, copy: bool = True) -> list:
+        """The optimizer's state in its order: Keras' variables, or the flat optimizer's
+        update count and slots (copies, unless ``copy`` is False: for their layout)."""
+        self._applying()
+        if self.flat_optimizer is None:
+            return [v.numpy() if copy else v for v in self.optimizer.variables]
+        slots = self.flat_optimizer.slots()
+        return [np.array(self.flat_optimizer.iterations, np.int64),
+                *(slot.copy() if copy else slot for slot in slots.values())]
 
     def rng_state(self) -> np.ndarray:
         """The model's random-generator state (dropout seeds), flattened; empty for most."""
@@ -483,6 +524,7 @@ class Replica:
         if flat.shape != (self.n_params,):
             raise ValueError(f"expected {self.n_params} weights, got {flat.shape}")
         self._set_weights(flat)
+        self._flat_weights = None  # the flat optimizer's copy is stale
 
     # ---- evaluation -----------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, float]:
@@ -494,3 +536,20 @@ class Replica:
             loss_sum += float(batch_loss)
             correct += int(batch_correct)
         return loss_sum / len(y), correct / len(y)
+
+
+def _aligned(flat: np.ndarray) -> np.ndarray:
+    """A copy of ``flat`` at a 64-byte aligned address (what TensorFlow needs to take
+    memory through DLPack)."""
+    raw = np.empty(flat.size + 16, flat.dtype)
+    start = (-raw.ctypes.data % 64) // flat.itemsize
+    out = raw[start:start + flat.size]
+    out[:] = flat
+    return out
+
+
+def _as_tensor(flat: np.ndarray):
+    """A TensorFlow tensor on ``flat``'s memory, without a copy (DLPack)."""
+    import tensorflow as tf
+
+    return tf.experimental.dlpack.from_dlpack(flat.__dlpack__())

@@ -211,21 +211,41 @@ def test_a_model_xla_cannot_compile_falls_back_to_graph_mode():
     assert replica.compiled["apply"] == "xla"  # the update (optimizer only) still compiles
 
 
-def test_auto_compiles_the_update_of_a_large_model_with_xla(monkeypatch):
+def test_auto_updates_a_large_model_with_the_flat_optimizer(monkeypatch):
+    """--compile auto: a large model updates a flat copy of its weights in C and assigns
+    it (no Keras optimizer, no slots of its own); the update is Keras' (the same
+    formulas as the async server's), and its state round-trips through checkpoints."""
     import mpitrain.models.replica as replica_module
 
     init_tensorflow(1, 0)
     small = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="auto")
     assert small.compiled == {"grad": "graph", "grad_at": "graph", "apply": "graph",
                               "train_step": "graph"}
-    monkeypatch.setattr(replica_module, "XLA_UPDATE_MIN", small.n_params)  # LeNet is large
+    monkeypatch.setattr(replica_module, "FLAT_UPDATE_MIN", small.n_params)  # LeNet is large
     large = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="auto")
-    assert large.compiled["apply"] == "xla" and large.compiled["grad"] == "graph"
+    assert large.compiled["apply"] == "flat" and large.compiled["grad"] == "graph"
+    assert large.optimizer is None and large.flat_optimizer is not None
     large.set_weights(small.weights())
-    grad = np.full(small.n_params, 1e-2, np.float32)
-    for replica in (small, large):
-        replica.apply(grad)
-    np.testing.assert_allclose(large.weights(), small.weights(), rtol=1e-6, atol=1e-8)
+    rng = np.random.default_rng(6)
+    for _ in range(3):
+        grad = (rng.standard_normal(small.n_params) * 1e-2).astype(np.float32)
+        for replica in (small, large):
+            replica.apply(grad.copy())
+    np.testing.assert_allclose(large.weights(), small.weights(), rtol=2e-5, atol=2e-7)
+    x, y = rng.random((8, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, 8).astype(np.int32)
+    assert np.isfinite(large.train_step(x, y)[0])  # one worker: gradient, then the update
+    layout, state = large.optimizer_layout(), large.optimizer_state()
+    assert layout == {"o0": ((), "int64"), "o1": ((small.n_params,), "float32")}
+    assert int(state["o0"]) == 4
+    again = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="auto")
+    again.set_weights(large.weights())
+    again.set_optimizer_state(state)  # a resumed run continues the same updates
+    grad = (rng.standard_normal(small.n_params) * 1e-2).astype(np.float32)
+    large.apply(grad.copy())
+    again.apply(grad.copy())
+    assert large.weights().tobytes() == again.weights().tobytes()
+    with pytest.raises(ValueError, match="optimizer state has 1 variables, expected 2"):
+        again.set_optimizer_state({"o0": state["o0"]})
 
 
 def test_the_buffer_grad_returns_is_applied_as_changed_in_place_without_a_copy(replica):
