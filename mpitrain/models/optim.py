@@ -1,4 +1,5 @@
-"""Optimizers on one flat float32 vector, in numpy: the async parameter server's update.
+"""Optimizers on one flat float32 vector: the async parameter server's update, and the
+sync workers' for large models (:data:`mpitrain.models.replica.FLAT_UPDATE_MIN`).
 
 The server applies every worker's gradient the moment it arrives. A Keras
 ``apply_gradients`` call costs ~0.3 ms of TensorFlow dispatch whatever the model
