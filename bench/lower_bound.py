@@ -64,8 +64,8 @@ def rank_side(model: str, steps: int) -> None:
     n_workers = comm.size - 1
     init_tensorflow(max(1, (os.cpu_count() or 1) // n_workers) if workers else 1, 0)
     replica = Replica(models.get(model), spec["shape"], spec["classes"], spec["optimizer"],
-                      spec["lr"],
-                      applies=workers is not None)
+                      spec["lr"], applies=workers is not None,
+                      compiler="auto")  # the trainer's default: the same update as its
     comm.bcast_(replica.weights())
     result = {}
     if workers is None:  # the parameter server: asleep until the workers are done
