@@ -32,6 +32,8 @@ COMPILERS = ("auto", "graph", "xla")
 OVERLAPS = ("auto", "on", "off")
 #: values of --shared-memory (see mpitrain.comm.shared)
 SHARED_MEMORY = ("auto", "on", "off")
+#: values of --pipeline (see mpitrain.train.leases.Pipelining)
+PIPELINES = ("auto", "on", "off")
 HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
                    "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
                    "--no-build-isolation horovod==0.28.1")
@@ -116,6 +118,13 @@ class Config:
         "current weights (synchronous, one worker applied at a time); K = fast workers "
         "wait so no gradient is more than K updates old; default: unbounded",
         flag="--staleness", type=int, metavar="K")
+    pipeline: str = _opt(
+        "async only: whether a worker computes its next gradient while its last push "
+        "and the reply travel (hiding the round trip, but each gradient one of its own "
+        "updates staler): auto (only where the wait for a reply is at least 0.3 "
+        "of a step's compute, measured over the first steps: LR yes, LeNet no), on, "
+        "or off; a --staleness bound never pipelines", "auto", flag="--pipeline",
+        choices=PIPELINES)
     epochs: Optional[int] = _opt(
         "passes over the whole training set (each worker passes once over its shard)",
         flag="--epochs", type=int, metavar="N")
@@ -290,6 +299,12 @@ class Config:
                 raise UsageError(f"--staleness must be 0 or more (got {self.staleness})")
             if not self.async_mode:
                 raise UsageError("--staleness bounds the async parameter server: add --async")
+            if self.pipeline == "on":
+                raise UsageError("--pipeline on keeps two pushes in flight, which a "
+                                 "--staleness bound does not allow: drop one of them")
+        if self.pipeline != "auto" and not self.async_mode:
+            raise UsageError(f"--pipeline {self.pipeline} is for the async workers: add "
+                             "--async")
         if self.allreduce == "horovod":
             if self.async_mode:
                 raise UsageError("--allreduce horovod is for sync training: Horovod has no "

@@ -70,9 +70,9 @@ from ..schema import STALENESS_COLUMNS
 from .compression import PushCodec
 from .context import Context, Summary, diverged, interrupted, worker_batches
 from .evaluation import BackgroundEvaluator, Evaluator, Stopwatch
-from .leases import Leases, Liveness, Quotas, first_look
+from .leases import Leases, Liveness, Pipelining, Quotas, first_look
 from .priority import niceness
-from .protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, SLOTS,
+from .protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, PIPELINED, SLOTS,
                        TAG_GRADIENT, TAG_WEIGHTS, Header, SilentPeers, new_message, sentinel,
                        stalled)
 
@@ -108,16 +108,18 @@ class _InFlight(NamedTuple):
 def _work(ctx: Context, clock: Stopwatch) -> Summary:
     """The worker loop: compute at the lease's weights, push, take the next lease.
 
-    Unbounded staleness pipelines it (communication hidden behind compute):
-    up to PIPELINE_DEPTH (2) pushes are in flight, so the worker computes
+    Pipelined (``--pipeline``: :class:`.leases.Pipelining` decides, from the first
+    steps' wait for a reply against their compute), communication is hidden behind
+    compute: up to PIPELINE_DEPTH (2) pushes are in flight, so the worker computes
     gradient k+1 at the weights it already has while push k and its reply
     travel, and pushes k+1 without waiting for reply k; before each push it
     takes every reply already in (the newest weights), and waits for the
     oldest only when the pipeline is full. Two push buffers and three lease
     buffers rotate, so no reply lands in the weights being used and no push
-    buffer changes while it is sent. With --staleness K the worker waits for
-    each reply (one gradient per lease, which the server's bound accounting
-    relies on).
+    buffer changes while it is sent. Otherwise the worker waits for each reply
+    (always with --staleness K: one gradient per lease, which the server's bound
+    accounting relies on). Its pushes say whether it pipelines (PIPELINED), for
+    the server's poll policy.
 
     A worker's last message is always a FINAL push: its last step's, or, when
     the server dismissed it (the run is stopping, or a resumed worker had its
@@ -126,12 +128,13 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     left unmatched.
     """
     comm, replica, n = ctx.comm, ctx.replica, ctx.replica.n_params
-    pipelined = ctx.cfg.staleness is None
-    depth = PIPELINE_DEPTH if pipelined else 1
+    pipelining = Pipelining("off" if ctx.cfg.staleness is not None else ctx.cfg.pipeline)
+    depth = pipelining.depth
+    most = 1 if pipelining.mode == "off" else PIPELINE_DEPTH  # pushes in flight, at most
     codec = PushCodec(ctx.cfg.compression, n)
     pushes = [new_message(codec.slots + replica.n_buffers)  # [header | gradient | buffers]
-              for _ in range(depth)]
-    leases = [new_message(replica.n_state) for _ in range(depth + 1)]  # weights
+              for _ in range(most)]
+    leases = [new_message(replica.n_state) for _ in range(most + 1)]  # weights
     reply_bound = 2 * comm.timeout
     current, flight, timer = 0, collections.deque(), ctx.timer
     total_steps = ctx.total_steps  # (a property: read once, not per step)
@@ -166,7 +169,8 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         codec.encode(grad, push[SLOTS:SLOTS + codec.slots])
         if replica.n_buffers:  # this worker's statistics travel with each push
             push[SLOTS + codec.slots:] = replica.buffers()
-        Header(version, step, flags, health, clock(), think).write(push)
+        Header(version, step, flags | (PIPELINED if depth > 1 else 0), health, clock(),
+               think).write(push)
         target = next(i for i in range(depth + 1)  # a lease buffer nobody uses
                       if i != current and all(i != f.lease for f in flight))
         with timer("comm"):
@@ -174,10 +178,12 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
                                                "new weights from the server"),
                                     comm.isend(push, 0, TAG_GRADIENT, "push",
                                                "the server to take a gradient"), target))
-        if not pipelined:
+        if depth == 1:
+            waited = time.perf_counter()
             with timer("wait"):
                 current = _take_reply(comm, flight, leases, HOT, reply_bound)
             lease = Header.read(leases[current])
+            depth = pipelining.observe(think, time.perf_counter() - waited)
         if end_of_epoch or flags & FINAL:
             timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
         if flags & FINAL or lease.flags:
@@ -312,6 +318,7 @@ class WorkerLedger:
     start_step: int = 0  # steps done before this session (a resumed run)
     elapsed: float = 0.0
     done: bool = False
+    pipelined: bool = False  # its last push said it keeps a second one in flight
     staleness: collections.Counter = field(default_factory=collections.Counter)
     buffers: Optional[np.ndarray] = None  # its BatchNorm statistics at its latest push
     lost: str = ""  # why it was dropped (under --enable-recovery); "" while it is in
@@ -358,7 +365,6 @@ class Server:
             len(self.workers) * ctx.total_steps))
         self.step_time = 1.0  # EWMA of the workers' reported seconds of compute per step
         self.last_think = 1.0  # the last push's
-        self.pipelined = ctx.cfg.staleness is None  # (see _work and _poll_policy)
         self.checkpoint_interval = ctx.cfg.checkpoint_every * self.updates_per_epoch
         # --checkpoint-steps counts each worker's steps: N of theirs are N x workers updates
         self.checkpoint_steps = (ctx.cfg.checkpoint_steps or 0) * len(self.workers)
@@ -561,19 +567,20 @@ class Server:
         Measured: workers pushing zeros: 1.6k updates/s at -np 2 sleeping, 24k
         polling (bench async_ps).
 
-        Pipelined workers (unbounded staleness) need the reply to push k only
+        Pipelined workers (their pushes say PIPELINED) need the reply to push k only
         when they would push k+2, two steps after push k: so the server's first
         sleep lasts until two steps after the oldest lease it is owed a push for
         (:func:`.leases.first_look`; that push is then in, and its reply still a
         step early), instead of waking every 0.5-1 ms to find nothing. Measured,
         async LR: protocol loop at -np 3 12.8-13.7% -> 10.2-10.7% of a core, at
         -np 4 12.7-14.0% -> 9.1-9.3%, the same epoch time; looking after 3 steps,
-        8.5-8.8% but 18% slower (replies late). Bounded staleness does not
-        pipeline: the worker waits for each reply, so the server sleeps less.
+        8.5-8.8% but 18% slower (replies late). A worker that does not pipeline
+        (bounded staleness, --pipeline, or its first steps) waits for each reply,
+        so the server sleeps less.
         """
         if self.step_time < FAST_STEP:
             return POLLING
-        if not self.pipelined:
+        if not all(self.workers[r].pipelined for r in holders):
             return SERVING
         # (the smaller of the mean and the last: a slow first step, which traces the
         # model, must not hold the mean up for the next twenty)
@@ -589,7 +596,7 @@ class Server:
         if flags & FAREWELL:  # a dismissed worker's last word: nothing to apply
             self._finish(w)
             return
-        w.steps, w.elapsed = header.step, header.elapsed
+        w.steps, w.elapsed, w.pipelined = header.step, header.elapsed, bool(flags & PIPELINED)
         if not w.dismissed:  # (a dismissed worker's pushes were sent before it knew)
             self.leases.returned(w.rank)
         if flags & DIVERGED or not math.isfinite(header.loss):

@@ -5,12 +5,14 @@
   ``--enable-recovery``; sync: any worker).
 * :class:`Quotas`: how many steps each worker runs, and who takes a lost worker's.
 * :func:`first_look`: how long the server may sleep before it looks for a push.
+* :class:`Pipelining`: whether a worker keeps a second push in flight (``--pipeline``).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Deque, Dict, Iterable, Iterator, Optional
+import statistics
+from typing import Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 
 class Leases:
@@ -151,3 +153,53 @@ def first_look(oldest_lease: float, step: float, now: float) -> float:
     (when the oldest lease it is owed a push for was granted), at most MAX_FIRST_SLEEP;
     0 or less: look now. The push is then in, and its reply still a step early."""
     return min(oldest_lease + LOOK_AFTER_STEPS * step - now, MAX_FIRST_SLEEP)
+
+
+class Pipelining:
+    """How many pushes an async worker keeps in flight: 1, or 2 (pipelined).
+
+    Pipelined, the worker computes its next gradient while its push and the reply
+    travel, so the round trip is hidden; but each gradient it pushes is then at
+    least one of its own updates older (measured, LeNet with two workers: mean
+    staleness 3.9 against 1.0, test accuracy 1 pp lower). So 'auto' pipelines only
+    where the round trip is worth hiding. The worker starts with one push in flight
+    and measures each window of ``WINDOW`` steps (the first step, which traces the
+    model, not counted): its median wait for a reply over its median compute. From
+    the ``JUDGED``-th window on, while it has measured at most ``WINDOWS``, it turns
+    pipelining on for the rest of the run once the median of those ratios is at
+    least ``WORTH``. Measured on 2 cores, windows of LR: 0.45-0.99, so it
+    pipelines; of LeNet: 0.10-0.30 with the odd 0.43 (a worker's first steps share
+    the cores with the other workers' tracing and the server's first evaluation,
+    hence the median of windows), so it does not. 'on' always pipelines, 'off'
+    never (nor does a bounded staleness, which needs one gradient per lease).
+    """
+
+    WINDOW, JUDGED, WINDOWS, WORTH = 8, 3, 16, 0.3
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.depth = 2 if mode == "on" else 1
+        self.measuring = mode == "auto"
+        self.skip = 1  # the first step
+        self.samples: List[Tuple[float, float]] = []  # (compute, wait) in this window
+        self.ratios: List[float] = []  # wait / compute, per window
+
+    def observe(self, compute: float, wait: float) -> int:
+        """One step with one push in flight took ``compute`` seconds to compute and
+        ``wait`` seconds waiting for its reply; returns the depth from now on."""
+        if not self.measuring:
+            return self.depth
+        if self.skip:
+            self.skip -= 1
+            return self.depth
+        self.samples.append((compute, wait))
+        if len(self.samples) == self.WINDOW:
+            compute = statistics.median(c for c, _ in self.samples)
+            wait = statistics.median(w for _, w in self.samples)
+            self.samples.clear()
+            self.ratios.append(wait / max(compute, 1e-9))
+            judged = len(self.ratios) >= self.JUDGED
+            if judged and statistics.median(self.ratios) >= self.WORTH:
+                self.depth = 2
+            self.measuring = self.depth == 1 and len(self.ratios) < self.WINDOWS
+        return self.depth

@@ -11,7 +11,7 @@
      from (async reply).
   2. FLAGS (int): sync report REPORT (else a heartbeat), FINAL, INTERRUPTED,
      DIVERGED, EVALUATE, CHECKPOINT; async push FINAL, INTERRUPTED, DIVERGED,
-     FAREWELL; async reply also DROPPED.
+     FAREWELL, PIPELINED; async reply also DROPPED.
   3. LOSS: sync, the running train loss; async push, the batch's (the sentinel).
   4. ELAPSED: the worker's wall time (sync report, async push).
   5. THINK: async push, its seconds of compute (the server's poll policy).
@@ -61,6 +61,7 @@ EVALUATE = 16  # sync report: this step is an evaluation point
 CHECKPOINT = 32  # sync report: this step is a checkpoint point
 REPORT = 64  # sync report: a report of a step all workers reach (else a heartbeat)
 FAREWELL = 128  # async push (with FINAL): no gradient, the last word of a dismissed worker
+PIPELINED = 256  # async push: its worker keeps a second push in flight (the poll policy)
 
 
 class Header(NamedTuple):

@@ -3,7 +3,8 @@ when it first looks for a push."""
 
 import pytest
 
-from mpitrain.train.leases import MAX_FIRST_SLEEP, Leases, Liveness, Quotas, first_look
+from mpitrain.train.leases import (MAX_FIRST_SLEEP, Leases, Liveness, Pipelining, Quotas,
+                                   first_look)
 
 
 def test_liveness_gives_the_whole_timeout_before_a_first_push():
@@ -125,3 +126,33 @@ def test_first_look_is_now_when_the_push_is_already_due():
 def test_first_look_never_sleeps_longer_than_its_cap():
     # slow steps (a large model): a stop request must still be noticed soon
     assert first_look(10.0, 5.0, 10.0) == MAX_FIRST_SLEEP
+
+
+def steps(pipelining, ratios, compute=0.005):
+    """Feed ``pipelining`` one window of steps per ratio (wait / compute), after the
+    first step; returns the depth after each window."""
+    pipelining.observe(10.0, 10.0)  # the first step (tracing): not counted
+    depths = []
+    for ratio in ratios:
+        for _ in range(Pipelining.WINDOW):
+            depth = pipelining.observe(compute, ratio * compute)
+        depths.append(depth)
+    return depths
+
+
+def test_pipelining_on_and_off_never_change():
+    assert steps(Pipelining("on"), [0.0] * 4) == [2] * 4
+    assert steps(Pipelining("off"), [5.0] * 4) == [1] * 4
+
+
+def test_auto_pipelines_once_the_median_window_waits_a_third_of_a_step():
+    # LR-like: judged at the third window, then pipelined for good
+    assert steps(Pipelining("auto"), [0.2, 0.9, 0.6, 0.1, 0.1]) == [1, 1, 2, 2, 2]
+
+
+def test_auto_does_not_pipeline_for_an_odd_slow_window():
+    # LeNet-like: waits of a fifth of a step, one window slowed by a neighbour
+    pipelining = Pipelining("auto")
+    assert steps(pipelining, [0.16, 0.43, 0.12, 0.2] + [0.15] * 12) == [1] * 16
+    assert not pipelining.measuring  # decided for the run: one push in flight
+    assert steps(pipelining, [5.0])[-1] == 1

@@ -110,3 +110,12 @@ def test_overlap_options(settings, message):
         resolved(3, **settings)
     # auto never refuses: it leaves overlap off where it cannot apply
     resolved(3, **{**settings, "overlap": "auto", "bucket_mb": 25.0})
+
+
+def test_pipeline_options():
+    with pytest.raises(UsageError, match="--pipeline on keeps two pushes in flight, which a "
+                                         "--staleness bound does not allow"):
+        resolved(3, async_mode=True, staleness=2, pipeline="on")
+    with pytest.raises(UsageError, match="--pipeline off is for the async workers: add --async"):
+        resolved(3, pipeline="off")
+    assert resolved(3, async_mode=True, staleness=2, pipeline="off").pipeline == "off"
