@@ -4,9 +4,12 @@ step time (gradients and updates, the exchange removed), LeNet and AlexNet (32x3
 
 Two measurements side by side in one run per model:
 
-* the hot path, in one job: every worker runs the trainer's step (gradient, the fused
-  allreduce, apply) and the same step without the allreduce, interleaved
-  (compute, sync, compute, sync) so both see the same machine;
+* the hot path, in one job: every worker runs the trainer's step (gradient and
+  exchange as the trainer makes them with its defaults: the fused allreduce for
+  LeNet; for AlexNet the buckets overlapped with back-propagation, summed through
+  the workers' shared memory; then apply) and the step without the exchange (the
+  gradient, then apply), interleaved (compute, sync, compute, sync) so both see
+  the same machine;
 * the real trainer (``mpirun ... python -m mpitrain MODEL``, 3 or 4 epochs): the
   workers' seconds per step in steady state, the epochs between the first and the
   last in its timing.csv (their whole loop: reports, heartbeats; no evaluation or
@@ -55,7 +58,10 @@ def rank_side(model: str, steps: int) -> None:
     """Runs on every rank under mpirun; rank 0 prints one JSON line of results."""
     from mpitrain import models
     from mpitrain.comm import IDLE, Comm
+    from mpitrain.config import Config
+    from mpitrain.engines import gradient_engine
     from mpitrain.models.replica import Replica, init_tensorflow
+    from mpitrain.train.overlap import exchange_for
 
     spec = MODELS[model]
     comm = Comm.world(timeout=600)
@@ -71,6 +77,10 @@ def rank_side(model: str, steps: int) -> None:
     if workers is None:  # the parameter server: asleep until the workers are done
         comm.barrier("the workers", backoff=IDLE)
     else:
+        tail = 1 + workers.size  # the trainer's status tail (mpitrain/train/sync.py)
+        defaults = Config(model=model)  # the trainer's defaults: engine, overlap, buckets
+        exchange = exchange_for(defaults, replica, gradient_engine(defaults, workers), tail,
+                                1.0 / workers.size, workers)
         rng = np.random.default_rng(workers.rank)
         x = rng.random((spec["batch"], *spec["shape"]), dtype=np.float32)
         y = rng.integers(0, spec["classes"], spec["batch"]).astype(np.int32)
@@ -80,13 +90,16 @@ def rank_side(model: str, steps: int) -> None:
                 if i == 3:
                     workers.barrier()
                     t0 = time.perf_counter()
-                # as the trainer: the gradient pre-divided, the allreduce a sum
-                grad, _, _ = replica.grad(x, y, scale=1.0 / workers.size)
+                # as the trainer: the gradient pre-divided, the exchange a sum
                 if mode == "sync":
-                    workers.allreduce_sum_(grad)
-                replica.apply(grad)
+                    grad, _, _ = exchange.grad(x, y)
+                    exchange.allreduce_(grad)
+                else:
+                    grad, _, _ = replica.grad(x, y, scale=1.0 / workers.size)
+                replica.apply(grad[:replica.n_params])
             workers.barrier()
             timed[mode].append((time.perf_counter() - t0) / steps)
+        exchange.close()
         comm.barrier("the workers", backoff=IDLE)
         result = {mode: min(times) for mode, times in timed.items()}
     results = comm.allgather_objects(result)

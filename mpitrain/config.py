@@ -318,17 +318,17 @@ class Config:
         if not self.bucket_mb > 0:
             raise UsageError(f"--bucket-mb must be a positive number (got {self.bucket_mb})")
         if self.shared_memory == "on":
-            needs = ("the async protocol pushes to rank 0: drop --async" if self.async_mode
-                     else "Horovod moves its own bytes: use --allreduce mpi"
-                     if self.allreduce == "horovod" else
-                     "it sums float32: drop --compression fp16" if self.compression != "none"
-                     else "it sums the overlapped buckets: drop --overlap off"
-                     if self.overlap == "off" else "it sums the overlapped buckets, which "
-                     "XLA cannot compile: use --compile auto or graph"
-                     if self.compiler == "xla" else "")
-            if needs:
-                raise UsageError(f"--shared-memory on is for the sync mpi engine's float32 "
-                                 f"buckets; {needs}")
+            for clash, fix in (
+                    (self.async_mode, "the async protocol pushes to rank 0: drop --async"),
+                    (self.allreduce == "horovod",
+                     "Horovod moves its own bytes: use --allreduce mpi"),
+                    (self.compression != "none", "it sums float32: drop --compression fp16"),
+                    (self.overlap == "off", "it sums the overlapped buckets: drop --overlap off"),
+                    (self.compiler == "xla", "it sums the overlapped buckets, which XLA cannot "
+                                             "compile: use --compile auto or graph")):
+                if clash:
+                    raise UsageError(f"--shared-memory on is for the sync mpi engine's float32 "
+                                     f"buckets; {fix}")
         if self.overlap == "on":
             if self.async_mode:
                 raise UsageError("--overlap on overlaps the sync allreduce: drop --async "

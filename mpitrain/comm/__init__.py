@@ -49,17 +49,18 @@ from ..errors import CommTimeout, PeerFailure
 from .communicator import WORKERS_TIMEOUT_FACTOR, Comm
 from .failures import FAILURE_BYTES, TAG_FAILURE, report_failure
 from .objects import TAG_GATHER
-from .shared import SharedMemorySum, one_host
 from .runtime import (FINALIZE_BOUND, OPEN_MPI_LAUNCHERS, Role, abort_world, bound_finalize,
                       finalize, launcher_rank, launcher_world_size, library_versions,
                       recovery_enabled, world_rank_if_running, world_size_if_running)
+from .shared import SharedMemorySum, one_host
 from .traffic import Traffic
 from .tuning import LargeAllreduceRing
 from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending,
                       blocking_call_bound)
 
 __all__ = [
-    "Comm", "SharedMemorySum", "one_host", "Role", "Traffic", "Pending", "Backoff", "HOT", "IDLE", "SERVING",
+    "Comm", "SharedMemorySum", "one_host", "Role", "Traffic", "Pending", "Backoff", "HOT",
+    "IDLE", "SERVING",
     "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",
     "WAITING_CALL_EVERY", "WORKERS_TIMEOUT_FACTOR", "TAG_FAILURE", "TAG_GATHER",
     "FAILURE_BYTES", "FINALIZE_BOUND", "OPEN_MPI_LAUNCHERS",

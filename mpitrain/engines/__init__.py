@@ -32,7 +32,7 @@ def gradient_engine(cfg, workers, run_dir: Optional[str] = None):
 
 
 def _mpi_engine(cfg, workers):
-    if cfg.shared_memory == "off" or cfg.compression != "none" or cfg.async_mode:
+    if cfg.shared_memory == "off" or cfg.compression != "none":
         return workers
     if one_host(workers):
         return SharedMemorySum(workers, min_bytes=0) if cfg.shared_memory == "on" \

@@ -339,7 +339,7 @@ class Replica:
         where it would copy, a fresh buffer is filled instead)."""
         import tensorflow as tf
 
-        fused = None if out is None else tf.experimental.dlpack.from_dlpack(out.__dlpack__())
+        fused = None if out is None else _as_tensor(out)
         if fused is None or fused._numpy().ctypes.data != out.ctypes.data:  # noqa: SLF001
             fused = tf.fill([self.n_params + tail], np.float32(0))  # a fresh one, ours alone
         view = fused._numpy()  # noqa: SLF001 - writable, no copy (see _keep)
