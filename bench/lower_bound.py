@@ -71,7 +71,7 @@ def rank_side(model: str, steps: int) -> None:
     init_tensorflow(max(1, (os.cpu_count() or 1) // n_workers) if workers else 1, 0)
     replica = Replica(models.get(model), spec["shape"], spec["classes"], spec["optimizer"],
                       spec["lr"], applies=workers is not None,
-                      compiler="auto")  # the trainer's default: the same update as its
+                      compiler="auto")  # the trainer's default: both sides update alike
     comm.bcast_(replica.weights())
     result = {}
     if workers is None:  # the parameter server: asleep until the workers are done
