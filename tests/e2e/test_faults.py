@@ -116,7 +116,9 @@ def test_killed_rank_ends_the_job(mnist, tmp_path, mode, rank):
     (4, ()), (4, ("--async",)),
     # the other worker waits inside MPI's blocking allreduce, its heartbeats sent by
     # the watchdog thread (auto picks this where every rank has a core)
-    (3, ("--allreduce-wait", "spin"))], ids=["sync", "async", "sync-spin"])
+    (3, ("--allreduce-wait", "spin")),
+    # the others wait in the barriers of the sum through shared memory
+    (4, ("--shared-memory", "on"))], ids=["sync", "async", "sync-spin", "sync-shared"])
 def test_stalled_worker_is_named_by_the_watchdog(mnist, tmp_path, np_, extra):
     job = Job(np_, tmp_path, "--data-dir", str(mnist), *extra, timeout=4)
     job.wait_for_evaluations(3)
