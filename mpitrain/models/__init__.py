@@ -26,7 +26,8 @@ The package: :mod:`.registry` (the named models), :mod:`.zoo` (the built-in ones
 LR, LeNet, AlexNet, ResNet-20), :mod:`.user` (a user's spec), :mod:`.keras_import`
 (TensorFlow and Keras imported the quick way), :mod:`.replica` (a
 built model as flat weight and buffer vectors, what the trainers hold) and
-:mod:`.optim` (the async server's numpy updates on a flat vector).
+:mod:`.optim` (updates on a flat vector, fused in C: the async server's, and the sync
+workers' for large models).
 """
 
 from __future__ import annotations
