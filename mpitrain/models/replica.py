@@ -417,7 +417,7 @@ class Replica:
         """The flat optimizer's update of its copy of the weights, then every variable
         assigned from that copy (handed to TensorFlow through DLPack: no conversion)."""
         if self._flat_weights is None:  # first update, or the weights were set since
-            self._flat_weights = _aligned(self.weights())
+            self._flat_weights = self.weights(out=_aligned_empty(self.n_params))
             self._flat_tensor = _as_tensor(self._flat_weights)
         self.flat_optimizer.step(self._flat_weights, grad)
         self._set_weights(self._flat_tensor)
@@ -440,9 +440,12 @@ class Replica:
         return float(loss), float(norm)
 
     # ---- state for checkpoints ------------------------------------------------------
-    def optimizer_state(self) -> Dict[str, np.ndarray]:
-        """The optimizer's variables (step count, slots), in their fixed order: o0, o1..."""
-        return {f"o{i}": np.asarray(value) for i, value in enumerate(self._state_values())}
+    def optimizer_state(self, copy: bool = True) -> Dict[str, np.ndarray]:
+        """The optimizer's variables (step count, slots), in their fixed order: o0, o1...
+        ``copy=False``: the flat optimizer's slots themselves, for a caller that copies
+        them at once (Keras' variables always come out as copies)."""
+        values = self._state_values(copy=copy or self.flat_optimizer is None)
+        return {f"o{i}": np.asarray(value) for i, value in enumerate(values)}
 
     def optimizer_layout(self) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         """{name: (shape, dtype)} of :meth:`optimizer_state`, without copying any value."""
@@ -515,9 +518,10 @@ class Replica:
             self.set_buffers(flat[self.n_params:])
 
     # ---- weights --------------------------------------------------------------------
-    def weights(self) -> np.ndarray:
-        """A flat float32 copy of the trainable weights, in the fixed variable order."""
-        return np.concatenate([v.numpy().reshape(-1) for v in self.variables])
+    def weights(self, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """A flat float32 copy of the trainable weights, in the fixed variable order
+        (written into ``out`` if given)."""
+        return np.concatenate([v.numpy().reshape(-1) for v in self.variables], out=out)
 
     def set_weights(self, flat: np.ndarray) -> None:
         """Overwrite the trainable weights from a flat vector (inverse of :meth:`weights`)."""
@@ -538,14 +542,12 @@ class Replica:
         return loss_sum / len(y), correct / len(y)
 
 
-def _aligned(flat: np.ndarray) -> np.ndarray:
-    """A copy of ``flat`` at a 64-byte aligned address (what TensorFlow needs to take
-    memory through DLPack)."""
-    raw = np.empty(flat.size + 16, flat.dtype)
-    start = (-raw.ctypes.data % 64) // flat.itemsize
-    out = raw[start:start + flat.size]
-    out[:] = flat
-    return out
+def _aligned_empty(n: int) -> np.ndarray:
+    """``n`` float32 at a 64-byte aligned address (what TensorFlow needs to take memory
+    through DLPack)."""
+    raw = np.empty(n + 16, np.float32)
+    start = (-raw.ctypes.data % 64) // raw.itemsize
+    return raw[start:start + n]
 
 
 def _as_tensor(flat: np.ndarray):

@@ -341,8 +341,8 @@ class ServerLink:
         if self.sends_weights:
             payloads.append((TAG_WEIGHTS, "pull", weights))
             if flags & CHECKPOINT:
-                payloads.append((TAG_STATE, "checkpoint", _pack(
-                    replica.optimizer_state(), replica.optimizer_layout())))
+                payloads.append((TAG_STATE, "checkpoint", _pack(  # (_pack copies)
+                    replica.optimizer_state(copy=False), replica.optimizer_layout())))
         rng = replica.rng_state()
         if flags & CHECKPOINT and rng.size:
             payloads.append((TAG_RNG, "checkpoint", rng))
