@@ -42,6 +42,20 @@ within ``STOP_GRACE`` seconds, kills the job's whole process group. mpirun
 runs in a session of its own that the launcher kills on any exit, so no rank
 outlives it.
 
+Once the run has ended by its own word (rank 0's ``status.json`` says ok,
+failed or interrupted) mpirun gets ``TEARDOWN_GRACE`` seconds to exit: Open
+MPI can take minutes to tear down a job whose daemon on a lost host it cannot
+reach (timed: up to 300 s). Past them the launcher says so in one line, kills
+the job's process group and goes on as if mpirun had exited as the run did
+(failed: 1, and the usual restart; interrupted: 143; ok: 0). It looks at the
+attempt's status.json once a second: in the resumed run's directory (where the
+status.json of the attempt before does not count), or, on a first attempt, in
+the new run directory whose config.json names a process of this job as a rank
+(or the only new one, when rank 0 runs on another host). Where it cannot see
+that file, mpirun's exit is waited for as before. Each attempt's status and
+reason also stay in its ``runs.csv`` row (rank 0 writes it right after the
+status; the next attempt rewrites status.json).
+
 Exit codes: 0 the run finished (after N restarts, printed); 1 it still failed
 after the last restart, or failed before writing any checkpoint twice; 2 usage
 error; 143 stopped by a signal (resume with ``--resume`` or launch again).
@@ -54,6 +68,7 @@ directory must be on the launcher's host or a shared filesystem, as for
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -63,13 +78,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
+from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
 from .tools import hostfile
 
 PROG = "mpitrain launch"
 #: seconds the job gets to checkpoint and exit after a stop signal before it is killed
 STOP_GRACE = 120.0
+#: seconds mpirun gets to exit once the run's status.json says the run ended, before it
+#: is killed. What follows that write in a healthy job: rank 0 writes its telemetry and
+#: runs.csv row (a second or less) and aborts the job, which mpirun ends in about 2.5 s
+#: (measured; see mpitrain.comm.runtime.abort_world), or, after a run that succeeded,
+#: every rank finalizes (well under a second). 15 s is several times that, on a loaded
+#: host too, and rank 0 has long written its files by then; it is small against the
+#: minutes Open MPI can spend tearing down a job with a daemon on a lost host.
+TEARDOWN_GRACE = 15.0
+#: seconds between two looks at mpirun (and at the run's status.json)
+POLL_INTERVAL = 1.0
 
 
 def add_parser(commands) -> None:
@@ -297,17 +322,33 @@ class Launcher:
         return new[-1] if new else None
 
     def _run_job(self, argv: Sequence[str]) -> int:
+        """Run one attempt; its exit code (or, when mpirun outlived the run's own end by
+        TEARDOWN_GRACE and was killed, the code of the run's status)."""
         command = self.job.command() + list(argv)
         say("$ " + " ".join(command))
+        # before mpirun starts: what is in the results directory now is not this attempt's
+        watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None)
         # a session of its own: one killpg reaches mpirun and every local rank
         self.proc = subprocess.Popen(command, start_new_session=True)
         while True:
             try:
-                return self.proc.wait(timeout=1.0)
+                return self.proc.wait(timeout=POLL_INTERVAL)
             except subprocess.TimeoutExpired:
                 if self.kill_at is not None and time.monotonic() >= self.kill_at:
                     say(f"the job did not stop within {STOP_GRACE:g} s; killing it")
                     self._kill_job()
+                    continue  # the wait returns its exit code at once
+                watch.poll(self.proc.pid)
+                if watch.overdue(TEARDOWN_GRACE):
+                    return self._kill_after_the_run_ended(watch.status)
+
+    def _kill_after_the_run_ended(self, status: dict) -> int:
+        """Kill a job whose run has ended but whose mpirun has not exited; the exit code
+        mpirun would have given for that end."""
+        say(f"the run ended ({describe(status)}) but mpirun did not exit within "
+            f"{TEARDOWN_GRACE:g} s; killing it")
+        self._kill_job()
+        return EXIT_CODE_OF_STATUS[status["status"]]
 
     def _on_signal(self, signum, frame) -> None:
         first = self.stop_signal is None
@@ -327,6 +368,146 @@ class Launcher:
             return
         kill_tree(self.proc.pid)
         self.proc.wait()
+
+
+#: the exit code of a run whose status.json says it ended so (see RunResults.set_status)
+EXIT_CODE_OF_STATUS = {"ok": EXIT_OK, "failed": EXIT_FAILURE, "interrupted": EXIT_INTERRUPTED}
+
+
+class RunWatch:
+    """Follows the status.json of the run one attempt writes, so that the launcher knows
+    when the run has ended while mpirun still runs.
+
+    The run directory is the resumed one, or a new one under the results directory
+    (see :func:`attempts_run_dir`). Each poll costs one stat of status.json (until the
+    run directory is known, one listing of the results directory); the file is read
+    only when it changed. A status.json that was there before the attempt started (the
+    previous attempt's, in a resumed run) does not count.
+    """
+
+    def __init__(self, results_dir: Path, run_dir: Optional[Path], clock=time.monotonic):
+        self.results_dir, self.run_dir, self.clock = results_dir, run_dir, clock
+        self._names_before = set() if run_dir else _listing(results_dir)
+        self._seen = _signature(run_dir / "status.json") if run_dir else None
+        self.status: Optional[dict] = None  # the last status read
+        self.ended_at: Optional[float] = None  # clock() when the run was first seen ended
+
+    def poll(self, job_pid: int) -> None:
+        """Look at the run's status.json once, if the run has not ended already
+        (``job_pid``: mpirun's, whose descendants are the job's local ranks)."""
+        if self.ended_at is not None:
+            return
+        if self.run_dir is None:
+            self.run_dir = self._new_run_dir(job_pid)
+            if self.run_dir is None:
+                return
+        path = self.run_dir / "status.json"
+        signature = _signature(path)
+        if signature is None or signature == self._seen:
+            return
+        status = read_json_object(path)
+        if status is None:  # caught mid-replacement: read it again at the next poll
+            return
+        self._seen, self.status = signature, status
+        if run_ended(status):
+            self.ended_at = self.clock()
+
+    def overdue(self, grace: float) -> bool:
+        """True once the run ended ``grace`` seconds ago or more."""
+        return teardown_overdue(self.ended_at, self.clock(), grace)
+
+    def _new_run_dir(self, job_pid: int) -> Optional[Path]:
+        new = sorted(self.results_dir / name
+                     for name in _listing(self.results_dir) - self._names_before
+                     if (self.results_dir / name / "config.json").is_file())
+        return attempts_run_dir(new, _process_tree(job_pid)) if new else None
+
+
+def attempts_run_dir(new: Sequence[Path], job_pids: set) -> Optional[Path]:
+    """Which of the ``new`` run directories (sorted, each with a config.json) the
+    attempt writes: the newest whose config.json names one of ``job_pids`` (mpirun and
+    its descendants) as a rank; else, when rank 0 runs on another host (no rank it
+    names is a process here), the only new one. None while that is not known: another
+    run that shares the results directory must never count as this attempt's."""
+    ours = [run_dir for run_dir in new if rank_pids(run_dir) & job_pids]
+    if ours:
+        return ours[-1]
+    if len(new) == 1 and not any(_is_process_here(pid) for pid in rank_pids(new[0])):
+        return new[0]
+    return None
+
+
+def rank_pids(run_dir: Path) -> set:
+    """The process ids of the ranks config.json lists (none if it cannot be read)."""
+    config = read_json_object(run_dir / "config.json")
+    ranks = config.get("ranks") if config else None
+    if not isinstance(ranks, list):
+        return set()
+    return {rank["pid"] for rank in ranks
+            if isinstance(rank, dict) and isinstance(rank.get("pid"), int)}
+
+
+def read_json_object(path: Path) -> Optional[dict]:
+    """The JSON object in ``path`` (status.json, config.json), or None when there is none
+    to read (missing, unreadable, not JSON, not an object): the run has not said it yet."""
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):  # ValueError: bad JSON, or bytes that are not UTF-8
+        return None
+    return status if isinstance(status, dict) else None
+
+
+def run_ended(status: Optional[dict]) -> bool:
+    """True if ``status`` (status.json's content) says the run has ended."""
+    value = status.get("status") if status else None
+    return isinstance(value, str) and value in EXIT_CODE_OF_STATUS
+
+
+def teardown_overdue(ended_at: Optional[float], now: float, grace: float) -> bool:
+    """True if the run ended (at ``ended_at``; None: not yet) ``grace`` seconds or more
+    before ``now``."""
+    return ended_at is not None and now - ended_at >= grace
+
+
+def describe(status: dict) -> str:
+    """A status on one line: ``failed: <reason>``, or ``ok``."""
+    reason = next((line.strip() for line in str(status.get("reason") or "").splitlines()
+                   if line.strip()), "")
+    return f"{status['status']}: {reason}" if reason else str(status["status"])
+
+
+def _listing(directory: Path) -> set:
+    """The names in ``directory`` (none if it is not there yet)."""
+    try:
+        return set(os.listdir(directory))
+    except OSError:
+        return set()
+
+
+def _process_tree(pid: int) -> set:
+    """``pid`` and its descendants' process ids (none if it is gone)."""
+    import psutil
+
+    try:
+        return {pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))}
+    except psutil.Error:
+        return set()
+
+
+def _is_process_here(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid)
+
+
+def _signature(path: Path) -> Optional[tuple]:
+    """What tells one version of a file from another: an atomic rewrite is a new inode,
+    and its size or modification time usually differs too."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def kill_tree(pid: int) -> None:
