@@ -102,7 +102,10 @@ def test_launch_leaves_out_a_lost_node_and_resumes_with_fewer_workers(cluster, t
                           # a node removed before its killed processes' connections
                           # closed sends no FIN, and then only the stall bound ends the
                           # job: two CI runs of three took 341-344 s against 77 s, the
-                          # 300 s default by the arithmetic (not traced)
+                          # 300 s default by the arithmetic (not traced). Then Open MPI
+                          # could take up to 300 s more to tear the job down with node2's
+                          # daemon unreachable: the launcher now kills mpirun
+                          # TEARDOWN_GRACE (15 s) after rank 0 records the failure
                           "--timeout", "60"], env=mpi_env())
     deadline = time.monotonic() + 300
     while not list(results.glob("*/checkpoint.npz")) and time.monotonic() < deadline:
