@@ -46,7 +46,6 @@ def rank_side(mode: str, updates: int) -> None:
     from mpitrain.models.replica import Replica, init_tensorflow
     from mpitrain.results import NullResults
     from mpitrain.train import Context
-    from mpitrain.train.evaluation import Stopwatch
 
     comm = Comm.world(timeout=120)
     n_workers = comm.size - 1
@@ -95,10 +94,7 @@ def rank_side(mode: str, updates: int) -> None:
                       worker_index=max(0, comm.rank - 1))
         comm.barrier()
         t0 = time.perf_counter()
-        if ctx.role is Role.SERVER:
-            asynchronous.Server(ctx, Stopwatch()).run()
-        else:
-            asynchronous.train(ctx)
+        asynchronous.train(ctx)
         comm.barrier()
         rate = per_worker * n_workers / (time.perf_counter() - t0)
     if comm.rank == 0:

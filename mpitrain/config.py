@@ -106,11 +106,13 @@ class Config:
         "with --overlap: megabytes of gradient per allreduce bucket (PyTorch DDP's "
         "default, 25)", 25.0, flag="--bucket-mb", type=float, metavar="MB")
     shared_memory: str = _opt(
-        "sync, mpi engine: where every worker runs on one host, sum the gradient through "
-        "memory the workers share instead of through MPI (each worker sums its chunk "
-        "of every worker's buffer, bit-identical everywhere): auto (for overlapped "
-        "buckets of 1 MB or more, without --compression), on (every bucket, overlapping "
-        "as with --overlap on), or off (always MPI)",
+        "memory that ranks of one host share, instead of MPI messages. Sync, mpi engine, "
+        "every worker on one host: the workers sum the gradient in it (each its chunk of "
+        "every worker's buffer, bit-identical everywhere); auto: for overlapped buckets "
+        "of 1 MB or more, without --compression; on: every bucket, overlapping as with "
+        "--overlap on. Async: the workers on rank 0's host leave their gradients there "
+        "and take their weights from there, only headers go through MPI; auto: where it "
+        "can be mapped; on: every worker, which must share rank 0's host. off: always MPI",
         "auto", flag="--shared-memory", choices=SHARED_MEMORY)
     staleness: Optional[int] = _opt(
         "async only: bound on staleness (server updates between the version a gradient "
@@ -317,9 +319,8 @@ class Config:
             raise UsageError("--horovod-timeline needs --allreduce horovod")
         if not self.bucket_mb > 0:
             raise UsageError(f"--bucket-mb must be a positive number (got {self.bucket_mb})")
-        if self.shared_memory == "on":
+        if self.shared_memory == "on" and not self.async_mode:
             for clash, fix in (
-                    (self.async_mode, "the async protocol pushes to rank 0: drop --async"),
                     (self.allreduce == "horovod",
                      "Horovod moves its own bytes: use --allreduce mpi"),
                     (self.compression != "none", "it sums float32: drop --compression fp16"),

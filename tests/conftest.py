@@ -425,6 +425,7 @@ SHARED_RUNS = {
     1: {"dry": ["lr", "--dry-run"]},
     2: {"dry": ["lr", "--dry-run"], "async-dry": ["lr", "--async", "--dry-run"]},
     3: {"telemetry-sync": TELEMETRY, "telemetry-async": [*TELEMETRY, "--async"],
+        "telemetry-async-mpi": [*TELEMETRY, "--async", "--shared-memory", "off"],
         "dry": ["lr", "--dry-run"], "async-dry": ["lr", "--async", "--dry-run"],
         "my_cnn-sync": ["{cnn}:build", "--steps", "60", "--quiet"],
         "my_cnn-async": ["{cnn}:build", "--async", "--steps", "60", "--quiet"],

@@ -37,7 +37,8 @@ The parts, one concern each:
 * ``tuning``: Open MPI's allreduce algorithm by buffer size (MPI_T);
 * ``failures``: the one-line failure reports to rank 0;
 * ``objects``: the pickled exchanges (allgather, gather, agree);
-* ``shared``: the workers' sum through memory they share, on one host;
+* ``shared``: memory ranks of one host share: the workers' sum, and the async
+  messages' payloads;
 * ``communicator``: :class:`Comm`, which puts them together.
 
 The names below are the package's interface; the rest of mpitrain imports from here.
@@ -52,14 +53,14 @@ from .objects import TAG_GATHER
 from .runtime import (FINALIZE_BOUND, OPEN_MPI_LAUNCHERS, Role, abort_world, bound_finalize,
                       finalize, launcher_rank, launcher_world_size, library_versions,
                       recovery_enabled, world_rank_if_running, world_size_if_running)
-from .shared import SharedMemorySum, one_host
+from .shared import SharedMemorySum, one_host, share_with_server, shares_with_server
 from .traffic import Traffic
 from .tuning import LargeAllreduceRing
 from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending,
                       blocking_call_bound)
 
 __all__ = [
-    "Comm", "SharedMemorySum", "one_host", "Role", "Traffic", "Pending", "Backoff", "HOT",
+    "Comm", "SharedMemorySum", "one_host", "share_with_server", "shares_with_server", "Role", "Traffic", "Pending", "Backoff", "HOT",
     "IDLE", "SERVING",
     "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",
     "WAITING_CALL_EVERY", "WORKERS_TIMEOUT_FACTOR", "TAG_FAILURE", "TAG_GATHER",

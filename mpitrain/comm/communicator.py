@@ -154,18 +154,21 @@ class Comm:
                        timeout_for_message=timeout)
 
     def wait_any(self, pendings: Sequence[Optional[Pending]], backoff: Backoff = IDLE,
-                 timeout: Optional[float] = None) -> Optional[int]:
+                 timeout: Optional[float] = None, tested: bool = False) -> Optional[int]:
         """Index of the first of ``pendings`` to complete (None entries are skipped).
 
         Without ``timeout``, bounded by the communicator's timeout (CommTimeout);
         with it, returns None when ``timeout`` seconds pass with nothing complete,
-        so a server can decide itself which silent peer to name.
+        so a server can decide itself which silent peer to name. ``tested``: the
+        caller has just tested each of them and found none complete, so they are
+        tested again only after the first yield or sleep (each test drives MPI's
+        progress engine: a few microseconds).
         """
         live = [(i, p) for i, p in enumerate(pendings) if p is not None]
         if not live:
             raise ValueError("wait_any needs at least one pending request")
-        for i, p in live:  # one already complete (a server's next push often is, after
-            if p.test():  # an update): no poll loop to set up
+        for i, p in ([] if tested else live):  # one already complete (a server's next
+            if p.test():  # push often is, after an update): no poll loop to set up
                 return i
         live_pendings = [p for _, p in live]
         found: List[int] = []
@@ -182,18 +185,18 @@ class Comm:
             return False
 
         if not self._poll(any_done, live_pendings, backoff, timeout,
-                          raise_on_timeout=timeout is None):
+                          raise_on_timeout=timeout is None, tested=tested):
             return None
         return found[0]
 
     def _poll(self, done: Callable[[], bool], pendings: Sequence[Pending], backoff: Backoff,
               timeout: Optional[float] = None, raise_on_timeout: bool = True,
-              timeout_for_message: Optional[float] = None) -> bool:
+              timeout_for_message: Optional[float] = None, tested: bool = False) -> bool:
         """:func:`poll` with this communicator's bound, failure channel and
         while_waiting; a timeout raises CommTimeout (or returns False)."""
         seconds = self.timeout if timeout is None else timeout
         if poll(done, pendings[0].kind, backoff, seconds, self.traffic,
-                self._failures.check, self.while_waiting):
+                self._failures.check, self.while_waiting, tested):
             return True
         if raise_on_timeout:
             raise timeout_error(pendings, timeout_for_message or self.timeout,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -116,27 +116,20 @@ def slot_stride(size: int) -> int:
 
 def map_segment(workers, size: int) -> List[np.ndarray]:
     """Every worker's slot of ``size`` float32 in one segment all of them map: worker
-    0 makes it (an anonymous memory file, gone with the last process that maps it:
-    nothing is left behind, even by a killed run), the others open it through
-    /proc. Empty on every worker if one could not. Collective over the workers."""
+    0 makes it, the others open it (:func:`new_memory_file`). Empty on every worker if
+    one could not. Collective over the workers."""
     stride = slot_stride(size)
     fd, segment = -1, None
     where = np.zeros(2, np.int64)  # worker 0's pid and the file's descriptor
     try:
         if workers.rank == 0:
-            fd = os.memfd_create("mpitrain-gradients", os.MFD_CLOEXEC)
-            os.ftruncate(fd, stride * workers.size)
+            fd, segment = new_memory_file("mpitrain-gradients", stride * workers.size)
             where[:] = os.getpid(), fd
-    except (AttributeError, OSError):  # no memfd here: worker 0 says -1
+    except OSError:  # no memfd here: worker 0 says -1
         where[:] = -1
     workers.bcast_(where, 0, "control", IDLE)
-    try:
-        if workers.rank != 0 and where[0] >= 0:
-            fd = os.open(f"/proc/{where[0]}/fd/{where[1]}", os.O_RDWR)
-        if fd >= 0:
-            segment = mmap.mmap(fd, stride * workers.size)
-    except OSError:
-        segment = None
+    if workers.rank != 0 and where[0] >= 0:
+        fd, segment = open_memory_file(int(where[0]), int(where[1]), stride * workers.size)
     mapped = np.array([1.0 if segment is not None else 0.0], np.float32)
     workers.allreduce_sum_(mapped, "the shared gradient segment's set-up", "control")
     if fd >= 0:  # every worker has mapped it (or given up): the mappings keep it
@@ -144,3 +137,85 @@ def map_segment(workers, size: int) -> List[np.ndarray]:
     if mapped[0] != workers.size:
         return []
     return [np.frombuffer(segment, np.float32, size, k * stride) for k in range(workers.size)]
+
+
+def share_with_server(comm, lengths: Sequence[int]) -> Tuple[
+        List[np.ndarray], Dict[int, List[np.ndarray]], List[int]]:
+    """Message buffers that rank 0 maps, for the workers on its host.
+
+    Each worker on rank 0's host makes a segment of page-aligned float32 slots of
+    ``lengths`` (:func:`new_memory_file`) and rank 0 opens it, so what one of them
+    writes into a slot the other reads in place: a message's payload need not go
+    through MPI at all, only a small message saying it is there (the async
+    protocol's pushes and leases). MPI's shared-memory transport orders the
+    writes before that message for the reader (its memory barriers), as it does
+    its own bytes.
+
+    Returns (this worker's slots, or [] when its messages keep going through MPI:
+    on another host, or when either side could not map the segment; on rank 0,
+    the slots of every worker that shares them, by rank; on every rank, the ranks
+    that share). Collective over ``comm`` (the world), bounded.
+    """
+    sizes = [slot_stride(n) for n in lengths]
+    fd, segment = -1, None
+    if comm.rank != 0 and comm.host == comm.hosts[0]:
+        try:
+            fd, segment = new_memory_file("mpitrain-messages", sum(sizes))
+        except OSError:
+            pass
+    wheres = comm.gather_objects((os.getpid(), fd) if segment is not None else None)
+    mapped = np.zeros(comm.size, np.int64)  # by rank: 1 if rank 0 maps its segment
+    theirs: Dict[int, List[np.ndarray]] = {}
+    if comm.rank == 0:
+        for rank, where in enumerate(wheres):
+            if rank and where is not None:
+                peer_fd, peer_segment = open_memory_file(*where, sum(sizes))
+                if peer_segment is not None:
+                    os.close(peer_fd)  # (the mapping keeps the file)
+                    theirs[rank] = _slots(peer_segment, lengths, sizes)
+                    mapped[rank] = 1
+    comm.bcast_(mapped, 0, "control", IDLE)
+    if fd >= 0:  # rank 0 has opened it (or given up): the mappings keep it
+        os.close(fd)
+    mine = _slots(segment, lengths, sizes) if mapped[comm.rank] else []
+    return mine, theirs, [int(r) for r in np.flatnonzero(mapped)]
+
+
+def shares_with_server(comm) -> List[int]:
+    """The workers of ``comm`` (the world) on rank 0's host: those that can share."""
+    return [r for r in range(1, comm.size) if comm.hosts[r] == comm.hosts[0]]
+
+
+def _slots(segment, lengths: Sequence[int], sizes: Sequence[int]) -> List[np.ndarray]:
+    offsets = np.cumsum([0, *sizes[:-1]])
+    return [np.frombuffer(segment, np.float32, n, int(o)) for n, o in zip(lengths, offsets)]
+
+
+def new_memory_file(name: str, nbytes: int) -> Tuple[int, mmap.mmap]:
+    """(descriptor, mapping) of a new anonymous memory file of ``nbytes``: it has no
+    name, so it is gone with the last process that maps it (nothing is left behind,
+    even by a killed run); another process of this host opens it with
+    :func:`open_memory_file`. Raises OSError where there is no memfd."""
+    if not hasattr(os, "memfd_create"):
+        raise OSError("no memfd_create on this platform")
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        return fd, mmap.mmap(fd, nbytes)
+    except OSError:
+        os.close(fd)
+        raise
+
+
+def open_memory_file(pid: int, fd: int, nbytes: int) -> Tuple[int, Optional[mmap.mmap]]:
+    """(descriptor, mapping) of process ``pid``'s memory file ``fd`` (through /proc);
+    (-1, None) if it cannot be opened or mapped."""
+    try:
+        mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    except OSError:
+        return -1, None
+    try:
+        return mine, mmap.mmap(mine, nbytes)
+    except OSError:
+        os.close(mine)
+        return -1, None

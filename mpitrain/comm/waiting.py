@@ -78,16 +78,17 @@ class Pending:
 
 def poll(done: Callable[[], bool], kind: str, backoff: Backoff, seconds: float,
          traffic: Traffic, check: Optional[Callable[[], None]] = None,
-         while_waiting: Optional[Callable[[], None]] = None) -> bool:
+         while_waiting: Optional[Callable[[], None]] = None, tested: bool = False) -> bool:
     """Call ``done`` until it returns True (then True) or ``seconds`` pass (then False),
     yielding the core or sleeping in between as ``backoff`` says.
 
     The time spent is added to ``traffic.wait_seconds[kind]``. After each test that
     found nothing, ``check`` may raise (rank 0's failure channel), and
     ``while_waiting`` is called about every WAITING_CALL_EVERY seconds. Local to this
-    rank: the other ranks' part is whatever ``done`` tests.
+    rank: the other ranks' part is whatever ``done`` tests. ``tested``: the caller has
+    just found ``done`` False, so the first test comes after the first yield or sleep.
     """
-    if done():
+    if not tested and done():
         return True
     start = time.perf_counter()
     deadline = start + seconds

@@ -63,8 +63,9 @@ from typing import Dict, List, NamedTuple, Optional
 import numpy as np
 
 from ..models import optim
-from ..comm import HOT, IDLE, SERVING, Backoff, Role, recovery_enabled
-from ..errors import CommTimeout, Divergence, Dropped, Interrupted
+from ..comm import (HOT, IDLE, SERVING, Backoff, Role, recovery_enabled, share_with_server,
+                    shares_with_server)
+from ..errors import CommTimeout, Divergence, Dropped, Interrupted, UsageError
 from ..lifecycle import Checkpoint
 from ..schema import STALENESS_COLUMNS
 from .compression import PushCodec
@@ -74,7 +75,7 @@ from .leases import Leases, Liveness, Pipelining, Quotas, first_look
 from .priority import niceness
 from .protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, PIPELINED, SLOTS,
                        TAG_GRADIENT, TAG_WEIGHTS, Header, SilentPeers, new_message, sentinel,
-                       stalled)
+                       slots_of, slots_word, stalled)
 
 #: workers whose steps take less than this (EWMA) make the server poll, not sleep
 FAST_STEP = 2e-4
@@ -91,17 +92,92 @@ def train(ctx: Context) -> Summary:
 
 
 # ---------------------------------------------------------------------------------------
-# Worker
+# Message buffers
 # ---------------------------------------------------------------------------------------
 #: pushes a worker may have in flight under unbounded staleness (see _work)
 PIPELINE_DEPTH = 2
+#: the traffic table's kind for payload bytes that moved through shared memory
+SHARED = "shared"
+
+
+class Mailbox(NamedTuple):
+    """A worker's message buffers, as it and the server see them.
+
+    ``pushes``: [header | gradient | buffers], one per push it may have in flight;
+    ``leases``: [header | weights | buffers], one more (the one in use). Where the
+    worker shares the server's host (``--shared-memory``), they lie in memory both
+    map (:func:`mpitrain.comm.share_with_server`): the worker computes from the
+    lease the server wrote in place and the server applies the gradient where the
+    worker wrote it, and only the header travels through MPI (``carried`` =
+    SLOTS; else None: the whole message). A push's header then names its push
+    slot and the lease slot its reply goes to (:func:`.protocol.slots_word`). Each
+    slot has one owner at a time, as an MPI buffer does: a push slot is the
+    server's from its header's send until its reply is taken, a lease slot from
+    the push that names it until its reply comes.
+    """
+
+    pushes: List[np.ndarray]
+    leases: List[np.ndarray]
+    carried: Optional[int]
+
+    @property
+    def shared(self) -> bool:
+        return self.carried is not None
+
+
+def _mailbox_shape(ctx: Context) -> List[int]:
+    """Float32 lengths of a worker's push slots, then of its lease slots (the same on
+    every rank: the server maps the workers' slots)."""
+    replica = ctx.replica
+    most = 1 if _pipelining_mode(ctx.cfg) == "off" else PIPELINE_DEPTH
+    push = SLOTS + PushCodec(ctx.cfg.compression, replica.n_params).slots + replica.n_buffers
+    return [push] * most + [SLOTS + replica.n_state] * (most + 1)
+
+
+def _pipelining_mode(cfg) -> str:
+    return "off" if cfg.staleness is not None else cfg.pipeline
+
+
+def _share_mailboxes(ctx: Context) -> tuple:
+    """(this worker's shared slots or [], on the server every sharing worker's by
+    rank): :func:`mpitrain.comm.share_with_server` for ``--shared-memory`` auto or
+    on. Collective over the world; the server and every worker call it once, first."""
+    comm, mode = ctx.comm, ctx.cfg.shared_memory
+    if mode == "off":
+        return [], {}
+    if mode == "on" and len(shares_with_server(comm)) < comm.size - 1:
+        away = sorted({comm.hosts[r] for r in range(1, comm.size)} - {comm.hosts[0]})
+        raise UsageError(f"--shared-memory on needs every worker on rank 0's host "
+                         f"({comm.hosts[0]}); workers run on {', '.join(away)}: use "
+                         f"--shared-memory auto")
+    mine, theirs, sharing = share_with_server(comm, _mailbox_shape(ctx))
+    if mode == "on" and len(sharing) < comm.size - 1:
+        raise UsageError("--shared-memory on: the workers' message memory could not be "
+                         "mapped by rank 0 (no memfd, or /proc/PID/fd not readable): use "
+                         "--shared-memory auto")
+    return mine, theirs
+
+
+def _worker_mailbox(ctx: Context) -> Mailbox:
+    shape = _mailbox_shape(ctx)
+    most = (len(shape) - 1) // 2
+    slots, _ = _share_mailboxes(ctx)
+    if slots:
+        return Mailbox(slots[:most], slots[most:], SLOTS)
+    return Mailbox([new_message(n - SLOTS) for n in shape[:most]],
+                   [new_message(n - SLOTS) for n in shape[most:]], None)
+
+
+# ---------------------------------------------------------------------------------------
+# Worker
+# ---------------------------------------------------------------------------------------
 
 
 class _InFlight(NamedTuple):
     """One push of a worker that the server has not answered yet (as the worker knows)."""
 
     reply: object  # the pending receive of the server's reply
-    push: object  # the pending send of the push
+    push: object  # the pending send of the push (None: the initial lease, no push)
     lease: int  # the lease buffer the reply lands in
 
 
@@ -128,18 +204,18 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     left unmatched.
     """
     comm, replica, n = ctx.comm, ctx.replica, ctx.replica.n_params
-    pipelining = Pipelining("off" if ctx.cfg.staleness is not None else ctx.cfg.pipeline)
+    pipelining = Pipelining(_pipelining_mode(ctx.cfg))
     depth = pipelining.depth
-    most = 1 if pipelining.mode == "off" else PIPELINE_DEPTH  # pushes in flight, at most
     codec = PushCodec(ctx.cfg.compression, n)
-    pushes = [new_message(codec.slots + replica.n_buffers)  # [header | gradient | buffers]
-              for _ in range(most)]
-    leases = [new_message(replica.n_state) for _ in range(most + 1)]  # weights
+    box = _worker_mailbox(ctx)
+    pushes, leases, carried = box  # carried: None (all of a message) or its header
+    shared_push = (pushes[0].size - SLOTS) * 4 if box.shared else 0  # bytes
     reply_bound = 2 * comm.timeout
     current, flight, timer = 0, collections.deque(), ctx.timer
     total_steps = ctx.total_steps  # (a property: read once, not per step)
-    comm.wait(comm.irecv(leases[0], 0, TAG_WEIGHTS, "pull", "the initial weights"), IDLE,
-              timeout=reply_bound)
+    flight.append(_InFlight(comm.irecv(leases[0][:carried], 0, TAG_WEIGHTS, "pull",
+                                       "the initial weights"), None, 0))
+    _take_reply(comm, flight, box, IDLE, reply_bound)
     # what the lease in use says: its version, the step to resume from (> 0 when
     # resuming), whether the server is stopping (flags), steps of lost workers given
     # to this one (extra: its FINAL push comes at its own last step plus those)
@@ -159,29 +235,32 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         while flight and (len(flight) >= depth or flight[0].reply.test()) \
                 and not lease.flags:
             with timer("wait"):
-                current = _take_reply(comm, flight, leases, HOT, reply_bound)
+                current = _take_reply(comm, flight, box, HOT, reply_bound)
             lease = Header.read(leases[current])
         health = sentinel(loss, norm)
         if lease.flags:  # the server is stopping: this gradient is not wanted
             break
         flags = _push_flags(ctx, step, total_steps + lease.extra, health)
-        push = pushes[step % depth]  # (its last send completed with its reply)
+        slot = step % depth
+        push = pushes[slot]  # (its last send completed with its reply)
         codec.encode(grad, push[SLOTS:SLOTS + codec.slots])
         if replica.n_buffers:  # this worker's statistics travel with each push
             push[SLOTS + codec.slots:] = replica.buffers()
-        Header(version, step, flags | (PIPELINED if depth > 1 else 0), health, clock(),
-               think).write(push)
         target = next(i for i in range(depth + 1)  # a lease buffer nobody uses
                       if i != current and all(i != f.lease for f in flight))
+        Header(version, step, flags | (PIPELINED if depth > 1 else 0), health, clock(),
+               think, aux=slots_word(slot, target)).write(push)
         with timer("comm"):
-            flight.append(_InFlight(comm.irecv(leases[target], 0, TAG_WEIGHTS, "pull",
-                                               "new weights from the server"),
-                                    comm.isend(push, 0, TAG_GRADIENT, "push",
+            flight.append(_InFlight(comm.irecv(leases[target][:carried], 0, TAG_WEIGHTS,
+                                               "pull", "new weights from the server"),
+                                    comm.isend(push[:carried], 0, TAG_GRADIENT, "push",
                                                "the server to take a gradient"), target))
+        if shared_push:
+            comm.traffic.add_sent(SHARED, shared_push)
         if depth == 1:
             waited = time.perf_counter()
             with timer("wait"):
-                current = _take_reply(comm, flight, leases, HOT, reply_bound)
+                current = _take_reply(comm, flight, box, HOT, reply_bound)
             lease = Header.read(leases[current])
             depth = pipelining.observe(think, time.perf_counter() - waited)
         if end_of_epoch or flags & FINAL:
@@ -190,7 +269,7 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
             break
     ending = lease.flags
     while flight and not ending & DROPPED:
-        ending |= Header.read(leases[_take_reply(comm, flight, leases, IDLE,
+        ending |= Header.read(leases[_take_reply(comm, flight, box, IDLE,
                                                  reply_bound)]).flags
     if ending & DROPPED:
         for f in flight:  # the server will not answer these: their receives must go
@@ -207,15 +286,20 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     return Summary(clock(), step, step / ctx.steps_per_epoch, nan, nan, nan)
 
 
-def _take_reply(comm, flight, leases, backoff: Backoff, bound: float) -> int:
+def _take_reply(comm, flight, box: Mailbox, backoff: Backoff, bound: float) -> int:
     """Complete the oldest push in ``flight``: wait for its reply, then for the push
-    itself, unless the reply dismisses this worker as lost (DROPPED: the server
-    cancelled its receive, so that push is never taken; a pending send to a live rank
-    does not stop MPI_Finalize). Returns the lease buffer the reply is in."""
+    itself (None for the initial lease), unless the reply dismisses this worker as
+    lost (DROPPED: the server cancelled its receive, so that push is never taken; a
+    pending send to a live rank does not stop MPI_Finalize). Returns the lease
+    buffer the reply is in."""
     oldest = flight.popleft()
     comm.wait(oldest.reply, backoff, timeout=bound)
-    if not Header.read(leases[oldest.lease]).flags & DROPPED:
+    lease = box.leases[oldest.lease]
+    flags = Header.read(lease).flags
+    if oldest.push is not None and not flags & DROPPED:
         comm.wait(oldest.push, backoff, timeout=bound)
+    if box.shared and not flags & FINAL:  # the weights the server wrote in place
+        comm.traffic.add_recv(SHARED, (lease.size - SLOTS) * 4)
     return oldest.lease
 
 
@@ -304,7 +388,7 @@ class WorkerLedger:
     """What the server knows about one worker."""
 
     rank: int
-    recv: np.ndarray  # [header | gradient | buffers] receive buffer
+    recv: np.ndarray  # [header | gradient | buffers] receive buffer (the header, shared)
     #: [header | weights | buffers] reply buffers: one, or two for a pipelined worker
     #: that pushes again before it has taken the last reply (see _reply)
     sends: List[np.ndarray]
@@ -329,6 +413,10 @@ class WorkerLedger:
     #: thousands of times a second)
     takes_weights: str = ""
     takes_last_reply: str = ""
+    #: its Mailbox's slots when it shares this host's memory (only headers travel)
+    pushes: Optional[List[np.ndarray]] = None
+    leases: Optional[List[np.ndarray]] = None
+    reply_to: int = 0  # the lease slot its next reply goes to (its last push said)
 
 
 class Server:
@@ -345,12 +433,7 @@ class Server:
         self.ending = 0  # INTERRUPTED and/or DIVERGED once the run must stop early
         self.diverged_at: List[str] = []
         self.codec = PushCodec(ctx.cfg.compression, n)
-        pushes = self.codec.slots + ctx.replica.n_buffers  # [gradient | buffers]
-        self.workers: Dict[int, WorkerLedger] = {
-            r: WorkerLedger(r, new_message(pushes), [new_message(ctx.replica.n_state)],
-                            takes_weights=f"{self.comm.name(r)} to take its weights",
-                            takes_last_reply=f"{self.comm.name(r)} to take its last reply")
-            for r in range(1, self.comm.size)}
+        self.workers = self._ledgers(ctx)
         self.leases = Leases(ctx.cfg.staleness, self.workers)
         #: workers told to stop whose FINAL push has not come yet (see _dismiss)
         self.dismissed: List[int] = []
@@ -377,6 +460,24 @@ class Server:
         self.training = len(self.workers)  # workers not done (see _retire)
         if ctx.resume_from is not None:
             self._restore(ctx.resume_from)
+
+    def _ledgers(self, ctx: Context) -> Dict[int, WorkerLedger]:
+        """Every worker's ledger, with its receive and reply buffers: whole messages, or
+        headers where it shares this host's memory (:class:`Mailbox`)."""
+        shape = _mailbox_shape(ctx)
+        most = (len(shape) - 1) // 2
+        _, shared = _share_mailboxes(ctx)
+        ledgers = {}
+        for r in range(1, self.comm.size):
+            slots = shared.get(r)
+            whole = slots is None
+            ledgers[r] = WorkerLedger(
+                r, new_message(shape[0] - SLOTS if whole else 0),
+                [new_message(shape[-1] - SLOTS if whole else 0)],
+                takes_weights=f"{self.comm.name(r)} to take its weights",
+                takes_last_reply=f"{self.comm.name(r)} to take its last reply",
+                pushes=None if whole else slots[:most], leases=None if whole else slots[most:])
+        return ledgers
 
     def _restore(self, ckpt: Checkpoint) -> None:
         self.clock.offset = ckpt.wall_time_s  # the run's clock goes on, as a sync run's does
@@ -491,7 +592,8 @@ class Server:
                 return self._arrived(w)
         rank = self.silence.first({r: self.workers[r].posted for r in holders},
                                   self._poll_policy(holders),  # recovery: wake for the next check
-                                  wake_every=LIVENESS_CHECK_EVERY if self.recovery else None)
+                                  wake_every=LIVENESS_CHECK_EVERY if self.recovery else None,
+                                  tested=True)  # (just above)
         if rank is not None:
             return self._arrived(self.workers[rank])
         late = None if self.recovery else self.silence.overdue(holders)  # else: dropped above
@@ -607,10 +709,15 @@ class Server:
         self.ending |= flags & INTERRUPTED
         staleness = self.version - header.version
         w.staleness[staleness] += 1
+        push = w.recv
+        if w.pushes is not None:  # the push is where its worker wrote it
+            slot, w.reply_to = slots_of(header.aux)
+            push = w.pushes[slot]
+            self.comm.traffic.add_recv(SHARED, (push.size - SLOTS) * 4)
         end = SLOTS + self.codec.slots
-        self.optimizer.step(self.weights, self.codec.decode(w.recv[SLOTS:end]))  # clips first
-        if w.recv.size > end:
-            w.buffers = w.recv[end:].copy()
+        self.optimizer.step(self.weights, self.codec.decode(push[SLOTS:end]))  # clips first
+        if push.size > end:
+            w.buffers = push[end:].copy()
         self.version += 1
         w.applied += 1
         self.step_time = 0.8 * self.step_time + 0.2 * header.think
@@ -691,9 +798,14 @@ class Server:
                flags=0 if with_weights else FINAL | self.ending,
                extra=self.quotas.of[w.rank] - self.total_steps).write(send)
         if with_weights:
-            send[SLOTS:SLOTS + self.weights.size] = self.weights
+            # (a shared lease slot is free until this reply reaches its worker: see Mailbox)
+            lease = send if w.leases is None else w.leases[w.reply_to]
+            lease[SLOTS:SLOTS + self.weights.size] = self.weights
             if self.buffers.size:
-                send[SLOTS + self.weights.size:] = self.buffers
+                lease[SLOTS + self.weights.size:] = self.buffers
+            if w.leases is not None:
+                self.comm.traffic.add_sent(SHARED, (lease.size - SLOTS) * 4)
+                send = send[:SLOTS]
             w.sending[i] = self.comm.isend(send, w.rank, TAG_WEIGHTS, "pull", w.takes_weights)
         else:
             w.sending[i] = self.comm.isend(send[:SLOTS], w.rank, TAG_WEIGHTS, "pull",

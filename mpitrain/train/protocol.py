@@ -16,7 +16,8 @@
   4. ELAPSED: the worker's wall time (sync report, async push).
   5. THINK: async push, its seconds of compute (the server's poll policy).
   6. EXTRA (int): async reply, steps beyond its own (a lost worker's, reassigned).
-  7. CRC (int): sync report, the CRC-32 of the weights and buffers.
+  7. AUX (int): sync report, the CRC-32 of the weights and buffers; async push,
+     where its worker's shared slots hold it and take its reply (:func:`slots_word`).
 
 * **The health sentinel** (:func:`sentinel`): one float that is not finite when
   the loss or the gradient is not; both protocols stop every rank at the step
@@ -50,7 +51,7 @@ TAG_RNG = 26  # sync: every worker -> server random-generator state at checkpoin
 HEARTBEAT_SECONDS = 1.0
 
 SLOTS = 8
-VERSION, STEP, FLAGS, LOSS, ELAPSED, THINK, EXTRA, CRC = range(SLOTS)
+VERSION, STEP, FLAGS, LOSS, ELAPSED, THINK, EXTRA, AUX = range(SLOTS)
 
 # flags (the FLAGS slot)
 FINAL = 1  # the sender's last message of the run
@@ -74,7 +75,7 @@ class Header(NamedTuple):
     elapsed: float = 0.0
     think: float = 0.0
     extra: int = 0
-    crc: int = 0
+    aux: int = 0
 
     @classmethod
     def read(cls, buf: np.ndarray) -> "Header":
@@ -99,6 +100,18 @@ class Header(NamedTuple):
 _LAYOUT = struct.Struct("=iiifffiI")
 FLOAT_SLOTS = ("loss", "elapsed", "think")
 assert _LAYOUT.size == SLOTS * 4
+
+
+def slots_word(push: int, lease: int) -> int:
+    """An async push's AUX slot where its payload lies in memory its worker shares with
+    the server: the push slot that holds it and the lease slot its reply goes to
+    (:class:`mpitrain.train.asynchronous.Mailbox`); :func:`slots_of` reads it."""
+    return push | lease << 8
+
+
+def slots_of(word: int) -> Tuple[int, int]:
+    """(push slot, lease slot) of an AUX slot written by :func:`slots_word`."""
+    return word & 0xFF, word >> 8
 
 
 def new_message(payload: int = 0) -> np.ndarray:
@@ -145,17 +158,19 @@ class SilentPeers:
         return time.monotonic() - self.since[peer]
 
     def first(self, posted: Dict[int, object], backoff,
-              wake_every: Optional[float] = None) -> Optional[int]:
+              wake_every: Optional[float] = None, tested: bool = False) -> Optional[int]:
         """The peer of ``posted`` (peer -> its pending receive) whose message completed
         first; None when ``wake_every`` seconds passed first, or the oldest silence
         reached the timeout (see :meth:`overdue`). The caller restarts the peer's
-        silence (:meth:`heard`) when it has read what it needs of it."""
+        silence (:meth:`heard`) when it has read what it needs of it. ``tested``: the
+        caller has just found none of them complete (see :meth:`Comm.wait_any`)."""
         peers = list(posted)
         oldest = min(self.since[p] for p in peers)  # one clock read per wait
         left = self.comm.timeout - (time.monotonic() - oldest)
         if wake_every is not None:
             left = min(left, wake_every)
-        index = self.comm.wait_any([posted[p] for p in peers], backoff, timeout=max(0.0, left))
+        index = self.comm.wait_any([posted[p] for p in peers], backoff, timeout=max(0.0, left),
+                                   tested=tested)
         return None if index is None else peers[index]
 
     def lost(self, posted: Dict[int, object], liveness,

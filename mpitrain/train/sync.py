@@ -336,7 +336,7 @@ class ServerLink:
         replica = self.ctx.replica
         weights = replica.state()  # buffers averaged at every report point: identical too
         self._send_header(Header(step=step, flags=flags | REPORT, loss=train_loss,
-                                 crc=checksum(weights)))
+                                 aux=checksum(weights)))
         payloads = []
         if self.sends_weights:
             payloads.append((TAG_WEIGHTS, "pull", weights))
@@ -523,7 +523,7 @@ class Server:
 
     def _check_replicas(self, step: int, reports: Dict[int, Header]) -> None:
         comm = self.comm
-        sums = {w: h.crc for w, h in reports.items()}
+        sums = {w: h.aux for w, h in reports.items()}
         if checksum(self.weights) != sums[1]:
             raise ReplicaDrift(f"weights from {comm.name(1)} arrived corrupted at step {step} "
                                "(checksum mismatch in transit)")

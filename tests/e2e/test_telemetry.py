@@ -21,7 +21,8 @@ EPOCHS = int(TELEMETRY[TELEMETRY.index("--epochs") + 1])
 @pytest.fixture(scope="module")
 def runs(shared_run):
     # one launch (each run counts its own traffic and samples from its own start)
-    return {name: shared_run(3, f"telemetry-{name}")[:2] for name in ("sync", "async")}
+    return {name: shared_run(3, f"telemetry-{name}")[:2]
+            for name in ("sync", "async", "async-mpi")}
 
 
 def by_rank(rows, key="rank"):
@@ -62,24 +63,34 @@ def test_sync_traffic_matches_arithmetic(runs):
     assert int(comm[(0, "broadcast")]["sent_bytes"]) == 2 * 8 + N_PARAMS * 4
 
 
-def test_async_traffic_matches_arithmetic(runs):
-    run_dir, row = runs["async"]
+@pytest.mark.parametrize("name", ["async", "async-mpi"])
+def test_async_traffic_matches_arithmetic(runs, name):
+    """Whole messages through MPI (--shared-memory off), or, on one host (auto), only
+    their headers, with the payloads counted as 'shared' by who wrote and who read
+    them."""
+    run_dir, row = runs[name]
     comm = {(int(r["rank"]), r["kind"]): r for r in read_rows(run_dir / "comm.csv")}
-    message = (N_PARAMS + HEADER_FLOATS) * 4
-    final_reply = HEADER_FLOATS * 4  # the reply to a FINAL push carries no weights
+    header = HEADER_FLOATS * 4
+    payload = N_PARAMS * 4
+    through_mpi = header + (payload if name == "async-mpi" else 0)
+    in_shared = 0 if name == "async-mpi" else payload
     pushes = 0
     for worker in (1, 2):
         push = comm[(worker, "push")]
         n = int(push["sent_msgs"])
         pushes += n
-        assert int(push["sent_bytes"]) == n * message
+        assert int(push["sent_bytes"]) == n * through_mpi
         # the initial lease, then one reply per push; the last reply is header-only
         pull = comm[(worker, "pull")]
         assert int(pull["recv_msgs"]) == n + 1
-        assert int(pull["recv_bytes"]) == n * message + final_reply
+        assert int(pull["recv_bytes"]) == n * through_mpi + header
+        shared = comm.get((worker, "shared"), {"sent_bytes": 0, "recv_bytes": 0})
+        assert int(shared["sent_bytes"]) == int(shared["recv_bytes"]) == n * in_shared
     assert pushes == int(row["pushes"]) == int(row["applied"])
-    assert int(comm[(0, "push")]["recv_bytes"]) == pushes * message
-    assert int(comm[(0, "pull")]["sent_bytes"]) == pushes * message + 2 * final_reply
+    assert int(comm[(0, "push")]["recv_bytes"]) == pushes * through_mpi
+    assert int(comm[(0, "pull")]["sent_bytes"]) == pushes * through_mpi + 2 * header
+    shared = comm.get((0, "shared"), {"sent_bytes": 0, "recv_bytes": 0})
+    assert int(shared["sent_bytes"]) == int(shared["recv_bytes"]) == pushes * in_shared
 
 
 @pytest.mark.parametrize("name", ["sync", "async"])

@@ -24,6 +24,7 @@ from mpitrain.errors import Interrupted, UsageError
 from mpitrain.models.replica import Replica, init_tensorflow
 from mpitrain.results import NullResults
 from mpitrain.train import Context, asynchronous
+from mpitrain.train.protocol import SLOTS
 from mpitrain.train.evaluation import Stopwatch
 
 BATCH = 8
@@ -52,10 +53,11 @@ class _RecordingResults(NullResults):
         self.headers[name] = tuple(columns)
 
 
-def context(comm, replica, steps, staleness=None, results=None):
+def context(comm, replica, steps, staleness=None, results=None, shared_memory="auto"):
     """A Context for this rank; ``steps`` may differ per rank (unequal batch counts)."""
     cfg = resolve(Config(model="lr", async_mode=True, epochs=50, batch_size=BATCH,
-                         steps=steps, staleness=staleness, eval_every=1000),
+                         steps=steps, staleness=staleness, eval_every=1000,
+                         shared_memory=shared_memory),
                   models.get("lr").defaults, comm.size)
     data = synthetic_shard(comm.rank, SHARD, comm.size - 1)
     return Context(cfg, comm, comm.role, replica, data, results or NullResults(), NullConsole(),
@@ -94,23 +96,50 @@ def test_async_needs_a_server_and_a_worker():
         resolve(Config(model="lr", async_mode=True), models.get("lr").defaults, 1)
 
 
-def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica):
+@pytest.mark.parametrize("shared_memory", ["on", "off"])
+def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica, shared_memory):
+    """Whether the pushes and leases lie in memory the server shares (only headers go
+    through MPI) or travel whole: the same updates, and traffic that adds up."""
     if comm.size == 1:
         pytest.skip(NEEDS_WORKER)
     steps = 5 + 3 * comm.rank  # workers run different numbers of batches
     written = _RecordingResults()
-    server, summary = run_protocol(context(comm, replica, steps, results=written))
+    before = comm.traffic.rows()
+    server, summary = run_protocol(context(comm, replica, steps, results=written,
+                                           shared_memory=shared_memory))
+    moved = _traffic_since(comm, before)
     reports = comm.allgather_objects(None if server else (comm.rank, summary.steps))
+    shared = shared_memory == "on"
+    message = 4 * (SLOTS + replica.n_params)  # a push's, a lease's bytes
+    header = 4 * SLOTS
+    if server is None:  # its pushes, and the initial lease plus a reply to each
+        pushes = summary.steps
+        assert moved.get(("push", "sent_bytes"), 0) == pushes * (header if shared else message)
+        assert moved.get(("pull", "recv_bytes"), 0) == (pushes + 1) * (
+            header if shared else message) - (0 if shared else message - header)
+        assert moved.get(("shared", "sent_bytes"), 0) == (pushes * (message - header)
+                                                           if shared else 0)
+        assert moved.get(("shared", "recv_bytes"), 0) == (pushes * (message - header)
+                                                           if shared else 0)
     if server is not None:
         for rank, worker_steps in filter(None, reports):
             ledger = server.workers[rank]
             assert ledger.applied == worker_steps == 5 + 3 * rank
             assert ledger.done and sum(ledger.staleness.values()) == worker_steps
+            assert (ledger.pushes is not None) == shared  # (every rank runs on this host)
         assert server.version == sum(s for _, s in filter(None, reports))
         assert summary.extra["pushes"] == summary.extra["applied"] == server.version
         # the server writes staleness.csv with the columns mpitrain report reads
         assert written.headers["staleness.csv"] == schema.STALENESS_COLUMNS
     comm.barrier()
+
+
+def _traffic_since(comm, before):
+    """(kind, column) -> what this rank's traffic table gained since ``before``."""
+    def table(rows):
+        return {(r["kind"], k): v for r in rows for k, v in r.items() if k != "kind"}
+    start = table(before)
+    return {key: v - start.get(key, 0) for key, v in table(comm.traffic.rows()).items()}
 
 
 def test_slow_worker_does_not_stall_fast_ones_when_unbounded(comm, replica):

@@ -10,18 +10,18 @@ import pytest
 
 from mpitrain.errors import CommTimeout
 from mpitrain.train.leases import Liveness
-from mpitrain.train.protocol import (CRC, SLOTS, VERSION, Header, PhaseTimer, SilentPeers,
-                                     new_message, sentinel, stalled)
+from mpitrain.train.protocol import (AUX, SLOTS, VERSION, Header, PhaseTimer, SilentPeers,
+                                     new_message, sentinel, slots_of, slots_word, stalled)
 
 
 def test_a_header_round_trips_every_slot_bit_exact():
     header = Header(version=2**24 + 1, step=123456789, flags=1 | 8 | 64, loss=0.25,
-                    elapsed=12.5, think=3e-4, extra=-7, crc=0xFFFFFFFE)
+                    elapsed=12.5, think=3e-4, extra=-7, aux=0xFFFFFFFE)
     msg = header.write(new_message(5))
     assert msg.dtype == np.float32 and msg.size == SLOTS + 5
     back = Header.read(msg)
     # versions above 2**24 and a full 32-bit CRC would not survive as float32 values
-    assert (back.version, back.step, back.flags, back.extra, back.crc) == (
+    assert (back.version, back.step, back.flags, back.extra, back.aux) == (
         2**24 + 1, 123456789, 1 | 8 | 64, -7, 0xFFFFFFFE)
     assert back.loss == 0.25 and back.elapsed == 12.5
     assert back.think == pytest.approx(3e-4)
@@ -41,9 +41,18 @@ def test_a_header_keeps_what_float32_cannot_hold_as_numpy_would():
 def test_the_header_leaves_the_payload_alone():
     msg = new_message(3)
     msg[SLOTS:] = [1.0, 2.0, 3.0]
-    Header(step=4, crc=1).write(msg)
-    assert list(msg[SLOTS:]) == [1.0, 2.0, 3.0] and Header.read(msg).crc == 1
-    assert msg[CRC].view(np.int32) == 1
+    Header(step=4, aux=1).write(msg)
+    assert list(msg[SLOTS:]) == [1.0, 2.0, 3.0] and Header.read(msg).aux == 1
+    assert msg[AUX].view(np.int32) == 1
+
+
+def test_a_push_names_its_shared_slots_in_its_aux_slot():
+    for push in range(2):
+        for lease in range(3):
+            word = slots_word(push, lease)
+            assert slots_of(word) == (push, lease)
+            assert slots_of(Header.read(Header(aux=word).write(np.zeros(SLOTS, np.float32))).aux) \
+                == (push, lease)
 
 
 def test_the_sentinel_is_not_finite_when_the_loss_or_the_gradient_is_not():
@@ -69,7 +78,7 @@ class _FakeComm:
         self.timeout = timeout
         self.waited = []
 
-    def wait_any(self, pendings, backoff, timeout):
+    def wait_any(self, pendings, backoff, timeout, tested=False):
         self.waited.append(timeout)
         for i, p in enumerate(pendings):
             if p.done:

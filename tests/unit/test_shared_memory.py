@@ -3,6 +3,7 @@
 MPI's sum: tests/e2e/test_overlap_mpirun.py.)"""
 
 import mmap
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -79,7 +80,6 @@ def test_shared_memory_on_across_hosts_is_one_line():
 
 
 @pytest.mark.parametrize("settings,message", [
-    (dict(async_mode=True), "drop --async"),
     (dict(compression="fp16"), "drop --compression fp16"),
     (dict(overlap="off"), "drop --overlap off"),
     (dict(compiler="xla"), "use --compile auto or graph"),
@@ -90,3 +90,39 @@ def test_shared_memory_on_needs_the_sync_float32_buckets(settings, message):
         config(shared_memory="on", **settings)
     config(shared_memory="auto", **settings)  # auto never refuses
 
+
+
+def test_async_takes_shared_memory_on_with_any_compression():
+    # the async pushes and leases lie in shared slots whatever their encoding
+    for compression in ("none", "fp16"):
+        config(shared_memory="on", async_mode=True, compression=compression)
+
+
+def test_a_memory_file_opened_through_proc_is_the_same_memory():
+    nbytes = 3 * shared.PAGE
+    fd, mine = shared.new_memory_file("mpitrain-test", nbytes)
+    other_fd, theirs = shared.open_memory_file(os.getpid(), fd, nbytes)
+    try:
+        assert theirs is not None and other_fd >= 0
+        lengths = [5, shared.PAGE // 4 + 1]  # the second spills onto a second page
+        sizes = [shared.slot_stride(n) for n in lengths]
+        written, read = shared._slots(mine, lengths, sizes), shared._slots(theirs, lengths, sizes)
+        assert [a.ctypes.data % shared.PAGE for a in written] == [0, 0]
+        written[1][:] = np.arange(lengths[1])
+        np.testing.assert_array_equal(read[1], np.arange(lengths[1], dtype=np.float32))
+        assert read[0].sum() == 0  # slots do not overlap
+    finally:
+        os.close(fd)
+        os.close(other_fd)
+    assert shared.open_memory_file(os.getpid(), 10**6, nbytes) == (-1, None)
+
+
+def test_async_shared_memory_on_with_a_worker_on_another_host_is_one_line():
+    from mpitrain.train import asynchronous
+
+    ctx = SimpleNamespace(comm=SimpleNamespace(size=3, hosts=["a", "a", "b"]),
+                          cfg=SimpleNamespace(shared_memory="on"))
+    with pytest.raises(UsageError, match=r"--shared-memory on needs every worker on rank 0's "
+                                         r"host \(a\); workers run on b: use --shared-memory "
+                                         r"auto"):
+        asynchronous._share_mailboxes(ctx)
