@@ -56,11 +56,12 @@ from .runtime import (FINALIZE_BOUND, OPEN_MPI_LAUNCHERS, Role, abort_world, bou
 from .shared import SharedMemorySum, one_host, share_with_server, shares_with_server
 from .traffic import Traffic
 from .tuning import LargeAllreduceRing
-from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending,
+from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending, Persistent,
                       blocking_call_bound)
 
 __all__ = [
-    "Comm", "SharedMemorySum", "one_host", "share_with_server", "shares_with_server", "Role", "Traffic", "Pending", "Backoff", "HOT",
+    "Comm", "SharedMemorySum", "one_host", "share_with_server", "shares_with_server", "Role",
+    "Traffic", "Pending", "Persistent", "Backoff", "HOT",
     "IDLE", "SERVING",
     "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",
     "WAITING_CALL_EVERY", "WORKERS_TIMEOUT_FACTOR", "TAG_FAILURE", "TAG_GATHER",

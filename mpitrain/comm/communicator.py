@@ -19,8 +19,8 @@ from .failures import FailureListener
 from .runtime import Role, _load_mpi
 from .traffic import Traffic
 from .tuning import allreduce_algorithm
-from .waiting import (HOT, IDLE, Backoff, Pending, SpinWatch, blocking_call_bound, poll,
-                      spin_watch, timeout_error)
+from .waiting import (HOT, IDLE, Backoff, Pending, Persistent, SpinWatch, blocking_call_bound,
+                      poll, spin_watch, timeout_error)
 
 #: see Comm._split_workers
 WORKERS_TIMEOUT_FACTOR = 1.5
@@ -314,6 +314,27 @@ class Comm:
         """Post a receive into ``buf`` (a message may be shorter) from ``source``."""
         return Pending(self._c.Irecv(buf, source=source, tag=tag), what, source, kind,
                        traffic=self.traffic)
+
+    def send_init(self, buf: np.ndarray, dest: int, tag: int, kind: str,
+                  what: str) -> Persistent:
+        """A persistent send of ``buf`` to ``dest``, not started (see :meth:`start`)."""
+        return Persistent(self._c.Send_init(buf, dest=dest, tag=tag), what, dest, kind,
+                          sent_bytes=buf.nbytes)
+
+    def recv_init(self, buf: np.ndarray, source: int, tag: int, kind: str,
+                  what: str) -> Persistent:
+        """A persistent receive into ``buf`` from ``source``, not started (see
+        :meth:`start`); a message may be shorter."""
+        return Persistent(self._c.Recv_init(buf, source=source, tag=tag), what, source, kind,
+                          traffic=self.traffic)
+
+    def start(self, op: Persistent) -> Persistent:
+        """Start ``op`` (completed or never started) again; returns it, to wait on."""
+        op.request.Start()
+        op.done = False
+        if op.sent_bytes:
+            self.traffic.add_sent(op.kind, op.sent_bytes)
+        return op
 
     def cancel(self, pending: Optional[Pending], peer_lost: bool = False) -> None:
         """Cancel a posted receive that will never be matched, so none is left at exit.

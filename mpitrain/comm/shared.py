@@ -1,4 +1,13 @@
-"""The workers' sum through memory they share, where every worker runs on one host.
+"""Memory that ranks of one host share, instead of MPI messages.
+
+Two uses, both on anonymous memory files (:func:`new_memory_file`: nothing is left
+behind, even by a killed run):
+
+* **The sync workers' sum** (:class:`SharedMemorySum`), where every worker runs
+  on one host; below.
+* **The async messages' payloads** (:func:`share_with_server`): each worker on
+  rank 0's host keeps its pushes and leases in slots rank 0 maps too, so only
+  their headers go through MPI (:class:`mpitrain.train.asynchronous.Mailbox`).
 
 Open MPI's shared-memory transport moves an allreduce's bytes through its own
 buffers: each rank copies its half in, the other copies it out, sums it, and the

@@ -76,6 +76,23 @@ class Pending:
         return self.done
 
 
+class Persistent(Pending):
+    """A persistent send or receive (MPI_Send_init / MPI_Recv_init on one buffer, peer
+    and tag): made once, then started for each message (:meth:`Comm.start`) and
+    completed like any :class:`Pending`. Starting one costs a fraction of a new
+    Isend or Irecv (no request, buffer or status to make); the async protocol's
+    loops start one per message, thousands of times a second. Only a completed (or
+    never started) one may be started again, as with any MPI buffer in use."""
+
+    __slots__ = ("sent_bytes",)
+
+    def __init__(self, request, what: str, peer: int, kind: str,
+                 traffic: Optional[Traffic] = None, sent_bytes: int = 0):
+        super().__init__(request, what, peer, kind, traffic)
+        self.done = True  # (not started: nothing to wait for)
+        self.sent_bytes = sent_bytes  # a send's bytes per start; 0 for a receive
+
+
 def poll(done: Callable[[], bool], kind: str, backoff: Backoff, seconds: float,
          traffic: Traffic, check: Optional[Callable[[], None]] = None,
          while_waiting: Optional[Callable[[], None]] = None, tested: bool = False) -> bool:

@@ -213,8 +213,12 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     reply_bound = 2 * comm.timeout
     current, flight, timer = 0, collections.deque(), ctx.timer
     total_steps = ctx.total_steps  # (a property: read once, not per step)
-    flight.append(_InFlight(comm.irecv(leases[0][:carried], 0, TAG_WEIGHTS, "pull",
-                                       "the initial weights"), None, 0))
+    # one persistent receive per lease buffer, one persistent send per push buffer
+    replies = [comm.recv_init(b[:carried], 0, TAG_WEIGHTS, "pull",
+                              "new weights from the server") for b in leases]
+    sends = [comm.send_init(b[:carried], 0, TAG_GRADIENT, "push",
+                            "the server to take a gradient") for b in pushes]
+    flight.append(_InFlight(comm.start(replies[0]), None, 0))  # the initial weights
     _take_reply(comm, flight, box, IDLE, reply_bound)
     # what the lease in use says: its version, the step to resume from (> 0 when
     # resuming), whether the server is stopping (flags), steps of lost workers given
@@ -251,10 +255,8 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         Header(version, step, flags | (PIPELINED if depth > 1 else 0), health, clock(),
                think, aux=slots_word(slot, target)).write(push)
         with timer("comm"):
-            flight.append(_InFlight(comm.irecv(leases[target][:carried], 0, TAG_WEIGHTS,
-                                               "pull", "new weights from the server"),
-                                    comm.isend(push[:carried], 0, TAG_GRADIENT, "push",
-                                               "the server to take a gradient"), target))
+            flight.append(_InFlight(comm.start(replies[target]), comm.start(sends[slot]),
+                                    target))
         if shared_push:
             comm.traffic.add_sent(SHARED, shared_push)
         if depth == 1:
@@ -395,6 +397,10 @@ class WorkerLedger:
     posted: object = None  # the pending Irecv for its next push
     #: the pending Isend of the last reply from each of ``sends``, and which was last
     sending: List[object] = field(default_factory=lambda: [None])
+    #: the persistent receive of its pushes, and the persistent send of each of ``sends``
+    #: (whole, or its header where the weights are shared)
+    receive: object = None
+    replying: List[object] = field(default_factory=list)
     last_reply: int = 0
     applied: int = 0
     dismissed: bool = False  # told to stop; listened to until its FINAL push
@@ -477,7 +483,14 @@ class Server:
                 takes_weights=f"{self.comm.name(r)} to take its weights",
                 takes_last_reply=f"{self.comm.name(r)} to take its last reply",
                 pushes=None if whole else slots[:most], leases=None if whole else slots[most:])
+            ledgers[r].receive = self.comm.recv_init(ledgers[r].recv, r, TAG_GRADIENT, "push",
+                                                     "a gradient")
+            ledgers[r].replying.append(self._reply_op(ledgers[r], 0))
         return ledgers
+
+    def _reply_op(self, w: WorkerLedger, i: int):
+        """The persistent send of ``w``'s reply buffer ``i`` with its weights."""
+        return self.comm.send_init(w.sends[i], w.rank, TAG_WEIGHTS, "pull", w.takes_weights)
 
     def _restore(self, ckpt: Checkpoint) -> None:
         self.clock.offset = ckpt.wall_time_s  # the run's clock goes on, as a sync run's does
@@ -764,7 +777,7 @@ class Server:
                 continue
             self.leases.grant(rank, self.version)
             self.silence.heard(rank)
-            w.posted = self.comm.irecv(w.recv, rank, TAG_GRADIENT, "push", "a gradient")
+            w.posted = self.comm.start(w.receive)
             self._reply(w, with_weights=True)
 
     def _dismiss(self, w: WorkerLedger) -> None:
@@ -775,8 +788,8 @@ class Server:
             w.dismissed = True
             self.dismissed.append(w.rank)
         self.silence.heard(w.rank)  # it owes a push now
-        w.posted = self.comm.irecv(w.recv, w.rank, TAG_GRADIENT, "push",
-                                   "a gradient or its farewell")
+        w.receive.what = "a gradient or its farewell"
+        w.posted = self.comm.start(w.receive)
         self._reply(w, with_weights=False)
 
     def _finish(self, w: WorkerLedger) -> None:
@@ -805,8 +818,7 @@ class Server:
                 lease[SLOTS + self.weights.size:] = self.buffers
             if w.leases is not None:
                 self.comm.traffic.add_sent(SHARED, (lease.size - SLOTS) * 4)
-                send = send[:SLOTS]
-            w.sending[i] = self.comm.isend(send, w.rank, TAG_WEIGHTS, "pull", w.takes_weights)
+            w.sending[i] = self.comm.start(w.replying[i])
         else:
             w.sending[i] = self.comm.isend(send[:SLOTS], w.rank, TAG_WEIGHTS, "pull",
                                            w.takes_last_reply)
@@ -824,6 +836,7 @@ class Server:
         if len(w.sends) < PIPELINE_DEPTH:
             w.sends.append(np.empty_like(w.sends[0]))
             w.sending.append(None)
+            w.replying.append(self._reply_op(w, len(w.sends) - 1))
             return len(w.sends) - 1
         older = (w.last_reply + 1) % len(w.sends)
         self.comm.wait(w.sending[older], IDLE)

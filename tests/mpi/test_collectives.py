@@ -171,6 +171,49 @@ def test_point_to_point_ring(comm):
     assert (got == left).all()
 
 
+def test_persistent_ring_carries_each_start_and_counts_it(comm):
+    """Persistent sends and receives made once and started three times: each start
+    carries that round's data, a receive may be longer than the message, and each
+    start is counted like an isend's (and each completion like an irecv's)."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    out, got = np.empty(10, np.float32), np.empty(12, np.float32)
+    send = comm.send_init(out, right, 8, "control", "the persistent ring message")
+    recv = comm.recv_init(got, left, 8, "control", "the persistent ring message")
+    assert send.test() and recv.test()  # not started: nothing to wait for
+    before = comm.traffic.rows()
+    for round_ in range(3):
+        out[:] = 100 * round_ + comm.rank
+        comm.wait_all([comm.start(recv), comm.start(send)])
+        assert (got[:10] == 100 * round_ + left).all()
+    after = {r["kind"]: r for r in comm.traffic.rows()}["control"]
+    start = {r["kind"]: r for r in before}.get("control", {})
+    for column in ("sent_bytes", "recv_bytes"):
+        assert after[column] - start.get(column, 0) == 3 * out.nbytes
+    assert after["sent_msgs"] - start.get("sent_msgs", 0) == 3
+
+
+def test_a_memory_file_is_shared_with_rank_0_by_the_workers_on_its_host(comm):
+    """share_with_server: every worker here runs on rank 0's host, so rank 0 maps every
+    worker's slots and sees what the worker wrote into them, and the other way round."""
+    lengths = [7, 3000]
+    mine, theirs, sharing = shared.share_with_server(comm, lengths)
+    assert sharing == list(range(1, comm.size))
+    if comm.rank == 0:
+        assert mine == [] and sorted(theirs) == sharing
+    else:
+        assert [s.size for s in mine] == lengths and theirs == {}
+        assert all(s.ctypes.data % mmap.PAGESIZE == 0 for s in mine)
+        mine[1][:] = comm.rank
+    comm.barrier()
+    if comm.rank == 0:
+        for rank, slots in theirs.items():
+            assert (slots[1] == rank).all()
+            slots[0][:] = -rank
+    comm.barrier()
+    if comm.rank:
+        assert (mine[0] == -comm.rank).all()
+
+
 def test_agree_raises_first_failure_everywhere(comm):
     failing = comm.size - 1
     error = DataError("file x is corrupt") if comm.rank == failing else None
