@@ -72,7 +72,7 @@ class Pending:
         if not self.done and self.request.Test(self._status):
             self.done = True
             if self._traffic is not None:
-                self._traffic.add_recv(self.kind, self._status.Get_count(_load_mpi().BYTE))
+                self._traffic.add_recv(self.kind, self._status.Get_count())  # (in bytes)
         return self.done
 
 

@@ -58,7 +58,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -219,11 +219,10 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     sends = [comm.send_init(b[:carried], 0, TAG_GRADIENT, "push",
                             "the server to take a gradient") for b in pushes]
     flight.append(_InFlight(comm.start(replies[0]), None, 0))  # the initial weights
-    _take_reply(comm, flight, box, IDLE, reply_bound)
     # what the lease in use says: its version, the step to resume from (> 0 when
     # resuming), whether the server is stopping (flags), steps of lost workers given
     # to this one (extra: its FINAL push comes at its own last step plus those)
-    lease = Header.read(leases[0])
+    current, lease = _take_reply(comm, flight, box, IDLE, reply_bound)
     start_step = step = lease.step
     flags = 0  # of this worker's last push
     if replica.n_buffers:  # the statistics the run has so far (a resumed run's)
@@ -236,11 +235,13 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         think = time.perf_counter() - started  # lets the server pick its poll policy
         version = lease.version
         # the replies already in, the oldest one anyway when the pipeline is full
+        # (the phases marked with timer.lap, not `with timer(...)`: a block costs more,
+        # and with no compute at all this loop runs tens of thousands of times a second)
         while flight and (len(flight) >= depth or flight[0].reply.test()) \
                 and not lease.flags:
-            with timer("wait"):
-                current = _take_reply(comm, flight, box, HOT, reply_bound)
-            lease = Header.read(leases[current])
+            timer.lap()
+            current, lease = _take_reply(comm, flight, box, HOT, reply_bound)
+            timer.lap("wait")
         health = sentinel(loss, norm)
         if lease.flags:  # the server is stopping: this gradient is not wanted
             break
@@ -250,20 +251,19 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
         codec.encode(grad, push[SLOTS:SLOTS + codec.slots])
         if replica.n_buffers:  # this worker's statistics travel with each push
             push[SLOTS + codec.slots:] = replica.buffers()
-        target = next(i for i in range(depth + 1)  # a lease buffer nobody uses
-                      if i != current and all(i != f.lease for f in flight))
+        # a lease buffer nobody uses (one push at most is still in flight here)
+        target = _free_lease(current, flight[0].lease if flight else None)
         Header(version, step, flags | (PIPELINED if depth > 1 else 0), health, clock(),
-               think, aux=slots_word(slot, target)).write(push)
-        with timer("comm"):
-            flight.append(_InFlight(comm.start(replies[target]), comm.start(sends[slot]),
-                                    target))
+               think, 0, slots_word(slot, target)).write(push)
+        timer.lap()
+        flight.append(_InFlight(comm.start(replies[target]), comm.start(sends[slot]), target))
+        timer.lap("comm")
         if shared_push:
             comm.traffic.add_sent(SHARED, shared_push)
         if depth == 1:
             waited = time.perf_counter()
             with timer("wait"):
-                current = _take_reply(comm, flight, box, HOT, reply_bound)
-            lease = Header.read(leases[current])
+                current, lease = _take_reply(comm, flight, box, HOT, reply_bound)
             depth = pipelining.observe(think, time.perf_counter() - waited)
         if end_of_epoch or flags & FINAL:
             timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
@@ -271,8 +271,7 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
             break
     ending = lease.flags
     while flight and not ending & DROPPED:
-        ending |= Header.read(leases[_take_reply(comm, flight, box, IDLE,
-                                                 reply_bound)]).flags
+        ending |= _take_reply(comm, flight, box, IDLE, reply_bound)[1].flags
     if ending & DROPPED:
         for f in flight:  # the server will not answer these: their receives must go
             comm.cancel(f.reply)
@@ -288,21 +287,32 @@ def _work(ctx: Context, clock: Stopwatch) -> Summary:
     return Summary(clock(), step, step / ctx.steps_per_epoch, nan, nan, nan)
 
 
-def _take_reply(comm, flight, box: Mailbox, backoff: Backoff, bound: float) -> int:
+def _take_reply(comm, flight, box: Mailbox, backoff: Backoff,
+                bound: float) -> Tuple[int, Header]:
     """Complete the oldest push in ``flight``: wait for its reply, then for the push
     itself (None for the initial lease), unless the reply dismisses this worker as
     lost (DROPPED: the server cancelled its receive, so that push is never taken; a
     pending send to a live rank does not stop MPI_Finalize). Returns the lease
-    buffer the reply is in."""
+    buffer the reply is in, and the reply's header."""
     oldest = flight.popleft()
     comm.wait(oldest.reply, backoff, timeout=bound)
     lease = box.leases[oldest.lease]
-    flags = Header.read(lease).flags
-    if oldest.push is not None and not flags & DROPPED:
+    header = Header.read(lease)
+    if oldest.push is not None and not header.flags & DROPPED:
         comm.wait(oldest.push, backoff, timeout=bound)
-    if box.shared and not flags & FINAL:  # the weights the server wrote in place
+    if box.shared and not header.flags & FINAL:  # the weights the server wrote in place
         comm.traffic.add_recv(SHARED, (lease.size - SLOTS) * 4)
-    return oldest.lease
+    return oldest.lease, header
+
+
+def _free_lease(current: int, in_flight: Optional[int]) -> int:
+    """The first lease buffer that is neither the one in use (``current``) nor awaited
+    by the push in flight (``in_flight``, None if none): of two buffers when a worker
+    keeps one push in flight at most, of three when two (PIPELINE_DEPTH)."""
+    for i in range(PIPELINE_DEPTH + 1):
+        if i != current and i != in_flight:
+            return i
+    raise AssertionError("three lease buffers, two of them busy at most")
 
 
 def _farewell(comm, message: np.ndarray, reply: np.ndarray, bound: float) -> int:
@@ -588,7 +598,9 @@ class Server:
     def _next_push(self) -> Optional[WorkerLedger]:
         """The next worker whose push arrived; None when a lost worker was dropped
         instead (only under --enable-recovery)."""
-        holders = self.leases.holders + self.dismissed  # who owes a push
+        holders = self.leases.holders  # who owes a push (a new list)
+        if self.dismissed:
+            holders += self.dismissed
         if self.recovery and time.monotonic() >= self.next_liveness_check:
             # also while the others push: one silent worker among busy ones is the case
             self.next_liveness_check = time.monotonic() + LIVENESS_CHECK_EVERY
@@ -726,7 +738,7 @@ class Server:
         if w.pushes is not None:  # the push is where its worker wrote it
             slot, w.reply_to = slots_of(header.aux)
             push = w.pushes[slot]
-            self.comm.traffic.add_recv(SHARED, (push.size - SLOTS) * 4)
+            self.comm.traffic.add_recv(SHARED, push.nbytes - SLOTS * 4)
         end = SLOTS + self.codec.slots
         self.optimizer.step(self.weights, self.codec.decode(push[SLOTS:end]))  # clips first
         if push.size > end:
@@ -807,17 +819,19 @@ class Server:
     def _reply(self, w: WorkerLedger, with_weights: bool) -> None:
         i = w.last_reply = self._free_reply_buffer(w)
         send = w.sends[i]
-        Header(version=self.version, step=w.steps,  # step: where to resume from
-               flags=0 if with_weights else FINAL | self.ending,
-               extra=self.quotas.of[w.rank] - self.total_steps).write(send)
+        # (positional: a namedtuple made from keywords costs more, once per update)
+        Header(self.version, w.steps,  # step: where to resume from
+               0 if with_weights else FINAL | self.ending, 0.0, 0.0, 0.0,
+               self.quotas.of[w.rank] - self.total_steps, 0).write(send)
         if with_weights:
             # (a shared lease slot is free until this reply reaches its worker: see Mailbox)
             lease = send if w.leases is None else w.leases[w.reply_to]
-            lease[SLOTS:SLOTS + self.weights.size] = self.weights
+            n = self.weights.size
+            lease[SLOTS:SLOTS + n] = self.weights
             if self.buffers.size:
-                lease[SLOTS + self.weights.size:] = self.buffers
+                lease[SLOTS + n:] = self.buffers
             if w.leases is not None:
-                self.comm.traffic.add_sent(SHARED, (lease.size - SLOTS) * 4)
+                self.comm.traffic.add_sent(SHARED, lease.nbytes - SLOTS * 4)
             w.sending[i] = self.comm.start(w.replying[i])
         else:
             w.sending[i] = self.comm.isend(send[:SLOTS], w.rank, TAG_WEIGHTS, "pull",
