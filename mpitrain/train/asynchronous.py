@@ -404,7 +404,7 @@ class WorkerLedger:
     #: [header | weights | buffers] reply buffers: one, or two for a pipelined worker
     #: that pushes again before it has taken the last reply (see _reply)
     sends: List[np.ndarray]
-    posted: object = None  # the pending Irecv for its next push
+    posted: object = None  # the started receive of its next push (``receive``)
     #: the pending Isend of the last reply from each of ``sends``, and which was last
     sending: List[object] = field(default_factory=lambda: [None])
     #: the persistent receive of its pushes, and the persistent send of each of ``sends``
