@@ -192,7 +192,7 @@ def share_with_server(comm, lengths: Sequence[int]) -> Tuple[
 
 def shares_with_server(comm) -> List[int]:
     """The workers of ``comm`` (the world) on rank 0's host: those that can share."""
-    return [r for r in range(1, comm.size) if comm.hosts[r] == comm.hosts[0]]
+    return [r for r in comm.ranks_on_host(comm.hosts[0]) if r != 0]
 
 
 def _slots(segment, lengths: Sequence[int], sizes: Sequence[int]) -> List[np.ndarray]:

@@ -138,10 +138,10 @@ def _pipelining_mode(cfg) -> str:
     return "off" if cfg.staleness is not None else cfg.pipeline
 
 
-def _share_mailboxes(ctx: Context) -> tuple:
+def _share_mailboxes(ctx: Context, shape: List[int]) -> tuple:
     """(this worker's shared slots or [], on the server every sharing worker's by
-    rank): :func:`mpitrain.comm.share_with_server` for ``--shared-memory`` auto or
-    on. Collective over the world; the server and every worker call it once, first."""
+    rank): :func:`mpitrain.comm.share_with_server` of slots of ``shape``
+    (:func:`_mailbox_shape`) for ``--shared-memory`` auto or on. Collective over the world; the server and every worker call it once, first."""
     comm, mode = ctx.comm, ctx.cfg.shared_memory
     if mode == "off":
         return [], {}
@@ -150,7 +150,7 @@ def _share_mailboxes(ctx: Context) -> tuple:
         raise UsageError(f"--shared-memory on needs every worker on rank 0's host "
                          f"({comm.hosts[0]}); workers run on {', '.join(away)}: use "
                          f"--shared-memory auto")
-    mine, theirs, sharing = share_with_server(comm, _mailbox_shape(ctx))
+    mine, theirs, sharing = share_with_server(comm, shape)
     if mode == "on" and len(sharing) < comm.size - 1:
         raise UsageError("--shared-memory on: the workers' message memory could not be "
                          "mapped by rank 0 (no memfd, or /proc/PID/fd not readable): use "
@@ -161,7 +161,7 @@ def _share_mailboxes(ctx: Context) -> tuple:
 def _worker_mailbox(ctx: Context) -> Mailbox:
     shape = _mailbox_shape(ctx)
     most = (len(shape) - 1) // 2
-    slots, _ = _share_mailboxes(ctx)
+    slots, _ = _share_mailboxes(ctx, shape)
     if slots:
         return Mailbox(slots[:most], slots[most:], SLOTS)
     return Mailbox([new_message(n - SLOTS) for n in shape[:most]],
@@ -482,7 +482,7 @@ class Server:
         headers where it shares this host's memory (:class:`Mailbox`)."""
         shape = _mailbox_shape(ctx)
         most = (len(shape) - 1) // 2
-        _, shared = _share_mailboxes(ctx)
+        _, shared = _share_mailboxes(ctx, shape)
         ledgers = {}
         for r in range(1, self.comm.size):
             slots = shared.get(r)

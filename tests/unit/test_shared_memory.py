@@ -120,9 +120,11 @@ def test_a_memory_file_opened_through_proc_is_the_same_memory():
 def test_async_shared_memory_on_with_a_worker_on_another_host_is_one_line():
     from mpitrain.train import asynchronous
 
-    ctx = SimpleNamespace(comm=SimpleNamespace(size=3, hosts=["a", "a", "b"]),
-                          cfg=SimpleNamespace(shared_memory="on"))
+    hosts = ["a", "a", "b"]
+    comm = SimpleNamespace(size=3, hosts=hosts,
+                           ranks_on_host=lambda h: [r for r, x in enumerate(hosts) if x == h])
+    ctx = SimpleNamespace(comm=comm, cfg=SimpleNamespace(shared_memory="on"))
     with pytest.raises(UsageError, match=r"--shared-memory on needs every worker on rank 0's "
                                          r"host \(a\); workers run on b: use --shared-memory "
                                          r"auto"):
-        asynchronous._share_mailboxes(ctx)
+        asynchronous._share_mailboxes(ctx, [])
