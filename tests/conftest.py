@@ -269,13 +269,40 @@ def finish_bounded(proc: subprocess.Popen, timeout: float) -> subprocess.Complet
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        state = describe_tree(proc.pid)  # before the kill: what each process was doing
         kill_tree(proc.pid)
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:  # a grandchild still holds the pipes
             out, err = "", "(output lost: the pipes stayed open after the kill)"
-        pytest.fail(f"hung for {timeout} s: {' '.join(map(str, proc.args))}\n{out}\n{err}")
+        pytest.fail(f"hung for {timeout} s: {' '.join(map(str, proc.args))}\n{out}\n{err}\n"
+                    f"{state}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def describe_tree(pid: int) -> str:
+    """A hung command's processes, one line each (pid, state, command line), and the
+    Python stacks of those running Python when py-spy is installed: what a hang in CI
+    leaves to diagnose it by."""
+    import shutil
+
+    import psutil
+
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return "(the command's processes are gone)"
+    lines, spy = ["processes left:"], shutil.which("py-spy")
+    for p in processes:
+        try:
+            lines.append(f"  {p.pid} {p.status()} {' '.join(p.cmdline())[:200]}")
+            if spy and "python" in p.name():
+                dump = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True,
+                                      text=True, timeout=30)
+                lines.append(dump.stdout[-4000:])
+        except (psutil.Error, subprocess.SubprocessError):
+            continue
+    return "\n".join(lines)
 
 
 def run_bounded(cmd, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:

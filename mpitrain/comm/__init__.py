@@ -37,6 +37,7 @@ The parts, one concern each:
 * ``tuning``: Open MPI's allreduce algorithm by buffer size (MPI_T);
 * ``failures``: the one-line failure reports to rank 0;
 * ``objects``: the pickled exchanges (allgather, gather, agree);
+* ``processes``: the other ranks' processes on this host (alive, kill, watch);
 * ``shared``: memory ranks of one host share: the workers' sum, and the async
   messages' payloads;
 * ``communicator``: :class:`Comm`, which puts them together.
@@ -50,6 +51,7 @@ from ..errors import CommTimeout, PeerFailure
 from .communicator import WORKERS_TIMEOUT_FACTOR, Comm
 from .failures import FAILURE_BYTES, TAG_FAILURE, report_failure
 from .objects import TAG_GATHER
+from .processes import PeerProcesses
 from .runtime import (FINALIZE_BOUND, OPEN_MPI_LAUNCHERS, Role, abort_world, bound_finalize,
                       finalize, launcher_rank, launcher_world_size, library_versions,
                       recovery_enabled, world_rank_if_running, world_size_if_running)
@@ -60,7 +62,7 @@ from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending, 
                       blocking_call_bound)
 
 __all__ = [
-    "Comm", "SharedMemorySum", "one_host", "share_with_server", "shares_with_server", "Role",
+    "Comm", "PeerProcesses", "SharedMemorySum", "one_host", "share_with_server", "shares_with_server", "Role",
     "Traffic", "Pending", "Persistent", "Backoff", "HOT",
     "IDLE", "SERVING",
     "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",

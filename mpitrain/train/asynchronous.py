@@ -47,7 +47,9 @@ shard is not visited after its loss (recorded as ``lost_workers`` in runs.csv an
 status.json). Each reply carries the steps the receiving worker runs beyond its own
 (those reassigned to it), so it knows when to push FINAL. A lost worker on the
 server's host still alive ``FENCE_GRACE`` (5 s) after it was dropped is killed (a
-SIGSTOPped one would keep mpirun waiting); on another host it is named. Without
+SIGSTOPped one would keep mpirun waiting); on another host it is named. A worker on the
+server's host stops (CommTimeout) within a second of the server's process dying, so
+``mpitrain launch`` restarts the run then, not after the worker's reply bound. Without
 ``--enable-recovery`` mpirun ends the job when a rank dies and a silent worker is a
 CommTimeout, as before.
 """
@@ -63,8 +65,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from ..models import optim
-from ..comm import (HOT, IDLE, SERVING, Backoff, Role, recovery_enabled, share_with_server,
-                    shares_with_server)
+from ..comm import (HOT, IDLE, SERVING, Backoff, PeerProcesses, Role, recovery_enabled,
+                    share_with_server, shares_with_server)
 from ..errors import CommTimeout, Divergence, Dropped, Interrupted, UsageError
 from ..lifecycle import Checkpoint
 from ..schema import STALENESS_COLUMNS
@@ -88,7 +90,15 @@ def train(ctx: Context) -> Summary:
     clock = Stopwatch()
     if ctx.role is Role.SERVER:
         return Server(ctx, clock).run()
-    return _work(ctx, clock)
+    comm = ctx.comm
+    # under --enable-recovery the server's death does not end the job: a worker on its
+    # host sees it directly and stops, instead of waiting out its reply bound
+    comm.while_waiting = PeerProcesses(comm, [0]).watch(comm, 0, "the parameter server") \
+        if recovery_enabled() else None
+    try:
+        return _work(ctx, clock)
+    finally:
+        comm.while_waiting = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -342,56 +352,6 @@ LIVENESS_CHECK_EVERY = 1.0
 #: seconds a dropped worker on the server's host gets to come back and leave by itself
 #: before the server kills it (a SIGSTOPped rank never woken would hold mpirun forever)
 FENCE_GRACE = 5.0
-#: seconds to wait for a killed rank to be reaped, then for its death to reach mpirun
-REAP_WAIT, REAP_SETTLE = 10.0, 1.0
-
-
-class Processes:
-    """The server's view of the worker processes on its own host (psutil handles, which
-    notice pid reuse); workers on other hosts can only be judged by their silence."""
-
-    def __init__(self, comm):
-        import psutil
-
-        self._psutil = psutil
-        self.local: Dict[int, object] = {}
-        for rank, (host, pid) in enumerate(zip(comm.hosts, comm.pids)):
-            if rank != comm.rank and host == comm.host:
-                try:
-                    self.local[rank] = psutil.Process(pid)
-                except psutil.Error:
-                    pass
-
-    def alive(self, rank: int) -> bool:
-        """False when ``rank`` is on this host and its process is gone or a zombie."""
-        proc = self.local.get(rank)
-        if proc is None:
-            return True
-        try:
-            return proc.is_running() and proc.status() != self._psutil.STATUS_ZOMBIE
-        except self._psutil.Error:
-            return False
-
-    def kill(self, rank: int) -> bool:
-        """SIGKILL ``rank`` if it is a live process on this host and wait (bounded) until
-        its parent, Open MPI's daemon, has reaped it; True if it was alive.
-
-        Waiting matters: a rank that dies while the survivors enter MPI_Finalize's
-        fence, before the daemon has noticed, can leave that fence waiting for it
-        (seen once in three runs with the kill right before the end)."""
-        if rank not in self.local or not self.alive(rank):
-            return False
-        try:
-            self.local[rank].kill()
-            self.local[rank].wait(timeout=REAP_WAIT)
-        except self._psutil.TimeoutExpired:
-            pass
-        except self._psutil.Error:
-            return False
-        time.sleep(REAP_SETTLE)  # for the daemon to tell mpirun
-        return True
-
-
 # ---------------------------------------------------------------------------------------
 # Server
 # ---------------------------------------------------------------------------------------
@@ -471,7 +431,7 @@ class Server:
         self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.liveness_floor)
         self.total_steps = ctx.total_steps  # (a property: read once, not per reply)
         self.quotas = Quotas(self.workers, self.total_steps)
-        self.processes = Processes(self.comm) if self.recovery else None
+        self.processes = PeerProcesses(self.comm) if self.recovery else None
         self.next_liveness_check = 0.0
         self.training = len(self.workers)  # workers not done (see _retire)
         if ctx.resume_from is not None:

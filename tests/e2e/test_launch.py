@@ -84,7 +84,6 @@ def final_weights(results: Path) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive
 def test_sync_run_survives_a_killed_worker_then_a_killed_server(mnist, tmp_path):
     """kill -9 worker 2 after the first checkpoint (--checkpoint-steps), then rank 0 (the
     parameter server) after the restart's next checkpoint: the run completes after two restarts, in one
@@ -122,7 +121,28 @@ def test_sync_run_survives_a_killed_worker_then_a_killed_server(mnist, tmp_path)
     assert leftovers(str(results)) == []
 
 
-@pytest.mark.exclusive
+@pytest.mark.slow
+def test_async_run_survives_a_killed_server_under_recovery(mnist, tmp_path):
+    """An async job runs under --enable-recovery, where a dead rank does not end the job:
+    kill -9 the server after the first checkpoint, and its workers (on its host) stop
+    within seconds, so the launcher restarts at once (they used to wait out their reply
+    bound, twice --timeout: ten minutes) and the run finishes."""
+    results = tmp_path / "launched"
+    proc = start_launch("-np", 3, "-hostfile", LOCAL_HOSTFILE, *TRAINING[:-3], "--epochs", "2",
+                        "--quiet", "--async", "--data-dir", mnist, "--results-dir", results,
+                        "--checkpoint-steps", 500)
+    run_dir = the_run_dir(results)
+    wait_for(lambda: checkpoint_step(run_dir), 300, "the first checkpoint")
+    os.kill(rank_pids(run_dir, 0)[0], signal.SIGKILL)
+    code, _, err = finish(proc, 180)  # within the workers' default reply bound (600 s)
+    assert code == 0, err[-3000:]
+    assert "the parameter server, rank 0 on" in err and "has died" in err, err[-3000:]
+    assert err.count("the job failed") == 1 and "finished after 1 restart(s)" in err, err
+    rows = read_rows(results / "runs.csv")
+    assert rows[-1]["status"] == "ok" and float(rows[-1]["epochs"]) == pytest.approx(2, abs=0.05)
+    assert leftovers(str(results)) == []
+
+
 def test_stop_signal_checkpoints_and_is_not_restarted(mnist, tmp_path):
     """SIGTERM to the launcher (what SLURM sends) becomes a graceful stop of every rank:
     exit 143, a checkpoint, no restart, no process left behind."""
