@@ -21,8 +21,10 @@ import pytest
 
 from conftest import LOCAL_HOSTFILE, mnist_dir, mnist_shard, mpi_env, mpirun, read_rows
 
-# exclusive: the tests that time a fault (a watchdog bound, a signal mid-run); the
-# divergence and resume-bookkeeping ones share the machine
+# exclusive: the tests that time a fault (a watchdog or liveness bound of seconds, which
+# load beside them could trip on a healthy rank). A kill or a stop request mid-run shares
+# the machine: its outcome does not depend on when it lands, and its bounds are far
+# from what they bound.
 pytestmark = pytest.mark.slow
 
 
@@ -97,7 +99,6 @@ def check_results_readable(run_dir: Path) -> None:
     json.loads((run_dir / "config.json").read_text())
 
 
-@pytest.mark.exclusive
 @pytest.mark.parametrize("mode,rank", [("sync", 2), ("async", 2), ("sync", 0), ("async", 0)])
 def test_killed_rank_ends_the_job(mnist, tmp_path, mode, rank):
     extra = ("--async",) if mode == "async" else ()
@@ -180,7 +181,6 @@ def uninterrupted_weights(tmp_path_factory):
     return final_weights(next(d for d in results.iterdir() if d.is_dir()))
 
 
-@pytest.mark.exclusive
 @pytest.mark.parametrize("how", ["SIGTERM to every rank", "SIGUSR1 to mpirun"])
 def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how, uninterrupted_weights):
     epochs = RESUME_EPOCHS
@@ -211,7 +211,6 @@ def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how, uninter
     assert np.array_equal(final_weights(run_dir), uninterrupted_weights)
 
 
-@pytest.mark.exclusive
 def test_stop_and_resume_async(mnist, tmp_path):
     job = Job(3, tmp_path, "--data-dir", str(mnist), "--async", epochs=60)
     job.wait_for_evaluations(4)

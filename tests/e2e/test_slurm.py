@@ -16,9 +16,9 @@ import pytest
 
 from conftest import REPO, mpi_env, read_rows, run_bounded
 
-# Not exclusive but the scancel test (a signal at a moment): the job runs are bounded
-# by minutes (--time, Job.finish) against seconds of work, so load beside them cannot
-# change an outcome.
+# Not exclusive: the job runs are bounded by minutes (--time, Job.finish) against
+# seconds of work, and the scancel lands while training is under way (500 epochs), so
+# load beside them cannot change an outcome.
 pytestmark = pytest.mark.slow
 SLURM = REPO / "scripts" / "slurm-local"
 ONE_HOST = ["--nodes=1", "--ntasks=4", "--ntasks-per-node=4"]
@@ -111,7 +111,6 @@ def test_sweep_job(slurm, tmp_path, mnist):
     assert (tmp_path / "results" / "sweep-tiny" / "report" / "report.md").is_file()
 
 
-@pytest.mark.exclusive
 def test_scancel_stops_cleanly_with_a_checkpoint(slurm, tmp_path, mnist):
     job = submit("lr-sync.sbatch", tmp_path, job_env(tmp_path, mnist, "--epochs 500"))
     deadline = time.monotonic() + 300

@@ -61,8 +61,7 @@ def kill_everything(proc: subprocess.Popen, marker: str) -> None:
                 pass
 
 
-@pytest.mark.slow  # (and exclusive: kills at a moment)
-@pytest.mark.exclusive
+@pytest.mark.slow
 def test_tiny_sweep_resumes_after_being_killed(mnist, tmp_path):
     results = tmp_path / "sweep"
     proc = subprocess.Popen(sweep_cmd(results, mnist), stdout=subprocess.DEVNULL,
