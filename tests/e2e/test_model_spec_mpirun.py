@@ -97,26 +97,20 @@ BAD_FILES = {
 }
 
 
+def write_bad_files(directory):
+    for name, text in BAD_FILES.items():
+        (directory / name).write_text(text)
+
+
 @pytest.mark.parametrize("spec,message", [
     ("{tmp}/absent.py:build", "model {tmp}/absent.py:build: no such file {tmp}/absent.py"),
     ("{tmp}/syntax.py:build", "syntax error in {tmp}/syntax.py line 3"),
     ("{tmp}/nofunc.py:build", "{tmp}/nofunc.py has no function 'build' (it defines make)"),
     ("no_such_module_q7:build", "model no_such_module_q7:build: no module named"),
-    # built on every rank (TensorFlow starts on each): the quick tier keeps one, the
-    # rest are slow; tests/unit/test_model_spec.py checks each message in-process
-    pytest.param("{tmp}/notcallable.py:build", "build is an object of type int, not a function",
-                 marks=pytest.mark.slow),
-    pytest.param("{tmp}/wrongtype.py:build", "returned str, not a keras.Model",
-                 marks=pytest.mark.slow),
-    pytest.param("{tmp}/soft.py:build", "ends in a softmax: pass --outputs probabilities",
-                 marks=pytest.mark.slow),
-    # a check that one rank fails and the others pass: agreed on, the rank named
-    pytest.param("{tmp}/rank1.py:build", "rank 1 on", marks=pytest.mark.slow),
-    ("{tmp}/rank2.py:build", "rank 2 on"),
+    ("{tmp}/rank2.py:build", "rank 2 on"),  # fails on one rank only: agreed on, rank named
 ])
 def test_bad_spec_is_one_line_exit_2(spec, message, tmp_path, mnist):
-    for name, text in BAD_FILES.items():
-        (tmp_path / name).write_text(text)
+    write_bad_files(tmp_path)
     spec = spec.format(tmp=tmp_path)
     result = mpirun(3, spec, "--dry-run", "--data-dir", mnist, "--results-dir",
                     tmp_path / "res", timeout=120)
@@ -124,6 +118,35 @@ def test_bad_spec_is_one_line_exit_2(spec, message, tmp_path, mnist):
     lines = error_lines(result)
     assert len(lines) == 1, result.stderr
     assert message.format(tmp=tmp_path) in lines[0] and f"model {spec}" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "res" / "runs.csv").exists()
+
+
+#: specs that fail only once the model is built, on every rank (TensorFlow starts on
+#: each): all in one launch (tests/helpers/cli_runs.py runs them one after another, each
+#: through the CLI's entry point); tests/unit/test_model_spec.py checks each in-process
+BUILT_BAD_SPECS = {
+    "{tmp}/notcallable.py:build": "build is an object of type int, not a function",
+    "{tmp}/wrongtype.py:build": "returned str, not a keras.Model",
+    "{tmp}/soft.py:build": "ends in a softmax: pass --outputs probabilities",
+    "{tmp}/rank1.py:build": "rank 1 on",  # one rank fails building, the others do not
+}
+
+
+@pytest.mark.slow
+def test_bad_specs_that_fail_when_built_are_one_line_each(tmp_path, mnist):
+    write_bad_files(tmp_path)
+    specs = [spec.format(tmp=tmp_path) for spec in BUILT_BAD_SPECS]
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([[spec, "--dry-run", "--data-dir", str(mnist), "--results-dir",
+                                 str(tmp_path / "res")] for spec in specs]))
+    result = run_bounded(mpirun_cmd(3, REPO / "tests" / "helpers" / "cli_runs.py", runs,
+                                    module=None), 300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = error_lines(result)
+    assert len(lines) == len(specs), result.stderr  # one each, printed once
+    for line, spec, message in zip(lines, specs, BUILT_BAD_SPECS.values()):
+        assert message.format(tmp=tmp_path) in line and f"model {spec}" in line, line
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "res" / "runs.csv").exists()
 
