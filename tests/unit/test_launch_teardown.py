@@ -223,7 +223,7 @@ def test_rank_0_gone_with_its_status_running_is_overdue_a_grace_later(tmp_path):
 #: ignores SIGTERM and SIGUSR1 and sleeps (60 s: "forever", yet no process outlives a
 #: test). With --resume (a restart) it only writes status.json after STALE_S seconds.
 #: Other statuses: rank0-gone and rank0-zombie (status running, written for a child
-#: that then exits, reaped or not; its exit time in results/rank0-exited), wrong-token
+#: that then exits, reaped or not, its time of exit in results/rank0-exited), wrong-token
 #: (a failed status for another attempt, then exit 0 after STALE_S seconds).
 FAKE_MPIRUN = r"""
 import json, os, signal, sys, time
@@ -256,11 +256,11 @@ if status in ("rank0-gone", "rank0-zombie"):
     rank0 = os.fork()
     if rank0 == 0:
         time.sleep(0.3)
+        (results / "rank0-exited").write_text(repr(time.time()))  # no later than its end
         os._exit(0)
     write_status(run, "running", pid=rank0)
     # a zombie: waited for, not reaped
     os.waitid(os.P_PID, rank0, os.WEXITED | (os.WNOWAIT if status == "rank0-zombie" else 0))
-    (results / "rank0-exited").write_text(repr(time.time()))
 elif status == "wrong-token":
     write_status(run, "failed", "another attempt's", token="not-this-attempts")
     time.sleep(stale_s)
