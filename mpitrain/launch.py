@@ -47,14 +47,25 @@ failed or interrupted) mpirun gets ``TEARDOWN_GRACE`` seconds to exit: Open
 MPI can take minutes to tear down a job whose daemon on a lost host it cannot
 reach (timed: up to 300 s). Past them the launcher says so in one line, kills
 the job's process group and goes on as if mpirun had exited as the run did
-(failed: 1, and the usual restart; interrupted: 143; ok: 0). It looks at the
-attempt's status.json once a second: in the resumed run's directory (where the
-status.json of the attempt before does not count), or, on a first attempt, in
-the new run directory whose config.json names a process of this job as a rank
-(or the only new one, when rank 0 runs on another host). Where it cannot see
-that file, mpirun's exit is waited for as before. Each attempt's status and
-reason also stay in its ``runs.csv`` row (rank 0 writes it right after the
-status; the next attempt rewrites status.json).
+(failed: 1, and the usual restart; interrupted: 143; ok: 0). Rank 0 can also
+die before it records an end (killed; when a host is lost, Open MPI kills the
+ranks), its status.json left at running. When rank 0 is a process the launcher
+can see (the same boot and pid namespace: this machine, or a network-namespace
+node of it) and it is gone (or a zombie), mpirun again gets ``TEARDOWN_GRACE``
+seconds; past them the launcher says so in one line, kills the job and goes on
+as after a failure (1, and the usual restart). With rank 0 on another host,
+mpirun's exit is waited for.
+
+Each attempt has a token of its own, given to every rank as
+``$MPITRAIN_LAUNCH_ATTEMPT`` (``mpirun -x``); rank 0 records it in every
+status.json it writes, with who writes (``writer``: pid, boot id, pid namespace;
+see :func:`attempt_facts`). The attempt's run directory is the one (resumed, or
+new under ``--results-dir``) whose status.json carries the token, so neither the
+status.json of the attempt before nor another run sharing the results directory
+counts. The launcher looks at it once a second; until rank 0 has written it
+(it says running once the run is set up), mpirun's exit is waited for. Each
+attempt's status and reason also stay in its ``runs.csv`` row (rank 0 writes it
+right after the status; the next attempt rewrites status.json).
 
 Exit codes: 0 the run finished (after N restarts, printed); 1 it still failed
 after the last restart, or failed before writing any checkpoint twice; 2 usage
@@ -74,6 +85,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -95,6 +107,8 @@ STOP_GRACE = 120.0
 TEARDOWN_GRACE = 15.0
 #: seconds between two looks at mpirun (and at the run's status.json)
 POLL_INTERVAL = 1.0
+#: the environment variable that carries an attempt's token to every rank
+ATTEMPT_ENV = "MPITRAIN_LAUNCH_ATTEMPT"
 
 
 def add_parser(commands) -> None:
@@ -166,6 +180,7 @@ class Job:
         if self.recovery and self.np > 2:
             # the async server goes on without a lost worker instead of the job ending
             cmd.append("--enable-recovery")
+        cmd += ["-x", ATTEMPT_ENV]  # the attempt's token, for rank 0 (see RunWatch)
         return cmd + self.mpirun_args + [sys.executable, "-m", "mpitrain"]
 
     def without_lost_hosts(self, write_to: Path) -> Optional[str]:
@@ -322,14 +337,16 @@ class Launcher:
         return new[-1] if new else None
 
     def _run_job(self, argv: Sequence[str]) -> int:
-        """Run one attempt; its exit code (or, when mpirun outlived the run's own end by
-        TEARDOWN_GRACE and was killed, the code of the run's status)."""
+        """Run one attempt; its exit code (or, when mpirun outlived the run's own end, or
+        rank 0, by TEARDOWN_GRACE and was killed: the code of the run's status, or 1)."""
         command = self.job.command() + list(argv)
         say("$ " + " ".join(command))
-        # before mpirun starts: what is in the results directory now is not this attempt's
-        watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None)
-        # a session of its own: one killpg reaches mpirun and every local rank
-        self.proc = subprocess.Popen(command, start_new_session=True)
+        token = uuid.uuid4().hex
+        watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
+        # a session of its own: one killpg reaches mpirun and every local rank. Python's
+        # view of the environment, as for the probes (see _probe), plus the token
+        self.proc = subprocess.Popen(command, start_new_session=True,
+                                     env={**os.environ, ATTEMPT_ENV: token})
         while True:
             try:
                 return self.proc.wait(timeout=POLL_INTERVAL)
@@ -338,9 +355,11 @@ class Launcher:
                     say(f"the job did not stop within {STOP_GRACE:g} s; killing it")
                     self._kill_job()
                     continue  # the wait returns its exit code at once
-                watch.poll(self.proc.pid)
+                watch.poll()
                 if watch.overdue(TEARDOWN_GRACE):
                     return self._kill_after_the_run_ended(watch.status)
+                if watch.writer_gone_overdue(TEARDOWN_GRACE):
+                    return self._kill_after_rank_0_is_gone(watch.status["writer"]["pid"])
 
     def _kill_after_the_run_ended(self, status: dict) -> int:
         """Kill a job whose run has ended but whose mpirun has not exited; the exit code
@@ -349,6 +368,14 @@ class Launcher:
             f"{TEARDOWN_GRACE:g} s; killing it")
         self._kill_job()
         return EXIT_CODE_OF_STATUS[status["status"]]
+
+    def _kill_after_rank_0_is_gone(self, pid: int) -> int:
+        """Kill a job whose rank 0 died without recording an end and whose mpirun has not
+        exited; a failure."""
+        say(f"rank 0 (pid {pid}) is gone but mpirun did not exit within "
+            f"{TEARDOWN_GRACE:g} s; killing it")
+        self._kill_job()
+        return EXIT_FAILURE
 
     def _on_signal(self, signum, frame) -> None:
         first = self.stop_signal is None
@@ -376,75 +403,106 @@ EXIT_CODE_OF_STATUS = {"ok": EXIT_OK, "failed": EXIT_FAILURE, "interrupted": EXI
 
 class RunWatch:
     """Follows the status.json of the run one attempt writes, so that the launcher knows
-    when the run has ended while mpirun still runs.
+    when the run has ended, or its rank 0 is gone, while mpirun still runs.
 
-    The run directory is the resumed one, or a new one under the results directory
-    (see :func:`attempts_run_dir`). Each poll costs one stat of status.json (until the
-    run directory is known, one listing of the results directory); the file is read
-    only when it changed. A status.json that was there before the attempt started (the
-    previous attempt's, in a resumed run) does not count.
+    The attempt's status.json is the one that carries its ``token``: in the resumed run
+    directory, or in a new one under the results directory (one that was not there
+    when the watch began). Each poll reads that file (until it is known, the
+    status.json of each candidate directory) and, while it says running, looks up its
+    writer's process if that is visible here.
     """
 
-    def __init__(self, results_dir: Path, run_dir: Optional[Path], clock=time.monotonic):
-        self.results_dir, self.run_dir, self.clock = results_dir, run_dir, clock
-        self._names_before = set() if run_dir else _listing(results_dir)
-        self._seen = _signature(run_dir / "status.json") if run_dir else None
-        self.status: Optional[dict] = None  # the last status read
+    def __init__(self, results_dir: Path, resumed: Optional[Path], token: str,
+                 clock=time.monotonic):
+        self.results_dir, self.resumed, self.token, self.clock = (results_dir, resumed,
+                                                                  token, clock)
+        self._names_before = set() if resumed else _listing(results_dir)
+        self.run_dir: Optional[Path] = None  # known once a status.json carries the token
+        self.status: Optional[dict] = None  # the attempt's last status read
         self.ended_at: Optional[float] = None  # clock() when the run was first seen ended
+        self.gone_at: Optional[float] = None  # clock() when its running writer was seen gone
+        self._here = process_identity()
 
-    def poll(self, job_pid: int) -> None:
-        """Look at the run's status.json once, if the run has not ended already
-        (``job_pid``: mpirun's, whose descendants are the job's local ranks)."""
+    def poll(self) -> None:
+        """Look at the attempt's status.json once, if the run has not ended already."""
         if self.ended_at is not None:
             return
-        if self.run_dir is None:
-            self.run_dir = self._new_run_dir(job_pid)
-            if self.run_dir is None:
-                return
-        path = self.run_dir / "status.json"
-        signature = _signature(path)
-        if signature is None or signature == self._seen:
+        for run_dir in [self.run_dir] if self.run_dir else self._candidates():
+            status = read_json_object(run_dir / "status.json")
+            if is_attempts(status, self.token):
+                self.run_dir, self.status = run_dir, status
+                break
+        else:  # not written yet, another run's or attempt's, or caught mid-replacement
             return
-        status = read_json_object(path)
-        if status is None:  # caught mid-replacement: read it again at the next poll
-            return
-        self._seen, self.status = signature, status
-        if run_ended(status):
+        if run_ended(self.status):
             self.ended_at = self.clock()
+        elif self.gone_at is None and writer_gone(self.status, self._here):
+            self.gone_at = self.clock()
 
     def overdue(self, grace: float) -> bool:
         """True once the run ended ``grace`` seconds ago or more."""
         return teardown_overdue(self.ended_at, self.clock(), grace)
 
-    def _new_run_dir(self, job_pid: int) -> Optional[Path]:
-        new = sorted(self.results_dir / name
-                     for name in _listing(self.results_dir) - self._names_before
-                     if (self.results_dir / name / "config.json").is_file())
-        return attempts_run_dir(new, _process_tree(job_pid)) if new else None
+    def writer_gone_overdue(self, grace: float) -> bool:
+        """True once rank 0, its status running, was seen gone ``grace`` seconds ago or
+        more (and the run has not been seen ending since)."""
+        return self.ended_at is None and teardown_overdue(self.gone_at, self.clock(), grace)
+
+    def _candidates(self) -> List[Path]:
+        if self.resumed:
+            return [self.resumed]
+        return sorted(self.results_dir / name
+                      for name in _listing(self.results_dir) - self._names_before)
 
 
-def attempts_run_dir(new: Sequence[Path], job_pids: set) -> Optional[Path]:
-    """Which of the ``new`` run directories (sorted, each with a config.json) the
-    attempt writes: the newest whose config.json names one of ``job_pids`` (mpirun and
-    its descendants) as a rank; else, when rank 0 runs on another host (no rank it
-    names is a process here), the only new one. None while that is not known: another
-    run that shares the results directory must never count as this attempt's."""
-    ours = [run_dir for run_dir in new if rank_pids(run_dir) & job_pids]
-    if ours:
-        return ours[-1]
-    if len(new) == 1 and not any(_is_process_here(pid) for pid in rank_pids(new[0])):
-        return new[0]
-    return None
+def attempt_facts(environ=os.environ) -> dict:
+    """What rank 0 records in each status.json for ``mpitrain launch``: the attempt's
+    token (``launch_attempt``, when run by the launcher) and the writing process
+    (``writer``, :func:`process_identity`)."""
+    token = environ.get(ATTEMPT_ENV)
+    return {**({"launch_attempt": token} if token else {}), "writer": process_identity()}
 
 
-def rank_pids(run_dir: Path) -> set:
-    """The process ids of the ranks config.json lists (none if it cannot be read)."""
-    config = read_json_object(run_dir / "config.json")
-    ranks = config.get("ranks") if config else None
-    if not isinstance(ranks, list):
-        return set()
-    return {rank["pid"] for rank in ranks
-            if isinstance(rank, dict) and isinstance(rank.get("pid"), int)}
+def process_identity() -> dict:
+    """This process as another process can tell whether it sees it: its pid, the kernel's
+    boot id and the inode of its pid namespace (None where they cannot be read). A host
+    name would not do: the nodes of a network-namespace cluster have names of their own
+    and share this machine's processes."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = None
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = None
+    return {"pid": os.getpid(), "boot_id": boot_id, "pid_ns": pid_ns}
+
+
+def is_attempts(status: Optional[dict], token: str) -> bool:
+    """True if ``status`` (a status.json's content) was written by the attempt whose token
+    is ``token``."""
+    return bool(status) and status.get("launch_attempt") == token
+
+
+def writer_visible(writer, here: dict) -> bool:
+    """True if the process ``writer`` (status.json's, see :func:`process_identity`) is
+    one this process could see: the same boot, the same pid namespace (``here``: this
+    process's identity)."""
+    return (isinstance(writer, dict) and isinstance(writer.get("pid"), int)
+            and here["boot_id"] is not None and here["pid_ns"] is not None
+            and writer.get("boot_id") == here["boot_id"]
+            and writer.get("pid_ns") == here["pid_ns"])
+
+
+def writer_gone(status: Optional[dict], here: dict) -> bool:
+    """True if ``status`` says running and its writer is a process visible from here that
+    no longer runs (exited, or a zombie). False where that cannot be told (a writer on
+    another host, or none named)."""
+    if not status or status.get("status") != "running":
+        return False
+    writer = status.get("writer")
+    return writer_visible(writer, here) and not _is_running(writer["pid"])
 
 
 def read_json_object(path: Path) -> Optional[dict]:
@@ -484,30 +542,16 @@ def _listing(directory: Path) -> set:
         return set()
 
 
-def _process_tree(pid: int) -> set:
-    """``pid`` and its descendants' process ids (none if it is gone)."""
+def _is_running(pid: int) -> bool:
+    """True if process ``pid`` exists here and is not a zombie."""
     import psutil
 
     try:
-        return {pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))}
-    except psutil.Error:
-        return set()
-
-
-def _is_process_here(pid: int) -> bool:
-    import psutil
-
-    return psutil.pid_exists(pid)
-
-
-def _signature(path: Path) -> Optional[tuple]:
-    """What tells one version of a file from another: an atomic rewrite is a new inode,
-    and its size or modification time usually differs too."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # ZombieProcess is one too
+        return False
+    except psutil.Error:  # AccessDenied: it is there
+        return True
 
 
 def kill_tree(pid: int) -> None:

@@ -24,6 +24,7 @@ from .tools import preflight as preflight_checks
 from .comm import Comm, Role, library_versions
 from .config import Config, resolve
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError
+from .launch import attempt_facts
 from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
 from .console import Console, NullConsole
 from .models.keras_import import onednn_enabled, onednn_hint
@@ -96,7 +97,9 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     sampler = start_sampler(cfg, comm)
     if role is Role.SERVER:
         comm.listen_for_failures()
-    results.set_status("running")
+    # kept in every later status: `mpitrain launch` finds its attempt's run by the token
+    # and tells whether rank 0 is gone by the writer
+    results.set_status("running", **attempt_facts())
     try:
         summary = final_results(ctx) if trained else train(ctx)
     except MpitrainError as error:

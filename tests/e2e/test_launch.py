@@ -159,6 +159,11 @@ def test_stop_signal_checkpoints_and_is_not_restarted(mnist, tmp_path):
     assert read_rows(results / "runs.csv")[-1]["status"] == "interrupted"
     assert (run_dir / "checkpoint.npz").is_file()
     assert leftovers(str(results)) == []
+    # rank 0 got the attempt's token through mpirun and kept it, and itself as the
+    # writer, from running to its end
+    status = json.loads((run_dir / "status.json").read_text())
+    rank_0 = json.loads((run_dir / "config.json").read_text())["ranks"][0]["pid"]
+    assert len(status["launch_attempt"]) == 32 and status["writer"]["pid"] == rank_0
 
 
 def test_a_job_failing_before_any_checkpoint_is_not_retried_forever(tmp_path):

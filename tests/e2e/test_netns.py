@@ -106,8 +106,11 @@ def test_launch_leaves_out_a_lost_node_and_resumes_with_fewer_workers(cluster, t
                           # 15 runs): every rank is gone 2 s after the loss, rank 0
                           # killed before it records the failure, and mpirun alone
                           # then takes 2 s, 55 s or 300 s to exit (waiting for node2's
-                          # daemon). The launcher's TEARDOWN_GRACE waits for a recorded
-                          # end, so it does not shorten this case (not fixed)
+                          # daemon). The launcher bounds that wait: once rank 0, a
+                          # process it can see (same boot and pid namespace as the
+                          # nodes here) whose status.json still says running, is
+                          # gone, mpirun gets TEARDOWN_GRACE (15 s) and is killed (8
+                          # runs of this test alone: 56-99 s, the kill in 1 of them)
                           "--timeout", "60"], env=mpi_env())
     deadline = time.monotonic() + 300
     while not list(results.glob("*/checkpoint.npz")) and time.monotonic() < deadline:
