@@ -269,6 +269,8 @@ class Launcher:
         self.proc: Optional[subprocess.Popen] = None
         self.stop_signal: Optional[int] = None
         self.kill_at: Optional[float] = None
+        #: the run directory the last attempt's token marked (None: not known)
+        self.watched_run_dir: Optional[Path] = None
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
@@ -330,9 +332,13 @@ class Launcher:
         return where / "hostfile.launch"
 
     def _failed_run_dir(self, before: set) -> Optional[Path]:
-        """The run directory the failed attempt wrote in (its own, or the resumed one)."""
+        """The run directory the failed attempt wrote in (its own, or the resumed one):
+        the one its token marked (see RunWatch), else the newest new one (an attempt
+        that failed before rank 0 said running)."""
         if self.resume:
             return Path(self.resume)
+        if self.watched_run_dir is not None:
+            return self.watched_run_dir
         new = sorted(run_dirs(self.results_dir) - before)
         return new[-1] if new else None
 
@@ -347,6 +353,14 @@ class Launcher:
         # view of the environment, as for the probes (see _probe), plus the token
         self.proc = subprocess.Popen(command, start_new_session=True,
                                      env={**os.environ, ATTEMPT_ENV: token})
+        try:
+            return self._watch_job(watch)
+        finally:
+            watch.poll()  # (a run that ended between two looks)
+            self.watched_run_dir = watch.run_dir
+
+    def _watch_job(self, watch: "RunWatch") -> int:
+        """Wait for mpirun, looking at the run's status.json once a second (see run)."""
         while True:
             try:
                 return self.proc.wait(timeout=POLL_INTERVAL)
