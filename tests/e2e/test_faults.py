@@ -102,7 +102,7 @@ def check_results_readable(run_dir: Path) -> None:
 @pytest.mark.parametrize("mode,rank", [("sync", 2), ("async", 2), ("sync", 0), ("async", 0)])
 def test_killed_rank_ends_the_job(mnist, tmp_path, mode, rank):
     extra = ("--async",) if mode == "async" else ()
-    job = Job(4, tmp_path, "--data-dir", str(mnist), *extra, timeout=20)
+    job = Job(3, tmp_path, "--data-dir", str(mnist), *extra, timeout=20)
     job.wait_for_evaluations(3)
     os.kill(job.pid(rank), signal.SIGKILL)
     code, out, seconds = job.finish(bound=20 + 10)
@@ -113,15 +113,15 @@ def test_killed_rank_ends_the_job(mnist, tmp_path, mode, rank):
 
 
 @pytest.mark.exclusive
-@pytest.mark.parametrize("np_,extra", [
-    (4, ()), (4, ("--async",)),
+@pytest.mark.parametrize("extra", [
+    (), ("--async",),
     # the other worker waits inside MPI's blocking allreduce, its heartbeats sent by
     # the watchdog thread (auto picks this where every rank has a core)
-    (3, ("--allreduce-wait", "spin")),
-    # the others wait in the barriers of the sum through shared memory
-    (4, ("--shared-memory", "on"))], ids=["sync", "async", "sync-spin", "sync-shared"])
-def test_stalled_worker_is_named_by_the_watchdog(mnist, tmp_path, np_, extra):
-    job = Job(np_, tmp_path, "--data-dir", str(mnist), *extra, timeout=4)
+    ("--allreduce-wait", "spin"),
+    # the other worker waits in the barriers of the sum through shared memory
+    ("--shared-memory", "on")], ids=["sync", "async", "sync-spin", "sync-shared"])
+def test_stalled_worker_is_named_by_the_watchdog(mnist, tmp_path, extra):
+    job = Job(3, tmp_path, "--data-dir", str(mnist), *extra, timeout=4)
     job.wait_for_evaluations(3)
     victim = job.pid(2)
     os.kill(victim, signal.SIGSTOP)
@@ -146,7 +146,7 @@ def test_a_silent_sync_worker_is_named_at_its_liveness_bound_long_before_the_tim
         mnist, tmp_path):
     # what a host lost without closing its connections looks like to rank 0: a worker
     # that says nothing; the others wait in the allreduce, which --timeout bounds
-    job = Job(4, tmp_path, "--data-dir", str(mnist), "--liveness-floor", "1", timeout=120)
+    job = Job(3, tmp_path, "--data-dir", str(mnist), "--liveness-floor", "1", timeout=120)
     job.wait_for_evaluations(3)
     victim = job.pid(2)
     os.kill(victim, signal.SIGSTOP)
@@ -175,7 +175,7 @@ RESUME_EPOCHS = 15  # long enough to stop mid-run after 4 evaluations
 def uninterrupted_weights(tmp_path_factory):
     """Final weights of an uninterrupted sync LR run (the resume tests' reference)."""
     results = tmp_path_factory.mktemp("straight")
-    straight = mpirun(4, "lr", "--data-dir", mnist_dir(), "--results-dir", results,
+    straight = mpirun(3, "lr", "--data-dir", mnist_dir(), "--results-dir", results,
                       "--epochs", str(RESUME_EPOCHS), "--quiet", timeout=600)
     assert straight.returncode == 0, straight.stderr[-2000:]
     return final_weights(next(d for d in results.iterdir() if d.is_dir()))
@@ -184,10 +184,10 @@ def uninterrupted_weights(tmp_path_factory):
 @pytest.mark.parametrize("how", ["SIGTERM to every rank", "SIGUSR1 to mpirun"])
 def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how, uninterrupted_weights):
     epochs = RESUME_EPOCHS
-    job = Job(4, tmp_path / "a", "--data-dir", str(mnist), epochs=epochs)
+    job = Job(3, tmp_path / "a", "--data-dir", str(mnist), epochs=epochs)
     job.wait_for_evaluations(4)
     if how.startswith("SIGTERM"):
-        for rank in range(4):
+        for rank in range(3):
             os.kill(job.pid(rank), signal.SIGTERM)
     else:
         os.kill(job.proc.pid, signal.SIGUSR1)
@@ -196,12 +196,12 @@ def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how, uninter
     assert "mpitrain: interrupted: stopped by SIG" in out
     run_dir = job.run_dir()
     stopped = read_rows(tmp_path / "a" / "runs.csv")[-1]
-    per_epoch = -(-mnist_shard(3) // 100)  # steps: 3 workers, the default batch of 100
+    per_epoch = -(-mnist_shard(2) // 100)  # steps: 2 workers, the default batch of 100
     assert stopped["status"] == "interrupted" and 0 < int(stopped["steps"]) < per_epoch * epochs
     assert json.loads((run_dir / "status.json").read_text())["status"] == "interrupted"
     job.assert_no_leftovers()
 
-    resumed = mpirun(4, "lr", "--resume", run_dir, "--quiet", timeout=600)
+    resumed = mpirun(3, "lr", "--resume", run_dir, "--quiet", timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = read_rows(tmp_path / "a" / "runs.csv")
     assert [r["status"] for r in rows] == ["interrupted", "ok"] and rows[-1]["resumed"] == "True"
