@@ -98,14 +98,14 @@ def test_resnet_on_a_cifar10_directory_sync_and_async(tmp_path):
     cifar = write_cifar(tmp_path / "data" / "cifar-10-batches-py")
     out = tmp_path / "out"
     out.mkdir()
-    in_one_launch(3, [["resnet", "--data", tmp_path / "data", "--epochs", "6", "--results-dir",
+    in_one_launch(3, [["resnet", "--data", tmp_path / "data", "--epochs", "4", "--results-dir",
                        out / mode, "--quiet", *extra]
                       for mode, extra in (("sync", []), ("async", ["--async"]))], out)
     for mode in ("sync", "async"):
         row = last_run(out / mode)
         assert (row["dataset"], row["input_shape"], row["num_classes"], row["mode"]) == \
             ("cifar10", "32x32x3", "10", mode)
-        assert float(row["test_accuracy"]) > 0.5  # chance: 0.1; measured 1.0 in 6 epochs
+        assert float(row["test_accuracy"]) > 0.5  # chance: 0.1; measured 1.0 (sync), 0.995 (async) in 4
         meta = json.loads((out / mode / row["run"] / "config.json").read_text())
         assert meta["dataset"]["classes"][0] == "class0"
         assert meta["dataset"]["source"] == str(cifar)
