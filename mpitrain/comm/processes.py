@@ -25,7 +25,7 @@ class PeerProcesses:
     def __init__(self, comm, ranks: Optional[Iterable[int]] = None):
         import psutil
 
-        self._psutil = psutil
+        self._psutil, self._comm = psutil, comm
         self.local: Dict[int, object] = {}
         wanted = range(comm.size) if ranks is None else ranks
         for rank in wanted:
@@ -64,12 +64,13 @@ class PeerProcesses:
         time.sleep(REAP_SETTLE)  # for the daemon to tell mpirun
         return True
 
-    def watch(self, comm, rank: int, role: str) -> Optional[Callable[[], None]]:
+    def watch(self, rank: int, role: str) -> Optional[Callable[[], None]]:
         """A check for :attr:`Comm.while_waiting` (called about once a second while this
         rank waits) that raises :class:`CommTimeout` once ``rank``'s process is gone;
         None when ``rank`` is not on this host (nothing to see)."""
         if rank not in self.local:
             return None
+        comm = self._comm
 
         def check() -> None:
             if not self.alive(rank):

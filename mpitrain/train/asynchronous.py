@@ -93,7 +93,7 @@ def train(ctx: Context) -> Summary:
     comm = ctx.comm
     # under --enable-recovery the server's death does not end the job: a worker on its
     # host sees it directly and stops, instead of waiting out its reply bound
-    comm.while_waiting = PeerProcesses(comm, [0]).watch(comm, 0, "the parameter server") \
+    comm.while_waiting = PeerProcesses(comm, [0]).watch(0, "the parameter server") \
         if recovery_enabled() else None
     try:
         return _work(ctx, clock)
