@@ -88,7 +88,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
@@ -269,8 +269,6 @@ class Launcher:
         self.proc: Optional[subprocess.Popen] = None
         self.stop_signal: Optional[int] = None
         self.kill_at: Optional[float] = None
-        #: the run directory the last attempt's token marked (None: not known)
-        self.watched_run_dir: Optional[Path] = None
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
@@ -286,7 +284,7 @@ class Launcher:
         for attempt in range(self.max_restarts + 1):
             before = run_dirs(self.results_dir)
             argv = self.training + (["--resume", self.resume] if self.resume else [])
-            code = self._run_job(argv)
+            code, watched = self._run_job(argv)
             self._kill_job()  # a rank that outlived mpirun must not hold on to its shard
             if code == 0:
                 if attempt:
@@ -299,7 +297,7 @@ class Launcher:
                 return EXIT_INTERRUPTED
             if code == EXIT_USAGE:
                 return EXIT_USAGE
-            run_dir = self._failed_run_dir(before)
+            run_dir = self._failed_run_dir(before, watched)
             if run_dir is not None and (run_dir / CHECKPOINT).is_file():
                 self.resume = str(run_dir)
             elif self.resume is None:
@@ -331,20 +329,21 @@ class Launcher:
         where.mkdir(parents=True, exist_ok=True)
         return where / "hostfile.launch"
 
-    def _failed_run_dir(self, before: set) -> Optional[Path]:
+    def _failed_run_dir(self, before: set, watched: Optional[Path]) -> Optional[Path]:
         """The run directory the failed attempt wrote in (its own, or the resumed one):
-        the one its token marked (see RunWatch), else the newest new one (an attempt
-        that failed before rank 0 said running)."""
+        the one its token marked (``watched``, see RunWatch), else the newest new one
+        (an attempt that failed before rank 0 said running)."""
         if self.resume:
             return Path(self.resume)
-        if self.watched_run_dir is not None:
-            return self.watched_run_dir
+        if watched is not None:
+            return watched
         new = sorted(run_dirs(self.results_dir) - before)
         return new[-1] if new else None
 
-    def _run_job(self, argv: Sequence[str]) -> int:
-        """Run one attempt; its exit code (or, when mpirun outlived the run's own end, or
-        rank 0, by TEARDOWN_GRACE and was killed: the code of the run's status, or 1)."""
+    def _run_job(self, argv: Sequence[str]) -> Tuple[int, Optional[Path]]:
+        """Run one attempt: its exit code (or, when mpirun outlived the run's own end, or
+        rank 0, by TEARDOWN_GRACE and was killed: the code of the run's status, or 1),
+        and the run directory its token marked (None if rank 0 never said running)."""
         command = self.job.command() + list(argv)
         say("$ " + " ".join(command))
         token = uuid.uuid4().hex
@@ -353,11 +352,9 @@ class Launcher:
         # view of the environment, as for the probes (see _probe), plus the token
         self.proc = subprocess.Popen(command, start_new_session=True,
                                      env={**os.environ, ATTEMPT_ENV: token})
-        try:
-            return self._watch_job(watch)
-        finally:
-            watch.poll()  # (a run that ended between two looks)
-            self.watched_run_dir = watch.run_dir
+        code = self._watch_job(watch)
+        watch.poll()  # (a run that ended between two looks)
+        return code, watch.run_dir
 
     def _watch_job(self, watch: "RunWatch") -> int:
         """Wait for mpirun, looking at the run's status.json once a second (see run)."""

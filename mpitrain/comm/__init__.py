@@ -62,7 +62,8 @@ from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending, 
                       blocking_call_bound)
 
 __all__ = [
-    "Comm", "PeerProcesses", "SharedMemorySum", "one_host", "share_with_server", "shares_with_server", "Role",
+    "Comm", "PeerProcesses", "SharedMemorySum", "one_host", "share_with_server",
+    "shares_with_server", "Role",
     "Traffic", "Pending", "Persistent", "Backoff", "HOT",
     "IDLE", "SERVING",
     "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",

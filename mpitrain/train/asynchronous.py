@@ -148,10 +148,18 @@ def _pipelining_mode(cfg) -> str:
     return "off" if cfg.staleness is not None else cfg.pipeline
 
 
+def _pushes_and_leases(seq: list) -> Tuple[list, list]:
+    """A worker's push slots and its lease slots (one more than pushes), from ``seq``
+    laid out as :func:`_mailbox_shape` (lengths, or the slots themselves)."""
+    most = (len(seq) - 1) // 2
+    return seq[:most], seq[most:]
+
+
 def _share_mailboxes(ctx: Context, shape: List[int]) -> tuple:
     """(this worker's shared slots or [], on the server every sharing worker's by
     rank): :func:`mpitrain.comm.share_with_server` of slots of ``shape``
-    (:func:`_mailbox_shape`) for ``--shared-memory`` auto or on. Collective over the world; the server and every worker call it once, first."""
+    (:func:`_mailbox_shape`) for ``--shared-memory`` auto or on. Collective over the
+    world; the server and every worker call it once, first."""
     comm, mode = ctx.comm, ctx.cfg.shared_memory
     if mode == "off":
         return [], {}
@@ -170,12 +178,12 @@ def _share_mailboxes(ctx: Context, shape: List[int]) -> tuple:
 
 def _worker_mailbox(ctx: Context) -> Mailbox:
     shape = _mailbox_shape(ctx)
-    most = (len(shape) - 1) // 2
     slots, _ = _share_mailboxes(ctx, shape)
     if slots:
-        return Mailbox(slots[:most], slots[most:], SLOTS)
-    return Mailbox([new_message(n - SLOTS) for n in shape[:most]],
-                   [new_message(n - SLOTS) for n in shape[most:]], None)
+        return Mailbox(*_pushes_and_leases(slots), SLOTS)
+    pushes, leases = _pushes_and_leases(shape)
+    return Mailbox([new_message(n - SLOTS) for n in pushes],
+                   [new_message(n - SLOTS) for n in leases], None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -441,18 +449,18 @@ class Server:
         """Every worker's ledger, with its receive and reply buffers: whole messages, or
         headers where it shares this host's memory (:class:`Mailbox`)."""
         shape = _mailbox_shape(ctx)
-        most = (len(shape) - 1) // 2
         _, shared = _share_mailboxes(ctx, shape)
         ledgers = {}
         for r in range(1, self.comm.size):
             slots = shared.get(r)
             whole = slots is None
+            pushes, leases = (None, None) if whole else _pushes_and_leases(slots)
             ledgers[r] = WorkerLedger(
                 r, new_message(shape[0] - SLOTS if whole else 0),
                 [new_message(shape[-1] - SLOTS if whole else 0)],
                 takes_weights=f"{self.comm.name(r)} to take its weights",
                 takes_last_reply=f"{self.comm.name(r)} to take its last reply",
-                pushes=None if whole else slots[:most], leases=None if whole else slots[most:])
+                pushes=pushes, leases=leases)
             ledgers[r].receive = self.comm.recv_init(ledgers[r].recv, r, TAG_GRADIENT, "push",
                                                      "a gradient")
             ledgers[r].replying.append(self._reply_op(ledgers[r], 0))
