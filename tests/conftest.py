@@ -341,14 +341,21 @@ def read_rows(path: Path) -> list:
         return list(csv.DictReader(f))
 
 
-def in_one_launch(np_: int, runs, workdir: Path, timeout: float = 900, **kw):
+def runs_in_one_launch(np_: int, runs, workdir: Path, timeout: float = 900,
+                       **kw) -> subprocess.CompletedProcess:
     """Run several ``mpitrain`` command lines (lists of arguments) one after another in
     one ``mpirun -np N`` (tests/helpers/cli_runs.py): each rank imports TensorFlow once
-    for all of them. Fails the test if any run fails. ``kw``: as for mpirun_cmd."""
+    for all of them. Its exit code is the first non-zero one of a run, else 0. ``kw``:
+    as for mpirun_cmd."""
     spec = workdir / f"runs-np{np_}.json"
     spec.write_text(json.dumps([[str(arg) for arg in run] for run in runs]))
-    result = run_bounded(mpirun_cmd(np_, REPO / "tests" / "helpers" / "cli_runs.py", spec,
-                                    module=None, **kw), timeout)
+    return run_bounded(mpirun_cmd(np_, REPO / "tests" / "helpers" / "cli_runs.py", spec,
+                                  module=None, **kw), timeout)
+
+
+def in_one_launch(np_: int, runs, workdir: Path, timeout: float = 900, **kw):
+    """:func:`runs_in_one_launch`, failing the test if any run fails."""
+    result = runs_in_one_launch(np_, runs, workdir, timeout, **kw)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

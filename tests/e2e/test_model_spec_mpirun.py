@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from conftest import MY_CNN, REPO, mpirun, mpirun_cmd, read_rows, run_bounded
+from conftest import (MY_CNN, REPO, mpirun, mpirun_cmd, read_rows, run_bounded,
+                      runs_in_one_launch)
 
 def error_lines(result):
     return [line for line in result.stderr.splitlines() if line.startswith("mpitrain: error")]
@@ -137,11 +138,8 @@ BUILT_BAD_SPECS = {
 def test_bad_specs_that_fail_when_built_are_one_line_each(tmp_path, mnist):
     write_bad_files(tmp_path)
     specs = [spec.format(tmp=tmp_path) for spec in BUILT_BAD_SPECS]
-    runs = tmp_path / "runs.json"
-    runs.write_text(json.dumps([[spec, "--dry-run", "--data-dir", str(mnist), "--results-dir",
-                                 str(tmp_path / "res")] for spec in specs]))
-    result = run_bounded(mpirun_cmd(3, REPO / "tests" / "helpers" / "cli_runs.py", runs,
-                                    module=None), 300)
+    result = runs_in_one_launch(3, [[spec, "--dry-run", "--data-dir", mnist, "--results-dir",
+                                     tmp_path / "res"] for spec in specs], tmp_path, 300)
     assert result.returncode == 2, result.stderr[-3000:]
     lines = error_lines(result)
     assert len(lines) == len(specs), result.stderr  # one each, printed once
