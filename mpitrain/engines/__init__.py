@@ -12,23 +12,29 @@ Horovod.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 from ..comm import SharedMemorySum, one_host
 from ..errors import UsageError
 
 
+@contextmanager
 def gradient_engine(cfg, workers, run_dir: Optional[str] = None):
-    """The engine ``cfg.allreduce`` names, over the workers' communicator ``workers``:
-    for mpi, the communicator itself, or its sum through shared memory where every
-    worker runs on one host (``--shared-memory``, :mod:`mpitrain.comm.shared`).
-    Collective over the workers (Horovod initialises on it)."""
+    """``with gradient_engine(...) as engine:`` the engine ``cfg.allreduce`` names, over
+    the workers' communicator ``workers``, for one run: for mpi, the communicator
+    itself, or its sum through shared memory where every worker runs on one host
+    (``--shared-memory``, :mod:`mpitrain.comm.shared`); for horovod, recording the run's
+    timeline to ``run_dir`` while inside if ``cfg.horovod_timeline``. Collective over
+    the workers (Horovod initialises on it)."""
     if cfg.allreduce != "horovod":
-        return _mpi_engine(cfg, workers)
+        yield _mpi_engine(cfg, workers)
+        return
     from .horovod import HorovodAllreduce
 
-    timeline = f"{run_dir}/horovod-timeline.json" if cfg.horovod_timeline else None
-    return HorovodAllreduce(workers, timeline, stall_seconds=cfg.timeout)
+    engine = HorovodAllreduce(workers, stall_seconds=cfg.timeout)
+    with engine.timeline(f"{run_dir}/horovod-timeline.json" if cfg.horovod_timeline else None):
+        yield engine
 
 
 def _mpi_engine(cfg, workers):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Optional
 
 import numpy as np
@@ -21,13 +22,14 @@ class HorovodAllreduce:
     it sums with Horovod, exactly like the MPI engine, so the two differ only in
     how the bytes travel. Horovod's own knobs
     come from the environment: HOROVOD_CYCLE_TIME (ms, default 1: its latency
-    floor), HOROVOD_FUSION_THRESHOLD, HOROVOD_TIMELINE.
+    floor), HOROVOD_FUSION_THRESHOLD. A run's timeline is :meth:`timeline`.
     """
 
-    def __init__(self, workers: Comm, timeline: Optional[str] = None,
-                 stall_seconds: float = 300.0):
-        if timeline:
-            os.environ["HOROVOD_TIMELINE"] = timeline  # read by hvd.init
+    def __init__(self, workers: Comm, stall_seconds: float = 300.0):
+        # Horovod starts once per process (a second hvd.init does nothing) and reads
+        # HOROVOD_TIMELINE only then: DYNAMIC lets every run of the process (mpitrain.fit
+        # called twice) start and stop a timeline file of its own
+        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
         # Horovod's allreduce blocks in C++; its stall detector is the bound there
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(stall_seconds)))
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
@@ -38,6 +40,19 @@ class HorovodAllreduce:
         hvd.init(comm=workers.mpi4py_comm)
         self.hvd, self.tf, self.workers = hvd, tf, workers
         self.size = hvd.size()
+
+    @contextmanager
+    def timeline(self, path: Optional[str]):
+        """Record Horovod's Chrome-trace timeline of what runs inside to ``path`` (written
+        by the first worker; nothing if ``path`` is None). Collective over the workers."""
+        if not path:
+            yield
+            return
+        self.hvd.start_timeline(path)
+        try:
+            yield
+        finally:
+            self.hvd.stop_timeline()
 
     def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
                        kind: str = "allreduce", computing: bool = False) -> np.ndarray:

@@ -170,15 +170,16 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
     n, n_workers = replica.n_params, workers.size
     alone = n_workers == 1  # nothing to average: use the fused one-call step
     tail = 1 + n_workers  # the status tail: a stop flag, a loss per worker
-    engine = workers if alone else sync_engine(
-        gradient_engine(ctx.cfg, workers, ctx.run_dir), ctx.cfg.compression, n, n + tail)
-    # the gradient comes divided by the number of workers: their sum is the mean
-    exchange = None if alone else exchange_for(ctx.cfg, replica, engine, tail,
-                                               1.0 / n_workers, workers)
-    try:
-        return _steps(ctx, link, start_step, exchange)
-    finally:
-        if exchange is not None:
+    if alone:
+        return _steps(ctx, link, start_step, None)
+    with gradient_engine(ctx.cfg, workers, ctx.run_dir) as engine:
+        # the gradient comes divided by the number of workers: their sum is the mean
+        exchange = exchange_for(ctx.cfg, replica, sync_engine(engine, ctx.cfg.compression,
+                                                              n, n + tail),
+                                tail, 1.0 / n_workers, workers)
+        try:
+            return _steps(ctx, link, start_step, exchange)
+        finally:
             exchange.close()
 
 

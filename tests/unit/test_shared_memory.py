@@ -64,19 +64,22 @@ def config(**kw):
 ])
 def test_the_mpi_engine_shares_memory_where_every_worker_is_on_one_host(settings, hosts, shares):
     workers = workers_on(*hosts)
-    engine = gradient_engine(config(**settings), workers)
+    with gradient_engine(config(**settings), workers) as engine:
+        pass
     assert isinstance(engine, SharedMemorySum) == shares
     if not shares:
         assert engine is workers
     else:
         assert engine.min_bytes == shared.SHARED_MIN_BYTES
-    assert gradient_engine(config(shared_memory="on"), workers_on("a", "a")).min_bytes == 0
+    with gradient_engine(config(shared_memory="on"), workers_on("a", "a")) as engine:
+        assert engine.min_bytes == 0
 
 
 def test_shared_memory_on_across_hosts_is_one_line():
     with pytest.raises(UsageError, match=r"needs every worker on one host; these run on 2 "
                                          r"\(a, b\): use --shared-memory auto"):
-        gradient_engine(config(shared_memory="on"), workers_on("a", "b"))
+        with gradient_engine(config(shared_memory="on"), workers_on("a", "b")):
+            pass
 
 
 @pytest.mark.parametrize("settings,message", [
