@@ -3,10 +3,9 @@
 The suite runs two tests at a time (pytest-xdist, ``-n 2 --dist loadfile`` in
 pytest.ini: a file's tests stay on one worker, so module fixtures such as the netns
 cluster, the SLURM daemons or a reference run are made once): most end-to-end time
-is process start-up, TensorFlow imports and waits, which overlap well. Tests whose
-assertions hold only on an otherwise idle machine (watchdog and liveness bounds,
-signals at a moment, stop grace periods) are marked ``exclusive`` and run alone:
-:func:`_exclusive_or_shared` holds a lock shared by the others.
+is process start-up, TensorFlow imports and waits, which overlap well. Every test
+shares the machine: the watchdog and liveness tests' bounds hold with another
+launch beside them (checked with a -np 4 LeNet run looping beside them).
 """
 
 from __future__ import annotations
@@ -39,57 +38,6 @@ LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
 BN_MODEL_SPEC = f"{REPO / 'tests' / 'helpers' / 'bn_model.py'}:build"
 
 
-def is_exclusive(item) -> bool:
-    return item.get_closest_marker("exclusive") is not None
-
-
-#: this xdist worker's readers-writer lock files (open for its whole life), and whether it
-#: kept the exclusive lock from its previous test for the next one
-_lock_files: dict = {}
-_kept_exclusive = False
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    item.next_item = nextitem  # for _exclusive_or_shared: may it keep its lock?
-
-
-@pytest.fixture(autouse=True)
-def _exclusive_or_shared(request, tmp_path_factory):
-    """A readers-writer lock across the xdist workers: an ``exclusive`` test holds it
-    alone, every other test shares it. A turnstile, taken by everyone on the way in,
-    keeps a waiting exclusive test from being starved by a stream of shared ones.
-
-    An exclusive test followed by another on this worker (a file's exclusive tests run
-    one after another: :func:`exclusive_tests_first`) hands the lock straight on:
-    released in between, the other worker would start a test, and the next exclusive
-    one would wait for it to end with a core idle (258 s of such waits in one
-    whole-suite run)."""
-    global _kept_exclusive
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        yield  # one process: nothing runs beside this test
-        return
-    exclusive = is_exclusive(request.node)
-    if not _lock_files:
-        root = session_dir(tmp_path_factory)
-        _lock_files.update(lock=open(root / "suite.lock", "a"),
-                           gate=open(root / "turnstile.lock", "a"))
-    lock = _lock_files["lock"]
-    waiting = time.monotonic()
-    if not (exclusive and _kept_exclusive):
-        with _flock(_lock_files["gate"], fcntl.LOCK_EX):
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-    # not the test's own time (tests/durations.json leaves it out)
-    request.node.user_properties.append(("lock_wait", time.monotonic() - waiting))
-    try:
-        yield
-    finally:
-        following = getattr(request.node, "next_item", None)
-        _kept_exclusive = exclusive and following is not None and is_exclusive(following)
-        if not _kept_exclusive:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 #: measured seconds per test (setup + call + teardown), for the order below; a run with
 #: MPITRAIN_RECORD_DURATIONS=1 updates the entries of the tests it ran
 DURATIONS = Path(__file__).with_name("durations.json")
@@ -99,7 +47,7 @@ _recorded: dict = {}
 @pytest.hookimpl(trylast=True)  # after -m/-k have deselected
 def pytest_collection_modifyitems(items):
     """Files in order of their selected tests' measured time, longest first, each file's
-    exclusive tests first, then the others, each in their own order. Under ``--dist
+    tests in their own order. Under ``--dist
     loadfile`` a file runs on one worker and files are handed out in this order, so a
     long file handed out last leaves the other worker idle: the quick tier's last file
     was the 50 s tests/unit/test_plots.py, and a sampler saw 15% of the CPU idle, most
@@ -107,22 +55,11 @@ def pytest_collection_modifyitems(items):
     seconds = _measured_seconds()
     if seconds:
         longest_files_first(items, seconds)
-    exclusive_tests_first(items, is_exclusive)
 
 
 def file_of(nodeid: str) -> str:
     """The file part of a pytest node id (``tests/e2e/test_cli.py::test_x[2]``)."""
     return nodeid.split("::")[0]
-
-
-def exclusive_tests_first(items, exclusive) -> None:
-    """Sort ``items`` in place so that each file's ``exclusive`` tests come first, one
-    after another (each group in its own order; files keep their order): consecutive
-    exclusive tests hand their lock on (:func:`_exclusive_or_shared`)."""
-    first = {}
-    for i, item in enumerate(items):
-        first.setdefault(file_of(item.nodeid), i)
-    items.sort(key=lambda item: (first[file_of(item.nodeid)], not exclusive(item)))
 
 
 def longest_files_first(items, seconds: dict) -> None:
@@ -177,10 +114,7 @@ def pytest_runtest_logreport(report):
         name = file_of(report.nodeid)
         _cpu_by_file[name] = _cpu_by_file.get(name, 0.0) + cpu
     if os.environ.get("MPITRAIN_RECORD_DURATIONS"):
-        own = report.duration
-        if report.when == "setup":  # the lock fixture's wait is not the test's own time
-            own -= dict(report.user_properties).get("lock_wait", 0.0)
-        _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + max(0.0, own)
+        _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session):
@@ -383,9 +317,11 @@ def final_weights(run_dir: Path, row: dict):
         return ckpt["weights"].copy()
 
 
-#: The LR accuracy runs the acceptance tests compare (default LR, 30 epochs on the real
-#: MNIST), by process count. The first test that asks for one at some -np runs all of
-#: that -np's in one launch (in_one_launch); a test asking for another must add it here.
+#: The LR accuracy runs the acceptance tests compare (default LR, LR_ACCURACY_EPOCHS on
+#: the real MNIST), by process count. The first test that asks for one at some -np runs
+#: all of that -np's in one launch (in_one_launch); a test asking for another must add
+#: it here.
+LR_ACCURACY_EPOCHS = 15
 LR_ACCURACY_RUNS = {
     1: [()],
     2: [()],
@@ -411,7 +347,7 @@ def once_per_session(tmp_path_factory, name: str, make):
 @pytest.fixture(scope="session")
 def lr_accuracy(tmp_path_factory):
     """``lr_accuracy(np, *options)``: test accuracy of a default LR run on the real
-    MNIST (30 epochs), run once in the whole session (:func:`once_per_session`, all of
+    MNIST (LR_ACCURACY_EPOCHS), run once in the whole session (:func:`once_per_session`, all of
     one -np's runs in one launch): the sync and async accuracy tests compare against the
     same sync runs."""
     def accuracy(np_: int, *options) -> float:
@@ -427,8 +363,8 @@ def lr_runs(np_: int, results: Path) -> dict:
     options = LR_ACCURACY_RUNS[np_]
     results.mkdir()
     found = named_runs_in_one_launch(np_, {str(i): ["lr", "--data-dir", mnist_dir(), "--quiet",
-                                                    *extra] for i, extra in enumerate(options)},
-                                     results)
+                                                    "--epochs", LR_ACCURACY_EPOCHS, *extra]
+                                           for i, extra in enumerate(options)}, results)
     return {" ".join(extra): float(found[str(i)][1]["test_accuracy"])
             for i, extra in enumerate(options)}
 

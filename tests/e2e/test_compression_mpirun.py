@@ -38,7 +38,7 @@ def test_fp16_halves_the_gradient_bytes(mode, shared_run):
 
 @pytest.mark.slow
 def test_fp16_accuracy_within_half_a_point(lr_accuracy):
-    """LR, 30 epochs on the real MNIST at -np 3: fp16 within 0.5 pp of float32, sync and
+    """LR (LR_ACCURACY_EPOCHS) on the real MNIST at -np 3: fp16 within 0.5 pp of float32, sync and
     async (the float32 runs are the ones the async accuracy test compares)."""
     found = {}
     for mode in ([], ["--async"]):

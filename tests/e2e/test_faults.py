@@ -21,10 +21,6 @@ import pytest
 
 from conftest import LOCAL_HOSTFILE, mnist_dir, mnist_shard, mpi_env, mpirun, read_rows
 
-# exclusive: the tests that time a fault (a watchdog or liveness bound of seconds, which
-# load beside them could trip on a healthy rank). A kill or a stop request mid-run shares
-# the machine: its outcome does not depend on when it lands, and its bounds are far
-# from what they bound.
 pytestmark = pytest.mark.slow
 
 
@@ -112,7 +108,6 @@ def test_killed_rank_ends_the_job(mnist, tmp_path, mode, rank):
     job.assert_no_leftovers()
 
 
-@pytest.mark.exclusive
 @pytest.mark.parametrize("extra", [
     (), ("--async",),
     # the other worker waits inside MPI's blocking allreduce, its heartbeats sent by
@@ -141,7 +136,6 @@ def test_stalled_worker_is_named_by_the_watchdog(mnist, tmp_path, extra):
     job.assert_no_leftovers()
 
 
-@pytest.mark.exclusive
 def test_a_silent_sync_worker_is_named_at_its_liveness_bound_long_before_the_timeout(
         mnist, tmp_path):
     # what a host lost without closing its connections looks like to rank 0: a worker

@@ -1,8 +1,8 @@
 """MPI_Finalize is a wait like any other: bounded, and without Open MPI's closing fence
 under --enable-recovery. Each case runs in a fresh process (MPI initialises once per
-process), as a singleton (no mpirun needed). Not ``exclusive``: each bound is an alarm
-that ends a process sleeping far longer, or a finalize that takes milliseconds, so
-load beside them cannot change an outcome."""
+process), as a singleton (no mpirun needed). Load beside them cannot change an outcome: each
+bound is an alarm that ends a process sleeping far longer, or a finalize that takes
+milliseconds."""
 
 import signal
 import subprocess

@@ -16,7 +16,7 @@ import pytest
 from conftest import (LOCAL_HOSTFILE, finish_bounded, mnist_dir, mpirun_cmd,
                       start_bounded)
 
-pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
+pytestmark = pytest.mark.slow
 
 # LR async at -np 4 (3 workers) in batches of 5: ~1,300 steps an epoch, 1.2-1.5 s of
 # it on the Xeon, so a worker lost after the first epoch is dropped (after 1 s of

@@ -16,9 +16,9 @@ import pytest
 
 from conftest import REPO, mpi_env, read_rows, run_bounded
 
-# Not exclusive: the job runs are bounded by minutes (--time, Job.finish) against
-# seconds of work, and the scancel lands while training is under way (500 epochs), so
-# load beside them cannot change an outcome.
+# Load beside them cannot change an outcome: the job runs are bounded by minutes
+# (--time, Job.finish) against seconds of work, and the scancel lands while training
+# is under way (500 epochs).
 pytestmark = pytest.mark.slow
 SLURM = REPO / "scripts" / "slurm-local"
 ONE_HOST = ["--nodes=1", "--ntasks=4", "--ntasks-per-node=4"]

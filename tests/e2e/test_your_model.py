@@ -109,6 +109,9 @@ def test_resnet_on_a_cifar10_directory_sync_and_async(tmp_path):
         meta = json.loads((out / mode / row["run"] / "config.json").read_text())
         assert meta["dataset"]["classes"][0] == "class0"
         assert meta["dataset"]["source"] == str(cifar)
+        with np.load(out / mode / row["run"] / "checkpoint.npz") as f:
+            assert f["weights"].shape == (272474,)  # resnet's, 10 classes
+            assert f["buffers"].shape == (1568,)  # BatchNorm's moving statistics
 
 
 @pytest.mark.slow

@@ -1,9 +1,8 @@
-"""The suite's own order (tests/conftest.py): longest files first, each file's exclusive
-tests first."""
+"""The suite's own order (tests/conftest.py): longest files first."""
 
 from types import SimpleNamespace
 
-from conftest import exclusive_tests_first, longest_files_first
+from conftest import longest_files_first
 
 
 def ids(*nodeids):
@@ -24,9 +23,3 @@ def test_only_the_selected_tests_count_and_unknown_ones_count_nothing():
     longest_files_first(items, {"a.py::t1": 2, "b.py::quick": 1, "b.py::slow": 100})
     assert [i.nodeid for i in items] == ["a.py::t1", "b.py::quick", "d.py::new"]
 
-
-def test_each_files_exclusive_tests_go_first_together_and_files_keep_their_order():
-    items = ids("a.py::s1", "a.py::x1", "a.py::s2", "a.py::x2", "b.py::s1", "b.py::x1")
-    exclusive_tests_first(items, lambda item: "::x" in item.nodeid)
-    assert [i.nodeid for i in items] == ["a.py::x1", "a.py::x2", "a.py::s1", "a.py::s2",
-                                         "b.py::x1", "b.py::s1"]
