@@ -89,20 +89,21 @@ def test_sync_run_survives_a_killed_worker_then_a_killed_server(mnist, tmp_path)
     parameter server) after the restart's next checkpoint: the run completes after two restarts, in one
     results directory with one curve, and (sync resume is bit-exact) ends with the
     very weights of a run that was never interrupted."""
-    training = [*TRAINING[:-3], "--epochs", "2", "--quiet"]  # 2 epochs: ~2,700 steps each
+    # -np 3: 2 workers, 2 epochs of 2,000 steps each (batches of 5)
+    training = [*TRAINING[:-3], "--epochs", "2", "--quiet"]
     reference = tmp_path / "reference"
-    clean = mpirun(4, *training, "--data-dir", mnist, "--results-dir", reference, timeout=600)
+    clean = mpirun(3, *training, "--data-dir", mnist, "--results-dir", reference, timeout=600)
     assert clean.returncode == 0, clean.stderr[-3000:]
 
     results = tmp_path / "launched"
     t0 = time.time()
-    # checkpoints every 300 steps too (mid-epoch: an epoch is ~1,300 steps), which must
-    # not change a single weight, and a restart resumes mid-epoch
-    proc = start_launch("-np", 4, "-hostfile", LOCAL_HOSTFILE, *training, "--data-dir", mnist,
-                        "--results-dir", results, "--checkpoint-steps", 300)
+    # checkpoints every 200 steps too (mid-epoch), which must not change a single weight,
+    # and a restart resumes mid-epoch; the second kill comes at step 400 or soon after
+    proc = start_launch("-np", 3, "-hostfile", LOCAL_HOSTFILE, *training, "--data-dir", mnist,
+                        "--results-dir", results, "--checkpoint-steps", 200)
     run_dir = the_run_dir(results)
     first = wait_for(lambda: checkpoint_step(run_dir), 300, "the first checkpoint")
-    assert first % 300 == 0, first
+    assert first % 200 == 0, first
     os.kill(rank_pids(run_dir, t0)[2], signal.SIGKILL)
     t1 = time.time()
     wait_for(lambda: checkpoint_step(run_dir) > first, 300, "a checkpoint after the restart")
