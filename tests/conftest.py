@@ -47,11 +47,10 @@ _recorded: dict = {}
 @pytest.hookimpl(trylast=True)  # after -m/-k have deselected
 def pytest_collection_modifyitems(items):
     """Files in order of their selected tests' measured time, longest first, each file's
-    tests in their own order. Under ``--dist
-    loadfile`` a file runs on one worker and files are handed out in this order, so a
-    long file handed out last leaves the other worker idle: the quick tier's last file
-    was the 50 s tests/unit/test_plots.py, and a sampler saw 15% of the CPU idle, most
-    of it at the end. Unknown tests count 0 s."""
+    tests in their own order. Under ``--dist loadfile`` a file runs on one worker and
+    files are handed out in this order, so a long file handed out last leaves the other
+    worker idle: the quick tier's last file was the 50 s tests/unit/test_plots.py, and a
+    sampler saw 15% of the CPU idle, most of it at the end. Unknown tests count 0 s."""
     seconds = _measured_seconds()
     if seconds:
         longest_files_first(items, seconds)
@@ -347,8 +346,8 @@ def once_per_session(tmp_path_factory, name: str, make):
 @pytest.fixture(scope="session")
 def lr_accuracy(tmp_path_factory):
     """``lr_accuracy(np, *options)``: test accuracy of a default LR run on the real
-    MNIST (LR_ACCURACY_EPOCHS), run once in the whole session (:func:`once_per_session`, all of
-    one -np's runs in one launch): the sync and async accuracy tests compare against the
+    MNIST (LR_ACCURACY_EPOCHS), run once in the whole session
+    (:func:`once_per_session`, all of one -np's runs in one launch): the sync and async accuracy tests compare against the
     same sync runs."""
     def accuracy(np_: int, *options) -> float:
         assert options in LR_ACCURACY_RUNS[np_], f"add {options} to LR_ACCURACY_RUNS[{np_}]"
