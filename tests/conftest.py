@@ -21,7 +21,6 @@ import resource
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 

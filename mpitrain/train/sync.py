@@ -173,10 +173,9 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
     if alone:
         return _steps(ctx, link, start_step, None)
     with gradient_engine(ctx.cfg, workers, ctx.run_dir) as engine:
+        summing = sync_engine(engine, ctx.cfg.compression, n, n + tail)
         # the gradient comes divided by the number of workers: their sum is the mean
-        exchange = exchange_for(ctx.cfg, replica, sync_engine(engine, ctx.cfg.compression,
-                                                              n, n + tail),
-                                tail, 1.0 / n_workers, workers)
+        exchange = exchange_for(ctx.cfg, replica, summing, tail, 1.0 / n_workers, workers)
         try:
             return _steps(ctx, link, start_step, exchange)
         finally:
