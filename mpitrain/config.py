@@ -217,6 +217,11 @@ class Config:
     timeout: float = _opt(
         "seconds any rank waits for another before the job is aborted with the "
         "stalled rank named", 300.0, flag="--timeout", type=float, metavar="S")
+    start_timeout: float = _opt(
+        "seconds a rank waits for every rank of the job to start MPI: a rank that never "
+        "does (it exited before, e.g. under a wrapper script, or is stuck before it) "
+        "ends the job with an error naming this", 120.0,
+        flag="--start-timeout", type=float, metavar="S")
     liveness_floor: float = _opt(
         "the least time a silent worker gets before rank 0 counts it as lost: async "
         "under mpirun --enable-recovery drops it and goes on, sync names it and ends "
@@ -291,6 +296,9 @@ class Config:
                              f"(got {self.sample_interval})")
         if not self.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds (got {self.timeout})")
+        if not self.start_timeout > 0:
+            raise UsageError(f"--start-timeout must be a positive number of seconds "
+                             f"(got {self.start_timeout})")
         if not self.liveness_floor > 0:  # above --timeout it is --timeout
             raise UsageError(f"--liveness-floor must be a positive number of seconds "
                              f"(got {self.liveness_floor})")

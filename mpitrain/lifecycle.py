@@ -42,7 +42,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 #: settings a resumed run may change; every other one must match the saved run
 RESUMABLE_CHANGES = ("epochs", "eval_every", "checkpoint_every", "checkpoint_steps",
-                     "quiet", "timeout",
+                     "quiet", "timeout", "start_timeout",
                      "liveness_floor",
                      "sample_interval", "threads", "keep_cpu_binding", "data_dir", "resume",
                      "steps", "dry_run")

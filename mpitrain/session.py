@@ -42,7 +42,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     run changes about the process need not be undone (:mod:`.train.priority`).
     """
     stop = StopRequest().install()  # first, so a signal during setup is not lost
-    comm = Comm.world(cfg.timeout, cfg.allreduce_wait)
+    comm = Comm.world(cfg.timeout, cfg.allreduce_wait, cfg.start_timeout)
     checkpoint, rescale = None, None
     if cfg.resume:
         cfg, checkpoint, rescale = prepare_resume(cfg, explicit, comm)
@@ -119,7 +119,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
 
 def preflight(cfg: Config) -> None:
     """``mpitrain check``'s job: every in-job check of a training run, without training."""
-    comm = Comm.world(cfg.timeout)
+    comm = Comm.world(cfg.timeout, start_timeout=cfg.start_timeout)
     spec = load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
     versions = preflight_checks.local_versions()

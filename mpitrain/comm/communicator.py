@@ -63,10 +63,13 @@ class Comm:
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
-    def world(cls, timeout: float = 300.0, allreduce_wait: str = "auto") -> "Comm":
+    def world(cls, timeout: float = 300.0, allreduce_wait: str = "auto",
+              start_timeout: Optional[float] = None) -> "Comm":
         """Initialise MPI and wrap COMM_WORLD. Every rank must call it (collective), with
-        the same ``allreduce_wait`` (auto, spin or poll: see :func:`spins`)."""
-        MPI = _load_mpi()
+        the same ``allreduce_wait`` (auto, spin or poll: see :func:`spins`). MPI's
+        start-up waits at most ``start_timeout`` seconds for the other ranks (default
+        :data:`.runtime.START_BOUND`); later calls find MPI started."""
+        MPI = _load_mpi(start_timeout)
         c = MPI.COMM_WORLD
         # Host names (and what decides how ranks wait, see spins) are exchanged once
         # with a bounded allgather so every rank knows which ranks share its host

@@ -5,8 +5,11 @@ others of :mod:`mpitrain.comm` get it from :func:`_load_mpi`)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import platform
 import signal
+import subprocess
 import sys
 import time
 from enum import Enum
@@ -20,8 +23,16 @@ FINALIZE_BOUND = 60
 _finalize_bound: Optional[float] = None  # set by bound_finalize()
 
 
-def _load_mpi():
-    """Import mpi4py (which initialises MPI) once."""
+#: seconds a rank waits for every rank of the job to start MPI (see start_watch)
+START_BOUND = 120.0
+#: the n-th rank's watch ends its job this much later than rank 0's (n at most 10), so
+#: that one rank prints the error and the launcher ends the others before theirs fire
+START_STAGGER = 5.0
+
+
+def _load_mpi(start_bound: Optional[float] = None):
+    """Import mpi4py (which initialises MPI) once; the first call bounds MPI's start-up
+    by ``start_bound`` seconds (START_BOUND if None; see :func:`start_watch`)."""
     global _MPI
     if _MPI is None:
         if recovery_enabled():
@@ -31,12 +42,66 @@ def _load_mpi():
             # a SIGSTOPped worker dropped and woken). Every message of the protocols is
             # completed before finalizing, so the fence protects nothing here.
             os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
-        from mpi4py import MPI  # noqa: WPS433  (import initialises MPI)
+        with start_watch(START_BOUND if start_bound is None else start_bound):
+            from mpi4py import MPI  # noqa: WPS433  (import initialises MPI)
 
         _MPI = MPI
         # runs before mpi4py's own exit hook, which would call MPI_Finalize unbounded
         atexit.register(finalize)
     return _MPI
+
+
+#: run by the watch process (python -S -I: no site, nothing of the user's environment).
+#: Its stdin is a pipe from the rank: end of file (MPI started, or the rank is gone)
+#: ends it quietly; past the bound it prints the error, ends the rank, and ends the job
+#: through the launcher (under --enable-recovery the rank's death alone would not).
+_WATCH = """
+import os, select, signal, sys
+bound, rank_pid, launcher_pid = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+if select.select([0], [], [], bound)[0]:
+    sys.exit(0)
+os.write(2, sys.argv[4].encode() + b"\\n")
+os.kill(rank_pid, signal.SIGKILL)
+if launcher_pid:
+    os.kill(launcher_pid, signal.SIGTERM)
+"""
+
+
+@contextlib.contextmanager
+def start_watch(bound: float):
+    """Bound the block (MPI_Init) by ``bound`` seconds, plus START_STAGGER per launcher
+    rank (at most 10 of them): past that, this rank prints one line naming the problem,
+    is killed, and its launcher (mpirun or its daemon, the rank's parent) is told to end
+    the job.
+
+    MPI_Init waits for every rank of the job, with no bound of its own: a rank that
+    exits before starting MPI (a wrapper script that hides a usage error's exit status)
+    or never gets there (an import stuck on a stalled file system) would keep the others
+    there forever. It holds the interpreter while it waits, so no Python thread or
+    signal handler could run: the watch is a process of its own (10 ms of CPU)."""
+    rank = launcher_rank()
+    bound += START_STAGGER * min(rank, 10)
+    message = (f"mpitrain: error: rank {rank} on {platform.node()} waited {bound:g} s for "
+               "every rank of the job to "
+               "start MPI: a rank never did (it exited before starting it, e.g. under a "
+               "wrapper script that hid its exit status, or is stuck before it, e.g. "
+               "importing from a stalled file system); start python -m mpitrain directly "
+               "under mpirun, or raise --start-timeout if start-up is this slow")
+    try:
+        watch = subprocess.Popen([sys.executable, "-S", "-I", "-c", _WATCH, str(bound),
+                                  str(os.getpid()), str(_launcher_pid()), message],
+                                 stdin=subprocess.PIPE)
+    except OSError:  # no interpreter to run it (an embedded Python): start unwatched
+        yield
+        return
+    try:
+        yield
+    finally:
+        watch.stdin.close()  # end of file: MPI started (or failed with an error of its own)
+        try:
+            watch.wait(timeout=10)  # it ends at once
+        except subprocess.TimeoutExpired:
+            watch.kill()
 
 
 def bound_finalize(seconds: float = FINALIZE_BOUND) -> None:
@@ -155,6 +220,23 @@ def abort_world(code: int) -> None:
             os.kill(os.getppid(), signal.SIGTERM)
             time.sleep(30.0)  # mpirun ends this process meanwhile; else abort below
         _MPI.COMM_WORLD.Abort(code)
+
+
+def _launcher_pid(levels: int = 4) -> int:
+    """Process id of the Open MPI launcher that started this rank (mpirun, or its daemon on
+    another host), looking up to ``levels`` ancestors up (past a wrapper script); 0 if
+    there is none (a singleton, srun)."""
+    import psutil
+
+    try:
+        process = psutil.Process().parent()
+        for _ in range(levels):
+            if process is None or process.name() in OPEN_MPI_LAUNCHERS:
+                return process.pid if process else 0
+            process = process.parent()
+    except psutil.Error:
+        pass
+    return 0
 
 
 def _parent_name() -> str:

@@ -5,7 +5,9 @@ launch is bounded by run_bounded's timeout, which fails the test if it hangs).
 """
 
 import json
+import sys
 
+import psutil
 import pytest
 
 from conftest import mnist_shard, mpirun, read_rows
@@ -117,6 +119,29 @@ def test_offline_auto_falls_back_to_digits(tmp_path):
                     env=mpi_env(**env_args), timeout=120)
     assert strict.returncode == 1
     assert "--data-dir DIR or $MPITRAIN_DATA_DIR" in error_lines(strict)[0]
+
+
+@pytest.mark.parametrize("how", ["exits before it", "stopped before it"])
+def test_a_rank_that_never_starts_mpi_ends_the_job(tmp_path, how):
+    """Rank 2 of 3 never reaches MPI_Init: a wrapper script ends it first (exit status 0),
+    or it is stopped first (as by an import from a stalled file system). Without a bound
+    the other two would wait in MPI_Init forever; past --start-timeout rank 0 says so,
+    once, and the job ends with nothing left running."""
+    never = "exit 0" if how == "exits before it" else "kill -STOP $$"
+    wrapper = tmp_path / "rank.sh"
+    wrapper.write_text(f'[ "$OMPI_COMM_WORLD_RANK" = 2 ] && {never}\n'
+                       f'exec {sys.executable} -m mpitrain "$@"\n')
+    result = mpirun(3, wrapper, "lr", "--dry-run", "--start-timeout", "3", "--results-dir",
+                    tmp_path / "res", python="sh", module=None, timeout=60)
+    assert result.returncode != 0
+    lines = error_lines(result)
+    assert len(lines) == 1, result.stderr
+    assert "rank 0 on" in lines[0] and "waited 3 s for every rank of the job to start MPI" \
+        in lines[0] and "--start-timeout" in lines[0]
+    left = [p for p in psutil.process_iter(["cmdline", "status"])
+            if str(wrapper) in " ".join(p.info["cmdline"] or [])
+            and p.info["status"] != psutil.STATUS_ZOMBIE]
+    assert not left, left
 
 
 # ---- acceptance: accuracy on the real MNIST -------------------------------------------

@@ -28,6 +28,7 @@ def test_model_defaults_fill_unset_fields():
     ("eval_every", 0, "--eval-every"), ("steps", 0, "--steps"),
     ("lr", -0.1, "--lr"), ("lr", float("nan"), "--lr"),
     ("threads", -1, "--threads"), ("timeout", 0.0, "--timeout"),
+    ("start_timeout", -1.0, "--start-timeout"),
 ])
 def test_bad_values_name_their_flag(field, value, flag):
     with pytest.raises(UsageError, match=flag):
