@@ -341,10 +341,16 @@ def provide_arrays(train, test) -> str:
     return IN_MEMORY
 
 
-def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None) -> Dataset:
+def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None,
+                   shard: Optional[Tuple[int, int]] = None) -> Dataset:
     """The dataset at ``path`` (see the module docstring), with the ``splits`` this
-    rank needs; labels of both splits always (they fix the number of classes).
+    rank needs; labels of both splits always (they fix the number of classes), and of
+    the training split only a worker's shard with ``shard`` (see :func:`_finish`).
     DataError naming the file for anything missing, corrupt or inconsistent."""
+    return _finish(_read_user_data(path, splits, image_size), shard)
+
+
+def _read_user_data(path: str, splits, image_size: Optional[int]) -> Dataset:
     if path in _IN_MEMORY:
         given = _IN_MEMORY[path]
         keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
@@ -375,7 +381,8 @@ def _ignoring_image_size(ds: Dataset, image_size: Optional[int]) -> Dataset:
 
 def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
                   classes: Optional[List[str]] = None) -> Dataset:
-    """A Dataset from the user's arrays: labels checked, pixels as float32."""
+    """A Dataset from the user's arrays: labels checked, examples with a channel axis
+    (pixels become float32 in :func:`_finish`)."""
     for split in SPLITS:
         y = arrays["y_" + split]
         if y.ndim == 2 and y.shape[1] == 1:
@@ -414,13 +421,10 @@ def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
                 or x.dtype == np.bool_):
             raise DataError(f"{source}: {key} holds {x.dtype}, not numbers; give pixels "
                             "(uint8 0..255, or floats) or numeric features")
-        if x.dtype == np.uint8:
-            x = x.astype(np.float32) / np.float32(255.0)
-        x = (x[..., None] if x.ndim == 3 else x).astype(np.float32, copy=False)
-        if not np.isfinite(x).all():
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
             raise DataError(f"{source}: {key} contains NaN or infinite values; remove or "
                             "replace them before training")
-        arrays[key] = x
+        arrays[key] = x[..., None] if x.ndim == 3 else x
     any_x = next(v for k, v in arrays.items() if k.startswith("x_"))
     return Dataset(kind, str(source), num_classes, tuple(any_x.shape[1:]),
                    len(arrays["y_train"]), classes=classes, **arrays)
@@ -648,18 +652,21 @@ def _decode(files, mode: str, image_size: Optional[int]) -> np.ndarray:
 # ---------------------------------------------------------------------------------------
 def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
          seed: int = 0, synthetic_shape: Optional[dict] = None,
-         user_data: Optional[str] = None, image_size: Optional[int] = None) -> Dataset:
+         user_data: Optional[str] = None, image_size: Optional[int] = None,
+         shard: Optional[Tuple[int, int]] = None) -> Dataset:
     """Load ``splits`` of ``dataset`` on this rank. Collective over ``comm``.
 
     ``synthetic_shape`` (image_size, channels, num_classes, n_train, n_test)
-    describes ``--dataset synthetic``. Contract: every rank calls it with the same ``dataset``; on return every rank
-    holds the same dataset (same name and training-set size), or every rank raises
-    the first rank's error (naming that rank and host).
+    describes ``--dataset synthetic``; ``shard`` (workers, this worker's index) keeps
+    only this worker's shard of the training split (see :func:`_finish`). Contract:
+    every rank calls it with the same ``dataset``; on return every rank holds the same
+    dataset (same name and training-set size), or every rank raises the first rank's
+    error (naming that rank and host).
     """
     result, error = None, None
     try:
         if user_data:
-            result = read_user_data(user_data, splits, image_size)
+            result = _read_user_data(user_data, splits, image_size)
         elif dataset in ("auto", "mnist"):
             result = _load_mnist(dataset, data_dir, comm, splits)
         elif dataset == "digits":
@@ -684,7 +691,33 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
         if split not in splits:
             setattr(result, "x_" + split, None)
             setattr(result, "y_" + split, None)
-    return result
+    return _finish(result, shard)
+
+
+def _finish(dataset: Dataset, shard: Optional[Tuple[int, int]]) -> Dataset:
+    """With ``shard`` (workers, index), the training split cut to that worker's shard (its
+    own copy, so the whole set read can be freed); then pixels as float32 (uint8 scaled
+    to 0..1). In that order: a worker never holds the whole training set as floats,
+    four times the bytes of its pixels."""
+    if shard is not None and dataset.y_train is not None:
+        start, stop = shard_range(dataset.train_size, *shard)
+        dataset.y_train = take_shard(dataset.y_train, start, stop)
+        if dataset.x_train is not None:
+            dataset.x_train = take_shard(dataset.x_train, start, stop)
+    for key in ("x_train", "x_test"):
+        x = getattr(dataset, key)
+        if isinstance(x, np.ndarray):  # not RepeatingImages: synthetic pixels are floats
+            setattr(dataset, key, _as_float32(x))
+    return dataset
+
+
+def _as_float32(x: np.ndarray) -> np.ndarray:
+    """Examples as float32: uint8 pixels scaled to 0..1, other numbers as they are."""
+    if x.dtype == np.uint8:
+        out = x.astype(np.float32)
+        out /= np.float32(255.0)  # in place: the same rounding as x / 255, one array
+        return out
+    return x.astype(np.float32, copy=False)
 
 
 def _load_mnist(dataset: str, data_dir: Optional[str], comm, splits) -> Dataset:
@@ -719,12 +752,11 @@ def _load_mnist(dataset: str, data_dir: Optional[str], comm, splits) -> Dataset:
     return result
 
 
-def _as_float(arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+def _with_channels(arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """Images with a channel axis, labels as int32 (pixels become floats in _finish)."""
     out = {}
     for key, value in arrays.items():
         if key.startswith("x_"):
-            if value.dtype == np.uint8:
-                value = value.astype(np.float32) / np.float32(255.0)
             out[key] = value[..., None] if value.ndim == 3 else value
         else:
             out[key] = value.astype(np.int32)
@@ -733,7 +765,7 @@ def _as_float(arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
 
 def _from_arrays(name: str, source: str, arrays: Dict[str, np.ndarray],
                  train_size: Optional[int] = None) -> Dataset:
-    arrays = _as_float(arrays)
+    arrays = _with_channels(arrays)
     any_x = next(v for k, v in arrays.items() if k.startswith("x_"))
     if train_size is None:
         train_size = len(arrays["y_train"])

@@ -169,18 +169,14 @@ def load_data(cfg: Config, comm: Comm, spec):
     shape = {**spec.synthetic, "n_train": cfg.synthetic_size}
     if cfg.image_size:
         shape["image_size"] = cfg.image_size
+    worker_index = 0 if comm.size == 1 else comm.rank - 1
     dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
-                        synthetic_shape=shape, user_data=cfg.data, image_size=cfg.image_size)
+                        synthetic_shape=shape, user_data=cfg.data, image_size=cfg.image_size,
+                        shard=(cfg.workers, worker_index) if role.trains else None)
     if cfg.batches_per_epoch:
         shard = dataset.train_size // cfg.workers
         cfg = dataclasses.replace(cfg, batch_size=max(1, -(-shard // cfg.batches_per_epoch)))
     shard_size = data.check_shards(dataset.train_size, cfg.workers, cfg.batch_size)
-    worker_index = 0 if comm.size == 1 else comm.rank - 1
-    if role.trains:
-        start, stop = data.shard_range(dataset.train_size, cfg.workers, worker_index)
-        # its own copy, so the full training set each rank read can be freed
-        dataset.x_train = data.take_shard(dataset.x_train, start, stop)
-        dataset.y_train = data.take_shard(dataset.y_train, start, stop)
     return cfg, dataset, shard_size, worker_index
 
 

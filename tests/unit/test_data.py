@@ -232,6 +232,27 @@ def test_check_shards_errors():
         data.check_shards(20000, 3, 7000)
 
 
+@pytest.mark.parametrize("user", [False, True], ids=["mnist", "npz"])
+def test_a_worker_keeps_its_shard_as_the_same_floats(tmp_path, user):
+    """load(shard=...) cuts the training split before the pixels become floats: the
+    worker's floats are bit for bit those of the whole set, sliced, in an array of its
+    own (the whole set read can be freed); the other splits are as without a shard."""
+    write_mnist(tmp_path / "m", n_train=200, n_test=4)
+    arrays = data.read_mnist_dir(tmp_path / "m")
+    np.savez(tmp_path / "m.npz", **arrays)
+    source = dict(data_dir=None, user_data=str(tmp_path / "m.npz")) if user else \
+        dict(data_dir=tmp_path / "m")
+    whole = data.load("mnist", comm=OneRank(), **source)
+    worker = data.load("mnist", comm=OneRank(), shard=(3, 1), **source)
+    start, stop = data.shard_range(200, 3, 1)
+    expected = arrays["x_train"][start:stop, :, :, None].astype(np.float32) / np.float32(255)
+    assert worker.x_train.dtype == np.float32 and worker.x_train.base is None
+    assert worker.x_train.tobytes() == expected.tobytes() == whole.x_train[start:stop].tobytes()
+    assert worker.y_train.tolist() == whole.y_train[start:stop].tolist()
+    assert worker.train_size == whole.train_size == 200
+    assert worker.x_test.tobytes() == whole.x_test.tobytes()
+
+
 def test_epoch_batches_cover_shard_once_and_are_reproducible():
     batches = list(data.epoch_batches(1050, 100, seed=1, worker=2, epoch=3))
     assert len(batches) == data.batches_per_epoch(1050, 100) == 11
