@@ -149,6 +149,23 @@ class Checkpoint:
                    dict(meta.get("extra", {})), buffers)
 
 
+def optimizer_mismatch(saved: Dict[str, np.ndarray], layout: Dict[str, tuple],
+                       run_dir) -> Optional[UsageError]:
+    """The error to raise when a checkpoint's optimizer state (``saved``) does not fit the
+    optimizer it is resumed into (``layout``: {name: (shape, dtype)}), else None. It
+    happens to checkpoints of an mpitrain that kept the optimizer another way (Keras'
+    variables, one per weight, before the flat update of large models)."""
+    have = {name: int(np.size(value)) for name, value in saved.items()}
+    want = {name: int(np.prod(shape, dtype=np.int64)) for name, (shape, _) in layout.items()}
+    if have == want:
+        return None
+    return UsageError(f"--resume {run_dir}: its checkpoint's optimizer state ({len(have)} "
+                      f"variable(s), {sum(have.values()):,} values) does not fit this run's "
+                      f"optimizer ({len(want)}, {sum(want.values()):,} values): it was saved "
+                      "by a version of mpitrain that kept the optimizer another way; resume "
+                      "it with that version, or start a new run")
+
+
 def saved_config(run_dir: Path) -> dict:
     """The ``config`` section of a run's config.json."""
     path = Path(run_dir) / "config.json"

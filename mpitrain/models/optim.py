@@ -99,6 +99,11 @@ class FlatOptimizer:
         return {"iterations": np.array(self.iterations),
                 **{name: slot.copy() for name, slot in self.slots().items()}}
 
+    def layout(self) -> Dict[str, tuple]:
+        """{name: (shape, dtype)} of :meth:`state`, without copying a slot."""
+        return {"iterations": ((), "int64"),
+                **{name: (slot.shape, slot.dtype.name) for name, slot in self.slots().items()}}
+
     def load_state(self, state: Dict[str, np.ndarray]) -> None:
         self.iterations = int(state["iterations"])
         for name, slot in self.slots().items():

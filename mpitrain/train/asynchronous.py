@@ -68,7 +68,7 @@ from ..models import optim
 from ..comm import (HOT, IDLE, SERVING, Backoff, PeerProcesses, Role, recovery_enabled,
                     share_with_server, shares_with_server)
 from ..errors import CommTimeout, Divergence, Dropped, Interrupted, UsageError
-from ..lifecycle import Checkpoint
+from ..lifecycle import Checkpoint, optimizer_mismatch
 from ..schema import STALENESS_COLUMNS
 from .compression import PushCodec
 from .context import Context, Summary, diverged, interrupted, worker_batches
@@ -475,6 +475,11 @@ class Server:
         self.weights = ckpt.weights.astype(np.float32).copy()
         if ckpt.buffers.size:
             self.buffers = ckpt.buffers.astype(np.float32).copy()
+        mismatch = optimizer_mismatch(ckpt.optimizer, self.optimizer.layout(),
+                                      self.ctx.cfg.resume)
+        if mismatch is not None:
+            mismatch.everywhere = False  # the server alone knows: it reports, ends the job
+            raise mismatch
         self.optimizer.load_state(ckpt.optimizer)
         self.version = ckpt.step
         extra = ckpt.extra.get("extra_steps", {})  # relative: --epochs may change on resume

@@ -63,7 +63,7 @@ import numpy as np
 from ..comm import IDLE, Role
 from ..engines import gradient_engine
 from ..errors import Divergence, Interrupted, ReplicaDrift
-from ..lifecycle import Checkpoint
+from ..lifecycle import Checkpoint, optimizer_mismatch
 from ..models.replica import checksum
 from .compression import sync_engine
 from .context import (Context, Summary, diverged, interrupted, is_checkpoint_point,
@@ -112,6 +112,7 @@ def _start(ctx: Context):
     layout = mine if comm.size == 1 else next(
         found for found in comm.allgather_objects(mine) if found is not None)
     if position[0] > 0:  # resuming: the optimizer and generators continue too
+        comm.agree(optimizer_mismatch(ckpt.optimizer, layout, ctx.cfg.resume) if ckpt else None)
         state = _pack(ckpt.optimizer, layout) if ckpt else np.empty(_packed_size(layout),
                                                                         np.uint8)
         comm.bcast_(state)

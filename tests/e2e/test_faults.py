@@ -259,6 +259,27 @@ def test_resume_refuses_incompatible_settings(mnist, tmp_path):
     assert (row["np"], row["batch_size"], row["steps"]) == ("4", "67", "5")
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_refuses_an_optimizer_state_that_does_not_fit(mnist, tmp_path, mode):
+    """A checkpoint whose optimizer state is laid out otherwise (as an older mpitrain's
+    Keras variables were) is refused with one line, not a traceback."""
+    from mpitrain.lifecycle import Checkpoint
+
+    extra = ["--async"] if mode == "async" else []
+    first = mpirun(2, "lr", *extra, "--optimizer", "momentum", "--steps", "3", "--data-dir",
+                   mnist, "--results-dir", tmp_path, "--quiet")
+    assert first.returncode == 0, first.stderr[-2000:]
+    run_dir = next(d for d in tmp_path.iterdir() if d.is_dir())
+    ckpt = Checkpoint.load(run_dir)
+    ckpt.optimizer["o_kernel_momentum"] = np.zeros((784, 10), np.float32)
+    ckpt.save(run_dir)
+    bad = mpirun(2, "lr", "--resume", run_dir, "--steps", "6", timeout=120)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    lines = [l for l in bad.stderr.splitlines() if l.startswith("mpitrain: error")]
+    assert len(lines) == 1 and "optimizer state" in lines[0] and "does not fit" in lines[0] \
+        and "Traceback" not in bad.stderr, bad.stderr
+
+
 def test_async_checkpoint_counts_worker_steps(mnist, tmp_path):
     """An async checkpoint's step counts all workers' updates: a finished 1-epoch run
     at -np 3 (2 workers) is at 2 epochs' worth of server updates, yet resumes to 2

@@ -45,6 +45,13 @@ def test_state_round_trip():
     assert np.array_equal(w, w2)
 
 
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+def test_layout_describes_the_state_without_copying(name):
+    opt = optim.make(name, 7, 0.1)
+    state = opt.state()
+    assert opt.layout() == {k: (np.shape(v), np.asarray(v).dtype.name) for k, v in state.items()}
+
+
 def test_clip_by_global_norm():
     g = np.array([3.0, 4.0], np.float32)
     optim.clip_by_global_norm_(g, 1.0)

@@ -35,3 +35,19 @@ def test_a_state_saved_in_another_dtype_is_sent_in_the_layouts():
     back = _unpack(_pack(state, LAYOUT), LAYOUT)
     assert back["o1"].dtype == np.float32 and back["o0"].dtype == np.int64
     assert float(back["o1"].sum()) == 6.0
+
+
+def test_a_saved_state_that_does_not_fit_the_layout_is_named():
+    """Resume refuses a checkpoint's optimizer state unless it has the layout's names with
+    their sizes (dtypes may differ: _pack casts)."""
+    from mpitrain.errors import UsageError
+    from mpitrain.lifecycle import optimizer_mismatch
+
+    fits = {"o0": np.int64(5), "o1": np.zeros((3, 2), np.float64), "o10": np.zeros(4),
+            "o2": np.zeros(5, np.float32)}
+    assert optimizer_mismatch(fits, LAYOUT, "run") is None
+    for bad in ({**fits, "o3": np.zeros(1)}, {**fits, "o2": np.zeros(6)},
+                {k: v for k, v in fits.items() if k != "o10"}):
+        error = optimizer_mismatch(bad, LAYOUT, "run")
+        assert isinstance(error, UsageError) and "--resume run" in str(error) \
+            and "does not fit this run's optimizer (4, 16 values)" in str(error)
