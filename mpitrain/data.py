@@ -421,13 +421,22 @@ def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
                 or x.dtype == np.bool_):
             raise DataError(f"{source}: {key} holds {x.dtype}, not numbers; give pixels "
                             "(uint8 0..255, or floats) or numeric features")
-        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+        if np.issubdtype(x.dtype, np.floating) and not _finite_as_float32(x):
             raise DataError(f"{source}: {key} contains NaN or infinite values; remove or "
                             "replace them before training")
         arrays[key] = x[..., None] if x.ndim == 3 else x
     any_x = next(v for k, v in arrays.items() if k.startswith("x_"))
     return Dataset(kind, str(source), num_classes, tuple(any_x.shape[1:]),
                    len(arrays["y_train"]), classes=classes, **arrays)
+
+
+def _finite_as_float32(x: np.ndarray) -> bool:
+    """Whether float examples stay finite as float32 (checked before the conversion, which
+    only a worker's shard goes through: wider floats may overflow in it)."""
+    if not np.isfinite(x).all():
+        return False
+    top = np.finfo(np.float32).max
+    return x.dtype.itemsize <= 4 or not x.size or (x.max() <= top and x.min() >= -top)
 
 
 def _npz_shapes(npz) -> Dict[str, Tuple[int, ...]]:

@@ -152,6 +152,8 @@ def test_npz_shape_errors_are_the_same_on_every_rank(tmp_path, arrays, message):
 @pytest.mark.parametrize("change,message", [
     (dict(x_train=np.array([["a"] * 3] * 8)), "x_train holds <U1, not numbers"),
     (dict(x_train=np.full((8, 3), np.nan)), "x_train contains NaN or infinite values"),
+    # finite as float64, infinite as the float32 that training uses
+    (dict(x_test=np.full((2, 3), -1e39)), "x_test contains NaN or infinite values"),
     (dict(y_train=np.array([0, 1] * 3 + [-1, 0])), "negative labels"),
     (dict(y_train=np.linspace(0, 1, 8)), "must be integer class labels"),
     (dict(y_train=np.eye(2)[[0, 1] * 4]), r"y_train must be integer class labels, one per "
