@@ -210,7 +210,10 @@ class SpinWatch:
         return clock() - began
 
     def _watch(self) -> None:
-        beats_of, beats = 0.0, 0  # the call the beats counted belong to, and how many
+        # the call the last beat belongs to, and when it came (a call's start counts as
+        # one): beats are WAITING_CALL_EVERY apart from the last one, so one this thread
+        # gave late (a loaded host) is not followed by another at once
+        beats_of, last_beat = 0.0, 0.0
         while True:
             time.sleep(self.LOOK_EVERY)
             with self._lock:
@@ -226,11 +229,12 @@ class SpinWatch:
                     report_failure(line, grace=1.0)
                     _leave(f"mpitrain: error: {line}\n")
                 if beats_of != began:
-                    beats_of, beats = began, 0
-                if while_waiting is not None and waited >= (beats + 1) * WAITING_CALL_EVERY:
+                    beats_of, last_beat = began, began
+                now = began + waited
+                if while_waiting is not None and now - last_beat >= WAITING_CALL_EVERY:
                     self._beating = True  # first the flag, then the check (see the class)
                     if self._began == began:
-                        beats += 1
+                        last_beat = now
                         while_waiting()
                     self._beating = False
 

@@ -98,6 +98,28 @@ def test_a_spin_calls_while_waiting_about_every_second_and_never_after_it_return
     assert done.stdout.split() == ["2", "2"]
 
 
+def test_a_beat_given_late_is_not_followed_by_another_at_once():
+    """A loaded host delays the watchdog (here: its lock held until 1.9 s into the call):
+    the late beat comes, and the next one a whole WAITING_CALL_EVERY after it, not at
+    the 2 s mark (beats 0.2 s apart, seen once in a full suite run)."""
+    done = python("""
+        import threading, time
+        from mpitrain.comm.waiting import SpinWatch
+        watch, beats = SpinWatch("rank 1 on a"), []
+
+        def call(seconds):
+            with watch._lock:  # the watchdog cannot look before 1.9 s
+                time.sleep(1.9)
+            time.sleep(seconds - 1.9)
+
+        watch.run(call, 3.3, 10, "the gradient allreduce", lambda: beats.append(time.monotonic()))
+        print(" ".join(f"{b - a:.2f}" for a, b in zip(beats, beats[1:])))
+    """)
+    assert done.returncode == 0, done.stderr
+    gaps = [float(gap) for gap in done.stdout.split()]
+    assert gaps and all(gap > 0.8 for gap in gaps), gaps
+
+
 @pytest.mark.parametrize("wait,hosts,cpus,multiple,spins", [
     ("auto", ["a", "a"], [2, 2], [True, True], True),  # -np 2 on 2 cores
     ("auto", ["a", "a", "a"], [2, 2, 2], [True] * 3, False),  # -np 3 on 2 cores
