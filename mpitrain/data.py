@@ -341,13 +341,11 @@ def provide_arrays(train, test) -> str:
     return IN_MEMORY
 
 
-def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None,
-                   shard: Optional[Tuple[int, int]] = None) -> Dataset:
+def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None) -> Dataset:
     """The dataset at ``path`` (see the module docstring), with the ``splits`` this
-    rank needs; labels of both splits always (they fix the number of classes), and of
-    the training split only a worker's shard with ``shard`` (see :func:`_finish`).
+    rank needs; labels of both splits always (they fix the number of classes).
     DataError naming the file for anything missing, corrupt or inconsistent."""
-    return _finish(_read_user_data(path, splits, image_size), shard)
+    return _finish(_read_user_data(path, splits, image_size), shard=None)
 
 
 def _read_user_data(path: str, splits, image_size: Optional[int]) -> Dataset:

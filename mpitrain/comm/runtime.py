@@ -71,22 +71,22 @@ if launcher_pid:
 def start_watch(bound: float):
     """Bound the block (MPI_Init) by ``bound`` seconds, plus START_STAGGER per launcher
     rank (at most 10 of them): past that, this rank prints one line naming the problem,
-    is killed, and its launcher (mpirun or its daemon, the rank's parent) is told to end
-    the job.
+    is killed, and its launcher (mpirun or its daemon: the rank's parent, or an ancestor
+    past a wrapper script) is told to end the job.
 
     MPI_Init waits for every rank of the job, with no bound of its own: a rank that
     exits before starting MPI (a wrapper script that hides a usage error's exit status)
     or never gets there (an import stuck on a stalled file system) would keep the others
     there forever. It holds the interpreter while it waits, so no Python thread or
-    signal handler could run: the watch is a process of its own (10 ms of CPU)."""
+    signal handler could run: the watch is a small process of its own."""
     rank = launcher_rank()
     bound += START_STAGGER * min(rank, 10)
     message = (f"mpitrain: error: rank {rank} on {platform.node()} waited {bound:g} s for "
-               "every rank of the job to "
-               "start MPI: a rank never did (it exited before starting it, e.g. under a "
-               "wrapper script that hid its exit status, or is stuck before it, e.g. "
-               "importing from a stalled file system); start python -m mpitrain directly "
-               "under mpirun, or raise --start-timeout if start-up is this slow")
+               "every rank of the job to start MPI: a rank never did (it exited before "
+               "starting it, e.g. under a wrapper script that hid its exit status, or is "
+               "stuck before it, e.g. importing from a stalled file system); start python "
+               "-m mpitrain directly under mpirun, or raise --start-timeout if start-up is "
+               "this slow")
     try:
         watch = subprocess.Popen([sys.executable, "-S", "-I", "-c", _WATCH, str(bound),
                                   str(os.getpid()), str(_launcher_pid()), message],
@@ -216,8 +216,9 @@ def abort_world(code: int) -> None:
     if world_size_if_running():
         sys.stdout.flush()
         sys.stderr.flush()
-        if recovery_enabled() and _parent_name() in OPEN_MPI_LAUNCHERS:
-            os.kill(os.getppid(), signal.SIGTERM)
+        launcher = _launcher_pid(levels=1) if recovery_enabled() else 0
+        if launcher:
+            os.kill(launcher, signal.SIGTERM)
             time.sleep(30.0)  # mpirun ends this process meanwhile; else abort below
         _MPI.COMM_WORLD.Abort(code)
 
@@ -231,21 +232,14 @@ def _launcher_pid(levels: int = 4) -> int:
     try:
         process = psutil.Process().parent()
         for _ in range(levels):
-            if process is None or process.name() in OPEN_MPI_LAUNCHERS:
-                return process.pid if process else 0
+            if process is None:
+                return 0
+            if process.name() in OPEN_MPI_LAUNCHERS:
+                return process.pid
             process = process.parent()
     except psutil.Error:
         pass
     return 0
-
-
-def _parent_name() -> str:
-    import psutil
-
-    try:
-        return psutil.Process(os.getppid()).name()
-    except psutil.Error:
-        return ""
 
 
 def library_versions() -> dict:
