@@ -345,9 +345,9 @@ def once_per_session(tmp_path_factory, name: str, make):
 @pytest.fixture(scope="session")
 def lr_accuracy(tmp_path_factory):
     """``lr_accuracy(np, *options)``: test accuracy of a default LR run on the real
-    MNIST (LR_ACCURACY_EPOCHS), run once in the whole session
-    (:func:`once_per_session`, all of one -np's runs in one launch): the sync and async accuracy tests compare against the
-    same sync runs."""
+    MNIST (LR_ACCURACY_EPOCHS), run once in the whole session (:func:`once_per_session`,
+    all of one -np's runs in one launch): the sync and async accuracy tests compare
+    against the same sync runs."""
     def accuracy(np_: int, *options) -> float:
         assert options in LR_ACCURACY_RUNS[np_], f"add {options} to LR_ACCURACY_RUNS[{np_}]"
         return once_per_session(tmp_path_factory, f"lr-accuracy-np{np_}",
