@@ -117,5 +117,5 @@ def _config(model, train, test, mode, data, options):
                          "a registered name or a FILE.py:FUNCTION spec")
     source = datasets.provide_arrays(train, test) if data is None else data
     cfg = Config(model=models.canonical(model), async_mode=mode == "async", data=source,
-                 **options)
+                 **options).checked(lambda f: f"fit({f.name}=...)")
     return cfg, frozenset(options) | {"data"} | ({"async_mode"} if mode == "async" else set())

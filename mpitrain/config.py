@@ -10,8 +10,11 @@ defaults (see :mod:`mpitrain.models`); :func:`resolve` fills them and
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from .errors import UsageError
 
@@ -52,9 +55,92 @@ def horovod_missing() -> str:
             "under mpirun, or install tensorflow-cpu==2.18.1 and then: " + HOROVOD_INSTALL)
 
 
-def _opt(doc: str, default=None, *, flag: Optional[str] = None, **cli):
-    """A config field with its help text; ``cli`` holds extra argparse keywords."""
-    return field(default=default, metadata={"doc": doc, "flag": flag, "cli": cli})
+#: the largest count a setting may hold (epochs, steps, batch...): steps travel in int32
+MAX_COUNT = 2**31 - 1
+#: the longest time a setting may give (--timeout...): past it a wait is no bound at all,
+#: and twice it still fits the millisecond timeouts (int32) of poll(2) and MPI's waits
+MAX_SECONDS = 1_000_000.0
+
+
+@dataclass(frozen=True)
+class Number:
+    """The values a numeric setting accepts: finite, from ``low`` to ``high`` (``low``
+    itself excluded with ``above_low``), whole where ``integral``; and ``off``, one more
+    value that means off or auto (0 for --threads, --sample-interval)."""
+
+    integral: bool
+    low: float
+    high: float = MAX_COUNT
+    above_low: bool = False
+    off: Optional[float] = None
+    unit: str = ""
+    off_means: str = "off"
+
+    def normalized(self, value, label: str):
+        """``value`` as an int or float if it is acceptable; UsageError naming ``label``."""
+        number = _as_number(value, self.integral)
+        if number is not None and (number == self.off or self._in_range(number)):
+            return number
+        raise UsageError(f"{label} must be {self.describe(value)} (got {value!r})")
+
+    def _in_range(self, number) -> bool:
+        above = number > self.low if self.above_low else number >= self.low
+        return above and number <= self.high
+
+    def describe(self, value=None) -> str:
+        """What the setting accepts, in words; the upper bound too where it is not the
+        largest count, or where ``value`` passes it."""
+        unit = f" {self.unit}" if self.unit else ""
+        kind = "integer" if self.integral else "number"
+        if self.low == 0 and self.above_low or self.low == 1 and self.integral:
+            what = f"a positive {kind}{unit}"
+        elif self.low == 0:
+            what = f"0 or a positive {kind}{unit}"
+        else:
+            what = f"{'an' if self.integral else 'a'} {kind}{unit} of at least {_shown(self.low)}"
+        if self.off is not None:
+            what = f"{_shown(self.off)} ({self.off_means}) or {what}"
+        beyond = isinstance(value, numbers.Real) and not value <= self.high  # inf, NaN too
+        if self.high < MAX_COUNT or beyond:
+            what += f", at most {_shown(self.high)}"
+        return what
+
+
+def _shown(bound: float) -> str:
+    return f"{int(bound):,}" if float(bound).is_integer() else f"{bound:g}"
+
+
+def _as_number(value, integral: bool):
+    """``value`` as a builtin int (``integral``: an integer, or a float with no fraction)
+    or float, or None when it is no finite number (a string, a bool, None, NaN, inf)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    if isinstance(value, numbers.Integral) and integral:
+        return int(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float
+        return None
+    if not math.isfinite(value):
+        return None
+    if integral:
+        return int(value) if value.is_integer() else None
+    return value
+
+
+def _opt(doc: str, default=None, *, flag: Optional[str] = None,
+         number: Optional[Number] = None, accepts: tuple = (), **cli):
+    """A config field with its help text; ``cli`` holds extra argparse keywords;
+    ``number``: the values a numeric field accepts; ``accepts``: values a field with
+    ``choices`` also takes besides them (set by :func:`resolve`, never typed)."""
+    return field(default=default, metadata={"doc": doc, "flag": flag, "cli": cli,
+                                            "number": number, "accepts": accepts})
+
+
+#: integers from 1 (counts: epochs, steps, batch...)
+COUNT = Number(True, 1)
+#: a positive number of seconds, a real bound
+SECONDS = Number(False, 0, MAX_SECONDS, above_low=True, unit="of seconds")
 
 
 @dataclass(frozen=True)
@@ -104,7 +190,8 @@ class Config:
         "auto", flag="--overlap", choices=OVERLAPS)
     bucket_mb: float = _opt(
         "with --overlap: megabytes of gradient per allreduce bucket (PyTorch DDP's "
-        "default, 25)", 25.0, flag="--bucket-mb", type=float, metavar="MB")
+        "default, 25)", 25.0, flag="--bucket-mb", type=float, metavar="MB",
+        number=Number(False, 0, 2**20, above_low=True))
     shared_memory: str = _opt(
         "memory that ranks of one host share, instead of MPI messages. Sync, mpi engine, "
         "every worker on one host: the workers sum the gradient in it (each its chunk of "
@@ -119,7 +206,7 @@ class Config:
         "was computed at and its application). 0 = one worker computes at a time on the "
         "current weights (synchronous, one worker applied at a time); K = fast workers "
         "wait so no gradient is more than K updates old; default: unbounded",
-        flag="--staleness", type=int, metavar="K")
+        flag="--staleness", type=int, metavar="K", number=Number(True, 0))
     pipeline: str = _opt(
         "async only: whether a worker computes its next gradient while its last push "
         "and the reply travel (hiding the round trip, but each gradient one of its own "
@@ -129,18 +216,18 @@ class Config:
         choices=PIPELINES)
     epochs: Optional[int] = _opt(
         "passes over the whole training set (each worker passes once over its shard)",
-        flag="--epochs", type=int, metavar="N")
+        flag="--epochs", type=int, metavar="N", number=COUNT)
     batch_size: Optional[int] = _opt(
         "examples per step PER WORKER; the global batch is workers x this",
-        flag="--batch-size", type=int, metavar="B")
+        flag="--batch-size", type=int, metavar="B", number=COUNT)
     batches_per_epoch: Optional[int] = _opt(
         "instead of --batch-size: the batch size that gives each worker this many steps "
         "per epoch (batch = ceil(shard / K)); 1 = full-shard batches",
-        flag="--batches-per-epoch", type=int, metavar="K")
+        flag="--batches-per-epoch", type=int, metavar="K", number=COUNT)
     lr: Optional[float] = _opt(
         "learning rate for one worker; with --lr-scaling linear, sync mode multiplies "
         "it by the number of workers (the global batch grows by that factor)",
-        flag="--lr", type=float)
+        flag="--lr", type=float, number=Number(False, 0, 1e6, above_low=True))
     lr_scaling: str = _opt(
         "how the learning rate follows the worker count in sync mode",
         "linear", flag="--lr-scaling", choices=LR_SCALINGS)
@@ -155,12 +242,12 @@ class Config:
         "probabilities (it ends in a softmax); the loss and evaluation follow",
         "logits", flag="--outputs", choices=OUTPUTS)
     seed: int = _opt("random seed for initial weights, shuffling and synthetic data",
-                     42, flag="--seed", type=int)
+                     42, flag="--seed", type=int, number=Number(True, 0))
     dataset: Optional[str] = _opt(
         "auto: MNIST if it can be found or downloaded, else scikit-learn's bundled "
         "8x8 digits upscaled to 28x28 (says so); mnist: MNIST or fail; digits: the "
         "bundled digits; synthetic: random ImageNet-shaped data",
-        flag="--dataset", choices=DATASETS)
+        flag="--dataset", choices=DATASETS, accepts=("file",))
     data: Optional[str] = _opt(
         "your own data: an .npz with x_train, y_train, x_test, y_test; a directory of class "
         "sub-folders of PNG/JPEG images (train/ and test/ inside, or 10%% of each class held "
@@ -169,10 +256,11 @@ class Config:
     image_size: Optional[int] = _opt(
         "synthetic data and --data image folders: image height and width (AlexNet's is 224; "
         "32 or 64 for quick runs); images are resized to it",
-        flag="--image-size", type=int, metavar="PX")
+        flag="--image-size", type=int, metavar="PX", number=Number(True, 8))
     synthetic_size: int = _opt(
         "synthetic data: training examples in an epoch (drawn from a pool of 64 random "
-        "images per worker)", 1280, flag="--synthetic-size", type=int, metavar="N")
+        "images per worker)", 1280, flag="--synthetic-size", type=int, metavar="N",
+        number=COUNT)
     data_dir: Optional[str] = _opt(
         "directory with MNIST (IDX files, gzipped or raw, or mnist.npz); "
         "default: $MPITRAIN_DATA_DIR, then the Keras cache, then download",
@@ -180,35 +268,37 @@ class Config:
     results_dir: str = _opt("where run directories and runs.csv are written",
                             "results", flag="--results-dir", metavar="DIR")
     eval_every: int = _opt("evaluate on the test set every N epochs (and at the end)",
-                           1, flag="--eval-every", type=int, metavar="N")
+                           1, flag="--eval-every", type=int, metavar="N", number=COUNT)
     steps: Optional[int] = _opt(
         "stop after this many steps per worker (smoke runs); default: run all epochs",
-        flag="--steps", type=int, metavar="N")
+        flag="--steps", type=int, metavar="N", number=COUNT)
     dry_run: bool = _opt("smoke mode: one epoch of at most 2 steps, results written as usual",
                          False, flag="--dry-run", action="store_true")
     quiet: bool = _opt("print only errors and the final summary", False,
                        flag="--quiet", action="store_true")
     threads: int = _opt(
         "TensorFlow intra-op threads per rank; 0 = the host's cores divided among "
-        "the worker ranks on that host (at least 1)", 0, flag="--threads", type=int)
+        "the worker ranks on that host (at least 1)", 0, flag="--threads", type=int,
+        number=Number(True, 1, 4096, off=0, off_means="auto"))
     checkpoint_every: int = _opt(
         "rank 0 saves a checkpoint (weights, optimizer state, position) every N epochs "
         "and at the end, into the run directory", 1, flag="--checkpoint-every", type=int,
-        metavar="N")
+        metavar="N", number=COUNT)
     checkpoint_steps: Optional[int] = _opt(
         "also save a checkpoint every N steps (each worker's steps; async: every N x "
         "workers server updates), so a restart loses at most N steps", None,
-        flag="--checkpoint-steps", type=int, metavar="N")
+        flag="--checkpoint-steps", type=int, metavar="N", number=COUNT)
     resume: Optional[str] = _opt(
         "continue the run in RUN_DIR from its last checkpoint (same settings; you may "
         "change --epochs and other non-training settings), appending to its results",
         flag="--resume", metavar="RUN_DIR")
     clip_grad_norm: Optional[float] = _opt(
         "clip each update's gradient to this global L2 norm", flag="--clip-grad-norm",
-        type=float, metavar="NORM")
+        type=float, metavar="NORM", number=Number(False, 0, above_low=True))
     sample_interval: float = _opt(
         "seconds between telemetry samples (CPU, memory, network) on every rank; 0 = off",
-        1.0, flag="--sample-interval", type=float, metavar="S")
+        1.0, flag="--sample-interval", type=float, metavar="S",
+        number=Number(False, 0.01, MAX_SECONDS, off=0, unit="of seconds"))
     keep_cpu_binding: bool = _opt(
         "keep the CPU binding the launcher gave each rank; by default mpitrain lets "
         "every rank use all the host's CPUs (Open MPI binds each rank to one core at "
@@ -216,21 +306,22 @@ class Config:
         False, flag="--keep-cpu-binding", action="store_true")
     timeout: float = _opt(
         "seconds any rank waits for another before the job is aborted with the "
-        "stalled rank named", 300.0, flag="--timeout", type=float, metavar="S")
+        "stalled rank named", 300.0, flag="--timeout", type=float, metavar="S",
+        number=SECONDS)
     start_timeout: float = _opt(
         "seconds a rank waits for every rank of the job to start MPI: a rank that never "
         "does (it exited before, e.g. under a wrapper script, or is stuck before it) "
         "ends the job with an error naming this", 120.0,
-        flag="--start-timeout", type=float, metavar="S")
+        flag="--start-timeout", type=float, metavar="S", number=SECONDS)
     liveness_floor: float = _opt(
         "the least time a silent worker gets before rank 0 counts it as lost: async "
         "under mpirun --enable-recovery drops it and goes on, sync names it and ends "
         "the job (its bound is 20x its measured interval between messages, at least "
         "this, at most --timeout)", 10.0,
-        flag="--liveness-floor", type=float, metavar="S")
+        flag="--liveness-floor", type=float, metavar="S", number=SECONDS)
 
     # ---- derived, filled by resolve() -------------------------------------------------
-    world_size: int = _opt("number of MPI ranks", 1)
+    world_size: int = _opt("number of MPI ranks", 1, number=COUNT)
 
     @property
     def mode(self) -> str:
@@ -263,50 +354,33 @@ class Config:
         """Examples consumed by one synchronous update."""
         return self.batch_size * (self.workers if self.mode == "sync" else 1)
 
+    def checked(self, label: Callable[[dataclasses.Field], str] = None,
+                complete: bool = False) -> "Config":
+        """This config with every value checked for its type and range and made a plain
+        int, float, bool or str; UsageError naming the first bad one (``label`` names a
+        field in the message; default: its flag). Fields left None for the model's
+        defaults pass, unless ``complete`` (a resolved config: every setting a run needs
+        is given). The one check of what the command line, ``mpitrain.fit`` and a
+        resumed run's config.json give."""
+        label = label or flag_of
+        needed = ("epochs", "lr", "optimizer") + (
+            ("batch_size",) if self.batches_per_epoch is None or self.batch_size is not None
+            else ())
+        return dataclasses.replace(self, **{
+            f.name: _checked_value(f, getattr(self, f.name), label(f))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None or f.default is not None
+            or complete and f.name in needed})
+
     def validate(self) -> "Config":
-        """Raise :class:`UsageError` naming the first bad setting; return self."""
-        positive_ints = {"--epochs": self.epochs, "--eval-every": self.eval_every}
-        if self.batches_per_epoch is None or self.batch_size is not None:
-            positive_ints["--batch-size"] = self.batch_size
-        if self.batches_per_epoch is not None:
-            positive_ints["--batches-per-epoch"] = self.batches_per_epoch
-        if self.steps is not None:
-            positive_ints["--steps"] = self.steps
-        for flag, value in positive_ints.items():
-            if value is None or value < 1:
-                raise UsageError(f"{flag} must be a positive integer (got {value})")
-        if not self.lr or self.lr <= 0 or self.lr != self.lr:
-            raise UsageError(f"--lr must be a positive number (got {self.lr})")
-        if self.threads < 0:
-            raise UsageError(f"--threads must be 0 (auto) or positive (got {self.threads})")
-        if self.image_size is not None and self.image_size < 8:
-            raise UsageError(f"--image-size must be at least 8 (got {self.image_size})")
-        if self.synthetic_size < 1:
-            raise UsageError(f"--synthetic-size must be positive (got {self.synthetic_size})")
-        if self.checkpoint_steps is not None and self.checkpoint_steps < 1:
-            raise UsageError(f"--checkpoint-steps must be a positive integer "
-                             f"(got {self.checkpoint_steps})")
-        if self.checkpoint_every < 1:
-            raise UsageError(f"--checkpoint-every must be a positive integer "
-                             f"(got {self.checkpoint_every})")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise UsageError(f"--clip-grad-norm must be positive (got {self.clip_grad_norm})")
-        if not self.sample_interval >= 0:
-            raise UsageError(f"--sample-interval must be 0 (off) or positive "
-                             f"(got {self.sample_interval})")
-        if not self.timeout > 0:
-            raise UsageError(f"--timeout must be a positive number of seconds (got {self.timeout})")
-        if not self.start_timeout > 0:
-            raise UsageError(f"--start-timeout must be a positive number of seconds "
-                             f"(got {self.start_timeout})")
-        if not self.liveness_floor > 0:  # above --timeout it is --timeout
-            raise UsageError(f"--liveness-floor must be a positive number of seconds "
-                             f"(got {self.liveness_floor})")
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
+        """This config :meth:`checked` (complete) with consistent settings; UsageError
+        naming the first bad setting."""
+        cfg = self.checked(complete=True)
+        cfg._check_consistent()
+        return cfg
+
+    def _check_consistent(self) -> None:
         if self.staleness is not None:
-            if self.staleness < 0:
-                raise UsageError(f"--staleness must be 0 or more (got {self.staleness})")
             if not self.async_mode:
                 raise UsageError("--staleness bounds the async parameter server: add --async")
             if self.pipeline == "on":
@@ -325,8 +399,6 @@ class Config:
                 raise UsageError(horovod_missing())
         elif self.horovod_timeline:
             raise UsageError("--horovod-timeline needs --allreduce horovod")
-        if not self.bucket_mb > 0:
-            raise UsageError(f"--bucket-mb must be a positive number (got {self.bucket_mb})")
         if self.shared_memory == "on" and not self.async_mode:
             for clash, fix in (
                     (self.allreduce == "horovod",
@@ -350,7 +422,6 @@ class Config:
             raise UsageError(
                 "--async needs a parameter server and at least one worker: "
                 "run with mpirun -np 2 or more")
-        return self
 
     def to_dict(self) -> dict:
         """All settings, including derived ones, for config.json."""
@@ -358,6 +429,31 @@ class Config:
         out.update(mode=self.mode, workers=self.workers, effective_lr=self.effective_lr,
                    global_batch=self.global_batch, max_steps=self.max_steps)
         return out
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """How messages name a config field: its flag (``--epochs``), else its name."""
+    return f.metadata.get("flag") or f.name.replace("_", " ")
+
+
+def _checked_value(f: dataclasses.Field, value, label: str):
+    """``value`` of field ``f`` as a plain int, float, bool or str, if it is one the field
+    accepts (see :class:`Number`, the field's choices); UsageError naming ``label``."""
+    meta = f.metadata
+    if meta.get("number"):
+        return meta["number"].normalized(value, label)
+    choices = meta["cli"].get("choices")
+    if choices:
+        if isinstance(value, str) and value in choices + meta["accepts"]:
+            return value
+        raise UsageError(f"{label} must be one of {', '.join(choices)} (got {value!r})")
+    if meta["cli"].get("action") == "store_true":
+        if isinstance(value, bool):
+            return value
+        raise UsageError(f"{label} is a switch: true or false (got {value!r})")
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+        return os.fspath(value)
+    raise UsageError(f"{label} must be a non-empty path or name (got {value!r})")
 
 
 def fields_with_flags():
@@ -371,6 +467,7 @@ def resolve(cfg: Config, defaults: dict, world_size: int) -> Config:
     ``defaults`` maps field names (epochs, batch_size, lr, optimizer, dataset) to
     the model's choices. The result is the same on every rank.
     """
+    cfg = cfg.checked()
     filled = {name: value for name, value in defaults.items()
               if getattr(cfg, name, None) is None}
     if cfg.data:

@@ -202,11 +202,22 @@ def resumed_config(cli: Config, explicit: set, world_size: int
                              f"run, not {getattr(cli, name)!r}; resume with the same setting")
     changes = {name: getattr(cli, name) for name in RESUMABLE_CHANGES if name in explicit}
     changes["resume"] = cli.resume
-    original = Config(**base)
+    original = _checked_saved(dataclasses.replace(Config(**base), **changes), cli.resume)
     if original.world_size == world_size:
         return dataclasses.replace(original, **changes), None
     rescale = Rescale.between(original, world_size)
     return dataclasses.replace(rescale.config, **changes), rescale
+
+
+def _checked_saved(cfg: Config, run_dir) -> Config:
+    """A resumed run's settings (its config.json's, with this session's changes) checked
+    as strictly as typed ones (:meth:`Config.checked`): the file may have been edited."""
+    path = Path(run_dir) / "config.json"
+    try:
+        return cfg.checked(lambda f: f"{f.name} in {path}", complete=True)
+    except UsageError as e:
+        raise UsageError(f"--resume {run_dir}: {e}; fix the file or start a new run") \
+            from None
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def test_async_staleness_bound_recorded(mnist, tmp_path):
 
 
 @pytest.mark.parametrize("args,pattern", [
-    (["--async", "--staleness", "-1"], "--staleness must be 0 or more"),
+    (["--async", "--staleness", "-1"], "--staleness must be 0 or a positive integer"),
     (["--staleness", "2"], "--staleness bounds the async parameter server: add --async"),
 ])
 def test_async_usage_errors(args, pattern):

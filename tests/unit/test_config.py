@@ -104,7 +104,8 @@ def test_horovod_options():
 @pytest.mark.parametrize("settings,message", [
     (dict(overlap="on", async_mode=True), "--overlap on overlaps the sync allreduce: drop --async"),
     (dict(overlap="on", compiler="xla"), "XLA cannot compile: use --compile auto or graph"),
-    (dict(bucket_mb=0.0), r"--bucket-mb must be a positive number \(got 0.0\)"),
+    (dict(bucket_mb=0.0),
+     r"--bucket-mb must be a positive number, at most 1,048,576 \(got 0.0\)"),
 ])
 def test_overlap_options(settings, message):
     with pytest.raises(UsageError, match=message):

@@ -1,0 +1,169 @@
+"""The bad-input tier: hostile but realistic input, in-process, many cases per second.
+
+Every case must end in one ``mpitrain: error:`` line (a :class:`MpitrainError` whose
+message is one line) and its exit code: 2 for usage errors, 1 for bad data, never a
+traceback, a hang or a silent success. Properties (hypothesis) cover the classes of
+bug behind issue #39's defects: numbers checked in one place whatever gives them (the
+command line, ``mpitrain.fit``, a resumed run's edited config.json). The cases that
+need ranks run under real mpirun in tests/e2e/test_bad_input_mpirun.py.
+"""
+
+import dataclasses
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from mpitrain import api, cli
+from mpitrain.config import Config, flag_of
+from mpitrain.errors import UsageError
+from mpitrain.lifecycle import resumed_config
+
+NUMERIC = [f for f in dataclasses.fields(Config) if f.metadata.get("number")]
+#: anything a hostile user, a script or a hand-edited JSON file could put in a setting
+ANY_VALUE = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+    st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(),
+                                                         max_size=1))
+SETTINGS = settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def one_line(error: Exception) -> str:
+    text = str(error)
+    assert text and "\n" not in text and "Traceback" not in text, text
+    return text
+
+
+# ---- numbers: one check for every source -------------------------------------------------
+@SETTINGS
+@given(field=st.sampled_from(NUMERIC), value=ANY_VALUE)
+def test_a_numeric_setting_is_finite_in_range_and_whole_where_integral(field, value):
+    number = field.metadata["number"]
+    try:
+        checked = getattr(Config(**{field.name: value}).checked(), field.name)
+    except UsageError as e:
+        assert one_line(e).startswith(f"{flag_of(field)} must be ") and "(got " in str(e)
+        return
+    if value is None and field.default is None:
+        assert checked is None
+        return
+    assert type(checked) is (int if number.integral else float)
+    assert math.isfinite(checked) and checked == value
+    assert checked == number.off or number.low <= checked <= number.high
+
+
+@SETTINGS
+@given(field=st.sampled_from([f for f in NUMERIC if f.metadata["flag"]]),
+       value=st.one_of(st.floats(), st.integers(min_value=-2**40, max_value=2**40),
+                       st.sampled_from(["inf", "-inf", "nan", "1e400", "0x10", "", "-0"])))
+def test_the_command_line_refuses_what_the_config_refuses(field, value):
+    argv = ["lr", field.metadata["flag"], str(value)]
+    if field.name == "staleness":
+        argv.append("--async")
+    try:
+        cli.parse_config(argv, world_size=3)
+    except UsageError as e:
+        assert one_line(e).startswith(field.metadata["flag"]) or "argument" in str(e)
+
+
+@pytest.mark.parametrize("argv,line", [  # issue #39, items 6 and 7, and their neighbours
+    (["--seed", "-1"], "--seed must be 0 or a positive integer (got -1)"),
+    (["--timeout", "inf"], "--timeout must be a positive number of seconds, at most "
+                           "1,000,000 (got inf)"),
+    (["--start-timeout", "inf"], "--start-timeout must be a positive number of seconds, at "
+                                 "most 1,000,000 (got inf)"),
+    (["--sample-interval", "inf"], "--sample-interval must be 0 (off) or a number of seconds "
+                                   "of at least 0.01, at most 1,000,000 (got inf)"),
+    (["--liveness-floor", "nan"], "--liveness-floor must be a positive number of seconds, at "
+                                  "most 1,000,000 (got nan)"),
+    (["--lr=-inf"], "--lr must be a positive number, at most 1,000,000 (got -inf)"),
+    (["--epochs", "3000000000"], "--epochs must be a positive integer, at most 2,147,483,647 "
+                                 "(got 3000000000)"),
+    (["--threads", "100000"], "--threads must be 0 (auto) or a positive integer, at most "
+                              "4,096 (got 100000)"),
+    (["--image-size", "7"], "--image-size must be an integer of at least 8 (got 7)"),
+])
+def test_bad_numbers_on_the_command_line_are_usage_errors(argv, line, capsys):
+    assert cli.main(["lr", *argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"mpitrain: error: {line}"]
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(epochs="5"), "fit(epochs=...) must be a positive integer (got '5')"),
+    (dict(epochs=2.5), "fit(epochs=...) must be a positive integer (got 2.5)"),
+    (dict(timeout=float("inf")), "fit(timeout=...) must be a positive number of seconds"),
+    (dict(seed=-3), "fit(seed=...) must be 0 or a positive integer (got -3)"),
+    (dict(quiet="yes"), "fit(quiet=...) is a switch: true or false (got 'yes')"),
+    (dict(optimizer="rmsprop"), "fit(optimizer=...) must be one of sgd, momentum, adam"),
+    (dict(results_dir=3), "fit(results_dir=...) must be a non-empty path or name (got 3)"),
+])
+def test_fit_checks_its_options_as_the_command_line_does(options, message):
+    x, y = [[0.0, 1.0]] * 4, [0, 1, 0, 1]
+    with pytest.raises(UsageError) as error:
+        api._config("lr", (x, y), (x, y), "sync", None, options)
+    assert one_line(error.value).startswith(message)
+
+
+def test_fit_takes_numpy_and_whole_numbers_as_plain_ones():
+    import numpy as np
+
+    x, y = [[0.0, 1.0]] * 4, [0, 1, 0, 1]
+    cfg, _ = api._config("lr", (x, y), (x, y), "sync", None,
+                         dict(epochs=np.int64(3), batch_size=2.0, lr=np.float32(0.5)))
+    assert (cfg.epochs, cfg.batch_size, cfg.lr) == (3, 2, 0.5)
+    assert (type(cfg.epochs), type(cfg.batch_size), type(cfg.lr)) == (int, int, float)
+
+
+# ---- a resumed run's config.json, edited --------------------------------------------------
+def saved_run(tmp_path, **edits):
+    """A run directory whose config.json holds a resolved LR config with ``edits``."""
+    cfg = cli.parse_config(["lr"], world_size=3)
+    from mpitrain import models
+    from mpitrain.config import resolve
+
+    saved = resolve(cfg, models.get("lr").defaults, 3).to_dict()
+    saved.update(edits)
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    (run / "config.json").write_text(json.dumps({"config": saved}))
+    return run
+
+
+@pytest.mark.parametrize("edits,message", [  # issue #39, item 10
+    (dict(epochs="many"), "epochs in {run}/config.json must be a positive integer (got "
+                          "'many'); fix the file or start a new run"),
+    (dict(epochs=None), "epochs in {run}/config.json must be a positive integer (got None)"),
+    (dict(batch_size=-4), "batch_size in {run}/config.json must be a positive integer"),
+    (dict(lr=float("nan")), "lr in {run}/config.json must be a positive number"),
+    (dict(world_size="3"), "world_size in {run}/config.json must be a positive integer"),
+    (dict(async_mode="no"), "async_mode in {run}/config.json is a switch"),
+    (dict(optimizer=7), "optimizer in {run}/config.json must be one of sgd, momentum, adam"),
+    (dict(results_dir=None), "results_dir in {run}/config.json must be a non-empty path"),
+])
+def test_a_resumed_config_is_checked_as_strictly_as_a_typed_one(tmp_path, edits, message):
+    run = saved_run(tmp_path, **edits)
+    with pytest.raises(UsageError) as error:
+        resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3)
+    assert one_line(error.value).startswith(f"--resume {run}: " + message.format(run=run))
+
+
+def test_a_resumed_config_may_be_fixed_from_the_command_line(tmp_path):
+    run = saved_run(tmp_path, epochs="many")
+    cfg, _ = resumed_config(Config(model="lr", resume=str(run), epochs=40),
+                            {"resume", "epochs"}, 3)
+    assert cfg.epochs == 40
+
+
+@SETTINGS
+@given(key=st.sampled_from([f.name for f in dataclasses.fields(Config)]),
+       value=st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40),
+                       st.floats(allow_nan=False), st.text(max_size=6)))
+def test_any_edit_of_a_resumed_config_resumes_or_is_one_line(tmp_path, key, value):
+    run = saved_run(tmp_path, **{key: value})
+    try:
+        resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3)
+    except UsageError as e:
+        assert one_line(e).startswith(f"--resume {run}: ")
