@@ -41,6 +41,7 @@ import gzip
 import hashlib
 import os
 import pickle
+import stat
 import urllib.request
 import zlib
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ import numpy as np
 
 from .atomic import atomic_file
 from .errors import DataError, UsageError
+from .userfiles import not_regular, open_regular, stat_mode
 
 KERAS_MNIST_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/mnist.npz"
 KERAS_MNIST_SHA256 = "731c5ac602752760c8e48fbffcf8c3b850d9dc2a2aedcf2cc48468fc17b673d1"
@@ -92,18 +94,29 @@ class Dataset:
 # File formats
 # ---------------------------------------------------------------------------------------
 def read_idx(path: Path) -> np.ndarray:
-    """Read one IDX file (optionally gzipped); raise :class:`DataError` naming it if bad."""
+    """Read one IDX file (optionally gzipped); raise :class:`DataError` naming it if bad.
+    Reads no more than its header announces (and one byte, to tell a longer file)."""
     path = Path(path)
     try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as f:
-            raw = f.read()
+        with open_regular(path, DataError) as file, \
+                (gzip.GzipFile(fileobj=file) if path.suffix == ".gz" else file) as f:
+            raw = f.read(4)
+            raw += f.read(4 * raw[3] if len(raw) == 4 else 0)
+            raw += f.read(_idx_data_bytes(raw) + 1)
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"{path}: cannot read ({e}); the file is corrupt or truncated, "
                         "replace it") from None
     return parse_idx(raw, str(path))
+
+
+def _idx_data_bytes(header: bytes) -> int:
+    """The data bytes an IDX header announces (0 for a header too bad to say)."""
+    if len(header) < 4 or header[2] not in _IDX_DTYPES or len(header) < 4 + 4 * header[3]:
+        return 0
+    shape = np.frombuffer(header, ">i4", count=header[3], offset=4).astype(np.int64)
+    return int(np.prod(shape)) * np.dtype(_IDX_DTYPES[header[2]]).itemsize if header[3] else 0
 
 
 def parse_idx(raw: bytes, name: str) -> np.ndarray:
@@ -129,7 +142,7 @@ def _find_idx(directory: Path, stem: str) -> Optional[Path]:
     for name in (stem, stem.replace("-idx", ".idx")):
         for suffix in (".gz", ""):
             candidate = directory / (name + suffix)
-            if candidate.is_file():
+            if candidate.exists():  # not a regular file: read_idx says what it is
                 return candidate
     return None
 
@@ -147,7 +160,7 @@ def read_mnist_dir(directory: Union[str, Path], splits=SPLITS) -> Dict[str, np.n
     if all(found.values()):
         arrays = {key: read_idx(path) for key, path in found.items()}
         origin = str(directory)
-    elif (directory / "mnist.npz").is_file():
+    elif (directory / "mnist.npz").exists():
         arrays = read_npz(directory / "mnist.npz", splits)
         origin = str(directory / "mnist.npz")
     else:
@@ -161,8 +174,10 @@ def read_mnist_dir(directory: Union[str, Path], splits=SPLITS) -> Dict[str, np.n
 def read_npz(path: Path, splits=SPLITS) -> Dict[str, np.ndarray]:
     """The arrays of ``splits`` from a Keras-style ``mnist.npz``."""
     try:
-        with np.load(path, allow_pickle=False) as f:
+        with open_regular(path, DataError) as file, np.load(file, allow_pickle=False) as f:
             return {key: np.asarray(f[key]) for key in _keys(splits)}
+    except DataError:
+        raise
     except KeyError as e:
         raise DataError(f"{path}: missing array {e} (expected x_train, y_train, x_test, "
                         "y_test)") from None
@@ -206,7 +221,7 @@ def local_mnist(data_dir: Optional[str],
                                 "folder holding the MNIST IDX files or mnist.npz")
             return read_mnist_dir(directory, splits), str(directory)
     cache = KERAS_CACHE.expanduser()
-    if cache.is_file():
+    if cache.exists():
         arrays = read_npz(cache, splits)
         check_mnist_arrays(arrays, str(cache))
         return arrays, str(cache)
@@ -354,10 +369,11 @@ def _read_user_data(path: str, splits, image_size: Optional[int]) -> Dataset:
         keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
         return _user_dataset("arrays", path, {k: given[k] for k in keys})
     where = Path(path).expanduser().absolute()
+    mode = stat_mode(where)
     try:
-        if where.is_file() and where.suffix == ".npz":
+        if stat.S_ISREG(mode) and where.suffix == ".npz":
             return _ignoring_image_size(_user_npz(where, splits), image_size)
-        if where.is_dir():
+        if stat.S_ISDIR(mode):
             cifar = _cifar_dir(where)
             if cifar is not None:
                 return _ignoring_image_size(_user_cifar(cifar, splits), image_size)
@@ -365,8 +381,10 @@ def _read_user_data(path: str, splits, image_size: Optional[int]) -> Dataset:
     except MemoryError as e:
         raise DataError(f"--data {where}: does not fit in this rank's memory ({e}); data "
                         "larger than memory is not supported: train on a subset") from None
-    if not where.exists():
+    if not mode:
         raise DataError(f"--data {where}: no such file or directory; give {USER_FORMATS}")
+    if not stat.S_ISREG(mode):
+        raise DataError(f"--data {not_regular(where, mode)}")
     raise DataError(f"--data {where}: not a dataset mpitrain reads; give {USER_FORMATS}")
 
 
@@ -473,7 +491,7 @@ def _check_npz_shapes(path: Path, shapes: Dict[str, Tuple[int, ...]]) -> None:
 def _user_npz(path: Path, splits) -> Dataset:
     keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
     try:
-        with np.load(path, allow_pickle=False) as f:
+        with open_regular(path, DataError) as file, np.load(file, allow_pickle=False) as f:
             # every rank checks all four arrays' headers, so all ranks fail alike
             _check_npz_shapes(path, _npz_shapes(f))
             arrays = {key: np.asarray(f[key]) for key in keys}
@@ -489,7 +507,7 @@ def _user_npz(path: Path, splits) -> Dataset:
 
 def _cifar_dir(path: Path) -> Optional[Path]:
     for candidate in (path, path / "cifar-10-batches-py"):
-        if (candidate / "test_batch").is_file() or (candidate / "data_batch_1").is_file():
+        if (candidate / "test_batch").exists() or (candidate / "data_batch_1").exists():
             return candidate
     return None
 
@@ -520,14 +538,16 @@ class _CifarUnpickler(pickle.Unpickler):
 
 
 def _cifar_batch(path: Path, with_images: bool):
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"{path}: missing; CIFAR-10's python layout has data_batch_1..5 and "
                         "test_batch")
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, DataError) as f:
             batch = _CifarUnpickler(f, encoding="bytes").load()
         labels = np.asarray(batch[b"labels"], np.int64)
         images = np.asarray(batch[b"data"], np.uint8) if with_images else None
+    except DataError:
+        raise
     except Exception as e:  # noqa: BLE001 - truncated, not a pickle, wrong contents
         raise DataError(f"{path}: not a CIFAR-10 batch ({type(e).__name__}: {e}); the file "
                         "is corrupt or truncated, replace it") from None
@@ -548,11 +568,13 @@ def _user_cifar(directory: Path, splits) -> Dataset:
             arrays["x_" + split] = np.concatenate([images for images, _ in parts])
     classes = None
     meta = directory / "batches.meta"
-    if meta.is_file():
+    if meta.exists():
         try:
-            with open(meta, "rb") as f:
+            with open_regular(meta, DataError) as f:
                 names = _CifarUnpickler(f, encoding="bytes").load()[b"label_names"]
             classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+        except DataError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise DataError(f"{meta}: unreadable ({type(e).__name__}: {e}); replace or "
                             "remove it") from None
@@ -614,10 +636,12 @@ def _image_mode(paths: List[Path], image_size: Optional[int] = None) -> str:
     mode, first = "L", None
     for path in paths:
         try:
-            with Image.open(path) as image:
+            with open_regular(path, DataError) as file, Image.open(file) as image:
                 if image.mode not in ("1", "L", "LA", "I", "I;16", "F"):
                     mode = "RGB"
                 size = image.size
+        except DataError:
+            raise
         except Exception as e:  # noqa: BLE001 - Pillow raises many kinds
             raise DataError(f"{path}: not a readable image ({type(e).__name__}: {e}); "
                             "replace or remove it") from None
@@ -636,11 +660,13 @@ def _decode(files, mode: str, image_size: Optional[int]) -> np.ndarray:
     out, first = [], None
     for path, _ in files:
         try:
-            with Image.open(path) as image:
+            with open_regular(path, DataError) as file, Image.open(file) as image:
                 image = image.convert(mode)
                 if image_size:
                     image = image.resize((image_size, image_size), Image.BILINEAR)
                 pixels = np.asarray(image, np.uint8)
+        except DataError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise DataError(f"{path}: not a readable image ({type(e).__name__}: {e}); "
                             "replace or remove it") from None

@@ -36,6 +36,7 @@ from .config import Config
 from .errors import ResultsError, UsageError
 from .data import batches_per_epoch
 from .models import same_model
+from .userfiles import open_regular, read_bounded
 
 CHECKPOINT = "checkpoint.npz"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -133,7 +134,8 @@ class Checkpoint:
     def load(cls, run_dir: Path) -> "Checkpoint":
         path = Path(run_dir) / CHECKPOINT
         try:
-            with np.load(path, allow_pickle=False) as f:
+            with open_regular(path, ResultsError) as file, \
+                    np.load(file, allow_pickle=False) as f:
                 meta = json.loads(f["meta"].tobytes().decode())
                 optimizer = {k: f[f"opt_{k}"] for k in meta["optimizer_keys"]}
                 weights = f["weights"]
@@ -141,6 +143,8 @@ class Checkpoint:
         except FileNotFoundError:
             raise ResultsError(f"{path}: no checkpoint in this run directory (it stopped "
                                "before its first checkpoint); start a new run") from None
+        except ResultsError:
+            raise
         except Exception as e:  # zip errors, missing keys, bad JSON
             raise ResultsError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") \
                 from None
@@ -170,11 +174,17 @@ def saved_config(run_dir: Path) -> dict:
     """The ``config`` section of a run's config.json."""
     path = Path(run_dir) / "config.json"
     try:
-        return json.loads(path.read_text())["config"]
+        saved = json.loads(read_bounded(path, error=UsageError))["config"]
     except FileNotFoundError:
         raise UsageError(f"--resume {run_dir}: not a run directory (no config.json)") from None
-    except (OSError, ValueError, KeyError) as e:
+    except UsageError as e:
+        raise UsageError(f"--resume {e}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise UsageError(f"--resume {run_dir}: cannot read {path} ({e})") from None
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume {run_dir}: {path} holds no settings (its config is a "
+                         f"{type(saved).__name__}); fix the file or start a new run")
+    return saved
 
 
 def resumed_config(cli: Config, explicit: set, world_size: int

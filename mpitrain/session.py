@@ -31,6 +31,7 @@ from .models.keras_import import onednn_enabled, onednn_hint
 from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from .results import NullResults, RunResults
 from .train import Context, Summary, decay_steps, protocol
+from .userfiles import read_bounded
 
 
 def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = False
@@ -220,9 +221,10 @@ def check_resumable(ctx: Context, comm: Comm) -> bool:
 def run_status(run_dir: Path) -> str:
     """What the run's status.json says (``running`` if it was killed), or ''."""
     try:
-        return json.loads((run_dir / "status.json").read_text()).get("status", "")
-    except (OSError, ValueError):
+        status = json.loads(read_bounded(run_dir / "status.json")).get("status", "")
+    except (OSError, ValueError, AttributeError):
         return ""
+    return status if isinstance(status, str) else ""
 
 
 def final_results(ctx: Context) -> Summary:

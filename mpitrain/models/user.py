@@ -9,11 +9,13 @@ import importlib
 import importlib.util
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import Callable, Dict
 
 from ..errors import UsageError
+from ..userfiles import not_regular, read_bounded, stat_mode
 from .keras_import import import_keras
 from .registry import USER_DEFAULTS, ModelSpec
 
@@ -46,10 +48,7 @@ def precheck(spec: str) -> None:
     if not function.isidentifier():
         raise UsageError(f"model {spec}: {function!r} is not a Python function name")
     if _is_file(target):
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise UsageError(f"model {spec}: no such file {path} (give the path of your "
-                             "model's .py file, relative to this directory or absolute)")
+        path = _model_file(spec, target)
         _precheck_source(spec, path, function)
         return
     if not all(part.isidentifier() for part in target.split(".")):
@@ -69,7 +68,8 @@ def _precheck_source(spec: str, path: Path, function: str) -> None:
     import ast
 
     try:
-        tree = ast.parse(path.read_bytes(), str(path))
+        tree = ast.parse(read_bounded(path, error=lambda m: UsageError(f"model {spec}: {m}")),
+                         str(path))
     except SyntaxError as e:
         raise UsageError(f"model {spec}: syntax error in {e.filename} line {e.lineno}: "
                          f"{e.msg}") from None
@@ -162,11 +162,20 @@ def user_spec(spec: str) -> ModelSpec:
     return _LOADED[spec]
 
 
-def _import_file(spec: str, target: str):
+def _model_file(spec: str, target: str) -> Path:
+    """The path of a spec's file; UsageError if it is missing or no regular file."""
     path = Path(target).expanduser()
-    if not path.is_file():
+    mode = stat_mode(path)
+    if not mode:
         raise UsageError(f"model {spec}: no such file {path} (give the path of your "
                          "model's .py file, relative to this directory or absolute)")
+    if not stat.S_ISREG(mode):
+        raise UsageError(f"model {spec}: {not_regular(path, mode)}")
+    return path
+
+
+def _import_file(spec: str, target: str):
+    path = _model_file(spec, target)
     name = f"mpitrain_user_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}"
     loader_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(loader_spec)

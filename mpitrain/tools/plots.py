@@ -41,6 +41,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocato
 
 from ..errors import ResultsError
 from ..schema import CURVE, OPTIONAL_TABLES, Column
+from ..userfiles import NotRegular, open_regular
 
 MB = 2**20
 DPI = 120
@@ -137,11 +138,14 @@ def read_table(path: Path, schema: Schema) -> Table:
 
 def _read_text(path: Path) -> str:
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            return f.read()
+        with open_regular(path) as f:  # a FIFO or a device is refused, never waited on
+            return f.read().decode("utf-8")
     except FileNotFoundError:
         raise results_error(path, "missing", "this directory is not a complete mpitrain run; "
                             "re-run it or pick another run") from None
+    except NotRegular as e:
+        raise results_error(path, f"is {e.kind}, not a regular file", "replace or remove it") \
+            from None
     except UnicodeDecodeError:
         raise results_error(path, "is not UTF-8 text (binary or damaged)", DAMAGED) from None
     except OSError as e:

@@ -37,6 +37,7 @@ from typing import Dict, List, Optional
 
 from ..atomic import write_json_atomic
 from ..errors import Interrupted, UsageError
+from ..userfiles import read_bounded
 from .preflight import check_launch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,10 +117,10 @@ def load_spec(path: Path) -> dict:
         import tomli as tomllib
 
     try:
-        spec = tomllib.loads(Path(path).read_text())
+        spec = tomllib.loads(read_bounded(path, error=UsageError).decode())
     except FileNotFoundError:
         raise UsageError(f"sweep spec {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, ValueError) as e:  # TOMLDecodeError and UnicodeDecodeError too
         raise UsageError(f"sweep spec {path}: {e}") from None
     if "grid" not in spec:
         raise UsageError(f"sweep spec {path}: no [grid] table")
@@ -153,8 +154,8 @@ class Sweep:
     def load_manifest(self) -> dict:
         if self.manifest_path.exists():
             try:
-                return json.loads(self.manifest_path.read_text())
-            except ValueError as e:
+                return json.loads(read_bounded(self.manifest_path, error=UsageError))
+            except (OSError, ValueError) as e:
                 raise UsageError(f"{self.manifest_path}: unreadable ({e}); move it away to "
                                  "start the sweep afresh") from None
         return {"runs": {}}
@@ -224,7 +225,7 @@ class Sweep:
         run_dir = entry.get("run_dir")
         status = Path(run_dir) / "status.json" if run_dir else None
         try:
-            return bool(status) and json.loads(status.read_text())["status"] == "ok"
+            return bool(status) and json.loads(read_bounded(status))["status"] == "ok"
         except (OSError, ValueError, KeyError):
             return False
 

@@ -11,14 +11,17 @@ need ranks run under real mpirun in tests/e2e/test_bad_input_mpirun.py.
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mpitrain import api, cli
+from conftest import write_cifar, write_image_folder
+from mpitrain import api, cli, data, models, userfiles
 from mpitrain.config import Config, flag_of
-from mpitrain.errors import UsageError
-from mpitrain.lifecycle import resumed_config
+from mpitrain.errors import DataError, ResultsError, UsageError
+from mpitrain.lifecycle import Checkpoint, resumed_config
+from unit.test_data import write_mnist
 
 NUMERIC = [f for f in dataclasses.fields(Config) if f.metadata.get("number")]
 #: anything a hostile user, a script or a hand-edited JSON file could put in a setting
@@ -167,3 +170,104 @@ def test_any_edit_of_a_resumed_config_resumes_or_is_one_line(tmp_path, key, valu
         resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3)
     except UsageError as e:
         assert one_line(e).startswith(f"--resume {run}: ")
+
+
+# ---- files: regular files only, never a blocking read --------------------------------------
+def fifo(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def _fifo_in_a_class_folder(tmp_path):  # issue #39, item 1
+    write_image_folder(tmp_path / "images", n=40, classes=2)
+    return lambda: data.read_user_data(str(tmp_path / "images")), \
+        fifo(tmp_path / "images" / "c1" / "pipe.png")
+
+
+def _fifo_as_npz(tmp_path):
+    return lambda: data.read_user_data(str(tmp_path / "x.npz")), fifo(tmp_path / "x.npz")
+
+
+def _device_as_npz(tmp_path):
+    (tmp_path / "zero.npz").symlink_to("/dev/zero")
+    return lambda: data.read_user_data(str(tmp_path / "zero.npz")), tmp_path / "zero.npz"
+
+
+def _fifo_as_idx(tmp_path):
+    mnist = write_mnist(tmp_path / "mnist")
+    victim = mnist / "train-labels-idx1-ubyte.gz"
+    victim.unlink()
+    return lambda: data.read_mnist_dir(mnist), fifo(victim)
+
+
+def _fifo_as_cifar_batch(tmp_path):
+    cifar = write_cifar(tmp_path / "cifar", per_batch=4, n_test=4)
+    (cifar / "data_batch_2").unlink()
+    return lambda: data.read_user_data(str(cifar)), fifo(cifar / "data_batch_2")
+
+
+def _directory_named_like_an_image(tmp_path):
+    write_image_folder(tmp_path / "images", n=40, classes=2)
+    (tmp_path / "images" / "c0" / "folder.png").mkdir()
+    (tmp_path / "images" / "c0" / "folder.png" / "inner.png").write_bytes(b"")
+    return lambda: data.read_user_data(str(tmp_path / "images")), \
+        tmp_path / "images" / "c0" / "folder.png"
+
+
+def _fifo_as_model_file(tmp_path):
+    return lambda: models.precheck(f"{tmp_path}/m.py:build"), fifo(tmp_path / "m.py")
+
+
+def _fifo_as_resumed_config(tmp_path):
+    run = saved_run(tmp_path)
+    (run / "config.json").unlink()
+    return lambda: resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3), \
+        fifo(run / "config.json")
+
+
+def _fifo_as_checkpoint(tmp_path):
+    return lambda: Checkpoint.load(tmp_path), fifo(tmp_path / "checkpoint.npz")
+
+
+def _fifo_as_sweep_spec(tmp_path):
+    from mpitrain.tools import sweep
+
+    return lambda: sweep.load_spec(tmp_path / "s.toml"), fifo(tmp_path / "s.toml")
+
+
+def _fifo_as_a_run_file_to_plot(tmp_path):
+    from mpitrain.tools.plots import plot_runs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    return lambda: plot_runs([run]), fifo(run / "config.json")
+
+
+@pytest.mark.timeout(60)  # a read that blocks fails here instead of hanging the suite
+@pytest.mark.parametrize("make,error,kind", [
+    (_fifo_in_a_class_folder, DataError, "a FIFO (named pipe)"),
+    (_fifo_as_npz, DataError, "a FIFO (named pipe)"),
+    (_device_as_npz, DataError, "a character device"),
+    (_fifo_as_idx, DataError, "a FIFO (named pipe)"),
+    (_fifo_as_cifar_batch, DataError, "a FIFO (named pipe)"),
+    (_directory_named_like_an_image, DataError, "a directory"),
+    (_fifo_as_model_file, UsageError, "a FIFO (named pipe)"),
+    (_fifo_as_resumed_config, UsageError, "a FIFO (named pipe)"),
+    (_fifo_as_checkpoint, ResultsError, "a FIFO (named pipe)"),
+    (_fifo_as_sweep_spec, UsageError, "a FIFO (named pipe)"),
+    (_fifo_as_a_run_file_to_plot, ResultsError, "a FIFO (named pipe)"),
+])
+def test_a_name_that_is_no_regular_file_is_refused_never_read(tmp_path, make, error, kind):
+    read, culprit = make(tmp_path)
+    with pytest.raises(error) as raised:
+        read()
+    assert f"{culprit}: is {kind}, not a regular file" in one_line(raised.value)
+
+
+def test_a_small_file_read_whole_has_a_bound(tmp_path):
+    run = saved_run(tmp_path)
+    with open(run / "config.json", "ab") as f:
+        f.truncate(userfiles.TEXT_LIMIT + 1)  # sparse: nothing is written
+    with pytest.raises(UsageError, match=r"config.json: larger than 16 MiB"):
+        resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3)
