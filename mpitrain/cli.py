@@ -56,7 +56,8 @@ def _model_help(spec, field_name: str, doc: str) -> str:
     return doc + (f" (default for {spec.name}: {default})" if default is not None else "")
 
 
-def _add_training_options(parser: argparse.ArgumentParser, spec) -> None:
+def _add_training_options(parser: argparse.ArgumentParser, spec, defaults: bool = True
+                          ) -> None:
     for f in fields_with_flags():
         kwargs = dict(f.metadata["cli"])
         doc = f.metadata["doc"]
@@ -66,7 +67,8 @@ def _add_training_options(parser: argparse.ArgumentParser, spec) -> None:
             kwargs["help"] = doc
         else:
             kwargs["help"] = f"{doc} (default: {f.default})"
-        parser.add_argument(f.metadata["flag"], dest=f.name, default=f.default, **kwargs)
+        parser.add_argument(f.metadata["flag"], dest=f.name,
+                            default=f.default if defaults else argparse.SUPPRESS, **kwargs)
 
 
 def user_model_in(argv: List[str]) -> Optional[str]:
@@ -74,8 +76,10 @@ def user_model_in(argv: List[str]) -> Optional[str]:
     return argv[0] if argv and models.is_spec(argv[0]) else None
 
 
-def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
-    """The whole CLI; ``user_model`` adds a training command for that model spec."""
+def build_parser(user_model: Optional[str] = None, defaults: bool = True
+                 ) -> argparse.ArgumentParser:
+    """The whole CLI; ``user_model`` adds a training command for that model spec;
+    ``defaults=False`` leaves the training options not given out of the namespace."""
     from . import __version__
 
     parser = _Parser(prog=PROG, description="MPI data-parallel training for TensorFlow: "
@@ -89,7 +93,7 @@ def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
     for spec in models.specs() + user:
         sub = commands.add_parser(spec.name, help=f"train {spec.summary}",
                                   description=spec.summary)
-        _add_training_options(sub, spec)
+        _add_training_options(sub, spec, defaults)
     plot = commands.add_parser("plot", help="figures of one run, or a comparison of several",
                                description="Figures of one run (written into its directory) "
                                "or a comparison of several runs (into a new directory).")
@@ -266,14 +270,13 @@ def parse_config(argv: List[str], args=None, world_size: Optional[int] = None) -
 
 
 def explicit_settings(argv: List[str]) -> frozenset:
-    """Names of the config fields given on the command line (for --resume)."""
-    given = set()
-    flags = {f.metadata["flag"]: f.name for f in fields_with_flags()}
-    for token in argv:
-        name = flags.get(token.split("=", 1)[0])
-        if name:
-            given.add(name)
-    return frozenset(given)
+    """Names of the config fields given on the command line (for --resume).
+
+    Read from what argparse parsed, not from the tokens: an abbreviated flag
+    (``--epoch 5``) or ``--epochs=5`` counts as given, as it does for training.
+    """
+    args = build_parser(user_model_in(argv), defaults=False).parse_args(argv)
+    return frozenset(f.name for f in fields_with_flags() if hasattr(args, f.name))
 
 
 def main(argv: Optional[List[str]] = None, ends_process: bool = True) -> int:

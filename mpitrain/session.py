@@ -214,8 +214,11 @@ def check_resumable(ctx: Context, comm: Comm) -> bool:
     if done is not None and done >= ctx.total_steps and status != "ok":
         return True
     if done is not None and done >= ctx.total_steps:
-        raise UsageError(f"--resume {ctx.cfg.resume}: that run already did all {done} steps of "
-                         f"{ctx.cfg.epochs} epoch(s); pass a larger --epochs to train on")
+        capped = ctx.total_steps < ctx.steps_per_epoch * ctx.cfg.epochs
+        asks = f"--steps {ctx.cfg.max_steps}" if capped else f"--epochs {ctx.cfg.epochs}"
+        raise UsageError(f"--resume {ctx.cfg.resume}: that run already did {done} steps "
+                         f"({done / ctx.steps_per_epoch:.3g} epochs); {asks} asks for "
+                         f"{ctx.total_steps}: pass a larger {asks.split()[0]} to train on")
 
 
 def run_status(run_dir: Path) -> str:

@@ -249,7 +249,8 @@ def test_resume_refuses_incompatible_settings(mnist, tmp_path):
         bad = mpirun(3, "lr", "--resume", run_dir, *args, timeout=120)
         assert bad.returncode == 2 and pattern in bad.stderr, bad.stderr
     done = mpirun(3, "lr", "--resume", run_dir, timeout=120)
-    assert done.returncode == 2 and "pass a larger --epochs" in done.stderr
+    assert done.returncode == 2 and "did 3 steps (0.03 epochs); --steps 3 asks for 3: pass a " \
+        "larger --steps" in done.stderr, done.stderr
     # another -np is not refused: the run goes on rescaled (lifecycle.Rescale), and says so
     more = mpirun(4, "lr", "--resume", run_dir, "--steps", "5", timeout=120)
     assert more.returncode == 0, more.stderr[-2000:]
@@ -283,16 +284,19 @@ def test_resume_refuses_an_optimizer_state_that_does_not_fit(mnist, tmp_path, mo
 def test_async_checkpoint_counts_worker_steps(mnist, tmp_path):
     """An async checkpoint's step counts all workers' updates: a finished 1-epoch run
     at -np 3 (2 workers) is at 2 epochs' worth of server updates, yet resumes to 2
-    epochs (it was refused as finished), and is refused once it has done them."""
+    epochs (it was refused as finished), and is refused once it has done them. The
+    resume abbreviates --epochs (it was dropped as not given); the refusal counts the
+    epochs the run did, not those of its first session."""
     first = mpirun(3, "lr", "--async", "--epochs", "1", "--batch-size", "500", "--data-dir",
                    mnist, "--results-dir", tmp_path, "--quiet")
     assert first.returncode == 0, first.stderr[-2000:]
     run_dir = next(d for d in tmp_path.iterdir() if d.is_dir())
-    more = mpirun(3, "lr", "--async", "--resume", run_dir, "--epochs", "2", "--quiet")
+    more = mpirun(3, "lr", "--async", "--resume", run_dir, "--epoch", "2", "--quiet")
     assert more.returncode == 0, more.stderr[-2000:]
     assert float(read_rows(tmp_path / "runs.csv")[-1]["epochs"]) == pytest.approx(2, abs=0.05)
-    again = mpirun(3, "lr", "--async", "--resume", run_dir, "--epochs", "2", timeout=120)
-    assert again.returncode == 2 and "pass a larger --epochs" in again.stderr
+    again = mpirun(3, "lr", "--async", "--resume", run_dir, timeout=120)
+    assert again.returncode == 2 and "that run already did 40 steps (2 epochs); --epochs 1 " \
+        "asks for 20: pass a larger --epochs" in again.stderr, again.stderr
 
 
 @pytest.mark.parametrize("extra", [(), ("--async",)])

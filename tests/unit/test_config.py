@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from mpitrain import models
-from mpitrain.cli import parse_config
+from mpitrain.cli import explicit_settings, parse_config
 from mpitrain.config import Config, resolve
 from mpitrain.errors import UsageError
 
@@ -59,6 +59,19 @@ def test_dry_run_caps_steps():
 def test_cli_parses_into_config():
     cfg = parse_config(["lr", "--epochs", "3", "--batch-size", "50", "--seed", "7"])
     assert (cfg.model, cfg.epochs, cfg.batch_size, cfg.seed) == ("lr", 3, 50, 7)
+
+
+@pytest.mark.parametrize("argv,given", [
+    (["lr", "--resume", "RUN", "--epoch", "5"], {"resume", "epochs"}),  # abbreviated
+    (["lr", "--epochs=5", "--asy", "--batch-size", "4", "--dry-run"],
+     {"epochs", "async_mode", "batch_size", "dry_run"}),
+    (["lr", "--epochs", "30"], {"epochs"}),  # the default value, given: still explicit
+    (["lr"], set()),
+])
+def test_explicit_settings_are_what_argparse_parsed(argv, given):
+    """--resume compares the settings given with the saved run's: an abbreviated or
+    ``--flag=value`` option is given as much as a whole one (it was dropped before)."""
+    assert explicit_settings(argv) == given
 
 
 @pytest.mark.parametrize("argv,pattern", [
