@@ -70,11 +70,12 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
         spec, dataset.input_shape, dataset.num_classes, cfg.optimizer, cfg.effective_lr,
         cfg.clip_grad_norm, decay_steps(cfg, shard_size), from_logits=cfg.outputs == "logits",
         applies=role.trains and not cfg.async_mode,  # the ranks that run Keras' optimizer
-        compiler=cfg.compiler))
-    if cfg.outputs == "probabilities" and not ends_in_softmax(replica.model):
-        console.note(f"--outputs probabilities, but the last layer of {cfg.model} is not a "
-                     "softmax: its outputs are taken as probabilities as they are (end it with "
-                     "a softmax, or pass --outputs logits)")
+        compiler=cfg.compiler), spec)
+    if cfg.outputs == "probabilities" and not ends_in_softmax(replica.model,
+                                                              dataset.input_shape):
+        console.note(f"--outputs probabilities, but the outputs of {cfg.model} are not "
+                     "probabilities (rows that sum to 1): they are taken as probabilities as "
+                     "they are (end it with a softmax, or pass --outputs logits)")
     ranks = comm.allgather_objects(rank_facts(threads))
     hint = onednn_hint(ranks)
     if hint:
@@ -102,7 +103,13 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     # and tells whether rank 0 is gone by the writer
     results.set_status("running", **attempt_facts())
     try:
-        summary = final_results(ctx) if trained else train(ctx)
+        try:
+            summary = final_results(ctx) if trained else train(ctx)
+        except Exception as error:  # the user's model raising in a step is the user's
+            blamed = models.blame_user_code(spec, error)
+            if blamed is None:
+                raise
+            raise blamed from None
     except MpitrainError as error:
         record_failure(ctx, error, sampler)
         raise
@@ -127,7 +134,7 @@ def preflight(cfg: Config) -> None:
     preflight_checks.check_ranks(comm, versions)
     cfg, dataset, shard_size, _ = load_data(cfg, comm, spec)
     if models.is_spec(cfg.model):  # the user's model builds, on every host, for this data
-        collectively(comm, lambda: check_model(spec, dataset, cfg.outputs == "logits"))
+        collectively(comm, lambda: check_model(spec, dataset, cfg.outputs == "logits"), spec)
     if comm.rank == 0:
         hosts = sorted(set(comm.hosts))
         print(f"preflight ok: {comm.size} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)}); "
@@ -142,14 +149,19 @@ def load_model(name: str, comm: Comm):
     return collectively(comm, lambda: models.get(name))
 
 
-def collectively(comm: Comm, make):
+def collectively(comm: Comm, make, spec=None):
     """``make()`` on every rank; a UsageError on any rank is raised on all of them
-    (rank 0 prints it once) instead of leaving the others waiting."""
+    (rank 0 prints it once) instead of leaving the others waiting. So is an error that
+    ``spec``'s user code raised (see :func:`mpitrain.models.blame_user_code`)."""
     result, error = None, None
     try:
         result = make()
     except UsageError as e:
         error = e
+    except Exception as e:
+        error = models.blame_user_code(spec, e)
+        if error is None:
+            raise
     comm.agree(error)
     return result
 
@@ -157,7 +169,7 @@ def collectively(comm: Comm, make):
 def check_model(spec, dataset, from_logits: bool) -> None:
     """Build the model as training would (output shape, softmax vs --outputs)."""
     check_outputs(spec.build(tuple(dataset.input_shape), dataset.num_classes), spec.name,
-                  from_logits)
+                  from_logits, dataset.input_shape)
 
 
 def load_data(cfg: Config, comm: Comm, spec):

@@ -4,7 +4,7 @@ the built-in models (:mod:`.zoo`) use."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class ModelSpec:
     defaults: Dict[str, object] = field(default_factory=dict)
     #: dataset options for synthetic input (AlexNet): image size, channels, classes...
     synthetic: Dict[str, int] = field(default_factory=dict)
+    #: a user's model: the file of its code (errors raised there are the user's to see)
+    source: Optional[str] = None
 
 
 REGISTRY: Dict[str, ModelSpec] = {}

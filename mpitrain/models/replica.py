@@ -65,20 +65,23 @@ def checksum(flat: np.ndarray) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(flat)).cast("B"))
 
 
-def ends_in_softmax(model) -> bool:
-    """True if the model's last layer is a softmax (its outputs are probabilities)."""
-    import keras
+def ends_in_softmax(model, input_shape) -> bool:
+    """True if ``model`` outputs probabilities: on a probe batch of random inputs every
+    row of its output is non-negative and sums to 1, as a softmax's does wherever it
+    sits (a last Softmax layer or activation, a nested model's head, ``tf.nn.softmax``
+    or ``keras.ops.softmax`` in a functional model). Logits practically never do."""
+    probe = np.random.default_rng(0).random((2,) + tuple(input_shape), dtype=np.float32)
+    out = np.asarray(model(probe, training=False), np.float64)
+    return (out.ndim == 2 and out.shape[1] > 1 and bool((out >= 0).all())
+            and bool(np.allclose(out.sum(axis=1), 1.0, rtol=0, atol=1e-3)))
 
-    last = model.layers[-1] if model.layers else None
-    return isinstance(last, keras.layers.Softmax) or \
-        getattr(last, "activation", None) is keras.activations.softmax
 
-
-def check_outputs(model, name: str, from_logits: bool) -> None:
+def check_outputs(model, name: str, from_logits: bool, input_shape) -> None:
     """UsageError if the loss would take ``model``'s softmax probabilities for logits."""
-    if from_logits and ends_in_softmax(model):
+    if from_logits and ends_in_softmax(model, input_shape):
         raise UsageError(f"model {name} ends in a softmax: pass --outputs probabilities, or "
-                         "drop the softmax and output logits (more stable in float32)")
+                         "drop the softmax and output logits (more stable in float32); its "
+                         "outputs are probabilities (every row sums to 1)")
 
 
 def make_optimizer(name: str, lr: float, decay_steps: Optional[int] = None):
@@ -180,7 +183,7 @@ class Replica:
         #: how each training step function runs: 'graph' or 'xla' (see step_function)
         self.compiled: Dict[str, str] = {}
         self.model = spec.build(tuple(input_shape), num_classes)
-        check_outputs(self.model, spec.name, from_logits)
+        check_outputs(self.model, spec.name, from_logits, input_shape)
         self.variables = list(self.model.trainable_variables)
         self.shapes = [tuple(v.shape) for v in self.variables]
         self.sizes = [int(np.prod(s)) for s in self.shapes]

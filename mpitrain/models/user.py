@@ -5,14 +5,16 @@ builder returns; every problem is one UsageError naming the spec."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import io
 import os
 import re
 import stat
 import sys
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from ..errors import UsageError
 from ..userfiles import not_regular, read_bounded, stat_mode
@@ -138,8 +140,9 @@ def from_callable(builder: Callable) -> str:
     if module == "__main__" and sys.argv and sys.argv[0].endswith(".py"):
         module = str(Path(sys.argv[0]).resolve())
     name = f"{module}:{getattr(builder, '__qualname__', 'build')}"
-    _LOADED[name] = ModelSpec(name, _checked(name, builder), f"your model {name}",
-                              dict(USER_DEFAULTS))
+    source = getattr(getattr(builder, "__code__", None), "co_filename", None)
+    _LOADED[name] = ModelSpec(name, _checked(name, builder, source), f"your model {name}",
+                              dict(USER_DEFAULTS), source=source)
     return name
 
 
@@ -157,8 +160,9 @@ def user_spec(spec: str) -> ModelSpec:
             raise UsageError(f"model {spec}: {function} is an object of type "
                              f"{type(builder).__name__}, not a function; define "
                              f"def {function}(input_shape, num_classes) returning a keras.Model")
-        _LOADED[spec] = ModelSpec(spec, _checked(spec, builder), f"your model {spec}",
-                                  dict(USER_DEFAULTS))
+        source = getattr(module, "__file__", None)
+        _LOADED[spec] = ModelSpec(spec, _checked(spec, builder, source), f"your model {spec}",
+                                  dict(USER_DEFAULTS), source=source)
     return _LOADED[spec]
 
 
@@ -184,7 +188,7 @@ def _import_file(spec: str, target: str):
     if folder not in sys.path:
         sys.path.insert(0, folder)  # its own helper modules, as `python FILE.py` would
     try:
-        _run_import(spec, lambda: loader_spec.loader.exec_module(module))
+        _run_import(spec, lambda: loader_spec.loader.exec_module(module), source=str(path))
     except UsageError:
         del sys.modules[name]
         raise
@@ -203,11 +207,12 @@ def _import_module(spec: str, target: str):
                          "that holds it, or install it)") from None
 
 
-def _run_import(spec: str, load, module: str = ""):
+def _run_import(spec: str, load, module: str = "", source: Optional[str] = None):
     """``load()``, its errors as one UsageError (except ``module`` itself not found)."""
     import_keras()  # before the user's code imports it, so that it loads the quick way
     try:
-        return load()
+        return calling_user_code(spec, "importing it", load, source,
+                                 passes=(SyntaxError, ModuleNotFoundError))
     except SyntaxError as e:
         raise UsageError(f"model {spec}: syntax error in {e.filename} line {e.lineno}: "
                          f"{e.msg}") from None
@@ -216,22 +221,55 @@ def _run_import(spec: str, load, module: str = ""):
             raise
         raise UsageError(f"model {spec}: importing it failed: {e} (install it, or fix the "
                          "import)") from None
-    except Exception as e:  # noqa: BLE001 - the user's code: any error is theirs to see
-        raise UsageError(f"model {spec}: importing it failed ({type(e).__name__}: "
-                         f"{_first_line(e)}{_where(e)})") from None
 
 
-def _checked(spec: str, builder: Callable) -> Callable:
-    """``builder`` with its result checked: a keras.Model with a (None, classes) output."""
+def calling_user_code(spec: str, doing: str, call: Callable, source: Optional[str] = None,
+                      hint: str = "", passes: tuple = ()):
+    """``call()``, which runs the user's code: the one boundary where it is called. Any
+    exception it raises, SystemExit included (argparse at import, ``sys.exit`` in a
+    builder), becomes one UsageError naming ``spec``, what was being done (``doing``),
+    the error and the line of the user's ``source`` file that raised, then ``hint``;
+    KeyboardInterrupt goes on (the user's Ctrl-C). What the code prints meanwhile is
+    held and printed once it returns; if it fails, only the last line it wrote to
+    stderr is kept, in the message (argparse's usage error, say). Exceptions of the
+    types in ``passes`` go on too (an import's SyntaxError, for its own message)."""
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            result = call()
+    except (UsageError, *passes):
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code: theirs to see
+        raise UsageError(f"model {spec}: {doing} failed ({_what_failed(e, err.getvalue())}"
+                         f"{_where(e, source)}){hint}") from None
+    sys.stdout.write(out.getvalue())
+    sys.stderr.write(err.getvalue())
+    return result
+
+
+def blame_user_code(spec, error: BaseException) -> Optional[UsageError]:
+    """The error to report for ``error``, raised while training ``spec`` (a ModelSpec),
+    if the user's code raised it (a frame of its source file is in the traceback: the
+    model's own layers, called while TensorFlow traces a step): one line naming the
+    spec and the line, local to the rank it happened on. None otherwise (an error of
+    mpitrain's, which stays an internal error with its traceback)."""
+    source = getattr(spec, "source", None)
+    if not source or not isinstance(error, Exception) or not any(
+            _same_file(f.filename, source) for f in _frames(error)):
+        return None
+    return UsageError(f"model {spec.name}: your code failed in training "
+                      f"({_what_failed(error, '')}{_where(error, source)})", everywhere=False)
+
+
+def _checked(spec: str, builder: Callable, source: Optional[str] = None) -> Callable:
+    """``builder`` with its result checked: a keras.Model with a (None, classes) output
+    whose every trainable weight takes part in it (see :func:`_check_trainable`)."""
     def build(input_shape, num_classes):
         import keras
 
-        try:
-            model = builder(tuple(input_shape), num_classes)
-        except Exception as e:  # noqa: BLE001 - the user's code
-            raise UsageError(f"model {spec}: building it for input {tuple(input_shape)} and "
-                             f"{num_classes} classes failed ({type(e).__name__}: "
-                             f"{_first_line(e)})") from None
+        model = calling_user_code(
+            spec, f"building it for input {tuple(input_shape)} and {num_classes} classes",
+            lambda: builder(tuple(input_shape), num_classes), source)
         if not isinstance(model, keras.Model):
             raise UsageError(f"model {spec}: returned {type(model).__name__}, not a "
                              "keras.Model; return keras.Sequential([...]) or "
@@ -241,12 +279,9 @@ def _checked(spec: str, builder: Callable) -> Callable:
         import numpy as np
 
         batch = np.zeros((2,) + tuple(input_shape), np.float32)
-        try:
-            out = model(batch, training=False)
-        except Exception as e:  # noqa: BLE001 - the user's code
-            raise UsageError(f"model {spec}: calling it on a batch of shape {batch.shape} "
-                             f"failed ({type(e).__name__}: {_first_line(e)}); its input must "
-                             f"be {tuple(input_shape)} per example") from None
+        out = calling_user_code(spec, f"calling it on a batch of shape {batch.shape}",
+                                lambda: model(batch, training=False), source,
+                                f"; its input must be {tuple(input_shape)} per example")
         shape = tuple(out.shape) if hasattr(out, "shape") else type(out).__name__
         if not hasattr(out, "shape") or len(out.shape) != 2 or out.shape[1] != num_classes:
             shown = (f"(None, {', '.join(map(str, shape[1:]))})" if isinstance(shape, tuple)
@@ -254,17 +289,87 @@ def _checked(spec: str, builder: Callable) -> Callable:
             raise UsageError(f"model {spec}: its output is {shown}; expected (None, "
                              f"{num_classes}): one score per class for {num_classes} classes "
                              f"(end with Dense({num_classes}))")
+        _check_trainable(spec, model, batch, source)
         return model
     return build
 
 
-def _where(error: BaseException) -> str:
-    """' at FILE line N': the innermost frame of the user's code that raised."""
+def _check_trainable(spec: str, model, batch, source: Optional[str]) -> None:
+    """UsageError unless ``model`` has trainable weights and its output in training mode
+    depends on every one of them: a gradient through one forward and backward pass of
+    ``batch`` in training mode, as a step takes it (the model's state is put back
+    after it: BatchNorm's statistics, Dropout's generators)."""
+    import tensorflow as tf
+
+    if not model.trainable_variables:
+        raise UsageError(f"model {spec}: it has no trainable weights, so there is nothing to "
+                         "train; build it from layers with weights (end with "
+                         "Dense(num_classes))")
+    saved = [(v, v.numpy()) for v in model.variables]
+
+    def gradient():
+        with tf.GradientTape() as tape:
+            total = tf.reduce_sum(tf.cast(model(batch, training=True), tf.float32))
+        return tape.gradient(total, model.trainable_variables)
+    try:
+        grads = calling_user_code(spec, "a training step (training=True) on a batch of "
+                                  f"shape {batch.shape}", gradient, source)
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
+    unused = [v.path for v, g in zip(model.trainable_variables, grads) if g is None]
+    if unused:
+        raise UsageError(f"model {spec}: its output does not depend on {len(unused)} of its "
+                         f"trainable weights ({', '.join(unused[:3])}"
+                         f"{', ...' if len(unused) > 3 else ''}), which nothing would train; "
+                         "use those layers in the output, or make them trainable=False")
+
+
+def _what_failed(error: BaseException, stderr: str) -> str:
+    """The error in words: ``ValueError: its first line``, or for a SystemExit the exit
+    it asked for and the last line it printed to stderr (argparse's error, say)."""
+    if not isinstance(error, SystemExit):
+        return f"{type(error).__name__}: {_first_line(error)}"
+    printed = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return (f"it called sys.exit({error.code!r})"
+            + (f" after printing {printed[-1]!r}" if printed else ""))
+
+
+def _frames(error: BaseException):
     import traceback
 
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if f.filename != __file__ and not f.filename.startswith("<")]
-    return f" at {frames[-1].filename} line {frames[-1].lineno}" if frames else ""
+    return traceback.extract_tb(error.__traceback__)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def _where(error: BaseException, source: Optional[str] = None) -> str:
+    """' at FILE line N': the innermost frame of the user's ``source`` file in the
+    traceback, else the innermost frame of code that is neither mpitrain's nor an
+    installed package's nor Python's own, else the innermost frame."""
+    frames = [f for f in _frames(error) if not f.filename.startswith("<")]
+    mine = [f for f in frames if source and _same_file(f.filename, source)]
+    theirs = [f for f in frames if not _library(f.filename)]
+    for found in (mine, theirs, frames):
+        if found:
+            return f" at {found[-1].filename} line {found[-1].lineno}"
+    return ""
+
+
+def _library(filename: str) -> bool:
+    """True for mpitrain's own files, installed packages' and the standard library's."""
+    import sysconfig
+
+    path = os.path.abspath(filename)
+    roots = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+             sysconfig.get_paths()["stdlib"])
+    return any(path.startswith(root + os.sep) for root in roots) or \
+        "site-packages" in path or "dist-packages" in path
 
 
 def _first_line(error: Exception) -> str:

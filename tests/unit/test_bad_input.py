@@ -271,3 +271,158 @@ def test_a_small_file_read_whole_has_a_bound(tmp_path):
         f.truncate(userfiles.TEXT_LIMIT + 1)  # sparse: nothing is written
     with pytest.raises(UsageError, match=r"config.json: larger than 16 MiB"):
         resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3)
+
+
+# ---- the user's code: whatever it raises (SystemExit too) is one line naming it --------------
+HEAD = "import sys, keras\nimport tensorflow as tf\nL = keras.layers\n"
+MODEL_FILES = {  # issue #39, items 4 and 5, and what the refusal of a softmax missed
+    "no_weights": HEAD + (
+        "def build(input_shape, num_classes):\n"
+        "    i = keras.Input(input_shape)\n"
+        "    o = L.Lambda(lambda t: keras.ops.reshape(t, (-1, 64))[:, :num_classes])(i)\n"
+        "    return keras.Model(i, o)\n"),
+    "exits_in_build": HEAD + "def build(input_shape, num_classes):\n    sys.exit('bye')\n",
+    "parses_arguments_at_import": HEAD + (
+        "import argparse\n"
+        "argparse.ArgumentParser().add_argument('--foo', required=True)\n"
+        "p = argparse.ArgumentParser(prog='train.py')\n"
+        "p.add_argument('--foo', required=True)\n"
+        "p.parse_args([])\n"
+        "def build(input_shape, num_classes):\n    pass\n"),
+    "exits_in_call": HEAD + (
+        "class M(keras.Model):\n"
+        "    def __init__(self, n):\n"
+        "        super().__init__(); self.d = L.Dense(n)\n"
+        "    def call(self, x, training=False):\n"
+        "        if training:\n"
+        "            raise SystemExit(3)\n"
+        "        return self.d(L.Flatten()(x))\n"
+        "def build(input_shape, num_classes):\n    return M(num_classes)\n"),
+    "unused_layer": HEAD + (
+        "class M(keras.Model):\n"
+        "    def __init__(self, n):\n"
+        "        super().__init__(name='mine')\n"
+        "        self.d, self.spare = L.Dense(n, name='out'), L.Dense(n, name='spare')\n"
+        "    def call(self, x, training=False):\n"
+        "        x = L.Flatten()(x)\n"
+        "        self.spare(x)  # built, never used in the output\n"
+        "        return self.d(x)\n"
+        "def build(input_shape, num_classes):\n    return M(num_classes)\n"),
+    "nested_softmax_head": HEAD + (
+        "def build(input_shape, num_classes):\n"
+        "    head = keras.Sequential([L.Dense(num_classes), L.Softmax()])\n"
+        "    return keras.Sequential([keras.Input(input_shape), L.Flatten(), head])\n"),
+    "tf_nn_softmax": HEAD + (
+        "def build(input_shape, num_classes):\n"
+        "    return keras.Sequential([keras.Input(input_shape), L.Flatten(),\n"
+        "                             L.Dense(num_classes, activation=tf.nn.softmax)])\n"),
+    "ops_softmax": HEAD + (
+        "def build(input_shape, num_classes):\n"
+        "    i = keras.Input(input_shape)\n"
+        "    return keras.Model(i, keras.ops.softmax(L.Dense(num_classes)(L.Flatten()(i))))\n"),
+}
+
+
+@pytest.mark.parametrize("name,line", [
+    ("no_weights", "model {spec}: it has no trainable weights, so there is nothing to train; "
+                   "build it from layers with weights (end with Dense(num_classes))"),
+    ("exits_in_build", "model {spec}: building it for input (8, 8, 1) and 3 classes failed "
+                       "(it called sys.exit('bye') at {path} line 5)"),
+    ("parses_arguments_at_import",
+     "model {spec}: importing it failed (it called sys.exit(2) after printing 'train.py: "
+     "error: the following arguments are required: --foo' at {path} line 8)"),
+    ("exits_in_call", "model {spec}: a training step (training=True) on a batch of shape "
+                      "(2, 8, 8, 1) failed (it called sys.exit(3) at {path} line 9)"),
+    ("unused_layer", "model {spec}: its output does not depend on 2 of its trainable weights "
+                     "(mine/spare/kernel, mine/spare/bias), which nothing would train; use those "
+                     "layers in the output, or make them trainable=False"),
+    ("nested_softmax_head", "model {spec} ends in a softmax: pass --outputs probabilities"),
+    ("tf_nn_softmax", "model {spec} ends in a softmax: pass --outputs probabilities"),
+    ("ops_softmax", "model {spec} ends in a softmax: pass --outputs probabilities"),
+])
+def test_what_a_model_file_does_wrong_is_one_line_naming_it(tmp_path, capsys, name, line):
+    from mpitrain.models.replica import Replica
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(MODEL_FILES[name])
+    spec = f"{path}:build"
+    with pytest.raises(UsageError) as error:
+        Replica(models.get(spec), (8, 8, 1), 3, "adam", 0.001)
+    assert one_line(error.value).startswith(line.format(spec=spec, path=path))
+    out = capsys.readouterr()
+    assert "usage:" not in out.err and "Traceback" not in out.err  # argparse's text held
+
+
+def test_a_softmax_model_trains_with_outputs_probabilities(tmp_path):
+    from mpitrain.models.replica import Replica, ends_in_softmax
+
+    for name in ("nested_softmax_head", "tf_nn_softmax", "ops_softmax"):
+        (tmp_path / f"{name}.py").write_text(MODEL_FILES[name])
+        replica = Replica(models.get(f"{tmp_path}/{name}.py:build"), (8, 8, 1), 3, "adam",
+                          0.001, from_logits=False)
+        assert ends_in_softmax(replica.model, (8, 8, 1))
+    lenet = models.get("lenet").build((28, 28, 1), 10)
+    assert not ends_in_softmax(lenet, (28, 28, 1))  # logits
+
+
+def test_the_training_probe_leaves_the_model_as_it_was_built(tmp_path):
+    """The probe's training-mode pass updates BatchNorm's statistics and Dropout's
+    generator: both are put back, so the run starts from the model as built."""
+    import numpy as np
+
+    from conftest import BN_MODEL_SPEC
+    from mpitrain.models.keras_import import import_keras
+
+    import importlib.util
+
+    keras = import_keras()
+    keras.utils.set_random_seed(5)
+    model = models.get(BN_MODEL_SPEC).build((8, 8, 1), 3)
+    keras.utils.set_random_seed(5)
+    found = importlib.util.spec_from_file_location("bn_unprobed", BN_MODEL_SPEC[:-6])
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)  # the same builder, without mpitrain's checks
+    plain = module.build((8, 8, 1), 3)
+    plain(np.zeros((2, 8, 8, 1), np.float32), training=False)
+    assert len(model.variables) == len(plain.variables) > 4  # BatchNorm's and the RNG's
+    for probed, built in zip(model.variables, plain.variables):
+        np.testing.assert_array_equal(probed.numpy(), built.numpy())
+
+
+def test_a_fit_builder_that_exits_is_one_line():
+    def build(input_shape, num_classes):
+        raise SystemExit("no GPU, bye")
+
+    name = models.from_callable(build)
+    with pytest.raises(UsageError) as error:
+        models.get(name).build((4,), 2)
+    assert one_line(error.value).startswith(
+        f"model {name}: building it for input (4,) and 2 classes failed (it called "
+        f"sys.exit('no GPU, bye') at {__file__} line")
+
+
+def test_an_error_of_the_users_code_in_a_training_step_is_blamed_on_it(tmp_path):
+    """Code that runs eagerly (the probes) but not in TensorFlow's graph (a step): the
+    error surfaces from the step, and is the user's, in one line with its line."""
+    import numpy as np
+
+    from mpitrain.models.replica import Replica
+
+    path = tmp_path / "eager_only.py"
+    path.write_text(HEAD + (
+        "class M(keras.Model):\n"
+        "    def __init__(self, n):\n"
+        "        super().__init__(); self.d = L.Dense(n)\n"
+        "    def call(self, x, training=False):\n"
+        "        scale = float(tf.reduce_max(x).numpy()) + 1.0  # eager only\n"
+        "        return self.d(L.Flatten()(x)) / scale\n"
+        "def build(input_shape, num_classes):\n    return M(num_classes)\n"))
+    spec = models.get(f"{path}:build")
+    replica = Replica(spec, (8, 8, 1), 3, "sgd", 0.1)
+    with pytest.raises(Exception) as raised:
+        replica.grad(np.zeros((4, 8, 8, 1), np.float32), np.zeros(4, np.int32))
+    blamed = models.blame_user_code(spec, raised.value)
+    assert blamed is not None and not blamed.everywhere and blamed.exit_code == 2
+    assert one_line(blamed).startswith(f"model {spec.name}: your code failed in training (")
+    assert f"at {path} line 8)" in str(blamed)
+    assert models.blame_user_code(models.get("lr"), raised.value) is None  # not a user's
