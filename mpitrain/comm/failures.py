@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import PeerFailure
 from .runtime import _load_mpi, world_size_if_running
-from .waiting import Pending
+from .waiting import Pending, is_process_failure
 
 #: tag of the one-line failure reports that ranks send rank 0 before the job ends
 TAG_FAILURE = 77
@@ -61,10 +61,14 @@ def report_failure(message: str, grace: float = 3.0) -> None:
     payload = np.zeros(FAILURE_BYTES, np.uint8)
     raw = message.encode()[:FAILURE_BYTES - 1]
     payload[:len(raw)] = np.frombuffer(raw, np.uint8)
-    request = world.Isend(payload, dest=0, tag=TAG_FAILURE)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if request.Test():
-            time.sleep(max(0.0, deadline - time.monotonic()))  # rank 0 aborts us meanwhile
-            return
-        time.sleep(0.01)
+    try:
+        request = world.Isend(payload, dest=0, tag=TAG_FAILURE)
+        while time.monotonic() < deadline:
+            if request.Test():
+                time.sleep(max(0.0, deadline - time.monotonic()))  # rank 0 aborts us meanwhile
+                return
+            time.sleep(0.01)
+    except Exception as error:  # noqa: BLE001 - rank 0 is dead (ULFM says so): the caller
+        if not is_process_failure(error):  # aborts the job itself
+            raise

@@ -14,6 +14,7 @@ import time
 from typing import Callable, Dict, Iterable, Optional
 
 from ..errors import CommTimeout
+from .waiting import FAILED_RANKS
 
 #: seconds to wait for a killed rank to be reaped, then for its death to reach mpirun
 REAP_WAIT, REAP_SETTLE = 10.0, 1.0
@@ -36,7 +37,10 @@ class PeerProcesses:
                     pass
 
     def alive(self, rank: int) -> bool:
-        """False when ``rank`` is on this host and its process is gone or a zombie."""
+        """False when MPI reported ``rank`` dead (ULFM, on any host), or when it is on this
+        host and its process is gone or a zombie."""
+        if self._comm.world_ranks[rank] in FAILED_RANKS:
+            return False
         proc = self.local.get(rank)
         if proc is None:
             return True

@@ -12,8 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from enum import Enum
+from pathlib import Path
 from typing import Optional
+
+from .. import dialect
+from ..errors import UsageError
 
 _MPI = None
 
@@ -31,24 +36,75 @@ START_STAGGER = 5.0
 
 
 def _load_mpi(start_bound: Optional[float] = None):
-    """Import mpi4py (which initialises MPI) once; the first call bounds MPI's start-up
-    by ``start_bound`` seconds (START_BOUND if None; see :func:`start_watch`)."""
+    """Import mpi4py and initialise MPI once; the first call bounds MPI's start-up by
+    ``start_bound`` seconds (START_BOUND if None; see :func:`start_watch`). Before MPI
+    starts, a library of another family than the launcher that started this process is
+    refused in one line (:func:`check_launcher`): MPICH's aborts in MPI_Init with a page
+    of its own, Open MPI's would run each rank alone."""
     global _MPI
     if _MPI is None:
-        if recovery_enabled():
+        if dialect.launcher_recovery() and "OMPI_MCA_orte_enable_recovery" in os.environ:
             # Open MPI 4.1 opens MPI_Finalize with a PMIx fence over every rank of the
             # job; when a rank has left early (a dropped async worker), that fence
             # waits for it forever about one run in three (measured: LeNet async -np 4,
             # a SIGSTOPped worker dropped and woken). Every message of the protocols is
             # completed before finalizing, so the fence protects nothing here.
             os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
-        with start_watch(START_BOUND if start_bound is None else start_bound):
-            from mpi4py import MPI  # noqa: WPS433  (import initialises MPI)
+        import mpi4py
 
+        if "mpi4py.MPI" not in sys.modules:
+            mpi4py.rc.initialize = False  # mpitrain starts it below, once checked
+        with warnings.catch_warnings():  # mpi4py's own "suspicious environment" warning:
+            warnings.simplefilter("ignore", RuntimeWarning)  # check_launcher says it
+            from mpi4py import MPI  # noqa: WPS433
+        if not MPI.Is_initialized():
+            check_launcher(MPI.Get_library_version())
+            with start_watch(START_BOUND if start_bound is None else start_bound):
+                MPI.Init_thread(MPI.THREAD_MULTIPLE)
         _MPI = MPI
         # runs before mpi4py's own exit hook, which would call MPI_Finalize unbounded
         atexit.register(finalize)
+        if MPI.COMM_WORLD.Get_size() == 1 and launcher_world_size() > 1:
+            raise _mismatch(MPI.Get_library_version(), "it runs alone (a job of 1 rank)")
     return _MPI
+
+
+def check_launcher(library_version: str) -> None:
+    """UsageError when this process's MPI library (``library_version``, from
+    MPI_Get_library_version) is of another family than the launcher that started it."""
+    library = dialect.identify(library_version)
+    launcher = dialect.launcher_of_this_process()
+    hydra = launcher.startswith("Hydra")
+    if library is None or not launcher or launcher == "srun":
+        return
+    if (library.family == dialect.MPICH) != hydra:
+        raise _mismatch(library_version, "the two cannot make one job")
+
+
+def _mismatch(library_version: str, consequence: str) -> "UsageError":
+    library = dialect.identify(library_version)
+    name = library.name if library else library_version.splitlines()[0].strip()
+    where = _loaded_libmpi()
+    started = dialect.launcher_of_this_process() or "a launcher"
+    own = Path(sys.executable).parent / "mpirun"
+    return UsageError(
+        f"mpi4py loaded {name}{f' ({where})' if where else ''} but this job was started by "
+        f"{started} of {launcher_world_size()} ranks: {consequence}; start it with "
+        f"{own if own.is_file() else f'the mpirun of {name}'}, or with mpitrain launch, "
+        "which picks it")
+
+
+def _loaded_libmpi() -> str:
+    """The path of the libmpi this process has loaded ('' if it cannot be told)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "/libmpi" in path and ".so" in path:
+                    return path
+    except OSError:
+        pass
+    return ""
 
 
 #: run by the watch process (python -S -I: no site, nothing of the user's environment).
@@ -181,11 +237,11 @@ class Role(Enum):
 
 
 def recovery_enabled() -> bool:
-    """True when the job runs under ``mpirun --enable-recovery`` (Open MPI 4.x), which
-    keeps the other ranks running after one dies; an async server may then go on
-    without a lost worker instead of ending the job."""
-    value = os.environ.get("OMPI_MCA_orte_enable_recovery", "").lower()
-    return value in ("1", "true", "yes", "on")
+    """True when the job runs under a launcher that keeps the other ranks running after
+    one dies (Open MPI 4's ``mpirun --enable-recovery``, Open MPI 5's ``--with-ft
+    ulfm``); an async server may then go on without a lost worker instead of ending the
+    job."""
+    return dialect.launcher_recovery()
 
 
 def world_size_if_running() -> int:
@@ -196,12 +252,9 @@ def world_size_if_running() -> int:
 
 
 def world_rank_if_running() -> int:
-    """This process's world rank if MPI is running, else the launcher's rank."""
-    return _MPI.COMM_WORLD.Get_rank() if world_size_if_running() else launcher_rank()
-
-
-#: the processes that start ranks: mpirun on its own host, its daemon on the others
-OPEN_MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "orted")
+    """This process's world rank if MPI is running a job of several ranks, else the
+    launcher's rank (which also tells apart ranks that each started MPI alone)."""
+    return _MPI.COMM_WORLD.Get_rank() if world_size_if_running() > 1 else launcher_rank()
 
 
 def abort_world(code: int) -> None:
@@ -224,9 +277,9 @@ def abort_world(code: int) -> None:
 
 
 def _launcher_pid(levels: int = 4) -> int:
-    """Process id of the Open MPI launcher that started this rank (mpirun, or its daemon on
-    another host), looking up to ``levels`` ancestors up (past a wrapper script); 0 if
-    there is none (a singleton, srun)."""
+    """Process id of the launcher that started this rank (mpirun, or its daemon on another
+    host: Open MPI's or Hydra's), looking up to ``levels`` ancestors up (past a wrapper
+    script); 0 if there is none (a singleton, srun)."""
     import psutil
 
     try:
@@ -234,7 +287,7 @@ def _launcher_pid(levels: int = 4) -> int:
         for _ in range(levels):
             if process is None:
                 return 0
-            if process.name() in OPEN_MPI_LAUNCHERS:
+            if process.name() in dialect.LAUNCHER_PROCESSES:
                 return process.pid
             process = process.parent()
     except psutil.Error:
@@ -247,6 +300,9 @@ def library_versions() -> dict:
     MPI = _load_mpi()
     import mpi4py
 
+    text = MPI.Get_library_version()
+    found = dialect.identify(text)
     return {"mpi4py": mpi4py.__version__,
-            "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+            "mpi_library": text.splitlines()[0].strip(),
+            "mpi": found.name if found else text.splitlines()[0].strip()[:40],
             "mpi_standard": "%d.%d" % MPI.Get_version()}

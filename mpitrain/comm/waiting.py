@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from ..errors import EXIT_FAILURE, CommTimeout
 from .runtime import _load_mpi
@@ -49,14 +49,53 @@ SERVING = Backoff(yield_for=0.0, first_sleep=5e-4, max_sleep=1e-3)
 WAITING_CALL_EVERY = 1.0
 
 
+#: world ranks MPI has reported dead to this process (ULFM: Open MPI 5 under ``mpirun
+#: --with-ft ulfm``); see :func:`note_process_failure`
+FAILED_RANKS: Set[int] = set()
+
+
+def process_failure_classes() -> Tuple[int, ...]:
+    """The MPI error classes that mean a peer process died (ULFM's: MPI_ERR_PROC_FAILED,
+    MPI_ERR_PROC_FAILED_PENDING, MPI_ERR_REVOKED); none where mpi4py has no such names."""
+    MPI = _load_mpi()
+    return tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
+                                                 "ERR_REVOKED") if hasattr(MPI, name))
+
+
+def is_process_failure(error: BaseException) -> bool:
+    """True when ``error`` is MPI saying that a peer process died (see above)."""
+    MPI = _load_mpi()
+    return isinstance(error, MPI.Exception) and \
+        error.Get_error_class() in process_failure_classes()
+
+
+def note_process_failure() -> None:
+    """Acknowledge the failures MPI reported (so that receives from any source go on
+    matching the live ranks, as ULFM requires) and add the dead to FAILED_RANKS. Local."""
+    MPI = _load_mpi()
+    world = MPI.COMM_WORLD
+    try:
+        world.Ack_failed()
+        failed = world.Get_failed()
+        try:
+            FAILED_RANKS.update(r for r in MPI.Group.Translate_ranks(
+                failed, list(range(failed.Get_size())), world.Get_group()) if r >= 0)
+        finally:
+            failed.Free()
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        pass
+
+
 class Pending:
     """A started nonblocking operation, with what it is for (used in timeout messages).
 
     A receive adds the bytes it actually received (from its MPI status) to the
-    traffic table when it completes.
+    traffic table when it completes. One whose peer died (MPI said so: ULFM) is
+    ``failed``: it never completes; the wait on it decides what that means (see
+    :meth:`Comm._poll`).
     """
 
-    __slots__ = ("request", "what", "peer", "kind", "done", "_traffic", "_status")
+    __slots__ = ("request", "what", "peer", "kind", "done", "failed", "_traffic", "_status")
 
     def __init__(self, request, what: str, peer: Optional[int], kind: str,
                  traffic: Optional[Traffic] = None):
@@ -65,15 +104,29 @@ class Pending:
         self.peer = peer
         self.kind = kind
         self.done = False
+        self.failed = False
         self._traffic = traffic  # set for receives only
         self._status = _load_mpi().Status() if traffic is not None else None
 
     def test(self) -> bool:
-        if not self.done and self.request.Test(self._status):
-            self.done = True
-            if self._traffic is not None:
-                self._traffic.add_recv(self.kind, self._status.Get_count())  # (in bytes)
-        return self.done
+        if self.done or self.failed:
+            return self.done
+        try:
+            if not self.request.Test(self._status):
+                return False
+        except Exception as error:  # noqa: BLE001 - MPI.Exception, read below
+            if not is_process_failure(error):
+                raise
+            note_process_failure()
+            # a receive from any source stays posted (it matches the live ranks);
+            # anything else that involved the dead rank will never complete
+            pending = getattr(_load_mpi(), "ERR_PROC_FAILED_PENDING", None)
+            self.failed = error.Get_error_class() != pending
+            return False
+        self.done = True
+        if self._traffic is not None:
+            self._traffic.add_recv(self.kind, self._status.Get_count())  # (in bytes)
+        return True
 
 
 class Persistent(Pending):
@@ -86,11 +139,35 @@ class Persistent(Pending):
 
     __slots__ = ("sent_bytes",)
 
+    #: every one made in this process and not freed yet (see :func:`free_persistent`)
+    allocated: List["Persistent"] = []
+
     def __init__(self, request, what: str, peer: int, kind: str,
                  traffic: Optional[Traffic] = None, sent_bytes: int = 0):
         super().__init__(request, what, peer, kind, traffic)
         self.done = True  # (not started: nothing to wait for)
         self.sent_bytes = sent_bytes  # a send's bytes per start; 0 for a receive
+        Persistent.allocated.append(self)
+
+
+def free_persistent(cancel: Callable[[Pending], None]) -> int:
+    """Free every :class:`Persistent` request of this process, each started one not yet
+    complete first given to ``cancel`` (a receive nothing will match: a lost peer's);
+    returns how many were freed. MPI requires persistent requests to be freed before
+    MPI_Finalize (MPICH prints a line for each one left); the run's end frees them
+    (:meth:`Comm.free_requests`). Local."""
+    MPI = _load_mpi()
+    freed = 0
+    while Persistent.allocated:
+        op = Persistent.allocated.pop()
+        if not op.done and not op.failed:
+            cancel(op)
+        try:
+            op.request.Free()
+            freed += 1
+        except MPI.Exception:  # a request a lost peer left matched: MPI keeps it
+            pass
+    return freed
 
 
 def poll(done: Callable[[], bool], kind: str, backoff: Backoff, seconds: float,

@@ -9,7 +9,7 @@ Two halves:
   as an "internal error"), before any rank could explain.
 * :func:`check_ranks` runs inside every job (training runs and ``mpitrain
   check``'s own short job): rank 0 compares the versions every rank runs
-  (Python, TensorFlow, numpy, mpi4py, mpitrain) and names the host that
+  (Python, TensorFlow, numpy, mpi4py, the MPI library, mpitrain) and names the host that
   differs. Data on every host is checked by :func:`mpitrain.data.load`, which
   makes the ranks agree on what they loaded.
 """
@@ -25,7 +25,7 @@ from .. import __version__
 from ..errors import UsageError
 from . import hostfile
 
-COMPARED = ("python", "tensorflow", "numpy", "mpi4py", "mpitrain")
+COMPARED = ("python", "tensorflow", "numpy", "mpi4py", "mpi", "mpitrain")
 
 
 def installed_version(*distributions: str) -> str:
@@ -38,12 +38,13 @@ def installed_version(*distributions: str) -> str:
     return "missing"
 
 
-def local_versions() -> Dict[str, str]:
-    """What this process runs, as compared across ranks."""
+def local_versions(mpi: str = "missing") -> Dict[str, str]:
+    """What this process runs, as compared across ranks (``mpi``: the MPI library's name
+    and version, e.g. Open MPI 5.0.11, which the caller that loaded it knows)."""
     return {"python": platform.python_version(),
             "tensorflow": installed_version("tensorflow-cpu", "tensorflow"),
             "numpy": installed_version("numpy"), "mpi4py": installed_version("mpi4py"),
-            "mpitrain": __version__}
+            "mpi": mpi, "mpitrain": __version__}
 
 
 def check_launch(np_: int, hostfile_path: Optional[str], oversubscribe: bool,

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .. import dialect
 from ..atomic import write_json_atomic
 from ..errors import Interrupted, UsageError
 from ..userfiles import read_bounded
+from . import hostfile as hostfile_formats
 from .preflight import check_launch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -231,7 +233,15 @@ class Sweep:
 
     def _launch(self, run: Run):
         hostfile = self.hostfile_for(run.np)
-        cmd = ["mpirun", "-np", str(run.np), *(["-hostfile", hostfile] if hostfile else []),
+        try:  # in the dialect of the MPI found (see mpitrain.dialect)
+            runner = dialect.mpirun()
+        except FileNotFoundError:
+            raise UsageError("mpirun not found: install Open MPI or MPICH (bash setup.sh "
+                             "installs Open MPI), or set MPITRAIN_MPIRUN") from None
+        given = hostfile_formats.for_launcher(hostfile, runner.hostfile_format) \
+            if hostfile else None
+        cmd = [*runner.command(run.np, given,
+                               keep_binding=bool(self.options.get("keep_cpu_binding"))),
                self.python, "-m", "mpitrain", *run.args(self.options),
                "--results-dir", str(self.results_dir), "--quiet"]
         env = dict(os.environ)

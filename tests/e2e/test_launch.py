@@ -191,6 +191,21 @@ def test_usage_errors_are_one_line_before_any_launch(args, message):
     assert "$ mpirun" not in result.stderr
 
 
+def test_a_host_unreachable_at_the_start_is_an_error_not_a_smaller_run(tmp_path):
+    """A typo in a host name: before, the first attempt failed, the host was dropped and
+    the run restarted from scratch on half the workers (a smaller global batch, nothing
+    recorded). A run that has not begun is never rescaled: one line, exit 1, no job."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\nlocalhsot slots=2\n")
+    result = run_bounded(launch_cmd("-np", 4, "-hostfile", hosts, "lr", "--results-dir",
+                                    tmp_path / "r"), timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.count("mpitrain: error:") == 1
+    assert "host(s) localhsot cannot be reached: mpirun cannot start a process there " \
+        "(localhsot: exit" in result.stderr
+    assert "$ " not in result.stderr and not (tmp_path / "r").exists()
+
+
 def test_hosts_mpirun_cannot_reach_are_left_out(tmp_path, monkeypatch):
     """The probe before a restart is a real mpirun per host: an unresolvable host is
     left out of the next attempt's hostfile and -np drops to the slots left; without

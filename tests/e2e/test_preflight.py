@@ -145,3 +145,27 @@ def test_data_missing_on_one_host(tmp_path):
     assert result.returncode == 1
     line = one_error_line(result)
     assert "rank 3 on" in line and "nodata: no such directory" in line
+
+
+def test_a_host_that_cannot_be_reached_is_named_in_one_line(tmp_path):
+    """mpirun's own answer is ssh's line and exit 255; the check probes every host first."""
+    (tmp_path / "hosts").write_text("localhost slots=2\nno-such-host.invalid slots=2\n")
+    t0 = time.monotonic()
+    result = mpitrain("check", "-np", "4", "-hostfile", tmp_path / "hosts", "lr", timeout=120,
+                      env=mpi_env())
+    assert result.returncode == 1, result.stderr
+    line = one_error_line(result)
+    assert "host(s) no-such-host.invalid cannot be reached: mpirun cannot start a process " \
+        "there (no-such-host.invalid: exit" in line and "fix the host name" in line
+    assert [l for l in result.stderr.splitlines() if l.strip()] == [line]
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_hydra_hostfile_is_read_as_well(tmp_path):
+    (tmp_path / "hosts").write_text("# MPICH's format\nnode0:2\nnode1:1\nnode2\n")
+    result = mpitrain("check", "-np", "4", "-hostfile", tmp_path / "hosts", "--no-launch",
+                      "lr", "--async")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["rank 0: parameter server on node0",
+                                          "rank 1: worker on node0", "rank 2: worker on node1",
+                                          "rank 3: worker on node2"]

@@ -17,6 +17,7 @@ class Ranks:
     def __init__(self, pids, hosts):
         self.rank, self.size, self.host = 1, len(pids), "here"
         self.pids, self.hosts = pids, hosts
+        self.world_ranks = list(range(len(pids)))
 
     def name(self, rank):
         return f"rank {rank} on {self.hosts[rank]}"
@@ -47,3 +48,20 @@ def test_a_zombie_is_not_alive():
     os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
     assert not processes.alive(0)
     child.wait()
+
+
+def test_a_rank_mpi_reported_dead_is_not_alive_on_any_host(monkeypatch):
+    """Under ULFM (Open MPI 5, --with-ft ulfm) MPI names the dead ranks wherever they ran
+    (comm.waiting.FAILED_RANKS): the async server drops them at once, as it does a
+    process gone on its own host."""
+    from mpitrain.comm import waiting
+
+    elsewhere = Ranks([os.getpid(), os.getpid(), os.getpid()], ["here", "here", "there"])
+    processes = PeerProcesses(elsewhere)
+    assert processes.alive(0) and processes.alive(2)
+    monkeypatch.setattr(waiting, "FAILED_RANKS", waiting.FAILED_RANKS)
+    waiting.FAILED_RANKS.add(2)
+    try:
+        assert not processes.alive(2) and processes.alive(0)
+    finally:
+        waiting.FAILED_RANKS.discard(2)
