@@ -37,6 +37,8 @@ The parts, one concern each:
 * ``tuning``: Open MPI's allreduce algorithm by buffer size (MPI_T);
 * ``failures``: the one-line failure reports to rank 0;
 * ``objects``: the pickled exchanges (allgather, gather, agree);
+* ``reductions``: buffer collectives beyond the gradient sum (min/max/product, gathers
+  of parts of different lengths, broadcasts of any dtype), for :mod:`mpitrain.horovod`;
 * ``processes``: the other ranks' processes on this host (alive, kill, watch);
 * ``shared``: memory ranks of one host share: the workers' sum, and the async
   messages' payloads;
@@ -52,6 +54,7 @@ from .communicator import WORKERS_TIMEOUT_FACTOR, Comm
 from .failures import FAILURE_BYTES, TAG_FAILURE, report_failure
 from .objects import TAG_GATHER
 from .processes import PeerProcesses
+from . import reductions
 from .runtime import (FINALIZE_BOUND, Role, abort_world, bound_finalize,
                       finalize, launcher_rank, launcher_world_size, library_versions,
                       recovery_enabled, world_rank_if_running, world_size_if_running)
@@ -71,5 +74,5 @@ __all__ = [
     "FAILURE_BYTES", "FINALIZE_BOUND",
     "finalize", "bound_finalize", "launcher_rank", "launcher_world_size",
     "recovery_enabled", "world_size_if_running", "world_rank_if_running",
-    "abort_world", "report_failure", "library_versions",
+    "abort_world", "report_failure", "library_versions", "reductions",
 ]

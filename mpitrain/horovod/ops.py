@@ -1,0 +1,374 @@
+"""Horovod's collectives on TensorFlow tensors, in eager code and inside ``tf.function``.
+
+Each is one ``tf.numpy_function`` around a call of the :class:`~.engine.Engine`: in
+eager code it runs at once, in a graph when the graph runs, in program order with
+the graph's other collectives (the function is stateful, so TensorFlow keeps their
+order). Tensors of one dtype reduced together (``grouped_allreduce``, a gradient
+tape's gradients) are fused: ONE concatenation into a fresh buffer, ONE allreduce
+of it in place, and views of it split back into the tensors' shapes, the path
+mpitrain's own sync trainer takes. A numpy function cannot run inside XLA
+(``jit_compile=True``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from . import runtime
+from .compression import Compression
+from .engine import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (re-exported)
+from .runtime import STATE, unsupported
+
+#: the default process set: the only one there is
+global_process_set = None
+
+
+def _check_process_set(process_set) -> None:
+    if process_set is not None:
+        raise unsupported("process sets", "every collective runs on all ranks; run the "
+                                          "groups as separate jobs")
+
+
+def _op(op, average) -> int:
+    """Horovod's ``op`` from its arguments (``average`` is the deprecated spelling)."""
+    if op is not None and average is not None:
+        raise ValueError("give op or average, not both")
+    if op is None:
+        op = Average if average is None or average else Sum
+    if op == Adasum:
+        raise unsupported("the Adasum reduction", "use op=hvd.Average (or Sum)")
+    return op
+
+
+def _call(fn):
+    """``fn()`` (an engine call); an mpitrain error is remembered first, so that when
+    TensorFlow wraps it (inside a graph) the job still ends with its one line."""
+    try:
+        return fn()
+    except runtime.MpitrainError as error:
+        STATE.last_error = error
+        raise
+
+
+def _op_name(kind: str, name: Optional[str]) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", f"mpitrain_{kind}" + (f"_{name}" if name else ""))
+
+
+def _to_tensor(value) -> tf.Tensor:
+    if isinstance(value, tf.Tensor):
+        return value
+    return tf.convert_to_tensor(value)
+
+
+# ---- allreduce ---------------------------------------------------------------------------
+def _fused_allreduce(tensors: Sequence[tf.Tensor], op: int, prescale: float = 1.0,
+                     postscale: float = 1.0, name: Optional[str] = None) -> List[tf.Tensor]:
+    """Reduce dense ``tensors`` over every rank: one fused collective per dtype (in the
+    order the dtypes first appear: the same on every rank)."""
+    runtime.engine()  # NotInitialized now, at trace time, not inside the graph
+    out: List[Optional[tf.Tensor]] = [None] * len(tensors)
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        group = [tensors[i] for i in indices]
+        if dtype == tf.bfloat16:  # MPI has no bfloat16 arithmetic: reduce in float32
+            group = [tf.cast(t, tf.float32) for t in group]
+        for i, t in zip(indices, _allreduce_group(group, op, prescale, postscale, name)):
+            out[i] = tf.cast(t, dtype) if dtype == tf.bfloat16 else t
+    return out
+
+
+def _allreduce_group(tensors: List[tf.Tensor], op: int, prescale: float, postscale: float,
+                     name: Optional[str]) -> List[tf.Tensor]:
+    dtype = tensors[0].dtype
+    if len(tensors) == 1:  # the tensor as it is: the engine reduces a copy
+        t = tensors[0]
+
+        def reduce_one(a):
+            return _call(lambda: STATE.engine.allreduce_(a.copy(), op, prescale, postscale,
+                                                         name=name or ""))
+        out = tf.numpy_function(reduce_one, [t], dtype, stateful=True,
+                                name=_op_name("allreduce", name))
+        out.set_shape(t.shape)
+        return [out]
+    shapes = [tuple(-1 if d is None else d for d in t.shape.as_list()) for t in tensors]
+    fused = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)  # a fresh buffer, ours
+
+    def reduce_fused(a):
+        return _call(lambda: STATE.engine.allreduce_(a, op, prescale, postscale, shape=shapes,
+                                                     name=name or ""))
+    out = tf.numpy_function(reduce_fused, [fused], dtype, stateful=True,
+                            name=_op_name("grouped_allreduce", name))
+    out.set_shape(fused.shape)
+    static = all(t.shape.is_fully_defined() for t in tensors)
+    sizes = [t.shape.num_elements() if static else tf.size(t) for t in tensors]
+    return [tf.reshape(part, t.shape if static else tf.shape(t))
+            for part, t in zip(tf.split(out, sizes), tensors)]
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="",
+              compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              name=None, process_set=global_process_set, ignore_name_scope=False):
+    """``tensor`` reduced over every rank with ``op`` (default Average: Sum, Min, Max,
+    Product too), scaled by ``prescale_factor`` before and ``postscale_factor`` after.
+    A ``tf.IndexedSlices`` is allgathered (values and indices) instead, as Horovod does.
+    Collective: every rank calls it with the same shape and dtype; a rank whose call
+    differs stops every rank with one line naming them. Differentiable (Sum, Average)."""
+    _check_process_set(process_set)
+    op = _op(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name)
+    t = _to_tensor(tensor)
+    compressed, ctx = compression.compress(t)
+    if compressed.dtype.is_floating and op in (Sum, Average):
+        reduced = _differentiable_allreduce(compressed, op, prescale_factor, postscale_factor,
+                                            name)
+    else:
+        reduced = _fused_allreduce([compressed], op, prescale_factor, postscale_factor, name)[0]
+    return compression.decompress(reduced, ctx)
+
+
+def _differentiable_allreduce(t, op, prescale, postscale, name):
+    @tf.custom_gradient
+    def reduce(x):
+        def grad(dy):  # Horovod's gradient of an allreduce: the same allreduce of dy
+            return _fused_allreduce([dy], op, prescale, postscale, name)[0]
+        return _fused_allreduce([x], op, prescale, postscale, name)[0], grad
+    return reduce(t)
+
+
+def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
+    if op not in (Sum, Average):
+        raise ValueError("only Sum and Average reduce tf.IndexedSlices (pass "
+                         "sparse_as_dense=True for the others)")
+    if prescale != 1.0 or postscale != 1.0:
+        raise ValueError("prescale_factor and postscale_factor do not apply to tf.IndexedSlices")
+    values = allgather(slices.values, name=name)
+    indices = allgather(slices.indices, name=name)
+    if op == Average:
+        values = values / tf.cast(runtime.topology().size, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
+                      compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
+    """:func:`allreduce` of each of ``tensors``, fused into one collective per dtype."""
+    _check_process_set(process_set)
+    if not tensors:
+        return tensors
+    op = _op(op, average)
+    return reduce_list(list(tensors), op, compression, prescale_factor, postscale_factor, name)
+
+
+def reduce_list(tensors: List, op: int, compression, prescale: float = 1.0,
+                postscale: float = 1.0, name: Optional[str] = None) -> List:
+    """Reduce a list of tensors and ``tf.IndexedSlices`` (None entries stay None): the
+    slices allgathered, the dense tensors compressed and fused."""
+    out = list(tensors)
+    dense = [i for i, t in enumerate(tensors) if t is not None
+             and not isinstance(t, tf.IndexedSlices)]
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            out[i] = _allreduce_sparse(t, op, prescale, postscale, name)
+    if dense:
+        compressed = [compression.compress(_to_tensor(tensors[i])) for i in dense]
+        reduced = _fused_allreduce([c for c, _ in compressed], op, prescale, postscale, name)
+        for i, r, (_, ctx) in zip(dense, reduced, compressed):
+            out[i] = compression.decompress(r, ctx)
+    return out
+
+
+# ---- gather, broadcast, scatter -----------------------------------------------------------
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Every rank's ``tensor`` concatenated along the first dimension, in rank order (the
+    first dimension may differ between ranks; the others may not). Differentiable."""
+    _check_process_set(process_set)
+    top = runtime.topology()
+    t = _to_tensor(tensor)
+    if not t.dtype.is_floating:
+        return _gather(t, name)
+
+    @tf.custom_gradient
+    def gather(x):
+        def grad(dy):  # Horovod's: the averaged gradient, this rank's rows of it
+            rows = tf.reshape(_gather(tf.reshape(tf.shape(x)[0], [1]), name), [top.size])
+            return tf.split(_fused_allreduce([dy], Average)[0], rows)[top.rank]
+        return _gather(x, name), grad
+    return gather(t)
+
+
+def _gather(t: tf.Tensor, name: Optional[str]) -> tf.Tensor:
+    out = tf.numpy_function(lambda a: _call(lambda: STATE.engine.allgather(a, name or "")),
+                            [t], t.dtype, stateful=True, name=_op_name("allgather", name))
+    out.set_shape([None] + t.shape.as_list()[1:])
+    return out
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False,
+                      process_set=global_process_set):
+    """:func:`allgather` of each of ``tensors``, one after another."""
+    return [allgather(t, name=name, process_set=process_set) for t in tensors]
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
+              process_set=global_process_set):
+    """Rank ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere)."""
+    _check_process_set(process_set)
+    runtime.engine()
+    t = _to_tensor(tensor)
+
+    def run(a):
+        return _call(lambda: STATE.engine.broadcast_(np.array(a), root_rank, name or ""))
+    out = tf.numpy_function(run, [t], t.dtype, stateful=True, name=_op_name("broadcast", name))
+    out.set_shape(t.shape)
+    return out
+
+
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
+    """Assign rank ``root_rank``'s values to ``variables`` (tf.Variable or Keras 3
+    variables) on every rank: one fused broadcast per dtype. Eager: done when it
+    returns; in a graph: returns the op that does it."""
+    _check_process_set(process_set)
+    runtime.engine()
+    variables = list(variables)
+    if not variables:
+        return None if tf.executing_eagerly() else tf.no_op()
+    by_dtype = {}
+    for v in variables:
+        by_dtype.setdefault(tf.as_dtype(v.dtype), []).append(v)
+    if tf.executing_eagerly():
+        for group in by_dtype.values():
+            _broadcast_eagerly(group, root_rank)
+        return None
+    return tf.group(*[a for group in by_dtype.values() for a in _broadcast_in_graph(group,
+                                                                                   root_rank)])
+
+
+def _broadcast_eagerly(group, root: int) -> None:
+    shapes = [tuple(v.shape) for v in group]
+    flat = np.concatenate([np.asarray(v.numpy()).reshape(-1) for v in group])
+    _call(lambda: STATE.engine.broadcast_(flat, root, "variables"))
+    offset = 0
+    for v, shape in zip(group, shapes):
+        n = int(np.prod(shape, dtype=np.int64))
+        v.assign(flat[offset:offset + n].reshape(shape))
+        offset += n
+
+
+def _broadcast_in_graph(group, root: int):
+    values = [tf.convert_to_tensor(v) for v in group]
+    fused = tf.concat([tf.reshape(t, [-1]) for t in values], 0)
+    owned = len(values) > 1
+
+    def run(a):
+        return _call(lambda: STATE.engine.broadcast_(a if owned else a.copy(), root,
+                                                     "variables"))
+    out = tf.numpy_function(run, [fused], fused.dtype, stateful=True,
+                            name=_op_name("broadcast_variables", None))
+    parts = tf.split(out, [tf.size(t) for t in values])
+    return [v.assign(tf.reshape(p, tf.shape(t))) for v, p, t in zip(group, parts, values)]
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Horovod's in-place broadcast of variables: :func:`broadcast_variables`."""
+    return broadcast_variables(variables, root_rank, process_set)
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
+                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """``tensor`` reduced over every rank, and this rank's part of its first dimension
+    (split as Horovod splits it: the first dim % size ranks get one row more).
+    Reduced whole, then cut: correct, not bandwidth-optimal."""
+    if op not in (Sum, Average):
+        raise ValueError("reducescatter takes op=Average or Sum")
+    reduced = allreduce(tensor, compression=compression, op=op, name=name,
+                        process_set=process_set, prescale_factor=prescale_factor,
+                        postscale_factor=postscale_factor)
+    top = runtime.topology()
+    rows = tf.shape(reduced)[0]
+    base, extra = rows // top.size, rows % top.size
+    start = top.rank * base + tf.minimum(top.rank, extra)
+    count = base + tf.cast(top.rank < extra, rows.dtype)
+    return reduced[start:start + count]
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    return [reducescatter(t, compression=compression, op=op, process_set=process_set,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+            for t in tensors]
+
+
+def alltoall(*args, **kwargs):
+    raise unsupported("alltoall", "allgather the tensor (hvd.allgather) and keep the rows you "
+                                  "need")
+
+
+# ---- objects, barrier, join ---------------------------------------------------------------
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
+    """Rank ``root_rank``'s ``obj`` (any picklable object) on every rank."""
+    _check_process_set(process_set)
+    return _call(lambda: runtime.engine().broadcast_object(obj, root_rank))
+
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """A function that broadcasts its argument from ``root_rank`` (Horovod's)."""
+    return lambda obj: broadcast_object(obj, root_rank, session, name, process_set)
+
+
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+    """Every rank's ``obj`` (picklable), as a list in rank order."""
+    _check_process_set(process_set)
+    return _call(lambda: runtime.engine().allgather_object(obj))
+
+
+def barrier(process_set=global_process_set):
+    """Return once every rank has called it. In a graph, the op that waits."""
+    _check_process_set(process_set)
+    runtime.engine()
+    if tf.executing_eagerly():
+        return _call(STATE.engine.barrier)
+
+    def run():
+        _call(STATE.engine.barrier)
+        return np.int32(0)
+    return tf.numpy_function(run, [], tf.int32, stateful=True, name="mpitrain_barrier")
+
+
+def join():
+    """This rank has finished its data: until every rank has joined, it takes part in the
+    others' allreduces with zeros (an Average still divides by every rank). Returns the
+    rank that joined last (a tensor, as Horovod's)."""
+    runtime.engine()
+
+    def run():
+        return np.int32(_call(STATE.engine.join))
+    if tf.executing_eagerly():
+        return tf.constant(run())
+    return tf.numpy_function(run, [], tf.int32, stateful=True, name="mpitrain_join")
+
+
+# ---- who am I, as tensors -----------------------------------------------------------------
+def size_op(process_set_id=0, name=None):
+    return tf.constant(runtime.topology().size, name=name)
+
+
+def local_size_op(name=None):
+    return tf.constant(runtime.topology().local_size, name=name)
+
+
+def rank_op(name=None):
+    return tf.constant(runtime.topology().rank, name=name)
+
+
+def local_rank_op(name=None):
+    return tf.constant(runtime.topology().local_rank, name=name)

@@ -1,0 +1,361 @@
+"""mpitrain.horovod's calls, each checked against the value it must give at ANY process
+count (MPI tier: plain pytest runs them at one rank, tests/e2e/test_mpi_tier.py under
+mpirun -np 2, 3, 4, in the launch the other MPI-tier tests share).
+
+Rank r contributes values made from r + 1, so the expected result of every
+collective is known in closed form for n ranks. Every rank runs the same tests in
+the same order; where a check is about what every rank got, the ranks gather it.
+"""
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+import mpitrain.horovod as hvd
+import mpitrain.horovod.keras as hvdk
+from mpitrain.horovod.engine import Mismatch
+from mpitrain.horovod.runtime import NotInitialized, Unsupported
+
+tf = pytest.importorskip("tensorflow")
+import keras  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started():
+    hvd.init(timeout=60)
+    yield
+    hvd.barrier()
+
+
+def n():
+    return hvd.size()
+
+
+def me():
+    return hvd.rank() + 1.0  # this rank's contribution
+
+
+def same_everywhere(value) -> bool:
+    """Whether every rank holds the same ``value`` (bytes of arrays compared)."""
+    digest = zlib.crc32(np.ascontiguousarray(value).tobytes())
+    return len(set(hvd.allgather_object(digest))) == 1
+
+
+def test_topology():
+    size, rank = hvd.size(), hvd.rank()
+    assert 0 <= rank < size and hvd.is_initialized() and hvd.mpi_threads_supported()
+    hosts = hvd.allgather_object(__import__("platform").node())
+    assert hvd.local_size() == hosts.count(hosts[rank])
+    assert hvd.local_rank() == hosts[:rank].count(hosts[rank])
+    assert hvd.cross_size() == len(set(hosts)) and hvd.is_homogeneous() is not None
+    assert int(hvd.size_op()) == size and int(hvd.rank_op()) == rank
+    assert hvd.mpi_built() and not hvd.nccl_built() and not hvd.gloo_enabled()
+
+
+def test_allreduce_ops_eagerly_and_in_a_graph():
+    base = np.array([1.0, 2.0, 3.0])
+    x = tf.constant(base, tf.float32) * me()
+    total = n() * (n() + 1) / 2
+    expected = {hvd.Average: base * total / n(), hvd.Sum: base * total, hvd.Min: base,
+                hvd.Max: base * n(), hvd.Product: base ** n() * math.factorial(n())}
+
+    @tf.function
+    def in_graph(t):
+        return [hvd.allreduce(t, op=op) for op in expected]
+
+    for results in ([hvd.allreduce(x, op=op) for op in expected], in_graph(x)):
+        for got, want in zip(results, expected.values()):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    # Horovod's scaling: prescale before, postscale after the sum
+    got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+    np.testing.assert_allclose(got.numpy(), np.array([1.0, 2.0, 3.0]) * total / 2, rtol=1e-6)
+    # average=False is the old spelling of Sum; Adasum is not provided
+    assert hvd.allreduce(tf.constant(me()), average=False).numpy() == total
+    with pytest.raises(Unsupported, match="Adasum"):
+        hvd.allreduce(x, op=hvd.Adasum)
+
+
+def test_allreduce_dtypes():
+    # integers: Average truncates as Horovod's (double scaling, truncated)
+    got = hvd.allreduce(tf.constant([7, -7], tf.int32) * int(me()), op=hvd.Average)
+    total = 7 * n() * (n() + 1) // 2
+    assert got.dtype == tf.int32 and got.numpy().tolist() == [int(total / n()),
+                                                              int(-total / n())]
+    assert hvd.allreduce(tf.constant([3], tf.int64), op=hvd.Sum).numpy()[0] == 3 * n()
+    for dtype in (tf.float16, tf.float64, tf.bfloat16):
+        got = hvd.allreduce(tf.cast(tf.fill([5], me()), dtype), op=hvd.Sum)
+        assert got.dtype == dtype and float(got[0]) == n() * (n() + 1) / 2
+    flags = hvd.allreduce(tf.constant([hvd.rank() == 0, True]), op=hvd.Max)
+    assert flags.numpy().tolist() == [True, True]
+    # fp16 compression: float32 in and out, float16 on the wire
+    got = hvd.allreduce(tf.fill([4], me() / 3), compression=hvd.Compression.fp16)
+    assert got.dtype == tf.float32
+    np.testing.assert_allclose(got.numpy(), (n() + 1) / 6, rtol=1e-3)
+
+
+def test_grouped_allreduce_fuses_shapes_and_dtypes():
+    tensors = [tf.fill([2, 3], me()), tf.fill([5], 2 * me()), tf.fill([1], int(me())),
+               tf.fill([2], tf.cast(me(), tf.float16))]
+
+    @tf.function
+    def in_graph(ts):
+        return hvd.grouped_allreduce(ts, op=hvd.Sum)
+
+    total = n() * (n() + 1) / 2
+    for out in (hvd.grouped_allreduce(tensors, op=hvd.Sum), in_graph(tensors)):
+        assert [tuple(t.shape) for t in out] == [(2, 3), (5,), (1,), (2,)]
+        assert [t.dtype for t in out] == [t.dtype for t in tensors]
+        for t, factor in zip(out, (1, 2, 1, 1)):
+            assert np.all(t.numpy() == factor * total)
+
+
+def test_allreduce_of_indexed_slices_gathers_them():
+    slices = tf.IndexedSlices(tf.fill([1, 2], me()), tf.constant([hvd.rank()]),
+                              tf.constant([n(), 2]))
+    out = hvd.allreduce(slices)
+    assert isinstance(out, tf.IndexedSlices)
+    np.testing.assert_allclose(tf.convert_to_tensor(out).numpy(),
+                               [[(r + 1) / n()] * 2 for r in range(n())], rtol=1e-6)
+
+
+def test_allreduce_and_allgather_are_differentiable():
+    x = tf.Variable([1.0, 2.0]) * me()
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        reduced = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum))
+        gathered = tf.reduce_sum(hvd.allgather(tf.reshape(x, [1, 2])) ** 2)
+    # the gradient of a Sum allreduce is the Sum allreduce of the gradients: n each
+    np.testing.assert_allclose(tape.gradient(reduced, x).numpy(), [n(), n()])
+    # allgather's: this rank's rows of the averaged gradient
+    np.testing.assert_allclose(tape.gradient(gathered, x).numpy(), 2 * x.numpy(), rtol=1e-6)
+
+
+def test_allgather_takes_first_dimensions_that_differ():
+    mine = tf.fill([hvd.rank() + 1, 2], me())
+
+    @tf.function
+    def in_graph(t):
+        return hvd.allgather(t)
+
+    expected = np.concatenate([np.full((r + 1, 2), r + 1.0) for r in range(n())])
+    for out in (hvd.allgather(mine), in_graph(mine)):
+        np.testing.assert_array_equal(out.numpy(), expected)
+    ints = hvd.grouped_allgather([tf.constant([hvd.rank()]), tf.constant([[True]])])
+    assert ints[0].numpy().tolist() == list(range(n())) and ints[1].shape == (n(), 1)
+    assert hvd.allgather_object({"rank": hvd.rank()}) == [{"rank": r} for r in range(n())]
+
+
+def test_broadcasts():
+    root = n() - 1
+    got = hvd.broadcast(tf.fill([3], me()), root_rank=root)
+    assert np.all(got.numpy() == n())
+
+    @tf.function
+    def in_graph(t):
+        return hvd.broadcast(t, root_rank=0)
+
+    assert np.all(in_graph(tf.fill([2, 2], me())).numpy() == 1.0)
+    assert hvd.broadcast_object(("from", hvd.rank()), root_rank=root) == ("from", root)
+    assert hvd.broadcast_object_fn(root_rank=0)(hvd.rank()) == 0
+    with pytest.raises(hvd.runtime.UsageError, match="root_rank"):
+        hvd.broadcast(tf.ones([1]), root_rank=n())
+
+
+def test_broadcast_variables_of_tensorflow_and_keras():
+    plain = tf.Variable(tf.fill([4], me()))
+    counter = tf.Variable(int(me()))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    hvd.broadcast_variables([plain, counter] + model.variables, root_rank=0)
+    assert np.all(plain.numpy() == 1.0) and int(counter.numpy()) == 1
+    assert same_everywhere(np.concatenate([v.numpy().ravel() for v in model.variables]))
+    plain.assign(tf.fill([4], me()))
+
+    @tf.function
+    def in_graph():
+        hvd.broadcast_variables([plain], root_rank=n() - 1)
+
+    in_graph()
+    assert np.all(plain.numpy() == n())
+
+
+def test_reducescatter_splits_the_first_dimension_as_horovod():
+    rows = 2 * n() + 1  # the first rows % n ranks get one row more
+    got = hvd.reducescatter(tf.fill([rows, 2], me()), op=hvd.Sum).numpy()
+    mine = rows // n() + (1 if hvd.rank() < rows % n() else 0)
+    assert got.shape == (mine, 2) and np.all(got == n() * (n() + 1) / 2)
+
+
+def test_barrier_and_join():
+    hvd.barrier()
+
+    @tf.function
+    def graph_barrier():
+        return hvd.barrier()
+
+    graph_barrier()
+    # rank 0 joins first; the others still average, rank 0 adding zeros (Horovod's rule:
+    # an Average still divides by every rank), then join; the last rank joined last
+    if hvd.rank() == 0:
+        last = hvd.join()
+    else:
+        got = hvd.allreduce(tf.constant([me()]))
+        assert got.numpy()[0] == pytest.approx((n() * (n() + 1) / 2 - 1) / n())
+        last = hvd.join()
+    assert int(last) == n() - 1
+
+
+def test_distributed_gradient_tape():
+    w = tf.Variable([1.0, 2.0, 3.0])
+    emb = tf.Variable(tf.ones([n() + 1, 2]))
+    local = tf.Variable([5.0])
+
+    def loss():
+        return (tf.reduce_sum(w * me()) + tf.reduce_sum(tf.gather(emb, [hvd.rank()]) * me())
+                + tf.reduce_sum(local * me()))
+
+    def gradients(**options):
+        with tf.GradientTape() as tape:
+            value = loss()
+        tape = hvd.DistributedGradientTape(tape, **options)
+        tape.register_local_source(local)
+        return tape.gradient(value, [w, emb, local])
+
+    mean = (n() + 1) / 2
+    g_w, g_emb, g_local = gradients()
+    np.testing.assert_allclose(g_w.numpy(), [mean] * 3, rtol=1e-6)
+    assert isinstance(g_emb, tf.IndexedSlices)  # gathered from every rank, averaged
+    dense = tf.convert_to_tensor(g_emb).numpy()
+    np.testing.assert_allclose(dense[:n()], [[(r + 1) / n()] * 2 for r in range(n())], rtol=1e-6)
+    np.testing.assert_allclose(g_local.numpy(), [me() / n()])  # local: only scaled by 1/n
+
+    @tf.function
+    def in_graph():
+        return gradients(sparse_as_dense=True, op=hvd.Sum,
+                         compression=hvd.Compression.fp16)
+
+    g_w, g_emb, _ = in_graph()
+    np.testing.assert_allclose(g_w.numpy(), [n() * mean] * 3, rtol=1e-3)
+    assert not isinstance(g_emb, tf.IndexedSlices) and g_emb.shape == (n() + 1, 2)
+    assert same_everywhere(g_w.numpy())
+
+
+def test_distributed_optimizer_in_a_loop_and_with_passes():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    x = tf.fill([8, 4], me())
+    y = tf.zeros([8], tf.int64)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(opt):
+        with tf.GradientTape() as tape:
+            value = loss_fn(y, model(x))
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return grads
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert isinstance(opt, keras.optimizers.SGD) and type(opt).__name__ == "SGD"
+    before = [v.numpy() for v in model.trainable_variables]
+    grads = step(opt)
+    every = hvd.allgather_object([g.numpy() for g in grads])  # the local gradients
+    for v, b, *gs in zip(model.trainable_variables, before, *every):
+        np.testing.assert_allclose(v.numpy(), b - 0.1 * np.mean(gs, axis=0), rtol=1e-5,
+                                   atol=1e-6)
+    assert same_everywhere(np.concatenate([v.numpy().ravel() for v in model.variables]))
+    # two passes per update: the first only counts, the second applies their average
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2,
+                                   average_aggregated_gradients=True)
+    train = tf.function(lambda: step(opt))
+    before = [v.numpy() for v in model.trainable_variables]
+    train()
+    assert all(np.array_equal(v.numpy(), b) for v, b in zip(model.trainable_variables, before))
+    assert int(opt.iterations) == 1
+    train()
+    assert int(opt.iterations) == 2
+    assert not all(np.array_equal(v.numpy(), b) for v, b in zip(model.trainable_variables,
+                                                                 before))
+    assert same_everywhere(np.concatenate([v.numpy().ravel() for v in model.variables]))
+
+
+def test_keras_fit_with_every_callback(tmp_path_factory):
+    """model.fit data-parallel: a tf.data dataset sharded per rank, validation data, the
+    four callbacks and a rank-0-only checkpoint. After it every rank holds rank 0's
+    start plus the same averaged updates (identical weights), the epoch's logs are
+    averaged, and the learning rate follows Horovod's warm-up formula."""
+    keras.utils.set_random_seed(hvd.rank())  # different initial weights: the broadcast fixes
+    rng = np.random.default_rng(0)
+    x = rng.random((96, 6), dtype=np.float32)
+    y = (x[:, 0] > 0.5).astype(np.int64)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shard(n(), hvd.rank()).batch(4).repeat()
+    valid = tf.data.Dataset.from_tensor_slices((x[:16], y[:16])).batch(8)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(2)])
+    lr = 0.05 * n()
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    seen = []
+    record = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(dict(logs)))
+    path = hvd.broadcast_object(str(tmp_path_factory.mktemp("fit") / "model-{epoch}.keras"))
+    callbacks = [hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvdk.callbacks.MetricAverageCallback(),
+                 hvdk.callbacks.LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=2),
+                 hvdk.callbacks.LearningRateScheduleCallback(initial_lr=lr, multiplier=0.5,
+                                                             start_epoch=2),
+                 record]
+    if hvd.rank() == 0:
+        callbacks.append(keras.callbacks.ModelCheckpoint(path))
+    history = model.fit(data, steps_per_epoch=3, epochs=3, validation_data=valid,
+                        callbacks=callbacks, verbose=0)
+    assert same_everywhere(np.concatenate([v.numpy().ravel() for v in model.variables]))
+    assert same_everywhere(np.array([[logs[k] for k in sorted(logs)] for logs in seen]))
+    assert {"loss", "accuracy", "val_loss", "val_accuracy", "lr"} <= set(history.history)
+    # warm-up: epoch 1 (index 1) ends at lr/n * (1 + 1/3 ... Horovod's per-batch formula
+    warm = lr / n() * ((1 + 2 / 3 + 1 / 3) * (n() - 1) / 2 + 1)
+    assert history.history["lr"][1] == pytest.approx(warm, rel=1e-5)
+    assert history.history["lr"][2] == pytest.approx(lr * 0.5 ** 0, rel=1e-5)
+    saved = hvd.allgather_object(sorted(p.name for p in __import__("pathlib").Path(
+        path).parent.glob("*.keras")))
+    assert saved[0] == ["model-1.keras", "model-2.keras", "model-3.keras"]
+    loaded = hvdk.load_model(path.format(epoch=3))  # every rank reads rank 0's file
+    assert hasattr(loaded.optimizer, "_hvd_reducer")
+    assert int(loaded.optimizer.iterations) == 9
+
+
+def test_disagreeing_ranks_all_stop_with_the_same_line():
+    if n() == 1:
+        pytest.skip("one rank agrees with itself")
+    cases = [lambda: hvd.allreduce(tf.ones([2 + hvd.rank()])),
+             lambda: hvd.allreduce(tf.ones([2], tf.float64 if hvd.rank() else tf.float32)),
+             lambda: hvd.allgather(tf.ones([1, 1 + hvd.rank()])),
+             lambda: hvd.broadcast(tf.ones([2]), root_rank=hvd.rank()),
+             lambda: hvd.barrier() if hvd.rank() else hvd.allreduce(tf.ones([1]))]
+    for case in cases:
+        with pytest.raises(Mismatch) as raised:
+            case()
+        text = str(raised.value)
+        assert text.startswith("the ranks disagree at collective #") and "rank 0 on" in text
+        assert len(set(hvd.allgather_object(text))) == 1  # the same line on every rank
+    hvd.barrier()  # and the ranks go on together
+
+
+def test_unprovided_features_name_the_alternative():
+    for call in (lambda: hvd.allreduce(tf.ones([1]), process_set=object()),
+                 lambda: hvd.alltoall(tf.ones([1])), lambda: hvd.elastic.run,
+                 lambda: hvd.run(print), lambda: hvd.ProcessSet([0]),
+                 lambda: hvd.start_timeline("t.json")):
+        with pytest.raises(Unsupported, match="mpitrain.horovod does not provide"):
+            call()
+    with pytest.raises(Unsupported, match="mpitrain launch"):
+        hvd.elastic.run(lambda: None)
+
+
+def test_shutdown_then_init_again():
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    with pytest.raises(NotInitialized, match="call hvd.init"):
+        hvd.rank()
+    hvd.init(timeout=60)
+    assert hvd.allreduce(tf.constant(1.0), op=hvd.Sum).numpy() == n()
