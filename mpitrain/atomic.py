@@ -28,8 +28,9 @@ def atomic_file(path, mode: str = "w", tmp_suffix: str = ".tmp", **open_kwargs) 
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}{tmp_suffix}")
+    tmp.unlink(missing_ok=True)  # a leftover of a killed writer, or anything in its place
     try:
-        with open(tmp, mode, **open_kwargs) as f:
+        with open(tmp, mode.replace("w", "x"), **open_kwargs) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

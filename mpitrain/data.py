@@ -338,6 +338,9 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 CIFAR_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 #: an image folder without train/ and test/ holds out this share of each class as test
 HOLDOUT = 0.1
+#: the most classes a dataset may have: a label above it is taken for a mistake (an id,
+#: not a class index) rather than a model with that many outputs
+MAX_CLASSES = 100_000
 
 
 #: ``mpitrain.fit``'s arrays, by the name its config records for them
@@ -356,14 +359,91 @@ def provide_arrays(train, test) -> str:
     return IN_MEMORY
 
 
-def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None) -> Dataset:
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What one rank may hold: the memory its host has ``available``, shared by the
+    ``ranks`` of the job there. Data is checked against it before it is read."""
+
+    available: int
+    ranks: int = 1
+    host: str = "this host"
+    #: the share of the training split this rank keeps as float32 (a worker's shard)
+    train_share: float = 1.0
+
+    @classmethod
+    def of(cls, comm, shard: Optional[Tuple[int, int]] = None) -> "MemoryBudget":
+        return cls(available_memory(), max(1, list(comm.hosts).count(comm.host)), comm.host,
+                   1.0 / shard[0] if shard else 1.0)
+
+    def check(self, needed: float, what: str, fix: str, error=DataError) -> None:
+        """``error`` (not agreed on yet: see :func:`load`) if ``needed`` bytes per rank
+        will not fit."""
+        if needed > self.available / self.ranks:
+            raise error(f"{what} need {_size(needed)} of memory on each rank, but "
+                        f"{self.host} has {_size(self.available)} available for its "
+                        f"{self.ranks} rank(s); {fix}", everywhere=False)
+
+    def array(self, shape: Tuple[int, ...], dtype, key: str) -> float:
+        """Bytes of the array ``key`` (x_train, y_test...) of ``shape`` and ``dtype``
+        read whole, and for examples of the float32 copy of this rank's share of them
+        (none for float32, used as it is)."""
+        n = float(np.prod(shape, dtype=np.float64))
+        share = self.train_share if key == "x_train" else 1.0
+        floats = key.startswith("x_") and np.dtype(dtype) != np.float32
+        return n * np.dtype(dtype).itemsize + (4 * n * share if floats else 0)
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def available_memory() -> int:
+    """Bytes this host can still give this process: the kernel's MemAvailable, or less
+    where a control group limits it (a container, a SLURM job)."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    for group in _cgroup_dirs():
+        for limit, usage in (("memory.max", "memory.current"),
+                             ("memory.limit_in_bytes", "memory.usage_in_bytes")):
+            try:
+                free = min(free, int((group / limit).read_text()) -
+                           int((group / usage).read_text()))
+            except (OSError, ValueError):  # not this version's file, or "max": no limit
+                continue
+    return max(0, free)
+
+
+def _cgroup_dirs() -> List[Path]:
+    """This process's memory control group directories (v2 unified, v1 memory)."""
+    found = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, where = line.split(":", 2)
+            if controllers == "":
+                found.append(Path("/sys/fs/cgroup") / where.lstrip("/"))
+            elif "memory" in controllers.split(","):
+                found.append(Path("/sys/fs/cgroup/memory") / where.lstrip("/"))
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def read_user_data(path: str, splits=SPLITS, image_size: Optional[int] = None,
+                   budget: Optional[MemoryBudget] = None) -> Dataset:
     """The dataset at ``path`` (see the module docstring), with the ``splits`` this
     rank needs; labels of both splits always (they fix the number of classes).
-    DataError naming the file for anything missing, corrupt or inconsistent."""
-    return _finish(_read_user_data(path, splits, image_size), shard=None)
+    DataError naming the file for anything missing, corrupt or inconsistent, or too
+    large for ``budget`` (default: this host's available memory)."""
+    return _finish(_read_user_data(path, splits, image_size, budget), shard=None)
 
 
-def _read_user_data(path: str, splits, image_size: Optional[int]) -> Dataset:
+def _read_user_data(path: str, splits, image_size: Optional[int],
+                    budget: Optional[MemoryBudget] = None) -> Dataset:
+    budget = budget or MemoryBudget(available_memory())
     if path in _IN_MEMORY:
         given = _IN_MEMORY[path]
         keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
@@ -372,12 +452,12 @@ def _read_user_data(path: str, splits, image_size: Optional[int]) -> Dataset:
     mode = stat_mode(where)
     try:
         if stat.S_ISREG(mode) and where.suffix == ".npz":
-            return _ignoring_image_size(_user_npz(where, splits), image_size)
+            return _ignoring_image_size(_user_npz(where, splits, budget), image_size)
         if stat.S_ISDIR(mode):
             cifar = _cifar_dir(where)
             if cifar is not None:
                 return _ignoring_image_size(_user_cifar(cifar, splits), image_size)
-            return _user_images(where, splits, image_size)
+            return _user_images(where, splits, image_size, budget)
     except MemoryError as e:
         raise DataError(f"--data {where}: does not fit in this rank's memory ({e}); data "
                         "larger than memory is not supported: train on a subset") from None
@@ -397,7 +477,8 @@ def _ignoring_image_size(ds: Dataset, image_size: Optional[int]) -> Dataset:
 
 def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
                   classes: Optional[List[str]] = None) -> Dataset:
-    """A Dataset from the user's arrays: labels checked, examples with a channel axis
+    """A Dataset from the user's arrays: labels checked (integers 0..K-1, K from 2 to
+    MAX_CLASSES, checked before they become int32), examples with a channel axis
     (pixels become float32 in :func:`_finish`)."""
     for split in SPLITS:
         y = arrays["y_" + split]
@@ -405,18 +486,29 @@ def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
             y = y[:, 0]
         if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or
                                (np.issubdtype(y.dtype, np.floating) and
-                                np.array_equal(y, np.round(y)))):
+                                np.isfinite(y).all() and np.array_equal(y, np.round(y)))):
             raise DataError(f"{source}: y_{split} must be integer class labels, one per "
                             f"example (got {y.dtype} of shape {y.shape}); for one-hot "
                             "labels save y.argmax(axis=1)")
         if len(y) and y.min() < 0:
             raise DataError(f"{source}: y_{split} has negative labels; classes are 0..K-1")
+        if len(y) and y.max() >= MAX_CLASSES:
+            distinct = len(np.unique(y))
+            raise DataError(f"{source}: y_{split} has labels up to {int(y.max()):,} but "
+                            f"only {distinct:,} distinct labels; classes are 0..K-1, K at most "
+                            f"{MAX_CLASSES:,}: relabel them 0..{distinct - 1} "
+                            "(np.unique(y, return_inverse=True)[1])")
         if "x_" + split in arrays and len(arrays["x_" + split]) != len(y):
             raise DataError(f"{source}: {len(arrays['x_' + split])} {split} examples but "
                             f"{len(y)} labels")
         arrays["y_" + split] = y.astype(np.int32)
     if not len(arrays["y_train"]) or not len(arrays["y_test"]):
         raise DataError(f"{source}: the training and the test set must not be empty")
+    seen = np.unique(arrays["y_train"])
+    if len(seen) < 2:
+        raise DataError(f"{source}: every training label is {int(seen[0])}: one class is "
+                        "nothing to classify (every prediction would be right); give "
+                        "examples of two classes or more")
     num_classes = len(classes) if classes else \
         int(max(arrays["y_train"].max(), arrays["y_test"].max())) + 1
     missing = set(np.unique(arrays["y_test"]).tolist()) - \
@@ -455,9 +547,10 @@ def _finite_as_float32(x: np.ndarray) -> bool:
     return x.dtype.itemsize <= 4 or not x.size or (x.max() <= top and x.min() >= -top)
 
 
-def _npz_shapes(npz) -> Dict[str, Tuple[int, ...]]:
-    """Shapes of an open NpzFile's arrays from their .npy headers (no data read)."""
-    shapes = {}
+def _npz_headers(npz) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of an open NpzFile's arrays from their .npy headers (no data
+    read)."""
+    headers = {}
     for name in npz.zip.namelist():
         if not name.endswith(".npy"):
             continue  # np.load would not offer it as an array either
@@ -465,8 +558,9 @@ def _npz_shapes(npz) -> Dict[str, Tuple[int, ...]]:
             version = np.lib.format.read_magic(member)
             header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                       else np.lib.format.read_array_header_2_0)
-            shapes[name[:-4]] = tuple(header(member)[0])
-    return shapes
+            shape, _, dtype = header(member)
+            headers[name[:-4]] = (tuple(shape), dtype)
+    return headers
 
 
 def _check_npz_shapes(path: Path, shapes: Dict[str, Tuple[int, ...]]) -> None:
@@ -488,12 +582,16 @@ def _check_npz_shapes(path: Path, shapes: Dict[str, Tuple[int, ...]]) -> None:
                         "shape")
 
 
-def _user_npz(path: Path, splits) -> Dataset:
+def _user_npz(path: Path, splits, budget: MemoryBudget) -> Dataset:
     keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
     try:
         with open_regular(path, DataError) as file, np.load(file, allow_pickle=False) as f:
             # every rank checks all four arrays' headers, so all ranks fail alike
-            _check_npz_shapes(path, _npz_shapes(f))
+            headers = _npz_headers(f)
+            _check_npz_shapes(path, {name: shape for name, (shape, _) in headers.items()})
+            budget.check(sum(budget.array(*headers[key], key) for key in keys),
+                         f"--data {path}: the arrays this rank reads", "data larger than memory "
+                         "is not supported: train on a subset, or on more hosts")
             arrays = {key: np.asarray(f[key]) for key in keys}
     except DataError:
         raise
@@ -589,7 +687,8 @@ def _images_in(folder: Path) -> List[Path]:
     return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
 
 
-def _user_images(directory: Path, splits, image_size: Optional[int]) -> Dataset:
+def _user_images(directory: Path, splits, image_size: Optional[int],
+                 budget: MemoryBudget) -> Dataset:
     """A folder of class folders (or train/ and test/ each holding them)."""
     if (directory / "train").is_dir() and (directory / "test").is_dir():
         classes = [p.name for p in _class_folders(directory / "train")]
@@ -620,7 +719,17 @@ def _user_images(directory: Path, splits, image_size: Optional[int]) -> Dataset:
         where = directory / "train" if (directory / "train").is_dir() else directory
         raise DataError(f"{where / empty[0]}: no training images (PNG/JPEG) for class "
                         f"{empty[0]!r}; add some or remove the folder")
-    mode = _image_mode([f for split in SPLITS for f, _ in files[split]], image_size)
+    mode, (width, height) = _image_mode([f for split in SPLITS for f, _ in files[split]],
+                                        image_size)
+    side = (image_size, image_size) if image_size else (height, width)
+    channels = 3 if mode == "RGB" else 1
+    # decoded pixels, stacked (a second copy), then floats: checked before any is decoded
+    budget.check(sum(budget.array((len(files[split]), *side, channels), np.uint8, f"x_{split}")
+                     + len(files[split]) * side[0] * side[1] * channels for split in splits),
+                 f"--data {directory}: {' and '.join(f'{len(files[s]):,} {s}' for s in splits)}"
+                 f" image(s) of {side[1]}x{side[0]}x{channels}",
+                 "pass a smaller --image-size, or train on a subset" if image_size else
+                 "pass --image-size PX to shrink them, or train on a subset", )
     arrays = {"y_" + split: np.array([c for _, c in files[split]], np.int64)
               for split in SPLITS}
     for split in splits:
@@ -628,9 +737,10 @@ def _user_images(directory: Path, splits, image_size: Optional[int]) -> Dataset:
     return _user_dataset("images", directory, arrays, classes)
 
 
-def _image_mode(paths: List[Path], image_size: Optional[int] = None) -> str:
-    """RGB if any image has colour, else grayscale (L). Reads every file's header
-    (both splits, on every rank): without ``image_size`` all must share one size."""
+def _image_mode(paths: List[Path], image_size: Optional[int] = None):
+    """(RGB if any image has colour, else grayscale (L); the first image's (width,
+    height)). Reads every file's header (both splits, on every rank): without
+    ``image_size`` all must share one size."""
     from PIL import Image
 
     mode, first = "L", None
@@ -651,7 +761,7 @@ def _image_mode(paths: List[Path], image_size: Optional[int] = None) -> str:
             raise DataError(f"{path}: image is {size[0]}x{size[1]} but {first[0]} is "
                             f"{first[1][0]}x{first[1][1]}; pass --image-size PX to resize "
                             "every image to PX x PX")
-    return mode
+    return mode, first[1]
 
 
 def _decode(files, mode: str, image_size: Optional[int]) -> np.ndarray:
@@ -697,9 +807,10 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
     error (naming that rank and host).
     """
     result, error = None, None
+    budget = MemoryBudget.of(comm, shard)
     try:
         if user_data:
-            result = _read_user_data(user_data, splits, image_size)
+            result = _read_user_data(user_data, splits, image_size, budget)
         elif dataset in ("auto", "mnist"):
             result = _load_mnist(dataset, data_dir, comm, splits)
         elif dataset == "digits":
@@ -707,6 +818,7 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
                                   digits_upscaled(seed))
         elif dataset == "synthetic":
             shape = dict(synthetic_shape)
+            check_synthetic(shape, splits, budget)
             arrays = synthetic(seed=seed, splits=splits, **shape)
             size = (shape["image_size"], shape["image_size"], shape["channels"])
             result = Dataset("synthetic", f"random {size[0]}x{size[1]}x{size[2]} images, "
@@ -751,6 +863,19 @@ def _as_float32(x: np.ndarray) -> np.ndarray:
         out /= np.float32(255.0)  # in place: the same rounding as x / 255, one array
         return out
     return x.astype(np.float32, copy=False)
+
+
+def check_synthetic(shape: dict, splits, budget: MemoryBudget, pool: int = 64) -> None:
+    """UsageError if the synthetic data of ``shape`` (see :func:`synthetic`) will not
+    fit in ``budget``: its pools of images (float32) and every example's label."""
+    side, channels = shape["image_size"], shape["channels"]
+    images = sum(min(pool, shape[f"n_{split}"]) for split in splits)
+    budget.check(4.0 * images * side * side * channels
+                 + 4.0 * (shape["n_train"] + shape["n_test"]),
+                 f"--image-size {side}, --synthetic-size {shape['n_train']:,}: the synthetic "
+                 f"data ({images} random {side}x{side}x{channels} images and "
+                 f"{shape['n_train'] + shape['n_test']:,} labels)",
+                 "use a smaller --image-size or --synthetic-size", UsageError)
 
 
 def _load_mnist(dataset: str, data_dir: Optional[str], comm, splits) -> Dataset:

@@ -11,6 +11,9 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 #: A run stopped by SIGTERM/SIGINT after saving its state (128 + SIGTERM, the shell convention).
 EXIT_INTERRUPTED = 143
+#: Results could not be written (a full or read-only disk: sysexits' EX_IOERR): a restart
+#: would fail the same way, so ``mpitrain launch`` does not restart it.
+EXIT_CANNOT_WRITE = 74
 
 
 class MpitrainError(Exception):
@@ -60,6 +63,14 @@ class Divergence(MpitrainError):
 
 class ResultsError(MpitrainError):
     """A results directory or file that cannot be written or read as expected."""
+
+
+class WriteError(ResultsError):
+    """A result that cannot be written (no space left, a read-only file system, no
+    permission): the run is recorded as failed where there is room, files already
+    written stay intact, and it is not restartable (exit code 74)."""
+
+    exit_code = EXIT_CANNOT_WRITE
 
 
 class PeerFailure(MpitrainError):

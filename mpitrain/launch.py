@@ -74,7 +74,8 @@ right after the status; the next attempt rewrites status.json).
 
 Exit codes: 0 the run finished (after N restarts, printed); 1 it still failed
 after the last restart, or failed before writing any checkpoint twice; 2 usage
-error; 143 stopped by a signal (resume with ``--resume`` or launch again).
+error; 74 its results could not be written (a full or read-only disk: never
+restarted); 143 stopped by a signal (resume with ``--resume`` or launch again).
 
 The run directory of a failed attempt is found as the one new directory under
 ``--results-dir`` (rank 0 writes it; on a multi-host cluster the results
@@ -96,9 +97,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import dialect
-from .errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, MpitrainError,
-                     UsageError)
+from .errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE,
+                     MpitrainError, UsageError)
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
+from .results import record_lost_attempt
 from .tools import hostfile
 
 PROG = "mpitrain launch"
@@ -341,6 +343,14 @@ class Launcher:
             if code == EXIT_USAGE:
                 return EXIT_USAGE
             run_dir = self._failed_run_dir(before, watched)
+            if run_dir is not None:  # each attempt keeps its row, also one rank 0 never wrote
+                record_lost_attempt(run_dir, f"the job ended (mpirun exit {code}) before rank "
+                                    "0 recorded how: a rank was killed, or its host lost",
+                                    resumed=self.resume is not None)
+            if code == EXIT_CANNOT_WRITE or not restartable(run_dir):
+                say(f"the job failed (exit {code}) writing its results: a restart would fail "
+                    "the same way; giving up (see the error above)")
+                return EXIT_CANNOT_WRITE
             if run_dir is not None and (run_dir / CHECKPOINT).is_file():
                 self.resume = str(run_dir)
             elif self.resume is None:
@@ -571,6 +581,13 @@ def read_json_object(path: Path) -> Optional[dict]:
     except (OSError, ValueError):  # ValueError: bad JSON, or bytes that are not UTF-8
         return None
     return status if isinstance(status, dict) else None
+
+
+def restartable(run_dir: Optional[Path]) -> bool:
+    """False if the run's status.json says a restart would fail the same way (its
+    results could not be written: see mpitrain.session.record_failure)."""
+    status = read_json_object(run_dir / "status.json") if run_dir else None
+    return not status or status.get("restartable") is not False
 
 
 def run_ended(status: Optional[dict]) -> bool:

@@ -5,24 +5,38 @@ Only the rank that serves (rank 0) writes; every other rank gets
 same methods on every rank without asking who it is.
 
 Nothing is ever half-written: JSON files are replaced atomically
-(:mod:`mpitrain.atomic`); CSV files are append-only, one flushed line at a time; ``runs.csv`` is
-appended under an exclusive lock and, when a newer mpitrain adds columns, rewritten
-(atomically) with the union of the columns.
+(:mod:`mpitrain.atomic`); CSV files are append-only, whole lines at a time (a write a
+full disk cuts short is undone); ``runs.csv`` is appended under an exclusive lock and,
+when a newer mpitrain adds columns, rewritten (atomically) with the union of the
+columns. A write that fails is one line (:func:`cannot_write`), and the run is recorded
+as failed where there is room (see :class:`RunResults`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
 import fcntl
 import io
+import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 from .atomic import atomic_file, write_json_atomic
-from .errors import ResultsError
+from .errors import ResultsError, WriteError
 from .schema import CURVE_COLUMNS
+from .userfiles import NotRegular, open_regular, read_bounded
+
+#: bytes a run directory holds in reserve (``.reserve``) while its run writes: freed as
+#: soon as a write fails, so that the failure can still be recorded there (status.json,
+#: the runs.csv row) on a disk that filled up meanwhile
+RESERVE_BYTES = 64 * 1024
+RESERVE = ".reserve"
+
 
 def _csv_line(values: Iterable) -> str:
     buf = io.StringIO()
@@ -34,6 +48,45 @@ def _fmt(value):
     if isinstance(value, float):
         return f"{value:.6g}"
     return value
+
+
+def cannot_write(path, error: OSError) -> WriteError:
+    """The one-line error for a write of ``path`` that failed with ``error``."""
+    if isinstance(error, NotRegular):
+        why = f"it is {error.kind}, not a regular file"
+    else:
+        why = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+               errno.EPERM: "permission denied"}.get(error.errno, error.strerror or str(error))
+        why += f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space there or pass another --results-dir; what was written is intact"
+    else:
+        fix = "pass a --results-dir on a writable file system"
+    return WriteError(f"cannot write {path}: {why}; {fix}")
+
+
+def _append(path: Path, text: str, sync: bool = False) -> None:
+    """Append ``text`` to the regular file ``path`` (created if missing) in one write, or
+    not at all: a write that fails (a full disk) is cut back to the file's old end, so
+    the file keeps whole lines. Never waits on a FIFO left in its place."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC,
+                 0o666)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegular(path, info.st_mode)
+        data = memoryview(text.encode())
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+            if sync:
+                os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, info.st_size)
+            raise
+    finally:
+        os.close(fd)
 
 
 class CsvLog:
@@ -51,11 +104,9 @@ class CsvLog:
         self._write("".join(_csv_line(_fmt(r.get(c)) for c in self.columns) for r in rows))
 
     def _write(self, text: str) -> None:
-        # One write of whole lines, flushed: a killed process leaves complete rows.
-        # No fsync per row: under heavy disk load it stalled rank 0 for seconds.
-        with open(self.path, "a") as f:
-            f.write(text)
-            f.flush()
+        # One write of whole lines: a killed process leaves complete rows. No fsync per
+        # row: under heavy disk load it stalled rank 0 for seconds.
+        _append(self.path, text)
 
 
 def append_run_row(path: Path, row: Dict) -> None:
@@ -71,14 +122,11 @@ def append_run_row(path: Path, row: Dict) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         header: List[str] = []
         if path.exists() and path.stat().st_size:
-            with open(path, newline="") as f:
-                header = next(csv.reader(f), [])
+            with open_regular(path) as f:
+                header = next(csv.reader(io.TextIOWrapper(f, newline="")), [])
         missing = [c for c in row if c not in header]
         if not missing:
-            with open(path, "a") as f:
-                f.write(_csv_line(_fmt(row.get(c)) for c in header))
-                f.flush()
-                os.fsync(f.fileno())
+            _append(path, _csv_line(_fmt(row.get(c)) for c in header), sync=True)
             return
         columns = header + missing
         old_rows = read_csv(path) if header else []
@@ -92,20 +140,17 @@ def append_run_row(path: Path, row: Dict) -> None:
 def read_csv(path: Path) -> List[Dict[str, str]]:
     """Rows of a CSV file as dicts; ResultsError naming the file if it is unreadable."""
     try:
-        with open(path, newline="") as f:
-            return list(csv.DictReader(f))
+        with open_regular(path) as f:
+            return list(csv.DictReader(io.TextIOWrapper(f, newline="")))
     except (OSError, csv.Error, UnicodeDecodeError) as e:
         raise ResultsError(f"{path}: cannot read ({e})") from None
 
 
 def new_run_dir(results_dir: Path, stem: str) -> Path:
-    """Create a fresh run directory ``results_dir/<time>-<stem>``; never reuse one."""
+    """Create a fresh run directory ``results_dir/<time>-<stem>``; never reuse one.
+    OSError if it cannot be made (see :func:`cannot_write`)."""
     results_dir = Path(results_dir)
-    try:
-        results_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ResultsError(f"cannot create results directory {results_dir} ({e.strerror}); "
-                           "pass a writable --results-dir") from None
+    results_dir.mkdir(parents=True, exist_ok=True)
     base = f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}"
     for attempt in range(1000):
         candidate = results_dir / (base if attempt == 0 else f"{base}-{attempt + 1}")
@@ -117,15 +162,77 @@ def new_run_dir(results_dir: Path, stem: str) -> Path:
     raise ResultsError(f"cannot create a new run directory under {results_dir}")
 
 
+def engine_name(config: dict) -> str:
+    """What moved the gradients: mpi or horovod (sync), ps (async), none (one worker);
+    ``config``: a run's settings as config.json holds them (Config.to_dict)."""
+    if config["mode"] == "async":
+        return "ps"
+    return config["allreduce"] if config["workers"] > 1 else "none"
+
+
+def run_identity(config: dict, dataset: dict, status: str, reason: str = "",
+                 rescaled: str = "", horovod_version: str = "") -> dict:
+    """A run's row in runs.csv as far as its settings tell, from config.json's
+    ``config`` (Config.to_dict) and ``dataset`` sections: what ran, and how it ended
+    (``status``, ``reason``); ``rescaled``: how the session continued the run on
+    another number of ranks."""
+    return {"model": config["model"], "mode": config["mode"], "np": config["world_size"],
+            "workers": config["workers"], "batch_size": config["batch_size"],
+            "global_batch": config["global_batch"], "optimizer": config["optimizer"],
+            "lr": config["effective_lr"], "dataset": dataset["name"],
+            "input_shape": "x".join(map(str, dataset["input_shape"])),
+            "num_classes": dataset["num_classes"], "status": status, "reason": reason,
+            "resumed": bool(config.get("resume")), "rescaled": rescaled,
+            "engine": engine_name(config), "compression": config["compression"],
+            "horovod_version": horovod_version,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID", "")}
+
+
 class RunResults:
-    """Rank 0's writer for one run's directory and its row in ``runs.csv``."""
+    """Rank 0's writer for one run's directory and its row in ``runs.csv``.
+
+    Every write of the run's results goes through it, and a write that fails (a full
+    disk, a read-only file system) is one :class:`~mpitrain.errors.WriteError` line
+    naming the file and the fix. The directory keeps :data:`RESERVE_BYTES` in reserve
+    while the run writes, freed at the first failed write, so the failure can still be
+    recorded in status.json and runs.csv (:func:`mpitrain.session.record_failure`);
+    every file is appended whole or replaced whole, so those already written stay
+    intact.
+    """
 
     def __init__(self, results_dir: Path, stem: str, run_dir: Optional[Path] = None):
         self.results_dir = Path(results_dir)
-        self.dir = run_dir if run_dir is not None else new_run_dir(self.results_dir, stem)
-        self.curve = CsvLog(self.dir / "curve.csv", CURVE_COLUMNS)
         self._tensorboard = None
         self._status_facts: Dict[str, object] = {}
+        self._reserve: Optional[Path] = None
+        with self._writing(run_dir or self.results_dir):
+            self.dir = run_dir if run_dir is not None else new_run_dir(self.results_dir, stem)
+        try:
+            with self._writing(self.dir):
+                self._reserve = self.dir / RESERVE
+                with atomic_file(self._reserve, "wb") as f:
+                    f.write(bytes(RESERVE_BYTES))
+                self.curve = CsvLog(self.dir / "curve.csv", CURVE_COLUMNS)
+        except WriteError:
+            if run_dir is None:  # a new directory: nothing of it is left (if empty)
+                with contextlib.suppress(OSError):
+                    self.dir.rmdir()
+            raise
+
+    @contextlib.contextmanager
+    def _writing(self, path):
+        """Where the run's files are written: an OSError becomes the WriteError naming
+        ``path``, after the reserve is freed for the record of the failure."""
+        try:
+            yield
+        except OSError as e:
+            self._free_reserve()
+            raise cannot_write(path, e) from None
+
+    def _free_reserve(self) -> None:
+        if self._reserve is not None:
+            self._reserve.unlink(missing_ok=True)
+            self._reserve = None
 
     def set_status(self, status: str, reason: str = "", **facts) -> None:
         """``status.json``: running while training, then ok / failed / interrupted.
@@ -133,11 +240,14 @@ class RunResults:
         A run whose status.json still says running was killed without warning
         (SIGKILL, a node lost): its other files hold what it had written.
         ``facts`` (e.g. ``lost_workers``) are kept in every later status too.
+        Once the run has ended, the directory's reserve is given back.
         """
         self._status_facts.update(facts)
         self.write_json("status.json", {"status": status, "reason": reason,
                                         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                         **self._status_facts})
+        if status != "running":
+            self._free_reserve()
 
     @classmethod
     def reopen(cls, run_dir: Path) -> "RunResults":
@@ -152,35 +262,71 @@ class RunResults:
         return self.dir
 
     def write_json(self, name: str, obj) -> None:
-        write_json_atomic(self.dir / name, obj)
+        with self._writing(self.dir / name):
+            write_json_atomic(self.dir / name, obj)
 
     def add_curve_row(self, row: Dict) -> None:
-        self.curve.append(row)
+        with self._writing(self.curve.path):
+            self.curve.append(row)
 
     def scalars(self, step: int, values: Dict[str, float]) -> None:
         """TensorBoard scalars at ``step`` (``tensorboard --logdir results/`` shows them)."""
-        if self._tensorboard is None:
-            import tensorflow as tf
+        import tensorflow as tf
 
-            self._tensorboard = tf.summary.create_file_writer(str(self.dir / "tensorboard"))
-        with self._tensorboard.as_default(step=step):
-            import tensorflow as tf
-
-            for name, value in values.items():
-                if value is not None and value == value:
-                    tf.summary.scalar(name, value)
-        self._tensorboard.flush()
+        where = self.dir / "tensorboard"
+        try:
+            with self._writing(where):
+                if self._tensorboard is None:
+                    self._tensorboard = tf.summary.create_file_writer(str(where))
+                with self._tensorboard.as_default(step=step):
+                    for name, value in values.items():
+                        if value is not None and value == value:
+                            tf.summary.scalar(name, value)
+                self._tensorboard.flush()
+        except tf.errors.OpError as e:  # TensorFlow's own file errors
+            self._free_reserve()
+            raise WriteError(f"cannot write {where}: {e.message.splitlines()[0]}; pass a "
+                             "--results-dir with room to write") from None
 
     def write_csv(self, name: str, columns: List[str], rows: Iterable[Dict]) -> None:
-        CsvLog(self.dir / name, columns).extend(rows)
+        with self._writing(self.dir / name):
+            CsvLog(self.dir / name, columns).extend(rows)
 
     def add_run_row(self, row: Dict) -> None:
-        append_run_row(self.results_dir / "runs.csv", {"run": self.dir.name, **row})
+        path = self.results_dir / "runs.csv"
+        with self._writing(path):
+            append_run_row(path, {"run": self.dir.name, **row})
 
     def save_checkpoint(self, checkpoint, meanwhile=None) -> None:
         """Write ``checkpoint`` (:meth:`mpitrain.lifecycle.Checkpoint.save`: ``meanwhile``,
         the step's evaluation, runs while it is written)."""
-        checkpoint.save(self.dir, meanwhile)
+        with self._writing(self.dir / "checkpoint.npz"):
+            checkpoint.save(self.dir, meanwhile)
+
+
+def record_lost_attempt(run_dir: Path, reason: str, resumed: bool) -> bool:
+    """For ``mpitrain launch``: record as failed, with ``reason``, the run in ``run_dir``
+    if its status.json still says running (its rank 0 was killed before it could record
+    its end), in status.json and in a runs.csv row made from its config.json (the
+    newest resumed-*.json if the attempt was ``resumed``). Every attempt keeps its row
+    so. True if it recorded; False if there was nothing to record or no room."""
+    run_dir = Path(run_dir)
+    try:
+        status = json.loads(read_bounded(run_dir / "status.json"))
+        if not isinstance(status, dict) or status.get("status") != "running":
+            return False
+        sessions = sorted(run_dir.glob("resumed-*.json")) if resumed else []
+        meta = json.loads(read_bounded(sessions[-1] if sessions else run_dir / "config.json"))
+        row = {"run": run_dir.name, **run_identity(
+            meta["config"], meta["dataset"], "failed", reason,
+            (meta.get("rescaled") or {}).get("rule", ""))}
+        write_json_atomic(run_dir / "status.json", {
+            **status, "status": "failed", "reason": reason,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        append_run_row(run_dir.parent / "runs.csv", row)
+    except (OSError, ValueError, KeyError, TypeError, ResultsError):
+        return False
+    return True
 
 
 class NullResults:

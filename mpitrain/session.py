@@ -22,14 +22,14 @@ from typing import Optional
 from . import __version__, data, models, telemetry
 from .tools import preflight as preflight_checks
 from .comm import Comm, Role, library_versions
-from .config import Config, resolve
-from .errors import Interrupted, MpitrainError, ResultsError, UsageError
+from .config import MAX_COUNT, Config, resolve
+from .errors import Interrupted, MpitrainError, ResultsError, UsageError, WriteError
 from .launch import attempt_facts
 from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
 from .console import Console, NullConsole
 from .models.keras_import import onednn_enabled, onednn_hint
 from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
-from .results import NullResults, RunResults
+from .results import NullResults, RunResults, run_identity
 from .train import Context, Summary, decay_steps, protocol
 from .userfiles import read_bounded
 
@@ -80,10 +80,9 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     hint = onednn_hint(ranks)
     if hint:
         console.note(hint)
-    results = open_results(cfg, comm)
-    results.write_json("config.json" if checkpoint is None else
-                       f"resumed-{time.strftime('%Y%m%d-%H%M%S')}.json",
-                       run_metadata(cfg, dataset, replica, ranks, rescale))
+    results = open_results(cfg, comm, "config.json" if checkpoint is None else
+                           f"resumed-{time.strftime('%Y%m%d-%H%M%S')}.json",
+                           run_metadata(cfg, dataset, replica, ranks, rescale))
     console.info(f"{cfg.model} {cfg.mode} on {comm.size} rank(s) ({cfg.workers} worker(s)), "
                  f"batch {cfg.batch_size}/worker, lr {cfg.effective_lr:g}, "
                  f"{cfg.epochs} epoch(s); results in {results.path}"
@@ -99,11 +98,11 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     sampler = start_sampler(cfg, comm)
     if role is Role.SERVER:
         comm.listen_for_failures()
-    # kept in every later status: `mpitrain launch` finds its attempt's run by the token
-    # and tells whether rank 0 is gone by the writer
-    results.set_status("running", **attempt_facts())
     try:
         try:
+            # kept in every later status: `mpitrain launch` finds its attempt's run by
+            # the token and tells whether rank 0 is gone by the writer
+            results.set_status("running", **attempt_facts())
             summary = final_results(ctx) if trained else train(ctx)
         except Exception as error:  # the user's model raising in a step is the user's
             blamed = models.blame_user_code(spec, error)
@@ -116,11 +115,15 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     finally:
         comm.stop_listening()
         comm.free_requests()
-    gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results,
-                                 lost=[w["rank"] for w in ctx.lost])
-    results.add_run_row({**run_row(cfg, dataset, summary, rescaled=ctx.rescaled),
-                         **telemetry.node_summary(gathered, comm.hosts)})
-    results.set_status("ok")
+    try:
+        gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results,
+                                     lost=[w["rank"] for w in ctx.lost])
+        results.add_run_row({**run_row(cfg, dataset, summary, rescaled=ctx.rescaled),
+                             **telemetry.node_summary(gathered, comm.hosts)})
+        results.set_status("ok")
+    except WriteError as error:  # rank 0's alone: the others are done
+        record_failure(ctx, error, sampler, summary)
+        raise
     console.summary(summary_lines(cfg, summary, results.path))
     summary.run_dir = str(results.path) if results.path else None
     return summary
@@ -191,7 +194,20 @@ def load_data(cfg: Config, comm: Comm, spec):
         shard = dataset.train_size // cfg.workers
         cfg = dataclasses.replace(cfg, batch_size=max(1, -(-shard // cfg.batches_per_epoch)))
     shard_size = data.check_shards(dataset.train_size, cfg.workers, cfg.batch_size)
+    check_run_length(cfg, shard_size)
     return cfg, dataset, shard_size, worker_index
+
+
+def check_run_length(cfg: Config, shard_size: int) -> None:
+    """UsageError if the run would count more updates than its counters hold (steps and
+    server versions travel as int32 in every message's header)."""
+    per_epoch = data.batches_per_epoch(shard_size, cfg.batch_size)
+    steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
+    updates = steps * (cfg.workers if cfg.mode == "async" else 1)
+    if updates > MAX_COUNT:
+        raise UsageError(f"--epochs {cfg.epochs} of {per_epoch:,} step(s) each make "
+                         f"{updates:,} updates, more than the {MAX_COUNT:,} a run counts; "
+                         "use fewer --epochs, or --steps")
 
 
 def prepare_resume(cfg: Config, explicit: frozenset, comm: Comm):
@@ -264,36 +280,60 @@ def steps_done(checkpoint: Checkpoint, cfg: Config) -> int:
     return checkpoint.step
 
 
-def open_results(cfg: Config, comm: Comm):
-    """Rank 0's writer: the resumed run's directory, or a new one; null elsewhere."""
-    if not comm.role.serves:
-        return NullResults()
-    if cfg.resume:
-        return RunResults.reopen(Path(cfg.resume))
-    return RunResults(cfg.results_dir, f"{models.run_name(cfg.model)}-{cfg.mode}-np{comm.size}")
+def open_results(cfg: Config, comm: Comm, name: str, metadata: dict):
+    """Rank 0's writer, the resumed run's directory or a new one, with ``metadata``
+    written to ``name`` in it; null elsewhere. Collective: a directory that cannot be
+    written (a read-only or full disk) is one error on every rank, printed once."""
+    results, error = NullResults(), None
+    if comm.role.serves:
+        try:
+            if cfg.resume:
+                results = RunResults.reopen(Path(cfg.resume))
+            else:
+                results = RunResults(cfg.results_dir,
+                                     f"{models.run_name(cfg.model)}-{cfg.mode}-np{comm.size}")
+            results.write_json(name, metadata)
+        except ResultsError as e:
+            error = e
+    comm.agree(error)
+    return results
 
 
-def record_failure(ctx: Context, error: MpitrainError, sampler) -> None:
+def record_failure(ctx: Context, error: MpitrainError, sampler,
+                   summary: Optional[Summary] = None) -> None:
     """Write what the run has: its status, telemetry, its runs.csv row with the reason.
 
     When every rank stops together (interrupted, diverged) the telemetry of all
-    ranks is gathered as usual; otherwise only this rank's is written.
+    ranks is gathered as usual; otherwise only this rank's is written. After a failed
+    write (a full disk) the status and the row come first, in the room the run's
+    reserve gave back, marked not restartable, and no telemetry file is written; what
+    does not fit is left out, the error itself being what the user must see.
     """
     status = "interrupted" if isinstance(error, Interrupted) else "failed"
-    ctx.results.set_status(status, str(error))
-    row = run_row(ctx.cfg, ctx.data, getattr(error, "summary", None), status, str(error),
-                  ctx.rescaled)
+    unwritable = isinstance(error, WriteError)
+    row = run_row(ctx.cfg, ctx.data, summary or getattr(error, "summary", None), status,
+                  str(error), ctx.rescaled)
+    _if_there_is_room(lambda: ctx.results.set_status(
+        status, str(error), **({"restartable": False} if unwritable else {})))
     try:
         if error.everywhere:
             gathered = telemetry.collect(ctx.comm, ctx.role.value, sampler, ctx.timer,
                                          ctx.results, lost=[w["rank"] for w in ctx.lost])
-        else:
+            row.update(telemetry.node_summary(gathered, ctx.comm.hosts))
+        elif not unwritable:
             gathered = telemetry.write_local(ctx.comm, ctx.role.value, sampler, ctx.timer,
                                              ctx.results)
-        row.update(telemetry.node_summary(gathered, ctx.comm.hosts))
+            row.update(telemetry.node_summary(gathered, ctx.comm.hosts))
     except MpitrainError:
         pass  # peers gone: the row is still written; the original error is what matters
-    ctx.results.add_run_row(row)
+    _if_there_is_room(lambda: ctx.results.add_run_row(row))
+
+
+def _if_there_is_room(write) -> None:
+    try:
+        write()
+    except WriteError:
+        pass  # the disk is full or read-only: the run's error says so
 
 
 def start_sampler(cfg: Config, comm: Comm):
@@ -369,30 +409,16 @@ def run_row(cfg: Config, dataset, summary: Optional[Summary], status: str = "ok"
             reason: str = "", rescaled: str = "") -> dict:
     """The run's row in runs.csv (``summary`` may be None for a run that failed early);
     ``rescaled``: how this session continued the run on another number of ranks."""
-    row = {"model": cfg.model, "mode": cfg.mode, "np": cfg.world_size,
-           "workers": cfg.workers, "batch_size": cfg.batch_size,
-           "global_batch": cfg.global_batch, "optimizer": cfg.optimizer,
-           "lr": cfg.effective_lr, "dataset": dataset.name,
-           "input_shape": "x".join(map(str, dataset.input_shape)),
-           "num_classes": dataset.num_classes, "status": status,
-           "reason": reason, "resumed": bool(cfg.resume), "rescaled": rescaled,
-           "engine": engine_name(cfg), "compression": cfg.compression,
-           "horovod_version": (preflight_checks.installed_version("horovod")
-                               if cfg.allreduce == "horovod" else ""),
-           "slurm_job_id": os.environ.get("SLURM_JOB_ID", "")}
+    row = run_identity(cfg.to_dict(), {"name": dataset.name, "input_shape": dataset.input_shape,
+                                       "num_classes": dataset.num_classes}, status, reason,
+                       rescaled, preflight_checks.installed_version("horovod")
+                       if cfg.allreduce == "horovod" else "")
     if summary is not None:
         row.update(epochs=summary.epochs_done, steps=summary.steps,
                    wall_time_s=round(summary.wall_time_s, 3),
                    test_accuracy=summary.test_accuracy, test_loss=summary.test_loss,
                    train_loss=summary.train_loss, **summary.extra)
     return row
-
-
-def engine_name(cfg: Config) -> str:
-    """What moved the gradients: mpi or horovod (sync), ps (async), none (one worker)."""
-    if cfg.mode == "async":
-        return "ps"
-    return cfg.allreduce if cfg.workers > 1 else "none"
 
 
 def summary_lines(cfg: Config, summary: Summary, path) -> list:

@@ -429,6 +429,42 @@ def _shared_launch(np_: int, out: Path) -> dict:
     return {"runs": {name: (str(d), row) for name, (d, row) in found.items()}, **launch}
 
 
+# ---- small file systems: full and read-only disks -------------------------------------
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(kib, read_only=False)``: a directory with a tmpfs of ``kib`` KiB mounted on
+    it (a disk that fills up, or a read-only one), unmounted after the test. Skips where
+    mounting is not permitted (not root, a container without CAP_SYS_ADMIN)."""
+    mounted = []
+
+    def mount(kib: int, read_only: bool = False) -> Path:
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        options = f"size={kib}k" + (",ro" if read_only else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'})"
+                        ": the full and read-only disk cases need one (run as root)")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill(directory: Path, leave_kib: int) -> Path:
+    """Fill the file system of ``directory`` but ``leave_kib`` KiB with a filler file."""
+    stat = os.statvfs(directory)
+    free = stat.f_bavail * stat.f_frsize
+    filler = directory / "filler"
+    with open(filler, "wb") as f:
+        f.truncate(0)
+        f.write(bytes(max(0, free - leave_kib * 1024)))
+    return filler
+
+
 # ---- the user's own data, made by the tests: small and learnable ----------------------
 def learnable_images(n: int, seed: int, size: int = 32, channels: int = 3, classes: int = 10):
     """uint8 images whose class k is a bright band at rows 3k..3k+2 on noise (and, in

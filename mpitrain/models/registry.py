@@ -36,6 +36,8 @@ def register(name: str, summary: str, defaults: Dict[str, object], **synthetic):
 
 
 #: training defaults of a user's model (Config fields left unset)
+#: --dataset synthetic for a user's model: MNIST's shape, as its default dataset
+USER_SYNTHETIC = dict(image_size=28, channels=1, num_classes=10, n_test=512)
 USER_DEFAULTS = dict(optimizer="adam", lr=0.001, batch_size=64, epochs=5, dataset="auto",
                      lr_schedule="constant")
 

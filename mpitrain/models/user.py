@@ -19,7 +19,7 @@ from typing import Callable, Dict, Optional
 from ..errors import UsageError
 from ..userfiles import not_regular, read_bounded, stat_mode
 from .keras_import import import_keras
-from .registry import USER_DEFAULTS, ModelSpec
+from .registry import USER_DEFAULTS, USER_SYNTHETIC, ModelSpec
 
 
 def is_spec(name: str) -> bool:
@@ -142,7 +142,7 @@ def from_callable(builder: Callable) -> str:
     name = f"{module}:{getattr(builder, '__qualname__', 'build')}"
     source = getattr(getattr(builder, "__code__", None), "co_filename", None)
     _LOADED[name] = ModelSpec(name, _checked(name, builder, source), f"your model {name}",
-                              dict(USER_DEFAULTS), source=source)
+                              dict(USER_DEFAULTS), dict(USER_SYNTHETIC), source)
     return name
 
 
@@ -162,7 +162,7 @@ def user_spec(spec: str) -> ModelSpec:
                              f"def {function}(input_shape, num_classes) returning a keras.Model")
         source = getattr(module, "__file__", None)
         _LOADED[spec] = ModelSpec(spec, _checked(spec, builder, source), f"your model {spec}",
-                                  dict(USER_DEFAULTS), source=source)
+                                  dict(USER_DEFAULTS), dict(USER_SYNTHETIC), source)
     return _LOADED[spec]
 
 
@@ -373,5 +373,10 @@ def _library(filename: str) -> bool:
 
 
 def _first_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    """The error's message in one line: its first, past Keras' "Exception encountered
+    when calling X" heading and TensorFlow's {{function_node ...}} prefix."""
+    text = re.sub(r"\x1b\[[0-9;]*m|\{\{function_node [^}]*\}\}\s*", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    while len(lines) > 1 and lines[0].startswith("Exception encountered when calling"):
+        lines.pop(0)
     return lines[0] if lines else ""

@@ -12,15 +12,18 @@ import dataclasses
 import json
 import math
 import os
+import re
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import write_cifar, write_image_folder
+from conftest import fill, read_rows, write_cifar, write_image_folder
 from mpitrain import api, cli, data, models, userfiles
 from mpitrain.config import Config, flag_of
-from mpitrain.errors import DataError, ResultsError, UsageError
+from mpitrain.errors import EXIT_CANNOT_WRITE, DataError, ResultsError, UsageError, WriteError
 from mpitrain.lifecycle import Checkpoint, resumed_config
+from mpitrain.results import CsvLog, RunResults
 from unit.test_data import write_mnist
 
 NUMERIC = [f for f in dataclasses.fields(Config) if f.metadata.get("number")]
@@ -111,8 +114,6 @@ def test_fit_checks_its_options_as_the_command_line_does(options, message):
 
 
 def test_fit_takes_numpy_and_whole_numbers_as_plain_ones():
-    import numpy as np
-
     x, y = [[0.0, 1.0]] * 4, [0, 1, 0, 1]
     cfg, _ = api._config("lr", (x, y), (x, y), "sync", None,
                          dict(epochs=np.int64(3), batch_size=2.0, lr=np.float32(0.5)))
@@ -404,8 +405,6 @@ def test_a_fit_builder_that_exits_is_one_line():
 def test_an_error_of_the_users_code_in_a_training_step_is_blamed_on_it(tmp_path):
     """Code that runs eagerly (the probes) but not in TensorFlow's graph (a step): the
     error surfaces from the step, and is the user's, in one line with its line."""
-    import numpy as np
-
     from mpitrain.models.replica import Replica
 
     path = tmp_path / "eager_only.py"
@@ -426,3 +425,175 @@ def test_an_error_of_the_users_code_in_a_training_step_is_blamed_on_it(tmp_path)
     assert one_line(blamed).startswith(f"model {spec.name}: your code failed in training (")
     assert f"at {path} line 8)" in str(blamed)
     assert models.blame_user_code(models.get("lr"), raised.value) is None  # not a user's
+
+
+# ---- results: a write that fails is one line, recorded where there is room -----------------
+def lr_metadata(world_size=3, mode="sync"):
+    """config.json's sections for an LR run, as the session writes them."""
+    from mpitrain.config import resolve
+
+    cfg = resolve(Config(async_mode=mode == "async"), models.get("lr").defaults, world_size)
+    return {"config": cfg.to_dict(),
+            "dataset": {"name": "mnist", "input_shape": [28, 28, 1], "num_classes": 10}}
+
+
+def test_a_disk_that_fills_up_is_one_line_and_the_run_is_recorded(tmpfs):  # item 9
+    disk = tmpfs(512)
+    results = RunResults(disk, "lr-sync-np3")
+    results.write_json("config.json", lr_metadata())
+    results.add_curve_row({"epoch": 0, "step": 0, "test_accuracy": 0.1})
+    curve = (results.dir / "curve.csv").read_bytes()
+    fill(disk, leave_kib=8)
+    with pytest.raises(WriteError) as error:
+        results.save_checkpoint(Checkpoint(np.ones(100_000, np.float32), {}, 5, 1.0))
+    line = one_line(error.value)
+    assert line == (f"cannot write {results.dir}/checkpoint.npz: no space left on the device "
+                    "(ENOSPC); free space there or pass another --results-dir; what was "
+                    "written is intact")
+    assert error.value.exit_code == EXIT_CANNOT_WRITE == 74
+    # the reserve freed by the failure holds the record of it; what was written is intact
+    results.set_status("failed", line, restartable=False)
+    results.add_run_row({"model": "lr", "status": "failed", "reason": line})
+    assert json.loads((results.dir / "status.json").read_text())["restartable"] is False
+    assert read_rows(disk / "runs.csv")[0]["reason"] == line
+    assert (results.dir / "curve.csv").read_bytes() == curve
+    assert not (results.dir / "checkpoint.npz").exists()
+    assert sorted(p.name for p in results.dir.iterdir()) == ["config.json", "curve.csv",
+                                                             "status.json"]
+
+
+def test_an_append_the_disk_cuts_short_is_undone(tmpfs):
+    disk = tmpfs(256)
+    log = CsvLog(disk / "curve.csv", ["a", "b"])
+    log.append({"a": 1, "b": 2})
+    before = (disk / "curve.csv").read_bytes()
+    fill(disk, leave_kib=0)
+    with pytest.raises(OSError):
+        log.append({"a": "x" * 20_000, "b": 3})  # fills the file's last page, then fails
+    assert (disk / "curve.csv").read_bytes() == before
+
+
+@pytest.mark.parametrize("how,line", [
+    ("read-only", "cannot write {disk}: read-only file system (EROFS); pass a --results-dir "
+                  "on a writable file system"),  # issue #39, item 8
+    ("full", "cannot write {disk}/{{run}}: no space left on the device (ENOSPC); free space "
+             "there or pass another --results-dir; what was written is intact"),
+])
+def test_a_results_dir_that_cannot_be_written_is_one_line(tmpfs, how, line):
+    disk = tmpfs(256, read_only=how == "read-only")
+    if how == "full":
+        fill(disk, leave_kib=0)
+    with pytest.raises(WriteError) as error:
+        RunResults(disk, "lr-sync-np3")
+    assert re.fullmatch(re.escape(line.format(disk=disk)).replace(r"\{run\}", r"[^/ ]+"),
+                        one_line(error.value))
+    assert [p.name for p in disk.iterdir()] in ([], ["filler"])  # no empty run left
+
+
+def test_a_killed_attempt_is_recorded_by_the_launcher(tmp_path):
+    """After a kill -9, rank 0 never wrote the end of its run: mpitrain launch records
+    the attempt as failed, in status.json and in a runs.csv row (also found in #39)."""
+    from mpitrain.launch import restartable
+    from mpitrain.results import record_lost_attempt
+
+    run = tmp_path / "20261126-lr-sync-np3"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(lr_metadata()))
+    (run / "status.json").write_text(json.dumps({"status": "running", "launch_attempt": "t"}))
+    assert record_lost_attempt(run, "the job ended (mpirun exit 137) before rank 0 ...", False)
+    status = json.loads((run / "status.json").read_text())
+    assert (status["status"], status["launch_attempt"]) == ("failed", "t")
+    row, = read_rows(tmp_path / "runs.csv")
+    assert (row["run"], row["model"], row["mode"], row["np"], row["global_batch"],
+            row["status"], row["reason"]) == (run.name, "lr", "sync", "3", "200", "failed",
+                                              "the job ended (mpirun exit 137) before rank 0 ...")
+    assert not record_lost_attempt(run, "again", False)  # it ended: nothing more to record
+    assert len(read_rows(tmp_path / "runs.csv")) == 1 and restartable(run)
+    (run / "status.json").write_text(json.dumps({"status": "failed", "restartable": False}))
+    assert not restartable(run)
+
+
+# ---- labels, classes and memory: checked before anything is allocated ------------------------
+def write_npz(path, y_train, y_test=(0, 1), x_dtype=np.uint8):
+    y_train = np.asarray(y_train)
+    np.savez(path, x_train=np.zeros((len(y_train), 4, 4), x_dtype), y_train=y_train,
+             x_test=np.zeros((len(y_test), 4, 4), x_dtype), y_test=np.asarray(y_test))
+    return str(path)
+
+
+@pytest.mark.parametrize("labels,line", [  # issue #39, items 2 and 3, and a single class
+    ([0, 1, 10**9], "{path}: y_train has labels up to 1,000,000,000 but only 3 distinct "
+                    "labels; classes are 0..K-1, K at most 100,000: relabel them 0..2 "
+                    "(np.unique(y, return_inverse=True)[1])"),
+    ([0, 1, 2**32 + 3], "{path}: y_train has labels up to 4,294,967,299 but only 3 distinct"),
+    ([0, 1, 2**31], "{path}: y_train has labels up to 2,147,483,648 but only 3 distinct"),
+    (np.array([0, 1, 1e30]), "{path}: y_train has labels up to 1,000,000,000,000,000,019,884,"),
+    ([0, 0, 0], "{path}: every training label is 0: one class is nothing to classify (every "
+                "prediction would be right); give examples of two classes or more"),
+    ([1, 1, 1], "{path}: every training label is 1: one class is nothing to classify"),
+])
+def test_labels_are_checked_before_they_become_int32(tmp_path, labels, line):
+    path = write_npz(tmp_path / "d.npz", labels, y_test=[0, 1] if max(labels) else [0])
+    with pytest.raises(DataError) as error:
+        data.read_user_data(path)
+    assert one_line(error.value).startswith(line.format(path=path))
+
+
+@SETTINGS
+@given(labels=st.lists(st.one_of(st.integers(-2**63, 2**63 - 1),
+                                 st.floats(allow_nan=True, allow_infinity=True)),
+                       min_size=1, max_size=6))
+def test_any_labels_load_as_classes_or_are_one_line(tmp_path, labels):
+    try:
+        y = np.asarray(labels)
+    except OverflowError:
+        return
+    path = write_npz(tmp_path / "h.npz", y, y_test=y[:1])
+    try:
+        ds = data.read_user_data(path)
+    except DataError as e:
+        one_line(e)
+        return
+    assert 2 <= ds.num_classes <= data.MAX_CLASSES and ds.y_train.dtype == np.int32
+    assert np.array_equal(ds.y_train, y.astype(np.int64))
+
+
+def test_data_that_cannot_fit_is_refused_before_it_is_read(tmp_path):
+    path = write_npz(tmp_path / "d.npz", [0, 1] * 50)
+    budget = data.MemoryBudget(available=3 * 4000, ranks=3, host="node1")
+    with pytest.raises(DataError) as error:
+        data.read_user_data(path, budget=budget)
+    assert one_line(error.value) == (
+        f"--data {path}: the arrays this rank reads need 8.8 KiB of memory on each rank, "
+        "but node1 has 11.7 KiB available for its 3 rank(s); data larger than memory is not "
+        "supported: train on a subset, or on more hosts")
+    assert data.read_user_data(path, budget=data.MemoryBudget(3 * 10_000, 3)).train_size == 100
+
+
+def test_images_that_cannot_fit_are_refused_before_they_are_decoded(tmp_path):
+    write_image_folder(tmp_path / "images", n=40, classes=2)
+    with pytest.raises(DataError) as error:
+        data.read_user_data(str(tmp_path / "images"), image_size=60000)
+    assert one_line(error.value).startswith(
+        f"--data {tmp_path}/images: 36 train and 4 test image(s) of 60000x60000x1 need ")
+    assert str(error.value).endswith("pass a smaller --image-size, or train on a subset")
+
+
+def test_synthetic_data_that_cannot_fit_is_a_usage_error():  # issue #39, item 13
+    shape = {**models.get("alexnet").synthetic, "image_size": 60000, "n_train": 1280}
+    with pytest.raises(UsageError) as error:
+        data.check_synthetic(shape, data.SPLITS, data.MemoryBudget(20 * 2**30, 3, "vm"))
+    assert one_line(error.value) == (
+        "--image-size 60000, --synthetic-size 1,280: the synthetic data (128 random "
+        "60000x60000x3 images and 1,536 labels) need 5.0 TiB of memory on each rank, but vm "
+        "has 20.0 GiB available for its 3 rank(s); use a smaller --image-size or "
+        "--synthetic-size")
+    assert not error.value.everywhere  # agreed on by data.load, every rank at once
+    data.check_synthetic({**shape, "image_size": 224}, data.SPLITS,
+                         data.MemoryBudget(20 * 2**30, 3))
+
+
+def test_available_memory_is_what_this_host_can_give():
+    import psutil
+
+    assert 0 < data.available_memory() <= psutil.virtual_memory().total

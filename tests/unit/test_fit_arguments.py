@@ -33,7 +33,7 @@ def test_resnet_is_resnet20():
 
 # ---- mpitrain.fit's arguments ------------------------------------------------------------------
 def test_fit_arguments():
-    x, y = np.zeros((4, 3)), np.zeros(4, int)
+    x, y = np.zeros((4, 3)), np.array([0, 1, 0, 1])
     with pytest.raises(UsageError, match="unknown option.*epoch_count"):
         api._config("lr", (x, y), (x, y), "sync", None, {"epoch_count": 3})
     with pytest.raises(UsageError, match="mode must be one of sync, async"):
@@ -48,4 +48,4 @@ def test_fit_arguments():
     assert cfg.model.endswith(":test_fit_arguments.<locals>.build")
     assert {"epochs", "async_mode", "data"} <= explicit
     ds = data.read_user_data(cfg.data)
-    assert (ds.name, ds.input_shape, ds.num_classes) == ("arrays", (3,), 1)
+    assert (ds.name, ds.input_shape, ds.num_classes) == ("arrays", (3,), 2)

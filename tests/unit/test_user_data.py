@@ -177,7 +177,7 @@ def test_truncated_npz_names_the_file_on_every_rank(tmp_path):
 
 
 def test_larger_than_memory_is_one_clear_error(tmp_path):
-    """Headers announcing ~10^15 bytes: a real MemoryError, turned into a DataError."""
+    """Headers announcing ~10^15 bytes: refused from the headers, before anything is read."""
     from numpy.lib import format as npy
 
     def member(shape, body=b""):
@@ -193,9 +193,10 @@ def test_larger_than_memory_is_one_clear_error(tmp_path):
         z.writestr("x_test.npy", member((2, 784), b"\0" * 1568))
         z.writestr("y_test.npy", member((2,), b"\0\0"))
     for splits in (WORKER, SERVER):  # the worker fails on x_train, the server on y_train
-        with pytest.raises(DataError, match=f"--data {path}: does not fit in this rank's "
-                                            "memory .*data larger than memory is not "
-                                            "supported: train on a subset"):
+        with pytest.raises(DataError, match=f"--data {path}: the arrays this rank reads need "
+                                            r"[0-9.]+ [GPT]iB of memory on each rank, but .* "
+                                            r"available for its 1 rank\(s\); data larger than "
+                                            "memory is not supported: train on a subset"):
             data.read_user_data(str(path), splits)
 
 
