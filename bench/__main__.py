@@ -27,9 +27,10 @@ BENCHMARKS = {
     "lower_bound": "sync step / compute-only step at 2 workers (LeNet, AlexNet)",
     "overlap": "AlexNet sync step time with --overlap on vs off, shared memory and 1 GbE",
     "startup": "CPU of importing TensorFlow and Keras: mpitrain's way vs plain",
+    "mpis": "Open MPI 4.1 vs Open MPI 5 vs MPICH: allreduce, LR/LeNet sync and async epochs",
 }
 ALL = ["comm", "engines", "async_engines", "scaling", "sync_step", "async_ps", "sampler",
-       "netns", "compression", "lower_bound", "overlap", "startup"]
+       "netns", "compression", "lower_bound", "overlap", "startup", "mpis"]
 
 
 def main(argv):

@@ -183,6 +183,7 @@ def finalize(bound: Optional[float] = None) -> None:
         bound = _finalize_bound or (FINALIZE_BOUND if recovery_enabled() else None)
     sys.stdout.flush()
     sys.stderr.flush()
+    _free_requests_left()
     if bound is None:
         _MPI.Finalize()
         return
@@ -190,6 +191,24 @@ def finalize(bound: Optional[float] = None) -> None:
     signal.alarm(max(1, int(bound)))
     _MPI.Finalize()
     signal.alarm(0)
+
+
+def _free_requests_left() -> None:
+    """Free the persistent requests no run's end freed (a script or test that made them
+    on a Comm of its own): MPI_Finalize must not find any (MPICH prints a line for each).
+    A started one still pending gets a cancel and one second, then is freed all the same."""
+    from .waiting import free_persistent  # (waiting imports this module)
+
+    def cancel(op) -> None:
+        try:
+            op.request.Cancel()
+            deadline = time.monotonic() + 1.0
+            while not op.request.Test() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        except _MPI.Exception:
+            pass
+
+    free_persistent(cancel)
 
 
 def launcher_rank() -> int:
