@@ -50,7 +50,7 @@ their module (``mpitrain.comm.runtime.FINALIZE_BOUND``), not on this package.
 """
 
 from ..errors import CommTimeout, PeerFailure
-from .communicator import WORKERS_TIMEOUT_FACTOR, Comm
+from .communicator import WORKERS_TIMEOUT_FACTOR, Comm, spins
 from .failures import FAILURE_BYTES, TAG_FAILURE, report_failure
 from .objects import TAG_GATHER
 from .processes import PeerProcesses
@@ -65,7 +65,7 @@ from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending, 
                       blocking_call_bound)
 
 __all__ = [
-    "Comm", "PeerProcesses", "SharedMemorySum", "one_host", "share_with_server",
+    "Comm", "spins", "PeerProcesses", "SharedMemorySum", "one_host", "share_with_server",
     "shares_with_server", "Role",
     "Traffic", "Pending", "Persistent", "Backoff", "HOT",
     "IDLE", "SERVING",

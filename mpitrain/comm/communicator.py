@@ -451,12 +451,17 @@ def node_names(names: Sequence[str], leaders: Sequence[int]) -> List[str]:
 def spins(allreduce_wait: str, hosts: Sequence[str], cpus: Sequence[int],
           thread_multiple: Sequence[bool]) -> bool:
     """Whether the ranks wait in the allreduce inside MPI's blocking call (``spin``) rather
-    than polling, from every rank's host, its host's CPU count and its MPI thread level.
+    than polling, from every rank's host, its host's CPU count and its MPI thread level:
+    mpitrain's one wait-policy decision (the exchange planning calls it; so may anyone).
 
     'auto' spins when every host has a core for every rank of the job on it. Open
     MPI's blocking waits busy-poll; with more ranks than cores a spinning rank
     takes the core of the one everybody waits for (a raw blocking allreduce of
-    31 KB took 31 ms at -np 3 on 2 cores). 'poll' never spins; neither does any
+    31 KB took 31 ms at -np 3 on 2 cores). The rule is the same for Open MPI 4.1, Open
+    MPI 5 and MPICH: all three busy-poll inside their blocking calls (MPICH's ch4 device
+    too), so a rank without a core of its own must poll. ``python -m bench mpis``
+    measures both waits on each (docs/benchmarks.md section 16; not yet on a quiet
+    host). 'poll' never spins; neither does any
     choice without MPI_THREAD_MULTIPLE on every rank (the watchdog's heartbeats
     and failure report are MPI calls from a second thread). The same answer on
     every rank, as the ranks of one allreduce must all make the same call.
