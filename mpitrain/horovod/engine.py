@@ -109,6 +109,8 @@ class Engine:
         """Reduce ``buf`` (contiguous) over every rank with ``op``, in place. ``shape``:
         what the caller's tensors look like, for the checks and messages (default:
         ``buf``'s shape); a grouped call passes the list of its shapes."""
+        if not (isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable):
+            raise TypeError("allreduce_ reduces a writable, contiguous numpy array in place")
         shape = buf.shape if shape is None else shape
         with self._call():
             self._agree(ALLREDUCE, op, dtype_code(buf.dtype), buf.size, _ndim(shape),
@@ -136,6 +138,8 @@ class Engine:
 
     def broadcast_(self, buf: np.ndarray, root: int, name: str = "") -> np.ndarray:
         """Overwrite ``buf`` (contiguous) on every rank with rank ``root``'s, in place."""
+        if not (isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable):
+            raise TypeError("broadcast_ overwrites a writable, contiguous numpy array in place")
         self._check_root(root)
         with self._call():
             self._agree(BROADCAST, root, dtype_code(buf.dtype), buf.size, buf.ndim,

@@ -89,8 +89,8 @@ def _allreduce_group(tensors: List[tf.Tensor], op: int, prescale: float, postsca
     if len(tensors) == 1:  # the tensor as it is: the engine reduces a copy
         t = tensors[0]
 
-        def reduce_one(a):
-            return _call(lambda: STATE.engine.allreduce_(a.copy(), op, prescale, postscale,
+        def reduce_one(a):  # (a numpy scalar, in a graph, for a scalar tensor)
+            return _call(lambda: STATE.engine.allreduce_(np.array(a), op, prescale, postscale,
                                                          name=name or ""))
         out = tf.numpy_function(reduce_one, [t], dtype, stateful=True,
                                 name=_op_name("allreduce", name))

@@ -71,8 +71,10 @@ def test_allreduce_ops_eagerly_and_in_a_graph():
     # Horovod's scaling: prescale before, postscale after the sum
     got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
     np.testing.assert_allclose(got.numpy(), np.array([1.0, 2.0, 3.0]) * total / 2, rtol=1e-6)
-    # average=False is the old spelling of Sum; Adasum is not provided
+    # average=False is the old spelling of Sum; a scalar, eagerly and in a graph (where it
+    # reaches numpy as a numpy scalar); Adasum is not provided
     assert hvd.allreduce(tf.constant(me()), average=False).numpy() == total
+    assert tf.function(lambda: hvd.allreduce(tf.constant(me())))().numpy() == total / n()
     with pytest.raises(Unsupported, match="Adasum"):
         hvd.allreduce(x, op=hvd.Adasum)
 
