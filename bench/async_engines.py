@@ -31,12 +31,12 @@ TARGET = 0.5
 
 def main(argv=None, out=None) -> dict:
     parser = bench_parser("async_engines", __doc__)
-    parser.add_argument("--models", default="lr,lenet")
+    parser.add_argument("--models", help="default lr,lenet; with --quick, lr")
     args = parser.parse_args(argv)
     out = out or out_dir()
     rows, checks = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for model in args.models.split(","):
+        for model in (args.models or ("lr" if args.quick else "lr,lenet")).split(","):
             ours, theirs = CASES[model]
             mine = mpitrain_run(model, ours, args.quick, Path(tmp) / model, "--async")
             rows.append(engine_row(model, "mpitrain-async", mine))

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import bench_parser, last_json_line, mnist_dir, mpirun, out_dir, table, write_csv
+from .common import (bench_parser, last_json_line, mnist_dir, mpirun, on_every_rank, out_dir,
+                     table, write_csv)
 
 TARGET = 0.5
 #: updates of the busy-polling echo where ranks outnumber cores (it makes ~250/s there)
@@ -118,7 +119,7 @@ def cli_run(np_: int, epochs: int, results: Path, *extra) -> dict:
 
 
 def main(argv=None, out=None) -> dict:
-    parser = bench_parser("async_ps", __doc__, "small runs (smoke)")
+    parser = bench_parser("async_ps", __doc__, "small runs, -np 2 and 3 (smoke)")
     parser.add_argument("--rank-side", choices=["raw", "mpitrain"], help=argparse.SUPPRESS)
     parser.add_argument("--updates", type=int, default=100000)
     parser.add_argument("--rounds", type=int, default=2,
@@ -127,7 +128,7 @@ def main(argv=None, out=None) -> dict:
     args = parser.parse_args(argv)
     updates = 2000 if args.quick else args.updates
     if args.rank_side:
-        rank_side(args.rank_side, updates)
+        on_every_rank(rank_side, args.rank_side, updates)
         return {}
     out = out or out_dir()
     rows = []
@@ -137,7 +138,7 @@ def main(argv=None, out=None) -> dict:
         return last_json_line(result.stdout)["updates_per_s"]
 
     rounds = 1 if args.quick else max(1, args.rounds)
-    for np_ in (2, 3, 4):
+    for np_ in (2, 3) if args.quick else (2, 3, 4):
         if np_ > os.cpu_count():  # busy-polling collapses: one short round says so
             spin = rate(np_, "raw", n=min(updates // 10, OVERSUBSCRIBED_SPIN_UPDATES))
         samples = [((rate(np_, "raw") if np_ <= os.cpu_count() else spin),
@@ -156,9 +157,10 @@ def main(argv=None, out=None) -> dict:
               f"(target >= {TARGET}: {verdict})")
 
     epochs = 3 if args.quick else 30
+    launches = (3,) if args.quick else (3, 4)
     timing = []
     with tempfile.TemporaryDirectory() as tmp:
-        for np_ in (3, 4):
+        for np_ in launches:
             for mode, extra in (("sync", ()), ("async", ("--async",))):
                 run = cli_run(np_, epochs, Path(tmp), *extra)
                 timing.append({"np": np_, "mode": mode, "epochs": epochs,
@@ -170,7 +172,7 @@ def main(argv=None, out=None) -> dict:
     write_csv(out / "async_vs_sync.csv", timing)
     print(f"\nAsync vs sync, LR, {epochs} epochs:")
     print(table(timing, list(timing[0])))
-    for np_ in (3, 4):
+    for np_ in launches:
         sync, asyn = [t for t in timing if t["np"] == np_]
         print(f"-np {np_}: async epoch time / sync epoch time = "
               f"{asyn['s_per_epoch'] / sync['s_per_epoch']:.2f}; accuracy async - sync = "
@@ -188,7 +190,7 @@ def main(argv=None, out=None) -> dict:
             checks.append({"benchmark": "async_ps", "ratio": f"async server protocol loop CPU "
                            f"(share of a core), LR -np {t['np']}", "value": loop,
                            "target": f"<= {LOOP_TARGET}", "met": loop <= LOOP_TARGET})
-    for np_ in (3, 4):
+    for np_ in launches:
         sync, asyn = [t for t in timing if t["np"] == np_]
         checks.append({"benchmark": "async_ps", "ratio": f"async / sync LR epoch time, -np {np_}",
                        "value": round(asyn["s_per_epoch"] / sync["s_per_epoch"], 3),

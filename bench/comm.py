@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from .common import bench_parser, last_json_line, mpirun, out_dir, table, write_csv
+from .common import (bench_parser, last_json_line, mpirun, on_every_rank, out_dir, table,
+                     write_csv)
 
 SIZES = {"lr": 7850 + 4, "lenet": 61706 + 4, "alexnet": 61100840 + 4}  # + status tail
 TARGET = 0.9
@@ -63,7 +64,7 @@ def _seconds_per_call(raw, fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def rank_side(seconds: float) -> None:
+def rank_side(seconds: float, sizes) -> None:
     from mpi4py import MPI
 
     from mpitrain.comm import Comm
@@ -71,8 +72,8 @@ def rank_side(seconds: float) -> None:
     comm = Comm.world(timeout=600)
     raw = MPI.COMM_WORLD
     out = {}
-    for name, n in SIZES.items():
-        buf = np.ones(n, np.float32)
+    for name in sizes:
+        buf = np.ones(SIZES[name], np.float32)
         calls = {"raw_s": lambda: raw.Allreduce(MPI.IN_PLACE, buf),
                  "mpitrain_s": lambda: comm.allreduce_sum_(buf)}
         reps = {key: _calls_per_round(raw, MPI.MAX, fn, seconds / ROUNDS,
@@ -100,18 +101,19 @@ def memcpy_seconds(nbytes: int, seconds: float) -> float:
 
 
 def main(argv=None, out=None) -> dict:
-    parser = bench_parser("comm", __doc__)
+    parser = bench_parser("comm", __doc__, "0.1 s per size, LR and LeNet sizes (smoke)")
     parser.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=1.0)
     args = parser.parse_args(argv)
     seconds = 0.1 if args.quick else args.seconds
     if args.rank_side:
-        rank_side(seconds)
+        on_every_rank(rank_side, seconds, ("lr", "lenet") if args.quick else SIZES)
         return {}
     rows = []
     for np_ in (2, 3, 4):
         measured = last_json_line(mpirun(np_, ["-m", "bench.comm", "--rank-side", "--seconds",
-                                               str(seconds)]).stdout)
+                                               str(seconds), *(["--quick"] if args.quick
+                                                               else [])]).stdout)
         for name, m in measured.items():
             bus = 2 * (np_ - 1) / np_ * m["bytes"]
             memcpy = memcpy_seconds(m["bytes"], seconds)

@@ -8,8 +8,9 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
@@ -24,6 +25,27 @@ def bench_parser(name: str, doc: str, quick_help: str = "a few steps each (smoke
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=quick_help)
     return p
+
+
+def on_every_rank(rank_side: Callable, *args) -> None:
+    """``rank_side(*args)`` on a rank of a benchmark's mpirun job: an exception on any
+    rank prints its traceback and ends the whole job at once (MPI_Abort, as
+    ``python -m mpitrain`` does), so the other ranks never wait out their timeout in
+    a collective the failed rank will not join."""
+    try:
+        rank_side(*args)
+    except BaseException as error:  # noqa: B902 - a crash on one rank must not hang the others
+        if isinstance(error, SystemExit) and not error.code:
+            raise
+        from mpitrain.comm import abort_world, world_rank_if_running
+
+        sys.stderr.write(f"bench: error on rank {world_rank_if_running()}:\n")
+        traceback.print_exc()
+        abort_world(1)  # where mpitrain started MPI
+        mpi = sys.modules.get("mpi4py.MPI")  # where the benchmark started it itself
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.COMM_WORLD.Abort(1)
+        raise  # MPI never started: the exit ends the job
 
 
 def mnist_dir() -> str:

@@ -28,13 +28,15 @@ ACCURACY_TARGET = 0.5  # pp
 
 
 def main(argv=None, out=None) -> dict:
-    args = bench_parser("compression", __doc__).parse_args(argv)
+    args = bench_parser("compression", __doc__, "LeNet sync, a few steps (smoke)"
+                        ).parse_args(argv)
+    runs = RUNS[:1] if args.quick else RUNS
     out = out or out_dir()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
             with emulated_cluster("1gbit") as cluster:
-                for model, mode, options, pairs in RUNS:
+                for model, mode, options, pairs in runs:
                     for pair in range(1 if args.quick else pairs):
                         for compression in (("none", "fp16") if pair % 2 == 0
                                             else ("fp16", "none")):
@@ -54,7 +56,7 @@ def main(argv=None, out=None) -> dict:
     write_csv(out / "compression.csv", rows)
     print(table(rows, list(rows[0])))
     checks = []
-    for model, mode, _, _ in RUNS:
+    for model, mode, _, _ in runs:
         plain, half = ([r for r in rows if (r["model"], r["mode"], r["compression"])
                         == (model, mode, compression)] for compression in ("none", "fp16"))
         time_ratio = round(mean(half, "s_per_epoch") / mean(plain, "s_per_epoch"), 3)

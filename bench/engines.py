@@ -151,13 +151,14 @@ def comparison(benchmark: str, label: str, ours: dict, theirs: dict, time_target
 
 def main(argv=None, out=None) -> dict:
     parser = bench_parser("engines", __doc__)
-    parser.add_argument("--models", default="lr,lenet,alexnet")
+    parser.add_argument("--models", help="default lr,lenet,alexnet; with --quick, lr (the "
+                        "smoke: every engine once)")
     parser.add_argument("--xla", action="store_true", help="also run mpitrain --compile xla")
     args = parser.parse_args(argv)
     out = out or out_dir()
     rows, checks = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for model in args.models.split(","):
+        for model in (args.models or ("lr" if args.quick else "lr,lenet,alexnet")).split(","):
             ours, theirs = CASES[model]
             rounds = [{
                 "mpi": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-mpi"),

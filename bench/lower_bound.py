@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import (last_json_line, mnist_dir, mpirun, out_dir, steady_epoch_seconds, table,
-                     train, write_csv)
+from .common import (last_json_line, mnist_dir, mpirun, on_every_rank, out_dir,
+                     steady_epoch_seconds, table, train, write_csv)
 
 TARGET = 1.10
 #: what the trainer runs: LeNet on MNIST, AlexNet on synthetic 32x32 ImageNet-shaped
@@ -41,7 +41,10 @@ TARGET = 1.10
 MODELS = {"lenet": {"batch": 64, "shape": (28, 28, 1), "classes": 10, "optimizer": "adam",
                     "lr": 0.002},
           "alexnet": {"batch": 64, "shape": (32, 32, 3), "classes": 1000,
-                      "optimizer": "momentum", "lr": 0.02}}
+                      "optimizer": "momentum", "lr": 0.02},
+          # measured by bench ddp (its compute-only step), not by this benchmark
+          "resnet": {"batch": 64, "shape": (32, 32, 3), "classes": 10, "optimizer": "adam",
+                     "lr": 0.002}}
 #: the real trainer's run per model, full and --quick: (epochs, data options). LeNet:
 #: 157 steps an epoch on the 20,000-image MNIST, one steady epoch; AlexNet: 5 steps an
 #: epoch (640 images, 2 workers x batch 64), two steady epochs
@@ -79,33 +82,50 @@ def rank_side(model: str, steps: int) -> None:
     else:
         tail = 1 + workers.size  # the trainer's status tail (mpitrain/train/sync.py)
         defaults = Config(model=model)  # the trainer's defaults: engine, overlap, buckets
-        exchange = exchange_for(defaults, replica, gradient_engine(defaults, workers), tail,
-                                1.0 / workers.size, workers)
-        rng = np.random.default_rng(workers.rank)
-        x = rng.random((spec["batch"], *spec["shape"]), dtype=np.float32)
-        y = rng.integers(0, spec["classes"], spec["batch"]).astype(np.int32)
-        timed = {"compute": [], "sync": []}
-        for mode in ("compute", "sync", "compute", "sync"):
-            for i in range(steps + 3):  # 3 warm-up steps (tracing, caches)
-                if i == 3:
-                    workers.barrier()
-                    t0 = time.perf_counter()
-                # as the trainer: the gradient pre-divided, the exchange a sum
-                if mode == "sync":
-                    grad, _, _ = exchange.grad(x, y)
-                    exchange.allreduce_(grad)
-                else:
-                    grad, _, _ = replica.grad(x, y, scale=1.0 / workers.size)
-                replica.apply(grad[:replica.n_params])
-            workers.barrier()
-            timed[mode].append((time.perf_counter() - t0) / steps)
-        exchange.close()
+        with gradient_engine(defaults, workers) as engine:
+            exchange = exchange_for(defaults, replica, engine, tail, 1.0 / workers.size,
+                                    workers)
+            try:
+                timed = interleaved_steps(replica, exchange, workers, spec, steps)
+            finally:
+                exchange.close()
         comm.barrier("the workers", backoff=IDLE)
         result = {mode: min(times) for mode, times in timed.items()}
     results = comm.allgather_objects(result)
     if comm.rank == 0:
         rows = [r for r in results if r]
         print(json.dumps({k: float(np.mean([r[k] for r in rows])) for k in rows[0]}))
+
+
+def interleaved_steps(replica, exchange, workers, spec: dict, steps: int) -> dict:
+    """Seconds per step of the compute-only step and of the sync step, each timed twice,
+    interleaved (compute, sync, compute, sync), after 3 warm-up steps each time."""
+    rng = np.random.default_rng(workers.rank)
+    x = rng.random((spec["batch"], *spec["shape"]), dtype=np.float32)
+    y = rng.integers(0, spec["classes"], spec["batch"]).astype(np.int32)
+    timed = {"compute": [], "sync": []}
+    for mode in ("compute", "sync", "compute", "sync"):
+        for i in range(steps + 3):  # 3 warm-up steps (tracing, caches)
+            if i == 3:
+                workers.barrier()
+                t0 = time.perf_counter()
+            # as the trainer: the gradient pre-divided, the exchange a sum
+            if mode == "sync":
+                grad, _, _ = exchange.grad(x, y)
+                exchange.allreduce_(grad)
+            else:
+                grad, _, _ = replica.grad(x, y, scale=1.0 / workers.size)
+            replica.apply(grad[:replica.n_params])
+        workers.barrier()
+        timed[mode].append((time.perf_counter() - t0) / steps)
+    return timed
+
+
+def hot_path(model: str, steps: int) -> dict:
+    """Seconds per step of ``model``'s compute-only step (``compute``) and sync step
+    (``sync``) on the hot path, 2 workers (-np 3), ``steps`` steps each way, twice."""
+    return last_json_line(mpirun(3, ["-m", "bench.lower_bound", "--rank-side", model,
+                                     "--steps", str(steps)]).stdout)
 
 
 def trainer_step(model: str, quick: bool, results: Path) -> float:
@@ -123,20 +143,22 @@ def trainer_step(model: str, quick: bool, results: Path) -> float:
 def main(argv=None, out=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench lower_bound", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few steps (smoke)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few steps; the trainer's run for LeNet only (smoke)")
     parser.add_argument("--rank-side", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_side:
-        rank_side(args.rank_side, args.steps)
+        on_every_rank(rank_side, args.rank_side, args.steps)
         return {}
     steps = {"lenet": 3 if args.quick else 100, "alexnet": 2 if args.quick else 10}
     rows, checks = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for model in MODELS:
-            hot = last_json_line(mpirun(3, ["-m", "bench.lower_bound", "--rank-side", model,
-                                            "--steps", str(steps[model])]).stdout)
-            real = trainer_step(model, args.quick, Path(tmp) / model)
+        for model in steps:
+            hot = hot_path(model, steps[model])
+            # the smoke runs the trainer once: for AlexNet only its options differ
+            real = hot["sync"] if args.quick and model != "lenet" else \
+                trainer_step(model, args.quick, Path(tmp) / model)
             rows.append({"model": model, "workers": 2,
                          "compute_only_ms": round(1e3 * hot["compute"], 2),
                          "hot_path_sync_ms": round(1e3 * hot["sync"], 2),

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .common import LOCAL_HOSTFILE, REPO, bench_parser, last_json_line, mnist_dir, mpi_env, \
-    table, write_csv
+    on_every_rank, table, write_csv
 
 #: implementation key -> its Python (the system's Open MPI runs under this one's)
 ENVIRONMENTS = {"openmpi4": Path(sys.executable), "openmpi5": REPO / ".venv-openmpi5/bin/python",
@@ -132,6 +132,6 @@ def main(argv=None, out: Path = None) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank-side"]:
-        rank_side(int(sys.argv[2]))
+        on_every_rank(rank_side, int(sys.argv[2]))
     else:
         main(sys.argv[1:])

@@ -79,13 +79,15 @@ def peak_rss(run_dir: str):
 
 
 def main(argv=None, out=None) -> dict:
-    parser = bench_parser("scaling", __doc__)
+    parser = bench_parser("scaling", __doc__, "LR and the LeNet 1-thread series at 1 and 2 "
+                          "workers, a few steps each (smoke)")
     args = parser.parse_args(argv)
     out = out or out_dir()
     cores = os.cpu_count() or 1
     rows, memory, checks = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        series = [(m, mode, []) for m in MODELS for mode in ("sync", "async")]
+        series = [(m, mode, []) for m in (("lr",) if args.quick else MODELS)
+                  for mode in ("sync", "async")]
         series.append(("lenet", "sync", ["--threads", "1"]))
         for model, mode, extra in series:
             base = steady_base = None
@@ -95,7 +97,8 @@ def main(argv=None, out=None) -> dict:
                 options[options.index("--epochs") + 1] = str(STEADY_EPOCHS)
             epochs = options[options.index("--epochs") + 1]
             for workers, np_ in SHAPES[mode].items():
-                if extra and workers > 2:  # the 1-thread series is for its 2-vs-1 target
+                # the 1-thread series is for its 2-vs-1 target
+                if workers > 2 and (extra or args.quick):
                     continue
                 # evaluate once, at the end: rank 0's per-epoch evaluation would take a
                 # core from the workers and measure the 10,000-image test pass instead

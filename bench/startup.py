@@ -58,10 +58,10 @@ def measure(how: str) -> dict:
 
 
 def main(argv=None, out=None) -> dict:
-    parser = bench_parser("startup", __doc__, "3 repeats")
+    parser = bench_parser("startup", __doc__, "1 repeat (smoke)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    repeats = 3 if args.quick else args.repeats
+    repeats = 1 if args.quick else args.repeats
     found = {name: [] for name in IMPORTS}
     for _ in range(repeats):
         for name, how in IMPORTS.items():

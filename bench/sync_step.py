@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from .common import last_json_line, mnist_dir, mpirun, out_dir, table, write_csv
+from .common import (last_json_line, mnist_dir, mpirun, on_every_rank, out_dir, table,
+                     write_csv)
 
 TARGET_ALLREDUCE_SHARE = 0.10
 
@@ -99,15 +100,15 @@ def main(argv=None, out=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench sync_step", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--quick", action="store_true", help="200 steps (smoke)")
+    parser.add_argument("--quick", action="store_true", help="200 steps at -np 1 and 3 (smoke)")
     parser.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = 200 if args.quick else args.steps
     if args.rank_side:
-        rank_side(steps, mnist_dir())
+        on_every_rank(rank_side, steps, mnist_dir())
         return {}
     rows = []
-    for np_ in (1, 2, 3, 4):
+    for np_ in (1, 3) if args.quick else (1, 2, 3, 4):
         r = last_json_line(mpirun(np_, ["-m", "bench.sync_step", "--rank-side",
                                         "--steps", str(steps)]).stdout)
         workers = max(1, np_ - 1)

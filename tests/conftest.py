@@ -21,6 +21,7 @@ import resource
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -148,6 +149,32 @@ def _flock(f, how):
         yield
     finally:
         fcntl.flock(f, fcntl.LOCK_UN)
+
+
+#: the emulated cluster (scripts/netns-cluster) is one per machine: fixed namespaces,
+#: bridge and addresses, so whatever brings it up and down takes turns on this lock
+NETNS_LOCK = Path("/var/tmp/mpitrain-netns-cluster.lock")
+
+
+@contextlib.contextmanager
+def netns_cluster_turn(timeout: float = 1800):
+    """Hold the machine's emulated cluster (``NETNS_LOCK``) while inside; fails if
+    another test kept it for ``timeout`` seconds."""
+    with open(NETNS_LOCK, "a") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the emulated cluster stayed busy for {timeout:.0f} s "
+                                f"({NETNS_LOCK} held)")
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def mnist_dir() -> Path:

@@ -1,50 +1,108 @@
-"""Smoke test of the benchmark suite: the --quick mode runs end to end and writes
-its CSVs, figures and summary. It checks that the suite runs, not its targets
-(those are measured on a quiet machine: docs/benchmarks.md)."""
+"""Smoke tests of the benchmark suite: every benchmark's --quick mode runs end to end
+and writes its CSVs, figures and summary, so a benchmark that no longer runs fails
+here instead of rotting. They check that the suite runs, not its targets (those are
+measured on a quiet machine: docs/benchmarks.md). And a benchmark rank that raises
+ends its whole job at once."""
 
 import csv
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mnist_dir, mpi_env
+from bench import BENCHMARKS
+from conftest import REPO, mnist_dir, mpi_env, mpirun_cmd, netns_cluster_turn, run_bounded
 
-pytestmark = pytest.mark.slow
+#: the benchmarks whose smoke brings the emulated cluster up (and down): they take turns
+#: with tests/e2e/test_netns.py
+ON_THE_EMULATED_CLUSTER = ("netns", "compression")
+#: benchmarks whose smoke another test file runs, beside what it checks of the same setup
+SMOKED_ELSEWHERE = {"mpis": "tests/e2e/test_mpis.py"}
 
 
-def bench(*args, timeout=600):
+def bench(names, *args, timeout=1500):
+    """``python -m bench NAMES --quick ARGS``: (its output directory, summary.md's text)."""
     # the benchmarks read MNIST from MPITRAIN_DATA_DIR: the same copy the tests use
-    result = subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO,
-                            env=mpi_env(MPITRAIN_DATA_DIR=str(mnist_dir())),
-                            capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    result = run_bounded([sys.executable, "-m", "bench", ",".join(names), "--quick", *args],
+                         timeout, env=mpi_env(MPITRAIN_DATA_DIR=str(mnist_dir())))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = Path(result.stdout.split("summary: ")[-1].split()[0])
-    return summary.parent, summary.read_text()
+    text = summary.read_text()
+    # every benchmark ran to its end ("ran to completion: failed" is what a crash leaves)
+    assert f"Minutes per benchmark: {names[0]} " in text and "failed:" not in text
+    return summary.parent, text
 
 
-def test_quick_benchmarks_run():
-    """The engine comparisons (mpitrain MPI and Horovod, MultiWorkerMirrored,
-    ParameterServerStrategy) for LR, in one invocation as `bench all` runs them."""
-    out, summary = bench("engines,async_engines", "--quick", "--models", "lr")
+def rows_of(path: Path) -> list:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_every_quick_benchmark_runs():
+    """Every benchmark but those on the emulated cluster, in one invocation as `bench
+    all` runs them (a benchmark added to bench/__init__.py is in it by itself)."""
+    names = [name for name in BENCHMARKS
+             if name not in ON_THE_EMULATED_CLUSTER and name not in SMOKED_ELSEWHERE]
+    out, summary = bench(names)
+    for name in names:
+        assert f"| {name} |" in summary, f"{name}: no check in summary.md"
     # each baseline runs as TensorFlow ships and with oneDNN's kernels, as mpitrain runs
     for csv_name, engines in (("engines.csv", {"mpi": "True", "horovod": "True",
                                                "mwms-onednn": "True", "mwms": None}),
                               ("async_engines.csv", {"mpitrain-async": "True",
                                                      "ParameterServerStrategy-onednn": "True",
                                                      "ParameterServerStrategy": None})):
-        with open(out / csv_name, newline="") as f:
-            rows = {row["engine"]: row for row in csv.DictReader(f)}
+        rows = {row["engine"]: row for row in rows_of(out / csv_name)}
         assert set(rows) == set(engines)
         for engine, onednn in engines.items():  # None: TensorFlow's default for this CPU
             assert rows[engine]["onednn"] in ((onednn,) if onednn else ("True", "False"))
         assert (out / csv_name).with_suffix(".png").stat().st_size > 0
-    assert "| engines |" in summary and "| async_engines |" in summary and "cores" in summary
     # every ratio's floor (our compute alone) beside it, and the CSVs as tables
     assert "lr: mpi / horovod epoch time's floor" in summary
-    assert "Minutes per benchmark: engines " in summary and ", async_engines " in summary
     assert "## engines.csv" in summary and "| lr | mpi | 2 |" in summary
+    assert [r["where"] for r in rows_of(out / "overlap.csv")] == ["shared memory"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_quick_benchmarks_on_the_emulated_cluster_run():
+    with netns_cluster_turn():
+        out, summary = bench(ON_THE_EMULATED_CLUSTER)
+    if "| netns | emulated cluster | skipped |" in summary:
+        pytest.skip("network namespaces unavailable here: " + summary.split("skipped |")[1][:80])
+    assert {r["model"] for r in rows_of(out / "netns.csv")} == {"lr"}
+    assert {(r["model"], r["mode"], r["compression"])
+            for r in rows_of(out / "compression.csv")} == {("lenet", "sync", "none"),
+                                                          ("lenet", "sync", "fp16")}
+
+
+def test_the_other_smoke_runs_exist():
+    for name, path in SMOKED_ELSEWHERE.items():
+        assert f'"bench", "{name}", "--quick"' in (REPO / path).read_text(), path
+
+
+def test_a_failing_rank_ends_the_benchmark_job_at_once():
+    """A rank of a benchmark's job that raises ends the whole job in seconds with its
+    traceback, while the others wait for it in a barrier bounded at 600 s (before,
+    they waited the 600 s out)."""
+    code = ("from bench.common import on_every_rank\n"
+            "def rank_side():\n"
+            "    from mpitrain.comm import Comm\n"
+            "    comm = Comm.world(timeout=600)\n"
+            "    if comm.rank == 1:\n"
+            "        raise RuntimeError('a broken benchmark')\n"
+            "    comm.barrier()\n"
+            "on_every_rank(rank_side)\n")
+    began = time.monotonic()
+    result = run_bounded(mpirun_cmd(3, "-c", code, module=None), 300)
+    assert result.returncode != 0
+    assert time.monotonic() - began < 60
+    assert "bench: error on rank 1" in result.stderr
+    assert "RuntimeError: a broken benchmark" in result.stderr
 
 
 def test_unknown_benchmark_is_a_usage_error():

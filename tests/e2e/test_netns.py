@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from conftest import (REPO, finish_bounded, mpi_env, mpirun_cmd, read_rows, run_bounded,
-                      start_bounded)
+from conftest import (REPO, finish_bounded, mpi_env, mpirun_cmd, netns_cluster_turn,
+                      read_rows, run_bounded, start_bounded)
 
 pytestmark = pytest.mark.slow
 NETNS = REPO / "scripts" / "netns-cluster"
@@ -21,15 +21,16 @@ NETNS = REPO / "scripts" / "netns-cluster"
 
 @pytest.fixture(scope="module")
 def cluster():
-    up = run_bounded([NETNS, "up", "--link", "1gbit"], 120)
-    if up.returncode == 77:
-        pytest.skip("network namespaces unavailable: " + (up.stdout + up.stderr).strip())
-    assert up.returncode == 0, up.stdout + up.stderr
-    args = subprocess.run([NETNS, "mpirun-args"], capture_output=True, text=True,
-                          check=True).stdout.split()
-    yield args
-    down = run_bounded([NETNS, "down"], 120)
-    assert down.returncode == 0, down.stdout + down.stderr
+    with netns_cluster_turn():  # the bench smoke brings it up and down too
+        up = run_bounded([NETNS, "up", "--link", "1gbit"], 120)
+        if up.returncode == 77:
+            pytest.skip("network namespaces unavailable: " + (up.stdout + up.stderr).strip())
+        assert up.returncode == 0, up.stdout + up.stderr
+        args = subprocess.run([NETNS, "mpirun-args"], capture_output=True, text=True,
+                              check=True).stdout.split()
+        yield args
+        down = run_bounded([NETNS, "down"], 120)
+        assert down.returncode == 0, down.stdout + down.stderr
 
 
 def hostfile(shape):
