@@ -17,6 +17,8 @@
 #                  mpi4py`: mpi4py's binary wheel loads the MPI of its venv, whose
 #                  bin/ has that MPI's mpirun). The tests run a subset under each
 #                  (tests/e2e/test_mpis.py). MPITRAIN_NO_OTHER_MPIS=1 skips them.
+#   .venv-torch    PyTorch 2.13.0 (CPU) for `python -m bench ddp`, the PyTorch DDP
+#                  baseline; mpitrain never imports it. MPITRAIN_NO_TORCH=1 skips it.
 # Installs Open MPI (apt-get) when mpirun or mpicc is missing. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -97,6 +99,16 @@ from mpi4py import MPI; MPI.Get_library_version()' >/dev/null 2>&1 ||
             "$venv/bin/python" -m pip install -q -e ".[test]"
         fi
     done
+fi
+
+# PyTorch for the benchmarks' DDP baseline: `pip install torch==2.13.0` takes the CPU
+# build this machine keeps on disk (~2 min; elsewhere pip may fetch a larger build).
+if [ -n "${MPITRAIN_NO_TORCH:-}" ]; then
+    echo "setup: PyTorch skipped (MPITRAIN_NO_TORCH=1): python -m bench ddp will skip"
+elif ! .venv-torch/bin/python -c "import torch" 2>/dev/null; then
+    echo "setup: installing PyTorch 2.13.0 in .venv-torch (set MPITRAIN_NO_TORCH=1 to skip)"
+    make_venv .venv-torch "$PYTHON"
+    .venv-torch/bin/python -m pip install -q "torch==2.13.0" "numpy>=1.26,<3"
 fi
 
 if [ "$(id -u)" -eq 0 ]; then

@@ -191,8 +191,9 @@ def load_mnist(directory: Path, splits=("train", "test")) -> dict:
     return out
 
 
-def synthetic(n: int, image_size: int, seed: int, split: str):
-    """mpitrain's synthetic data: (pool of <= 64 float32 images, n int32 labels).
+def synthetic(n: int, image_size: int, seed: int, split: str, classes: int = SYNTHETIC_CLASSES):
+    """mpitrain's synthetic data: (pool of <= 64 float32 images, n int32 labels of
+    ``classes`` classes).
 
     Example i is pool[i % len(pool)]; the same generator calls as mpitrain, so
     the data are the very same for the same seed.
@@ -200,7 +201,7 @@ def synthetic(n: int, image_size: int, seed: int, split: str):
     import numpy as np
 
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
-    labels = rng.integers(0, SYNTHETIC_CLASSES, n, dtype=np.int32)
+    labels = rng.integers(0, classes, n, dtype=np.int32)
     pool = rng.random((min(SYNTHETIC_POOL, n), image_size, image_size, 3), dtype=np.float32)
     return pool, labels
 

@@ -5,6 +5,7 @@ measured on a quiet machine: docs/benchmarks.md). And a benchmark rank that rais
 ends its whole job at once."""
 
 import csv
+import os
 import subprocess
 import sys
 import time
@@ -65,6 +66,27 @@ def test_every_quick_benchmark_runs():
     assert "lr: mpi / horovod epoch time's floor" in summary
     assert "## engines.csv" in summary and "| lr | mpi | 2 |" in summary
     assert [r["where"] for r in rows_of(out / "overlap.csv")] == ["shared memory"]
+    check_ddp(out, summary)
+
+
+def check_ddp(out: Path, summary: str) -> None:
+    """PyTorch DDP against mpitrain: both sides at 1 and 2 workers, each model of the
+    smoke, with the compute-only steps beside them; skipped only where set-up was told
+    not to install PyTorch."""
+    if "| ddp | PyTorch DDP | skipped |" in summary:
+        if os.environ.get("CI") and not os.environ.get("MPITRAIN_NO_TORCH"):
+            pytest.fail("bench ddp was skipped: no .venv-torch (bash setup.sh installs it)")
+        return
+    rows = rows_of(out / "ddp.csv")
+    assert {(r["model"], r["side"], r["workers"]) for r in rows} == {
+        (model, side, workers) for model in ("lenet", "resnet") for side in ("mpitrain", "ddp")
+        for workers in ("1", "2")}
+    for r in rows:
+        assert float(r["epoch_time_s"]) > 0 and 0 <= float(r["test_accuracy"]) <= 1
+        if r["workers"] == "2":  # the compute-only step of each side
+            assert float(r["compute_only_ms"]) > 0
+    assert "| ddp | lenet: mpitrain / DDP epoch time, 2 workers |" in summary
+    assert "| ddp | resnet: compute-only step, TensorFlow (mpitrain) / PyTorch" in summary
 
 
 @pytest.mark.slow
