@@ -354,8 +354,16 @@ def provide_arrays(train, test) -> str:
         (x_train, y_train), (x_test, y_test) = train, test
     except (TypeError, ValueError):
         raise UsageError("train= and test= take (x, y) pairs of arrays") from None
-    _IN_MEMORY[IN_MEMORY] = {"x_train": np.asarray(x_train), "y_train": np.asarray(y_train),
-                             "x_test": np.asarray(x_test), "y_test": np.asarray(y_test)}
+    given = {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
+    arrays = {}
+    for key, value in given.items():
+        try:  # the user's objects: any error (a ragged list, an __array__ that raises)
+            arrays[key] = np.asarray(value)
+        except Exception as e:  # noqa: BLE001
+            lines = str(e).strip().splitlines()
+            raise UsageError(f"fit(): {key} cannot be made an array ({type(e).__name__}: "
+                             f"{lines[0] if lines else ''}); give numpy arrays") from None
+    _IN_MEMORY[IN_MEMORY] = arrays
     return IN_MEMORY
 
 

@@ -343,10 +343,10 @@ class Launcher:
             if code == EXIT_USAGE:
                 return EXIT_USAGE
             run_dir = self._failed_run_dir(before, watched)
-            if run_dir is not None:  # each attempt keeps its row, also one rank 0 never wrote
-                record_lost_attempt(run_dir, f"the job ended (mpirun exit {code}) before rank "
-                                    "0 recorded how: a rank was killed, or its host lost",
-                                    resumed=self.resume is not None)
+            if run_dir is not None and record_lost_attempt(  # each attempt keeps its row
+                    run_dir, f"the job ended (mpirun exit {code}) before rank 0 recorded how: "
+                    "a rank was killed, or its host lost", resumed=self.resume is not None):
+                say("rank 0 did not record this attempt's end: its runs.csv row written")
             if code == EXIT_CANNOT_WRITE or not restartable(run_dir):
                 say(f"the job failed (exit {code}) writing its results: a restart would fail "
                     "the same way; giving up (see the error above)")

@@ -305,25 +305,30 @@ class RunResults:
 
 
 def record_lost_attempt(run_dir: Path, reason: str, resumed: bool) -> bool:
-    """For ``mpitrain launch``: record as failed, with ``reason``, the run in ``run_dir``
-    if its status.json still says running (its rank 0 was killed before it could record
-    its end), in status.json and in a runs.csv row made from its config.json (the
-    newest resumed-*.json if the attempt was ``resumed``). Every attempt keeps its row
-    so. True if it recorded; False if there was nothing to record or no room."""
+    """For ``mpitrain launch``: write what rank 0 of an attempt was killed before it
+    could. A run whose status.json still says running is recorded as failed with
+    ``reason``; one whose status says its runs.csv row is pending (rank 0 was killed
+    while it recorded its failure) gets that row, with the status's own reason. The row
+    is made from config.json (the newest resumed-*.json if the attempt was
+    ``resumed``), so every attempt keeps its row. True if it recorded; False if there
+    was nothing to record or no room."""
     run_dir = Path(run_dir)
     try:
         status = json.loads(read_bounded(run_dir / "status.json"))
-        if not isinstance(status, dict) or status.get("status") != "running":
+        if not isinstance(status, dict):
+            return False
+        if status.get("status") == "running":
+            status = {**status, "status": "failed", "reason": reason}
+        elif status.get("runs_csv") != "pending":
             return False
         sessions = sorted(run_dir.glob("resumed-*.json")) if resumed else []
         meta = json.loads(read_bounded(sessions[-1] if sessions else run_dir / "config.json"))
         row = {"run": run_dir.name, **run_identity(
-            meta["config"], meta["dataset"], "failed", reason,
+            meta["config"], meta["dataset"], status["status"], status.get("reason", ""),
             (meta.get("rescaled") or {}).get("rule", ""))}
-        write_json_atomic(run_dir / "status.json", {
-            **status, "status": "failed", "reason": reason,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
         append_run_row(run_dir.parent / "runs.csv", row)
+        write_json_atomic(run_dir / "status.json", {
+            **status, "runs_csv": "written", "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     except (OSError, ValueError, KeyError, TypeError, ResultsError):
         return False
     return True

@@ -313,8 +313,11 @@ def record_failure(ctx: Context, error: MpitrainError, sampler,
     unwritable = isinstance(error, WriteError)
     row = run_row(ctx.cfg, ctx.data, summary or getattr(error, "summary", None), status,
                   str(error), ctx.rescaled)
-    _if_there_is_room(lambda: ctx.results.set_status(
-        status, str(error), **({"restartable": False} if unwritable else {})))
+    facts = {"restartable": False} if unwritable else {}
+    # until the row is written, status.json says so: should this rank be killed meanwhile
+    # (the gather below waits for peers that mpirun may be killing), the launcher writes it
+    _if_there_is_room(lambda: ctx.results.set_status(status, str(error), **facts,
+                                                     runs_csv="pending"))
     try:
         if error.everywhere:
             gathered = telemetry.collect(ctx.comm, ctx.role.value, sampler, ctx.timer,
@@ -327,6 +330,8 @@ def record_failure(ctx: Context, error: MpitrainError, sampler,
     except MpitrainError:
         pass  # peers gone: the row is still written; the original error is what matters
     _if_there_is_room(lambda: ctx.results.add_run_row(row))
+    _if_there_is_room(lambda: ctx.results.set_status(status, str(error), **facts,
+                                                     runs_csv="written"))
 
 
 def _if_there_is_room(write) -> None:

@@ -115,6 +115,9 @@ def test_sync_run_survives_a_killed_worker_then_a_killed_server(mnist, tmp_path)
     assert [p.name for p in results.iterdir() if p.is_dir()] == [run_dir.name]
     rows = read_rows(results / "runs.csv")
     assert rows[-1]["status"] == "ok" and float(rows[-1]["epochs"]) == 2
+    # every attempt keeps its row, also one whose rank 0 was killed before writing it
+    assert [(r["status"], r["run"], bool(r["reason"])) for r in rows[:-1]] == [
+        ("failed", run_dir.name, True)] * 2, (rows, (run_dir / "status.json").read_text(), err)
     curve = read_rows(run_dir / "curve.csv")
     steps = [int(r["step"]) for r in curve]
     assert steps == sorted(set(steps)) and steps[-1] == int(rows[-1]["steps"])

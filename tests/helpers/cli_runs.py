@@ -2,30 +2,35 @@
 import per rank, instead of one of each per run (the suite's acceptance runs at
 one process count share a launch this way).
 
-    mpirun -np N python tests/helpers/cli_runs.py RUNS.json
+    mpirun -np N python tests/helpers/cli_runs.py RUNS.json [--codes]
 
 RUNS.json is a list of argument lists, each what would follow ``python -m
 mpitrain``. Every rank runs them in order through the CLI's own entry point
 (:func:`mpitrain.cli.main`: the same parsing, configuration, results and error
 handling); a run that fails on every rank alike prints its error and the next
-one starts. Exit status: the first non-zero exit code of a run, else 0.
+one starts. Exit status: the first non-zero exit code of a run, else 0. With
+``--codes``, rank 0 also prints ``cli_runs: run I exit CODE`` after each run (to
+stderr, after the run's own lines), for tests that check every run's code.
 """
 
 import json
 import sys
 
 from mpitrain import cli
+from mpitrain.comm import world_rank_if_running
 
 
-def main(path: str) -> int:
+def main(path: str, codes: bool = False) -> int:
     with open(path) as f:
         runs = json.load(f)
     status = 0
     for i, argv in enumerate(runs):
         code = cli.main([str(arg) for arg in argv], ends_process=i == len(runs) - 1)
         status = status or code
+        if codes and world_rank_if_running() == 0:
+            print(f"cli_runs: run {i} exit {code}", file=sys.stderr, flush=True)
     return status
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], "--codes" in sys.argv[2:]))

@@ -509,6 +509,14 @@ def test_a_killed_attempt_is_recorded_by_the_launcher(tmp_path):
                                               "the job ended (mpirun exit 137) before rank 0 ...")
     assert not record_lost_attempt(run, "again", False)  # it ended: nothing more to record
     assert len(read_rows(tmp_path / "runs.csv")) == 1 and restartable(run)
+    # rank 0 killed while it recorded its failure: its status written, its row pending
+    (run / "status.json").write_text(json.dumps({"status": "failed", "reason": "rank 2 died",
+                                                 "runs_csv": "pending"}))
+    assert record_lost_attempt(run, "the job ended (mpirun exit 137) ...", False)
+    assert [(r["status"], r["reason"]) for r in read_rows(tmp_path / "runs.csv")][1] == (
+        "failed", "rank 2 died")
+    assert json.loads((run / "status.json").read_text())["runs_csv"] == "written"
+    assert not record_lost_attempt(run, "again", False)
     (run / "status.json").write_text(json.dumps({"status": "failed", "restartable": False}))
     assert not restartable(run)
 
@@ -597,3 +605,18 @@ def test_available_memory_is_what_this_host_can_give():
     import psutil
 
     assert 0 < data.available_memory() <= psutil.virtual_memory().total
+
+
+def test_fit_arrays_that_are_not_arrays_are_one_line():
+    class Hostile:
+        def __array__(self, dtype=None, copy=None):
+            raise RuntimeError("no\nway")
+
+    y = [0, 1]
+    for x, message in (([[1.0], [2.0, 3.0]], "fit(): x_train cannot be made an array "
+                                             "(ValueError: setting an array element"),
+                       (Hostile(), "fit(): x_train cannot be made an array (RuntimeError: "
+                                   "no); give numpy arrays")):
+        with pytest.raises(UsageError) as error:
+            api._config("lr", (x, y), ([[1.0]], [0]), "sync", None, {})
+        assert one_line(error.value).startswith(message)
