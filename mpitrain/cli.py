@@ -161,6 +161,8 @@ def run_tool(args) -> int:
     elif args.command == "launch":
         from . import launch
 
+        if launch.is_script(args.training):  # the user's own script, not mpitrain's CLI
+            return launch.run(args, None)
         return launch.run(args, parse_config(args.training or ["lr"],
                                              world_size=launch.world_size(args)))
     return 0

@@ -77,6 +77,12 @@ after the last restart, or failed before writing any checkpoint twice; 2 usage
 error; 74 its results could not be written (a full or read-only disk: never
 restarted); 143 stopped by a signal (resume with ``--resume`` or launch again).
 
+``mpitrain launch -np N SCRIPT.py ARGS`` runs the user's own script instead (one
+written against :mod:`mpitrain.horovod`): every failure short of a usage error (2) is
+restarted with the same command, up to ``--max-restarts`` times, and the script
+resumes from its own checkpoints; its telemetry, if on, is followed in
+``$MPITRAIN_RESULTS_DIR``.
+
 The run directory of a failed attempt is found as the one new directory under
 ``--results-dir`` (rank 0 writes it; on a multi-host cluster the results
 directory must be on the launcher's host or a shared filesystem, as for
@@ -87,6 +93,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,8 +147,17 @@ def add_parser(commands) -> None:
     launch.add_argument("--mpirun-arg", action="append", default=[], metavar="ARG",
                         help="an extra argument for mpirun, e.g. --mpirun-arg=--bind-to "
                         "--mpirun-arg=none (repeatable)")
-    launch.add_argument("training", nargs="...", metavar="MODEL [OPTIONS]",
-                        help="the training command (as after 'python -m mpitrain')")
+    launch.add_argument("training", nargs="...", metavar="MODEL [OPTIONS] | SCRIPT.py [ARGS]",
+                        help="the training command (as after 'python -m mpitrain'), or your "
+                        "script (a mpitrain.horovod one: restarted as it is, it resumes from "
+                        "its own checkpoints)")
+
+
+def is_script(training: Sequence[str]) -> bool:
+    """Whether the training command is the user's own script (``SCRIPT.py [ARGS]``, e.g. one
+    written against mpitrain.horovod) rather than mpitrain's (a model name, or a
+    ``FILE.py:FUNCTION`` spec)."""
+    return bool(training) and training[0].endswith(".py") and Path(training[0]).is_file()
 
 
 def world_size(args) -> int:
@@ -150,7 +166,14 @@ def world_size(args) -> int:
 
 
 def run(args, cfg) -> int:
-    """Entry point for ``mpitrain launch`` once the training arguments parsed as ``cfg``."""
+    """Entry point for ``mpitrain launch`` once the training arguments parsed as ``cfg``
+    (None for a script, :func:`is_script`: mpitrain's defaults; its telemetry, if on,
+    goes to $MPITRAIN_RESULTS_DIR)."""
+    script = cfg is None
+    if script:
+        from .config import Config
+
+        cfg = Config(results_dir=os.environ.get("MPITRAIN_RESULTS_DIR", "results"))
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
     from .tools.preflight import check_launch
@@ -161,6 +184,9 @@ def run(args, cfg) -> int:
     if in_slurm:
         placement = [f"{np_} ranks on the SLURM allocation of job {os.environ['SLURM_JOB_ID']}"]
     runner = launcher_for_this_python()
+    if script:  # every rank of a script trains: no parameter server
+        placement = [re.sub(r": (parameter server|worker|single) on ", ": on ", line)
+                     for line in placement]
     for line in placement:
         say(line)
     hosts = hostfile.read(args.hostfile) if args.hostfile else None
@@ -174,8 +200,10 @@ def run(args, cfg) -> int:
             "died, so a lost worker costs a restart from the last checkpoint (Open MPI "
             "keeps the others training)")
     require_reachable(job.hosts, job.mpirun_args, runner)
-    launcher = Launcher(job, list(args.training), Path(cfg.results_dir), cfg.resume,
-                        args.max_restarts)
+    if script:
+        job.program = [str(Path(args.training[0]).resolve())]
+    launcher = Launcher(job, list(args.training[script:]), Path(cfg.results_dir), cfg.resume,
+                        args.max_restarts, script=script)
     return launcher.run()
 
 
@@ -225,6 +253,7 @@ class Job:
     runner: dialect.Mpirun = field(default_factory=dialect.mpirun)  # (the one found here)
     keep_binding: bool = False  # --keep-cpu-binding: mpirun's own binding
     recovery: bool = False  # an async job whose mpirun keeps the others after a rank died
+    program: List[str] = field(default_factory=lambda: ["-m", "mpitrain"])  # or a script
 
     def command(self) -> List[str]:
         """mpirun in its own dialect (see :mod:`mpitrain.dialect`), then the program."""
@@ -235,7 +264,7 @@ class Job:
                                   self.recovery and self.np > 2,
                                   export=[ATTEMPT_ENV],  # the attempt's token, for rank 0
                                   extra=self.mpirun_args)
-        return cmd + [sys.executable, "-m", "mpitrain"]
+        return cmd + [sys.executable, *self.program]
 
     def without_lost_hosts(self, write_to: Path) -> Optional[str]:
         """Probe every host; if some are gone, leave them out (a hostfile of the others
@@ -307,8 +336,10 @@ class Launcher:
     """Runs one job to completion through restarts; see the module docstring."""
 
     def __init__(self, job: Job, training: List[str], results_dir: Path,
-                 resume: Optional[str], max_restarts: int):
+                 resume: Optional[str], max_restarts: int, script: bool = False):
         self.job, self.training = job, training
+        #: a script of the user's: restarted as it is (it resumes from its own checkpoints)
+        self.script = script
         self.results_dir, self.resume = results_dir, resume
         self.max_restarts = max_restarts
         self.proc: Optional[subprocess.Popen] = None
@@ -351,7 +382,9 @@ class Launcher:
                 say(f"the job failed (exit {code}) writing its results: a restart would fail "
                     "the same way; giving up (see the error above)")
                 return EXIT_CANNOT_WRITE
-            if run_dir is not None and (run_dir / CHECKPOINT).is_file():
+            if self.script:
+                pass  # the same command again: the script resumes from its own checkpoints
+            elif run_dir is not None and (run_dir / CHECKPOINT).is_file():
                 self.resume = str(run_dir)
             elif self.resume is None:
                 without_checkpoint += 1  # nothing saved yet: start it again from scratch
@@ -375,7 +408,9 @@ class Launcher:
                 return EXIT_FAILURE
             if changed:
                 say(changed)
-            where = f"from the checkpoint in {self.resume}" if self.resume else "from scratch"
+            where = (f"from the checkpoint in {self.resume}" if self.resume else
+                     "the script (it resumes from its own checkpoints)" if self.script
+                     else "from scratch")
             say(f"the job failed (exit {code}); restarting {where} ({left} restart(s) left)")
         return EXIT_FAILURE
 

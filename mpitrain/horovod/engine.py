@@ -60,6 +60,8 @@ JOINED = 1
 MUST_AGREE = {ALLREDUCE: (ARG, DTYPE, COUNT, NDIM, SIG), ALLGATHER: (DTYPE, NDIM, SIG),
               BROADCAST: (ARG, DTYPE, COUNT, NDIM, SIG), BARRIER: (),
               BROADCAST_OBJECT: (ARG,), ALLGATHER_OBJECT: ()}
+#: the name a gradient tape's and optimizer's allreduces carry (counted as steps)
+GRADIENTS = "gradients"
 #: the tag of the headers, on the world communicator (mpitrain's protocols use 21-26,
 #: its failure reports and gathers 77-78)
 TAG_HEADER = 80
@@ -102,6 +104,9 @@ class Engine:
         self._lock = threading.RLock()
         self._half: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
         self.timer = None
+        #: allreduces of gradients (a DistributedGradientTape's or DistributedOptimizer's
+        #: exchanges, named "gradients"): the training steps, for telemetry
+        self.gradient_exchanges = 0
 
     # ---- the calls ---------------------------------------------------------------------
     def allreduce_(self, buf: np.ndarray, op: int = Average, prescale: float = 1.0,
@@ -116,6 +121,7 @@ class Engine:
             self._agree(ALLREDUCE, op, dtype_code(buf.dtype), buf.size, _ndim(shape),
                         shape_checksum(shape),
                         lambda: _described(ALLREDUCE, buf.dtype, shape, name, OP_NAMES[op]))
+            self.gradient_exchanges += name == GRADIENTS
             return self._reduce_(buf, op, prescale, postscale, name)
 
     def allgather(self, arr: np.ndarray, name: str = "") -> np.ndarray:

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from . import runtime
 from .compression import Compression
-from .engine import Average
+from .engine import GRADIENTS, Average
 from .ops import _check_process_set, global_process_set, reduce_list
 
 
@@ -47,7 +47,7 @@ class GradientReducer:
         pre, post = ((1.0 / self.predivide, self.predivide) if self.op == Average
                      else (1.0, 1.0))
         reduced = reduce_list([grads[i] for i in shared], self.op, self.compression, pre, post,
-                              name="gradients")
+                              name=GRADIENTS)
         out = list(grads)
         for i, g in zip(shared, reduced):
             out[i] = g

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, horovod_python, mpi_env, mpirun_cmd, run_bounded
+from conftest import REPO, horovod_python, mpi_env, mpirun_cmd, read_rows, run_bounded
 
 HELPERS = REPO / "tests" / "helpers"
 
@@ -106,3 +106,73 @@ def test_a_rank_that_dies_or_raises_ends_the_job(case):
     if case == "raises":
         assert "RuntimeError: a bug on one rank" in result.stderr
         assert "mpitrain: rank 1 raised the exception above; ending the job" in result.stderr
+
+
+#: runs several scripts one after another in one process, each as ``python SCRIPT ARGS``
+RUN_SCRIPTS = ("import json, runpy, sys\n"
+               "for argv in json.loads(sys.argv[1]):\n"
+               "    sys.argv = argv\n"
+               "    runpy.run_path(argv[0], run_name='__main__')\n")
+
+
+@pytest.mark.slow
+def test_the_examples_train_and_resume(tmp_path):
+    """examples/keras_fit.py (model.fit, the callbacks, rank 0's checkpoints) for an
+    epoch, then again for two: the second resumes from the first's checkpoint; then
+    examples/horovod_loop.py (Horovod's custom loop). One launch at -np 3 on an npz of
+    the real MNIST."""
+    from conftest import mnist_dir
+    from mpitrain import data
+
+    npz = tmp_path / "mnist.npz"
+    np.savez(npz, **data.read_mnist_dir(mnist_dir()))
+    fit = [str(REPO / "examples" / "keras_fit.py"), str(npz), "--steps", "30",
+           "--checkpoint-dir", str(tmp_path / "ckpt")]
+    runs = [fit + ["--epochs", "1"], fit + ["--epochs", "2"],
+            [str(REPO / "examples" / "horovod_loop.py"), str(npz), "--steps", "60"]]
+    result = run_bounded(mpirun_cmd(3, "-c", RUN_SCRIPTS, json.dumps(runs), module=None), 900,
+                         env=mpi_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    accuracies = [float(line.split()[2].rstrip(",")) for line in out.splitlines()
+                  if line.startswith("test accuracy")]  # rank 0 alone prints them
+    assert len(accuracies) == 3 and min(accuracies) > 0.8, out
+    # the second fit trained epoch 2 only (Keras prints "Epoch N/M" when M > 1)
+    assert "after epoch 1 on 3" in out and "Epoch 1/2" not in out and "Epoch 2/2" in out, out
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch-001.keras",
+                                                                    "epoch-002.keras"]
+
+
+@pytest.mark.slow
+def test_launch_restarts_a_script_which_resumes_and_writes_telemetry(tmp_path):
+    """``mpitrain launch -np 2 SCRIPT.py``: the first attempt fails in epoch 2 (a rank
+    raises), the launcher starts the script again, which resumes from its own epoch-1
+    checkpoint; with $MPITRAIN_RESULTS_DIR each attempt also writes mpitrain's
+    telemetry, and ``mpitrain report`` plots the finished one."""
+    results = tmp_path / "results"
+    result = run_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "2",
+                          "--max-restarts", "2", HELPERS / "hvd_fit_fails_once.py",
+                          tmp_path / "ckpt"], 900,
+                         env=mpi_env(MPITRAIN_RESULTS_DIR=results))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RuntimeError: an injected failure in epoch 2" in result.stderr
+    assert "restarting the script (it resumes from its own checkpoints)" in result.stderr
+    assert "the run finished after 1 restart(s)" in result.stderr
+    assert result.stdout.count("trained epochs 2 to 2") == 1, result.stdout
+    rows = read_rows(results / "runs.csv")
+    assert [(r["engine"], r["status"], r["np"]) for r in rows] == [("mpitrain.horovod", "ok",
+                                                                   "2")], rows
+    run = results / rows[0]["run"]
+    assert rows[0]["run"].endswith("hvd_fit_fails_once-horovod-np2")
+    assert json.loads((run / "status.json").read_text())["launch_attempt"]
+    curve = read_rows(run / "curve.csv")  # the resumed attempt trained epoch 2
+    assert [row["epoch"] for row in curve] == ["2"] and float(curve[0]["train_loss"]) > 0
+    timing = read_rows(run / "timing.csv")
+    assert sorted(row["rank"] for row in timing) == ["0", "1"]
+    assert all(float(row["comm_s"]) + float(row["wait_s"]) > 0 for row in timing)
+    kinds = {(row["rank"], row["kind"]) for row in read_rows(run / "comm.csv")}
+    assert {("0", "allreduce"), ("1", "allreduce"), ("0", "broadcast")} <= kinds
+    assert {row["rank"] for row in read_rows(run / "telemetry.csv")} == {"0", "1"}
+    report = run_bounded([sys.executable, "-m", "mpitrain", "report", results], 300)
+    assert report.returncode == 0, report.stderr
+    assert (run / "fig-time-breakdown.png").stat().st_size > 0

@@ -58,6 +58,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if not self.broadcast_done:
             self._broadcast()
 
+    def on_epoch_end(self, epoch, logs=None):
+        epoch_ended(epoch, logs)
+
 
 class MetricAverageCallback(keras.callbacks.Callback):
     """At the end of every epoch, replace each number in the logs by its average over
@@ -69,6 +72,13 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         average_logs(logs)
+        epoch_ended(epoch, logs)
+
+
+def epoch_ended(epoch: int, logs) -> None:
+    """Tell the telemetry (``hvd.init(results_dir=...)``), if on, that an epoch ended."""
+    if runtime.STATE.telemetry is not None:
+        runtime.STATE.telemetry.epoch_end(epoch, logs)
 
 
 def average_logs(logs) -> None:

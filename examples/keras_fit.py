@@ -1,0 +1,105 @@
+"""Keras model.fit, data-parallel over MPI, with mpitrain.horovod's Horovod API.
+
+    mpirun -np 3 python examples/keras_fit.py mnist.npz --checkpoint-dir ckpt
+    mpitrain launch -np 3 examples/keras_fit.py mnist.npz --checkpoint-dir ckpt
+
+Every rank trains on its own shard of the training set (``dataset.shard``) and
+validates on its shard of the test set; DistributedOptimizer averages the gradients
+every step; the callbacks start every rank from rank 0's weights, average the
+epoch's metrics over the ranks and warm the learning rate up; rank 0 alone writes a
+checkpoint after every epoch. Started again with the same --checkpoint-dir (by hand,
+or by ``mpitrain launch`` after a failure), it resumes from the last one.
+``--results-dir DIR`` adds mpitrain's telemetry (CPU, memory, traffic, phase times;
+``mpitrain report DIR``). The .npz holds x_train, y_train, x_test, y_test; make one
+from MNIST with ``python examples/make_npz.py ../shared/data/mnist mnist.npz``.
+"""
+
+import argparse
+import re
+from pathlib import Path
+
+import mpitrain.horovod.keras as hvd  # first: TensorFlow then loads with oneDNN's kernels
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def build(input_shape, num_classes):
+    L = keras.layers
+    return keras.Sequential([
+        keras.Input(input_shape),
+        L.Conv2D(32, 3, activation="relu"), L.MaxPooling2D(2),
+        L.Conv2D(64, 3, activation="relu"), L.MaxPooling2D(2),
+        L.Flatten(), L.Dropout(0.25), L.Dense(128, activation="relu"),
+        L.Dense(num_classes),
+    ])
+
+
+def shard(x, y, batch_size, shuffle=False):
+    """This rank's part of (x, y), batched: the ranks' parts are disjoint."""
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shard(hvd.size(), hvd.rank())
+    if shuffle:
+        data = data.shuffle(10_000, seed=hvd.rank(), reshuffle_each_iteration=True).repeat()
+    return data.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def images(x):
+    x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+    return x[..., None] if x.ndim == 3 else x
+
+
+def latest_checkpoint(directory):
+    """(path, epoch) of the newest checkpoint in ``directory``, or (None, 0)."""
+    found = sorted((int(m.group(1)), p) for p in Path(directory).glob("epoch-*.keras")
+                   if (m := re.fullmatch(r"epoch-(\d+)\.keras", p.name)))
+    return (found[-1][1], found[-1][0]) if found else (None, 0)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("npz")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.001, help="of one rank (x ranks)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per epoch (smoke runs)")
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--results-dir", default=None, help="mpitrain's telemetry here")
+    args = parser.parse_args()
+
+    hvd.init(results_dir=args.results_dir)
+    with np.load(args.npz) as f:  # every rank reads the file; each keeps its shard
+        x_train, y_train = images(f["x_train"]), f["y_train"].astype(np.int64)
+        x_test, y_test = images(f["x_test"]), f["y_test"].astype(np.int64)
+    classes = int(y_train.max()) + 1
+    steps = args.steps or len(x_train) // hvd.size() // args.batch_size
+    lr = args.lr * hvd.size()  # the global batch is ranks x batch: scale the rate alike
+
+    path, done = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else (None, 0)
+    if path is not None:  # every rank loads rank 0's file, optimizer state included
+        model = hvd.load_model(path)
+    else:
+        model = build(x_train.shape[1:], classes)
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(lr)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvd.callbacks.MetricAverageCallback(),  # before the callbacks reading them
+                 hvd.callbacks.LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=1)]
+    if hvd.rank() == 0 and args.checkpoint_dir:
+        Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        callbacks.append(keras.callbacks.ModelCheckpoint(
+            f"{args.checkpoint_dir}/epoch-{{epoch:03d}}.keras"))
+    history = model.fit(shard(x_train, y_train, args.batch_size, shuffle=True),
+                        steps_per_epoch=steps, epochs=args.epochs, initial_epoch=done,
+                        validation_data=shard(x_test, y_test, 1000), callbacks=callbacks,
+                        shuffle=False,  # (the dataset shuffles itself)
+                        verbose=2 if hvd.rank() == 0 else 0)
+    if hvd.rank() == 0 and history.history:
+        print(f"test accuracy {history.history['val_accuracy'][-1]:.4f}, test loss "
+              f"{history.history['val_loss'][-1]:.4f} after epoch {args.epochs} on "
+              f"{hvd.size()} rank(s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
