@@ -11,6 +11,7 @@ BENCHMARKS = {
     "engines": "sync epoch time and accuracy: mpitrain vs Horovod vs MultiWorkerMirrored",
     "async_engines": "async epoch time and accuracy: mpitrain vs ParameterServerStrategy",
     "ddp": "sync epoch time, scaling and accuracy: mpitrain vs PyTorch DDP (gloo), 1-2 workers",
+    "horovod_api": "Horovod's synthetic benchmark: mpitrain.horovod vs Horovod vs mpitrain's CLI",
     "scaling": "throughput at 1/2/3 workers per model and mode; peak memory per rank",
     "sync_step": "sync LR step time at -np 1..4 and the allreduce's share of a step",
     "async_ps": "async server update rate vs the raw-MPI bound; async vs sync epoch time",
