@@ -58,12 +58,6 @@ def _op_name(kind: str, name: Optional[str]) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", f"mpitrain_{kind}" + (f"_{name}" if name else ""))
 
 
-def _to_tensor(value) -> tf.Tensor:
-    if isinstance(value, tf.Tensor):
-        return value
-    return tf.convert_to_tensor(value)
-
-
 # ---- allreduce ---------------------------------------------------------------------------
 def _fused_allreduce(tensors: Sequence[tf.Tensor], op: int, prescale: float = 1.0,
                      postscale: float = 1.0, name: Optional[str] = None) -> List[tf.Tensor]:
@@ -90,8 +84,8 @@ def _allreduce_group(tensors: List[tf.Tensor], op: int, prescale: float, postsca
         t = tensors[0]
 
         def reduce_one(a):  # (a numpy scalar, in a graph, for a scalar tensor)
-            return _call(lambda: STATE.engine.allreduce_(np.array(a), op, prescale, postscale,
-                                                         name=name or ""))
+            return _call(lambda: runtime.engine().allreduce_(np.array(a), op, prescale,
+                                                             postscale, name=name or ""))
         out = tf.numpy_function(reduce_one, [t], dtype, stateful=True,
                                 name=_op_name("allreduce", name))
         out.set_shape(t.shape)
@@ -100,8 +94,8 @@ def _allreduce_group(tensors: List[tf.Tensor], op: int, prescale: float, postsca
     fused = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)  # a fresh buffer, ours
 
     def reduce_fused(a):
-        return _call(lambda: STATE.engine.allreduce_(a, op, prescale, postscale, shape=shapes,
-                                                     name=name or ""))
+        return _call(lambda: runtime.engine().allreduce_(a, op, prescale, postscale,
+                                                         shape=shapes, name=name or ""))
     out = tf.numpy_function(reduce_fused, [fused], dtype, stateful=True,
                             name=_op_name("grouped_allreduce", name))
     out.set_shape(fused.shape)
@@ -123,7 +117,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     op = _op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name)
-    t = _to_tensor(tensor)
+    t = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(t)
     if compressed.dtype.is_floating and op in (Sum, Average):
         reduced = _differentiable_allreduce(compressed, op, prescale_factor, postscale_factor,
@@ -178,7 +172,7 @@ def reduce_list(tensors: List, op: int, compression, prescale: float = 1.0,
         if isinstance(t, tf.IndexedSlices):
             out[i] = _allreduce_sparse(t, op, prescale, postscale, name)
     if dense:
-        compressed = [compression.compress(_to_tensor(tensors[i])) for i in dense]
+        compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
         reduced = _fused_allreduce([c for c, _ in compressed], op, prescale, postscale, name)
         for i, r, (_, ctx) in zip(dense, reduced, compressed):
             out[i] = compression.decompress(r, ctx)
@@ -191,7 +185,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     first dimension may differ between ranks; the others may not). Differentiable."""
     _check_process_set(process_set)
     top = runtime.topology()
-    t = _to_tensor(tensor)
+    t = tf.convert_to_tensor(tensor)
     if not t.dtype.is_floating:
         return _gather(t, name)
 
@@ -205,8 +199,10 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 
 def _gather(t: tf.Tensor, name: Optional[str]) -> tf.Tensor:
-    out = tf.numpy_function(lambda a: _call(lambda: STATE.engine.allgather(a, name or "")),
-                            [t], t.dtype, stateful=True, name=_op_name("allgather", name))
+    def gather(a):
+        return _call(lambda: runtime.engine().allgather(a, name or ""))
+    out = tf.numpy_function(gather, [t], t.dtype, stateful=True,
+                            name=_op_name("allgather", name))
     out.set_shape([None] + t.shape.as_list()[1:])
     return out
 
@@ -222,10 +218,10 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     """Rank ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere)."""
     _check_process_set(process_set)
     runtime.engine()
-    t = _to_tensor(tensor)
+    t = tf.convert_to_tensor(tensor)
 
     def run(a):
-        return _call(lambda: STATE.engine.broadcast_(np.array(a), root_rank, name or ""))
+        return _call(lambda: runtime.engine().broadcast_(np.array(a), root_rank, name or ""))
     out = tf.numpy_function(run, [t], t.dtype, stateful=True, name=_op_name("broadcast", name))
     out.set_shape(t.shape)
     return out
@@ -254,7 +250,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 def _broadcast_eagerly(group, root: int) -> None:
     shapes = [tuple(v.shape) for v in group]
     flat = np.concatenate([np.asarray(v.numpy()).reshape(-1) for v in group])
-    _call(lambda: STATE.engine.broadcast_(flat, root, "variables"))
+    _call(lambda: runtime.engine().broadcast_(flat, root, "variables"))
     offset = 0
     for v, shape in zip(group, shapes):
         n = int(np.prod(shape, dtype=np.int64))
@@ -268,7 +264,7 @@ def _broadcast_in_graph(group, root: int):
     owned = len(values) > 1
 
     def run(a):
-        return _call(lambda: STATE.engine.broadcast_(a if owned else a.copy(), root,
+        return _call(lambda: runtime.engine().broadcast_(a if owned else a.copy(), root,
                                                      "variables"))
     out = tf.numpy_function(run, [fused], fused.dtype, stateful=True,
                             name=_op_name("broadcast_variables", None))
@@ -336,10 +332,10 @@ def barrier(process_set=global_process_set):
     _check_process_set(process_set)
     runtime.engine()
     if tf.executing_eagerly():
-        return _call(STATE.engine.barrier)
+        return _call(runtime.engine().barrier)
 
     def run():
-        _call(STATE.engine.barrier)
+        _call(runtime.engine().barrier)
         return np.int32(0)
     return tf.numpy_function(run, [], tf.int32, stateful=True, name="mpitrain_barrier")
 
@@ -351,7 +347,7 @@ def join():
     runtime.engine()
 
     def run():
-        return np.int32(_call(STATE.engine.join))
+        return np.int32(_call(runtime.engine().join))
     if tf.executing_eagerly():
         return tf.constant(run())
     return tf.numpy_function(run, [], tf.int32, stateful=True, name="mpitrain_join")

@@ -310,7 +310,7 @@ def test_keras_fit_with_every_callback(tmp_path_factory):
     if hvd.rank() == 0:
         callbacks.append(keras.callbacks.ModelCheckpoint(path))
     history = model.fit(data, steps_per_epoch=3, epochs=3, validation_data=valid,
-                        callbacks=callbacks, verbose=0)
+                        callbacks=callbacks, shuffle=False, verbose=0)
     assert same_everywhere(np.concatenate([v.numpy().ravel() for v in model.variables]))
     assert same_everywhere(np.array([[logs[k] for k in sorted(logs)] for logs in seen]))
     assert {"loss", "accuracy", "val_loss", "val_accuracy", "lr"} <= set(history.history)
