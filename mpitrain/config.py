@@ -101,7 +101,7 @@ class Number:
         if self.off is not None:
             what = f"{_shown(self.off)} ({self.off_means}) or {what}"
         beyond = isinstance(value, numbers.Real) and not value <= self.high  # inf, NaN too
-        if self.high < MAX_COUNT or beyond:
+        if math.isfinite(self.high) and (self.high < MAX_COUNT or beyond):
             what += f", at most {_shown(self.high)}"
         return what
 
@@ -227,7 +227,7 @@ class Config:
     lr: Optional[float] = _opt(
         "learning rate for one worker; with --lr-scaling linear, sync mode multiplies "
         "it by the number of workers (the global batch grows by that factor)",
-        flag="--lr", type=float, number=Number(False, 0, 1e6, above_low=True))
+        flag="--lr", type=float, number=Number(False, 0, math.inf, above_low=True))
     lr_scaling: str = _opt(
         "how the learning rate follows the worker count in sync mode",
         "linear", flag="--lr-scaling", choices=LR_SCALINGS)
@@ -294,7 +294,7 @@ class Config:
         flag="--resume", metavar="RUN_DIR")
     clip_grad_norm: Optional[float] = _opt(
         "clip each update's gradient to this global L2 norm", flag="--clip-grad-norm",
-        type=float, metavar="NORM", number=Number(False, 0, above_low=True))
+        type=float, metavar="NORM", number=Number(False, 0, math.inf, above_low=True))
     sample_interval: float = _opt(
         "seconds between telemetry samples (CPU, memory, network) on every rank; 0 = off",
         1.0, flag="--sample-interval", type=float, metavar="S",

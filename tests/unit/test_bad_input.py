@@ -85,7 +85,9 @@ def test_the_command_line_refuses_what_the_config_refuses(field, value):
                                    "of at least 0.01, at most 1,000,000 (got inf)"),
     (["--liveness-floor", "nan"], "--liveness-floor must be a positive number of seconds, at "
                                   "most 1,000,000 (got nan)"),
-    (["--lr=-inf"], "--lr must be a positive number, at most 1,000,000 (got -inf)"),
+    (["--lr=-inf"], "--lr must be a positive number (got -inf)"),
+    (["--lr", "1e400"], "--lr must be a positive number (got inf)"),
+    (["--clip-grad-norm", "nan"], "--clip-grad-norm must be a positive number (got nan)"),
     (["--epochs", "3000000000"], "--epochs must be a positive integer, at most 2,147,483,647 "
                                  "(got 3000000000)"),
     (["--threads", "100000"], "--threads must be 0 (auto) or a positive integer, at most "
