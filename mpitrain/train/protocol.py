@@ -105,7 +105,7 @@ assert _LAYOUT.size == SLOTS * 4
 def slots_word(push: int, lease: int) -> int:
     """An async push's AUX slot where its payload lies in memory its worker shares with
     the server: the push slot that holds it and the lease slot its reply goes to
-    (:class:`mpitrain.train.asynchronous.Mailbox`); :func:`slots_of` reads it."""
+    (:mod:`mpitrain.train.asynchronous.mailbox`); :func:`slots_of` reads it."""
     return push | lease << 8
 
 

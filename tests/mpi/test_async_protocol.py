@@ -126,7 +126,8 @@ def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica, sha
             ledger = server.workers[rank]
             assert ledger.applied == worker_steps == 5 + 3 * rank
             assert ledger.done and sum(ledger.staleness.values()) == worker_steps
-            assert (ledger.pushes is not None) == shared  # (every rank runs on this host)
+            # (every rank runs on this host)
+            assert (server.ends[rank].pushes is not None) == shared
         assert server.version == sum(s for _, s in filter(None, reports))
         assert summary.extra["pushes"] == summary.extra["applied"] == server.version
         # the server writes staleness.csv with the columns mpitrain report reads
@@ -190,8 +191,8 @@ def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replic
         server = asynchronous.Server(ctx, Stopwatch())
         apply = server._apply
 
-        def apply_then_stop(w):
-            apply(w)
+        def apply_then_stop(*args):
+            apply(*args)
             if server.version == 6:
                 ctx.stop.request()
 
@@ -203,7 +204,7 @@ def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replic
         assert server.version == sum(w.applied for w in server.workers.values())
         assert all(w.applied == w.steps for w in server.workers.values())
         assert 6 <= server.version <= 6 + 2 * (comm.size - 1)  # in flight: two a worker
-        assert all(len(w.sends) <= asynchronous.PIPELINE_DEPTH for w in server.workers.values())
+        assert all(len(end.sends) <= asynchronous.PIPELINE_DEPTH for end in server.ends.values())
         comm.allgather_objects(server.version)
     else:
         with pytest.raises(Interrupted, match="stopped"):

@@ -121,7 +121,7 @@ def test_a_memory_file_opened_through_proc_is_the_same_memory():
 
 
 def test_async_shared_memory_on_with_a_worker_on_another_host_is_one_line():
-    from mpitrain.train import asynchronous
+    from mpitrain.train.asynchronous import mailbox
 
     hosts = ["a", "a", "b"]
     comm = SimpleNamespace(size=3, hosts=hosts,
@@ -130,4 +130,4 @@ def test_async_shared_memory_on_with_a_worker_on_another_host_is_one_line():
     with pytest.raises(UsageError, match=r"--shared-memory on needs every worker on rank 0's "
                                          r"host \(a\); workers run on b: use --shared-memory "
                                          r"auto"):
-        asynchronous._share_mailboxes(ctx, [])
+        mailbox.share_mailboxes(ctx, [])

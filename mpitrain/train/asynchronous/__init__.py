@@ -1,0 +1,73 @@
+"""Asynchronous parameter-server training (``--async``), with bounded staleness.
+
+Rank 0 (the server) holds the canonical weights as one flat float32 vector and
+applies each worker's gradient the moment it arrives, in arrival order, with a
+numpy/C optimizer; it never runs TensorFlow in its protocol loop, so it needs
+microseconds per update and sleeps in between (see :class:`mpitrain.comm.Backoff`).
+Evaluation runs in a background thread on a snapshot of the weights, so it never
+stalls the workers.
+
+Protocol, per worker (all messages on the world communicator, numpy buffers with
+the header of :mod:`..protocol` in front, mpi4py uppercase methods):
+
+1. The worker waits for a **lease**: the server's reply ``[header | weights]`` on
+   ``TAG_WEIGHTS``; the header carries the weights' version (the server's update
+   count when they were sent).
+2. It computes the gradient of its next batch at those weights (one compiled call)
+   and pushes ``[header | gradient]`` on ``TAG_GRADIENT``; the header carries the
+   version the gradient was computed at, the step, the loss, and FINAL on its last
+   batch. The receive of the reply is started before the push.
+3. The server applies the gradient (staleness = server version - that version,
+   recorded per worker), replies with a new lease when the staleness bound allows
+   (at once when unbounded), and starts its receive for that worker again. A FINAL
+   push gets a header-only reply and ends that worker.
+
+Bounded staleness (``--staleness K``): the server grants a lease only while every
+lease holder would still see its gradient applied with staleness <= K
+(:class:`..leases.Leases`); K = 0 is synchronous training one worker at a time, no
+K (the default) never holds anyone.
+
+A worker waits at most twice ``--timeout`` for a reply (the server speaks first
+about a stalled peer). Under ``mpirun --enable-recovery`` (which keeps the other
+ranks alive when one dies) a worker on the server's host stops within a second of
+the server's process dying, so ``mpitrain launch`` restarts the run then, not after
+the worker's reply bound; lost workers: :mod:`.recovery`.
+
+The rooms:
+
+* :mod:`.mailbox`: the message buffers of a worker and its server, and how they
+  travel (whole through MPI, or in memory both map with only headers through MPI);
+* :mod:`.worker`: the worker loop;
+* :mod:`.server`: the server loop: applies pushes, grants leases, dismisses;
+* :mod:`.store`: the parameters the server owns, their optimizer and version;
+* :mod:`.accounts`: what the server counts per worker, in checkpoints and results;
+* :mod:`.recovery`: lost workers (``--enable-recovery``): found, dropped, fenced.
+"""
+
+from __future__ import annotations
+
+from ...comm import PeerProcesses, Role, recovery_enabled
+from ..context import Context, Summary
+from ..evaluation import Stopwatch
+from .mailbox import PIPELINE_DEPTH
+from .server import Server
+from .worker import work
+
+
+def train(ctx: Context) -> Summary:
+    """Run async training on this rank. Collective: every rank of the world calls it."""
+    clock = Stopwatch()
+    if ctx.role is Role.SERVER:
+        return Server(ctx, clock).run()
+    comm = ctx.comm
+    # under --enable-recovery the server's death does not end the job: a worker on its
+    # host sees it directly and stops, instead of waiting out its reply bound
+    comm.while_waiting = PeerProcesses(comm, [0]).watch(0, "the parameter server") \
+        if recovery_enabled() else None
+    try:
+        return work(ctx, clock)
+    finally:
+        comm.while_waiting = None
+
+
+__all__ = ["train", "Server", "PIPELINE_DEPTH"]

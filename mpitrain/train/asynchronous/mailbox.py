@@ -1,0 +1,238 @@
+"""The async messages' buffers, and how they travel between a worker and a server.
+
+Every message is ``[header | payload]`` (:mod:`..protocol`): a push carries a
+gradient (as :class:`~mpitrain.train.compression.PushCodec` encodes it) and its
+worker's BatchNorm buffers; a lease (the server's reply) carries the weights and
+the buffers; a final reply is the header alone. A worker and a server exchange
+them through a *mailbox*: one push slot per push the worker may have in flight,
+and one lease slot more (the one in use). Its two ends:
+
+* :class:`Mailbox`, the worker's: its slots and one persistent request per slot;
+* :class:`ServerEnd`, the server's: where the worker's pushes land and its replies
+  leave from.
+
+Where the worker shares the server's host (``--shared-memory``), the slots lie in
+memory both map (:func:`mpitrain.comm.share_with_server`): the worker computes from
+the lease the server wrote in place, the server applies the gradient where the
+worker wrote it, and only the headers travel through MPI (``carried`` = SLOTS;
+else None: whole messages). A push's header then names its push slot and the lease
+slot its reply goes to (:func:`..protocol.slots_word`). Each slot has one owner at a
+time, as an MPI buffer does: a push slot is the server's from its header's send
+until its reply is taken, a lease slot from the push that names it until its reply
+comes.
+
+A :class:`Layout` sizes both ends from the payload the server owns (today every
+parameter, on rank 0); a server owning a slice of them would give its workers a
+mailbox of that slice's length, addressed to its rank (``server``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ...comm import IDLE, share_with_server, shares_with_server
+from ...errors import UsageError
+from ..compression import PushCodec
+from ..protocol import (DROPPED, FINAL, SLOTS, TAG_GRADIENT, TAG_WEIGHTS, Header, new_message,
+                        slots_of)
+
+#: pushes a worker may have in flight under unbounded staleness (see .worker)
+PIPELINE_DEPTH = 2
+#: the traffic table's kind for payload bytes that moved through shared memory
+SHARED = "shared"
+
+
+def pipelining_mode(cfg) -> str:
+    """--pipeline as it applies: never under a staleness bound (one gradient per lease)."""
+    return "off" if cfg.staleness is not None else cfg.pipeline
+
+
+class Layout(NamedTuple):
+    """Float32 lengths of one mailbox's slots: the same at both ends."""
+
+    push: int  # [header | gradient | buffers]
+    lease: int  # [header | weights | buffers]
+    depth: int  # push slots: the pushes its worker may have in flight
+
+    @classmethod
+    def of(cls, ctx) -> "Layout":
+        """The mailbox of a worker with the server of every parameter (rank 0)."""
+        replica, cfg = ctx.replica, ctx.cfg
+        depth = 1 if pipelining_mode(cfg) == "off" else PIPELINE_DEPTH
+        gradient = PushCodec(cfg.compression, replica.n_params).slots
+        return cls(SLOTS + gradient + replica.n_buffers, SLOTS + replica.n_state, depth)
+
+    @property
+    def lengths(self) -> List[int]:
+        """Every slot's length: the push slots, then the lease slots."""
+        return [self.push] * self.depth + [self.lease] * (self.depth + 1)
+
+    def split(self, slots: Sequence) -> Tuple[list, list]:
+        """(push slots, lease slots) of ``slots`` laid out as :attr:`lengths`."""
+        return list(slots[:self.depth]), list(slots[self.depth:])
+
+
+def share_mailboxes(ctx, lengths: List[int]) -> tuple:
+    """(this worker's shared slots or [], on the server every sharing worker's by
+    rank): :func:`mpitrain.comm.share_with_server` of slots of ``lengths``
+    (:attr:`Layout.lengths`) for ``--shared-memory`` auto or on. Collective over the
+    world; the server and every worker call it once, first."""
+    comm, mode = ctx.comm, ctx.cfg.shared_memory
+    if mode == "off":
+        return [], {}
+    if mode == "on" and len(shares_with_server(comm)) < comm.size - 1:
+        away = sorted({comm.hosts[r] for r in range(1, comm.size)} - {comm.hosts[0]})
+        raise UsageError(f"--shared-memory on needs every worker on rank 0's host "
+                         f"({comm.hosts[0]}); workers run on {', '.join(away)}: use "
+                         f"--shared-memory auto")
+    mine, theirs, sharing = share_with_server(comm, lengths)
+    if mode == "on" and len(sharing) < comm.size - 1:
+        raise UsageError("--shared-memory on: the workers' message memory could not be "
+                         "mapped by rank 0 (no memfd, or /proc/PID/fd not readable): use "
+                         "--shared-memory auto")
+    return mine, theirs
+
+
+class Mailbox:
+    """A worker's end: its push and lease slots, a persistent send per push slot and a
+    persistent receive per lease slot (started once per message, never rebuilt)."""
+
+    def __init__(self, comm, pushes: List[np.ndarray], leases: List[np.ndarray],
+                 carried: Optional[int], server: int = 0):
+        self.pushes, self.leases, self.carried = pushes, leases, carried
+        #: a push's payload bytes that moved through shared memory (0: through MPI)
+        self.shared_push = (pushes[0].size - SLOTS) * 4 if self.shared else 0
+        self.replies = [comm.recv_init(b[:carried], server, TAG_WEIGHTS, "pull",
+                                       "new weights from the server") for b in leases]
+        self.sends = [comm.send_init(b[:carried], server, TAG_GRADIENT, "push",
+                                     "the server to take a gradient") for b in pushes]
+
+    @property
+    def shared(self) -> bool:
+        return self.carried is not None
+
+    @classmethod
+    def open(cls, ctx) -> "Mailbox":
+        """This worker's mailbox with rank 0, in shared memory where it can be.
+        Collective with :meth:`ServerEnd.open_all` on the server."""
+        layout = Layout.of(ctx)
+        slots, _ = share_mailboxes(ctx, layout.lengths)
+        if slots:
+            return cls(ctx.comm, *layout.split(slots), SLOTS)
+        return cls(ctx.comm, [new_message(layout.push - SLOTS) for _ in range(layout.depth)],
+                   [new_message(layout.lease - SLOTS) for _ in range(layout.depth + 1)], None)
+
+
+class ServerEnd:
+    """The server's end of one worker's mailbox: where the worker's pushes land, the
+    replies it is sent, and the requests that move them. Transport only: what the
+    server counts about the worker is its :class:`.accounts.WorkerAccount`."""
+
+    def __init__(self, comm, rank: int, layout: Layout,
+                 slots: Optional[List[np.ndarray]] = None):
+        self.comm, self.rank = comm, rank
+        whole = slots is None
+        #: its push and lease slots when it shares this host's memory (headers travel)
+        self.pushes, self.leases = (None, None) if whole else layout.split(slots)
+        #: [header | gradient | buffers] receive buffer (the header alone, shared)
+        self.recv = new_message(layout.push - SLOTS if whole else 0)
+        #: [header | weights | buffers] reply buffers (the headers, shared): one, or two
+        #: for a pipelined worker that pushes again before it took the last reply
+        self.sends = [new_message(layout.lease - SLOTS if whole else 0)]
+        #: what a reply waits for, in a timeout message (made once: the server replies
+        #: thousands of times a second)
+        self.takes_weights = f"{comm.name(rank)} to take its weights"
+        self.takes_last_reply = f"{comm.name(rank)} to take its last reply"
+        self.receive = comm.recv_init(self.recv, rank, TAG_GRADIENT, "push", "a gradient")
+        self.replying = [self._reply_op(0)]  # the persistent send of each of ``sends``
+        self.sending: List[object] = [None]  # the pending send from each of ``sends``
+        self.last_reply = 0  # which of ``sends`` went last
+        self.posted = None  # the started receive of its next push
+        self.reply_to = 0  # the lease slot its next reply goes to (its last push said)
+
+    @classmethod
+    def open_all(cls, ctx) -> Dict[int, "ServerEnd"]:
+        """Every worker's end, by rank, shared where the worker shares this host's
+        memory. Collective with :meth:`Mailbox.open` on the workers."""
+        layout = Layout.of(ctx)
+        _, shared = share_mailboxes(ctx, layout.lengths)
+        return {r: cls(ctx.comm, r, layout, shared.get(r)) for r in range(1, ctx.comm.size)}
+
+    def _reply_op(self, i: int):
+        """The persistent send of reply buffer ``i`` with its weights."""
+        return self.comm.send_init(self.sends[i], self.rank, TAG_WEIGHTS, "pull",
+                                   self.takes_weights)
+
+    def listen(self, what: Optional[str] = None) -> None:
+        """Start the receive of the worker's next push (``what`` it is, if not a gradient)."""
+        if what:
+            self.receive.what = what
+        self.posted = self.comm.start(self.receive)
+
+    def header(self) -> Header:
+        """The header of the push that arrived."""
+        return Header.read(self.recv)
+
+    def payload(self, header: Header) -> np.ndarray:
+        """The message of the push that arrived (``header``'s): where its worker wrote
+        it when they share memory (then its reply goes where the header says)."""
+        if self.pushes is None:
+            return self.recv
+        slot, self.reply_to = slots_of(header.aux)
+        push = self.pushes[slot]
+        self.comm.traffic.add_recv(SHARED, push.nbytes - SLOTS * 4)
+        return push
+
+    def reply(self, header: Header, lease_writer=None) -> None:
+        """Send ``header`` to the worker: with the weights ``lease_writer(lease)`` writes
+        (a lease), or alone (a final reply, a dismissal)."""
+        i = self.last_reply = self._free_reply_buffer()
+        send = self.sends[i]
+        header.write(send)
+        if lease_writer is None:
+            self.sending[i] = self.comm.isend(send[:SLOTS], self.rank, TAG_WEIGHTS, "pull",
+                                              self.takes_last_reply)
+            return
+        # (a shared lease slot is free until this reply reaches its worker: see above)
+        lease = send if self.leases is None else self.leases[self.reply_to]
+        lease_writer(lease)
+        if self.leases is not None:
+            self.comm.traffic.add_sent(SHARED, lease.nbytes - SLOTS * 4)
+        self.sending[i] = self.comm.start(self.replying[i])
+
+    def _free_reply_buffer(self) -> int:
+        """A reply buffer whose last reply was taken. A pipelined worker may push again
+        before it takes the last reply (it is computing, so the send waits for its next
+        MPI call): then a second buffer is made, once; with both busy, the older one's
+        reply was taken before the push being answered was sent (the worker has at most
+        PIPELINE_DEPTH pushes in flight), so its send completes at once. Slow steps
+        (large models) never need the second buffer."""
+        for i, sending in enumerate(self.sending):
+            if sending is None or sending.test():
+                return i
+        if len(self.sends) < PIPELINE_DEPTH:
+            self.sends.append(np.empty_like(self.sends[0]))
+            self.sending.append(None)
+            self.replying.append(self._reply_op(len(self.sends) - 1))
+            return len(self.sends) - 1
+        older = (self.last_reply + 1) % len(self.sends)
+        self.comm.wait(self.sending[older], IDLE)
+        return older
+
+    def drain(self) -> None:
+        """Wait until the worker took every reply sent to it."""
+        self.comm.wait_all([p for p in self.sending if p is not None], IDLE)
+
+    def hang_up(self, tell: bool):
+        """The worker is lost: its pending receive is cancelled and, if ``tell`` (its
+        process is still there), a FINAL|DROPPED reply sent in case it comes back (it
+        then leaves). Returns that reply's send, or None."""
+        self.comm.cancel(self.posted, peer_lost=True)
+        self.posted = None
+        if not tell:
+            return None
+        dismissal = Header(flags=FINAL | DROPPED).write(new_message())
+        return self.comm.isend(dismissal, self.rank, TAG_WEIGHTS, "control",
+                               f"{self.comm.name(self.rank)} to take its dismissal")

@@ -1,0 +1,81 @@
+"""When the async server evaluates and checkpoints, and what it hands its evaluator."""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from ...lifecycle import Checkpoint
+from ..evaluation import BackgroundEvaluator, Evaluator
+
+#: the progress line is refreshed every this many updates (the console throttles it too)
+PROGRESS_EVERY = 64
+
+
+class Milestones:
+    """The server's evaluations (every ``--eval-every`` epochs of updates, and at the
+    end) and checkpoints (every ``--checkpoint-every`` epochs, every
+    ``--checkpoint-steps`` steps of each worker, and at the end), with the mean train
+    loss of the pushes between evaluations. They run on a background thread
+    (:class:`..evaluation.BackgroundEvaluator`), on copies: ``snapshot()`` gives the
+    state to evaluate, ``checkpoint()`` the checkpoint of the current version.
+    """
+
+    def __init__(self, ctx, clock, workers: int, snapshot: Callable[[], np.ndarray],
+                 checkpoint: Callable[[], Checkpoint]):
+        self.clock, self.snapshot, self.checkpoint = clock, snapshot, checkpoint
+        #: an epoch of updates: every worker's pass over its shard
+        self.updates_per_epoch = workers * ctx.steps_per_epoch
+        self.eval_interval = ctx.cfg.eval_every * self.updates_per_epoch
+        self.checkpoint_interval = ctx.cfg.checkpoint_every * self.updates_per_epoch
+        # --checkpoint-steps counts each worker's steps: N of theirs are N x workers updates
+        self.checkpoint_steps = (ctx.cfg.checkpoint_steps or 0) * workers
+        self.losses: List[float] = []  # since the last evaluation
+        self.last_loss = float("nan")
+        self.evaluations = BackgroundEvaluator(Evaluator(
+            ctx, clock, self.updates_per_epoch, ctx.cfg.batch_size, workers * ctx.total_steps))
+
+    def start(self) -> None:
+        """The initial weights' evaluation (a fresh run's curve starts at update 0)."""
+        self.evaluations.submit(0, self.snapshot(), None, 0.0)
+
+    def applied(self, version: int, loss: float) -> None:
+        """Update ``version`` was applied (its push's ``loss``): evaluate and/or save if
+        it is a point for it."""
+        self.last_loss = loss
+        self.losses.append(loss)
+        evaluate = version % self.eval_interval == 0
+        save = version % self.checkpoint_interval == 0 or bool(
+            self.checkpoint_steps and version % self.checkpoint_steps == 0)
+        if evaluate or save:
+            self.queue(version, evaluate, save, self.clock())
+
+    def progress(self, version: int) -> None:
+        if version % PROGRESS_EVERY == 0:
+            self.evaluations.evaluator.progress(version, self.last_loss)
+
+    def finish(self, version: int, wall: float, record: bool = True) -> None:
+        """The last checkpoint and, unless ``version`` had one, the last evaluation (none
+        of them unless ``record``: a diverged run's weights are not kept); waits for
+        every queued one."""
+        if record:
+            self.queue(version, self.evaluations.last_step != version, True, wall)
+        self.evaluations.close()
+
+    def queue(self, version: int, evaluate: bool, save: bool, wall: float) -> None:
+        """Queue ``version``'s evaluation and/or checkpoint (written meanwhile)."""
+        checkpoint = self.checkpoint() if save else None
+        if evaluate:
+            self.evaluations.submit(version, self.snapshot(), self._train_loss(), wall,
+                                    checkpoint)
+        elif checkpoint is not None:
+            self.evaluations.save(checkpoint)
+
+    def _train_loss(self) -> Optional[float]:
+        loss = float(np.mean(self.losses)) if self.losses else None
+        self.losses.clear()
+        return loss
+
+    def summary(self, wall: float, **extra):
+        return self.evaluations.evaluator.summary(wall, **extra)

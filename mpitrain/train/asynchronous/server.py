@@ -1,0 +1,321 @@
+"""The async server (rank 0): applies pushes in arrival order, grants leases, evaluates."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ...comm import SERVING, Backoff
+from ...errors import CommTimeout
+from ...lifecycle import Checkpoint
+from ..context import Context, Summary, diverged, interrupted
+from ..evaluation import Stopwatch
+from ..leases import Leases, Quotas, first_look
+from ..priority import niceness
+from ..protocol import (DIVERGED, FAREWELL, FINAL, INTERRUPTED, PIPELINED, Header,
+                        SilentPeers, stalled)
+from . import accounts
+from .accounts import WorkerAccount
+from .mailbox import ServerEnd
+from .milestones import Milestones
+from .recovery import Recovery
+from .store import ParameterStore
+
+#: workers whose steps take less than this (EWMA) make the server poll, not sleep
+FAST_STEP = 2e-4
+#: how the server polls then: yield for a round trip's worth, then sleep
+POLLING = Backoff(yield_for=3e-4, first_sleep=SERVING.first_sleep, max_sleep=SERVING.max_sleep)
+
+
+class PollPolicy:
+    """How the server waits for the next push: yield-poll when workers' steps are
+    shorter than FAST_STEP, else sleep.
+
+    When a worker's step (its compute between pushes, which it reports) is shorter
+    than the server's sleep, every sleep would add its whole length to each update;
+    when steps are long, polling would burn the CPU the workers need and the
+    pipeline hides a sleep behind their compute (docs/benchmarks.md, async_ps).
+
+    Pipelined workers (their pushes say PIPELINED) need the reply to push k only when
+    they would push k+2, two steps after push k: so the server's first sleep lasts
+    until two steps after the oldest lease it is owed a push for
+    (:func:`..leases.first_look`; that push is then in, and its reply still a step
+    early), instead of waking every millisecond or so to find nothing. A worker that
+    does not pipeline (bounded staleness, --pipeline, or its first steps) waits for
+    each reply, so the server sleeps less.
+    """
+
+    def __init__(self):
+        self.step_time = 1.0  # EWMA of the workers' reported seconds of compute per step
+        self.last_think = 1.0  # the last push's
+
+    def observe(self, think: float) -> None:
+        self.step_time = 0.8 * self.step_time + 0.2 * think
+        self.last_think = think
+
+    def backoff(self, holders: List[int], workers: Dict[int, WorkerAccount],
+                since: Dict[int, float]) -> Backoff:
+        """The wait for a push from ``holders``, whose leases were granted at ``since``."""
+        if self.step_time < FAST_STEP:
+            return POLLING
+        if not all(workers[r].pipelined for r in holders):
+            return SERVING
+        # (the smaller of the mean and the last: a slow first step, which traces the
+        # model, must not hold the mean up for the next twenty)
+        first = first_look(min(since[r] for r in holders),
+                           min(self.step_time, self.last_think), time.monotonic())
+        if first <= SERVING.first_sleep:
+            return SERVING
+        return Backoff(0.0, first_sleep=first, max_sleep=SERVING.max_sleep)
+
+
+class Server:
+    """Rank 0 in async mode: applies gradients in arrival order, grants leases
+    (:class:`..leases.Leases`, bounded staleness), evaluates and checkpoints in the
+    background; the parameters are its :class:`.store.ParameterStore`, each worker's
+    transport a :class:`.mailbox.ServerEnd` and its counts a
+    :class:`.accounts.WorkerAccount`; lost workers are :class:`.recovery.Recovery`'s.
+
+    Termination: the loop ends when every worker's FINAL push is applied (or the worker
+    is lost); every push has been matched by a receive and every reply received, so no
+    request is pending at MPI_Finalize. Every wait is bounded: a lease holder silent
+    for ``--timeout`` is named (or, under recovery, dropped at its liveness bound).
+    """
+
+    def __init__(self, ctx: Context, clock: Stopwatch):
+        self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
+        self.store = ParameterStore(ctx)
+        self._write_lease = self.store.write_lease  # (bound once: it runs once per update)
+        self.ending = 0  # INTERRUPTED and/or DIVERGED once the run must stop early
+        self.diverged_at: List[str] = []
+        self.ends: Dict[int, ServerEnd] = ServerEnd.open_all(ctx)
+        self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends)
+        self.leases = Leases(ctx.cfg.staleness, self.workers)
+        #: workers told to stop whose FINAL push has not come yet (see _dismiss)
+        self.dismissed: List[int] = []
+        # a worker's silence starts when it is granted a lease (then it owes a push)
+        self.silence = SilentPeers(self.comm, self.workers)
+        self.polling = PollPolicy()
+        self.milestones = Milestones(ctx, clock, len(self.workers), self._snapshot,
+                                     self.checkpoint)
+        self.recovery = Recovery(ctx, clock, len(self.workers))
+        self.total_steps = ctx.total_steps  # (a property: read once, not per reply)
+        self.quotas = Quotas(self.workers, self.total_steps)
+        self.training = len(self.workers)  # workers not done (see _retire)
+        if ctx.resume_from is not None:
+            self._restore(ctx.resume_from)
+
+    @property
+    def version(self) -> int:
+        """Updates applied so far (a resumed run's included)."""
+        return self.store.version
+
+    def _restore(self, ckpt: Checkpoint) -> None:
+        self.clock.offset = ckpt.wall_time_s  # the run's clock goes on, as a sync run's does
+        self.store.restore(ckpt, self.ctx.cfg.resume)
+        self.ctx.lost.extend(accounts.restore(self.workers, self.quotas, ckpt))
+
+    def checkpoint(self) -> Checkpoint:
+        store = self.store
+        return Checkpoint(store.weights.copy(), store.optimizer.state(), store.version,
+                          self.clock(), {w.rank: w.steps for w in self.workers.values()},
+                          accounts.checkpoint_extra(self.workers, self.quotas,
+                                                    self.total_steps, self.ctx.lost,
+                                                    self.ctx.geometry),
+                          store.average_buffers(self._latest_buffers()))
+
+    def _latest_buffers(self) -> List[np.ndarray]:
+        return [w.buffers for w in self.workers.values() if w.buffers is not None]
+
+    def _snapshot(self) -> np.ndarray:
+        return self.store.snapshot(self._latest_buffers())
+
+    # ---- the loop ---------------------------------------------------------------------
+    def run(self) -> Summary:
+        if self.ctx.resume_from is None:
+            self.milestones.start()
+        cpu0, loop_cpu0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+        timer = self.ctx.timer
+        self._grant_leases()
+        timer.restart()
+        # (the phases marked with timer.lap, not `with timer(...)`: the loop runs tens of
+        # thousands of times a second when workers push zeros, and a block costs more)
+        while self.training:
+            if self.ctx.stop and not self.ending:
+                self.ending |= INTERRUPTED
+                self._grant_leases()  # releases the waiting workers
+                continue
+            timer.lap()
+            rank = self._next_push()
+            timer.lap("wait")
+            if rank is None:  # a worker was dropped instead
+                continue
+            self._apply(self.workers[rank], self.ends[rank])
+            timer.lap()
+            self._grant_leases()
+            timer.lap("comm")
+            version, per_epoch = self.store.version, self.milestones.updates_per_epoch
+            if version % per_epoch == 0:
+                timer.end_epoch(version // per_epoch)
+            self.milestones.progress(version)
+        for rank, w in self.workers.items():
+            # a lost worker's last reply may never be taken; Open MPI finalizes with it
+            # pending
+            if not w.lost:
+                self.ends[rank].drain()
+        self.recovery.fence(at_end=True)
+        wall = self.clock()
+        span = max(1e-9, time.perf_counter() - t0)
+        cpu_share = {"server_cpu_share": round((time.process_time() - cpu0) / span, 4),
+                     "server_loop_cpu_share": round((time.thread_time() - loop_cpu0) / span, 4),
+                     "server_nice": niceness()}  # (it keeps its priority: .priority)
+        self.milestones.finish(self.version, wall, record=not self.ending & DIVERGED)
+        summary = self._summary(wall, cpu_share)
+        if self.ending & DIVERGED:
+            raise diverged(", ".join(self.diverged_at), summary)
+        if self.ending & INTERRUPTED:
+            raise interrupted(self.ctx, f"after {self.version} updates", summary)
+        return summary
+
+    def _next_push(self) -> Optional[int]:
+        """The next worker whose push arrived; None when a lost worker was dropped
+        instead (only under --enable-recovery)."""
+        holders = self.leases.holders  # who owes a push (a new list)
+        if self.dismissed:
+            holders += self.dismissed
+        ends = self.ends
+        if self.recovery.due():
+            lost = self.recovery.lost(self.silence, {r: ends[r].posted for r in holders})
+            if lost is not None:
+                self._drop(*lost)
+                return None
+        for rank in holders:  # a push already here (the usual case when workers are
+            if ends[rank].posted.test():  # busy): taken without setting up a wait
+                return self._arrived(rank)
+        wait = self.polling.backoff(holders, self.workers, self.silence.since)
+        rank = self.silence.first({r: ends[r].posted for r in holders}, wait,
+                                  wake_every=self.recovery.wake_every,  # for the next check
+                                  tested=True)  # (just above)
+        if rank is not None:
+            return self._arrived(rank)
+        late = None if self.recovery.enabled else self.silence.overdue(holders)
+        if late is not None:  # (under recovery, dropped above instead)
+            raise stalled(self.comm, late, f"has not pushed a gradient for "
+                                           f"{self.comm.timeout:g} s")
+        return None
+
+    def _arrived(self, rank: int) -> int:
+        if self.recovery.enabled:  # its push interval is what its liveness bound is made of
+            self.recovery.liveness.observe(rank, self.silence.silent_for(rank))
+        return rank
+
+    def _drop(self, rank: int, why: str) -> None:
+        """Go on without ``rank``: no request of its left to match, its steps reassigned."""
+        w = self.workers[rank]
+        self.leases.drop(rank)
+        if w.dismissed:
+            self.dismissed.remove(rank)
+        w.lost = why
+        self._retire(w)
+        self.recovery.drop(self.ends[rank])
+        active = [r for r, v in self.workers.items() if not v.done]
+        gained = self.quotas.reassign(rank, w.steps, active)
+        self.recovery.record(rank, self.version, w.steps, why, gained, self.quotas.short,
+                             len(active))
+        if all(v.lost for v in self.workers.values()):
+            raise CommTimeout(f"every worker was lost (the last: {self.comm.name(rank)}, "
+                              f"{why})")
+        self._grant_leases()  # its lease no longer holds the others back (--staleness)
+
+    def _apply(self, w: WorkerAccount, end: ServerEnd) -> None:
+        header = end.header()
+        flags = header.flags
+        if flags & FAREWELL:  # a dismissed worker's last word: nothing to apply
+            self._finish(w)
+            return
+        w.steps, w.elapsed, w.pipelined = header.step, header.elapsed, bool(flags & PIPELINED)
+        if not w.dismissed:  # (a dismissed worker's pushes were sent before it knew)
+            self.leases.returned(w.rank)
+        if flags & DIVERGED or not math.isfinite(header.loss):
+            self.ending |= DIVERGED  # never apply a non-finite gradient
+            self.diverged_at.append(f"{self.comm.name(w.rank)} at its step {w.steps}")
+            self._finish(w)
+            return
+        self.ending |= flags & INTERRUPTED
+        w.staleness[self.store.version - header.version] += 1
+        buffers = self.store.apply(end.payload(header))
+        if buffers is not None:
+            w.buffers = buffers
+        w.applied += 1
+        self.polling.observe(header.think)
+        if flags & FINAL:
+            if not self.ending and w.steps < self.quotas.of[w.rank]:  # a raise it never saw
+                self.quotas.reassign(w.rank, w.steps,
+                                     [r for r, v in self.workers.items()
+                                      if not v.done and r != w.rank])
+            self._finish(w)
+        elif w.dismissed:  # one it had in flight: told again, listened to until FINAL
+            self._dismiss(w)
+        else:
+            self.leases.wait(w.rank)
+        self.milestones.applied(self.store.version, header.loss)
+
+    # ---- leases and replies -----------------------------------------------------------
+    def _grant_leases(self) -> None:
+        for rank in self.leases.next_waiting(self.store.version, force=bool(self.ending)):
+            w = self.workers[rank]
+            if self.ending or (w.applied == 0 and w.steps >= self.quotas.of[rank]):
+                self._dismiss(w)  # stopping, or resumed with its steps done: no lease
+                continue
+            self.leases.grant(rank, self.store.version)
+            self.silence.heard(rank)
+            self.ends[rank].listen()
+            self._reply(w, with_weights=True)
+
+    def _dismiss(self, w: WorkerAccount) -> None:
+        """Tell ``w`` to stop (a header-only FINAL reply) and go on listening to it: the
+        pushes it had in flight come in and are answered the same way, until its FINAL
+        push (its last step's, or a FAREWELL) ends it, so none is left unmatched."""
+        if not w.dismissed:
+            w.dismissed = True
+            self.dismissed.append(w.rank)
+        self.silence.heard(w.rank)  # it owes a push now
+        self.ends[w.rank].listen("a gradient or its farewell")
+        self._reply(w, with_weights=False)
+
+    def _finish(self, w: WorkerAccount) -> None:
+        """``w`` sent its FINAL push: the final reply, and no more listening to it."""
+        self._retire(w)
+        if w.dismissed:
+            self.dismissed.remove(w.rank)
+        self._reply(w, with_weights=False)
+
+    def _retire(self, w: WorkerAccount) -> None:
+        """``w`` is done (finished, or dropped): the loop no longer waits for it."""
+        w.done = True
+        self.training -= 1
+
+    def _reply(self, w: WorkerAccount, with_weights: bool) -> None:
+        """A lease (the current weights) or a final reply: the step to resume from, and
+        the steps of lost workers this one runs beyond its own."""
+        # (positional: a namedtuple made from keywords costs more, once per update)
+        header = Header(self.store.version, w.steps,
+                        0 if with_weights else FINAL | self.ending, 0.0, 0.0, 0.0,
+                        self.quotas.of[w.rank] - self.total_steps, 0)
+        self.ends[w.rank].reply(header, self._write_lease if with_weights else None)
+
+    # ---- results ----------------------------------------------------------------------
+    def _summary(self, wall: float, cpu_share: Dict[str, float]) -> Summary:
+        extra = accounts.summary_extra(self.workers, self.ctx.results, self.version, wall,
+                                       self.leases.bound, cpu_share, self.ctx.lost,
+                                       self.quotas.short)
+        self.ctx.console.info(
+            f"async: {self.version} updates from {extra['pushes']} pushes; staleness mean "
+            f"{extra['staleness_mean']}, max {extra['staleness_max']}; server "
+            f"{extra['server_updates_per_s']} updates/s; server process "
+            f"{100 * cpu_share['server_cpu_share']:.1f}% of a core (protocol loop "
+            f"{100 * cpu_share['server_loop_cpu_share']:.1f}%, the rest evaluation)")
+        return self.milestones.summary(wall, **extra)
