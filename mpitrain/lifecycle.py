@@ -312,6 +312,7 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
         share, left = divmod(done, cfg.workers)
         steps = {rank: share + (1 if rank <= left else 0) for rank in range(1, cfg.workers + 1)}
         extra["extra_steps"] = {}  # the plan starts over: total_steps each, minus done
+        extra["updates_short"] = 0  # (and with it what a lost worker left undone)
         extra["staleness"] = _fold_staleness(ckpt.extra.get("staleness", {}), cfg.workers)
         return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
     old_per_epoch = batches_per_epoch(train_size // old_workers, old_batch)

@@ -129,11 +129,15 @@ class Quotas:
         """Take ``rank`` out at ``steps_done``; return the steps each of ``active`` gained."""
         left = max(0, self.of[rank] - steps_done)
         self.of[rank] = steps_done
-        takers = sorted(r for r in active if r != rank)
+        return self.share(left, [r for r in active if r != rank])
+
+    def share(self, steps: int, takers) -> Dict[int, int]:
+        """Give ``steps`` to ``takers``; return the steps each gained (none: short)."""
+        takers = sorted(takers)
         if not takers:
-            self.short += left
+            self.short += steps
             return {}
-        share, remainder = divmod(left, len(takers))
+        share, remainder = divmod(steps, len(takers))
         gained = {r: share + (1 if i < remainder else 0) for i, r in enumerate(takers)}
         for r, extra in gained.items():
             self.of[r] += extra

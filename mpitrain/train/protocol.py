@@ -11,7 +11,7 @@
      from (async reply).
   2. FLAGS (int): sync report REPORT (else a heartbeat), FINAL, INTERRUPTED,
      DIVERGED, EVALUATE, CHECKPOINT; async push FINAL, INTERRUPTED, DIVERGED,
-     FAREWELL, PIPELINED; async reply also DROPPED.
+     FAREWELL, PIPELINED; async reply also DROPPED, PARKED.
   3. LOSS: sync, the running train loss; async push, the batch's (the sentinel).
   4. ELAPSED: the worker's wall time (sync report, async push).
   5. THINK: async push, its seconds of compute (the server's poll policy).
@@ -63,6 +63,9 @@ CHECKPOINT = 32  # sync report: this step is a checkpoint point
 REPORT = 64  # sync report: a report of a step all workers reach (else a heartbeat)
 FAREWELL = 128  # async push (with FINAL): no gradient, the last word of a dismissed worker
 PIPELINED = 256  # async push: its worker keeps a second push in flight (the poll policy)
+#: async reply to a FINAL push (a header alone): the server keeps this worker for a lost
+#: one's steps, and will speak again within --timeout (then: a lease, or FINAL)
+PARKED = 512
 
 
 class Header(NamedTuple):

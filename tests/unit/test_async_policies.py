@@ -1,6 +1,8 @@
 """The async server's pure policies: staleness leases, liveness bounds, step quotas and
 when it first looks for a push."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from mpitrain.train.leases import (MAX_FIRST_SLEEP, Leases, Liveness, Pipelining, Quotas,
@@ -48,6 +50,35 @@ def test_a_lost_worker_is_never_among_its_own_takers():
     quotas = Quotas([1, 2], total_steps=10)
     assert quotas.reassign(1, steps_done=4, active=[1, 2]) == {2: 6}
     assert quotas.of == {1: 4, 2: 16}
+
+
+def test_quotas_share_steps_as_evenly_as_they_go():
+    quotas = Quotas([1, 2, 3], total_steps=10)
+    assert quotas.share(7, [3, 1]) == {1: 4, 3: 3}  # the remainder to the lowest rank
+    assert quotas.of == {1: 14, 2: 10, 3: 13} and quotas.short == 0
+    assert quotas.share(5, []) == {} and quotas.short == 5
+
+
+def test_parked_workers_hear_from_the_server_every_half_timeout(monkeypatch):
+    """A parked worker waits twice --timeout for the server's word: the server speaks
+    every half --timeout (a PARKED reply), until it unparks or releases the worker."""
+    from mpitrain.train.asynchronous import recovery
+
+    now = [100.0]
+    monkeypatch.setattr(recovery.time, "monotonic", lambda: now[0])
+    ctx = SimpleNamespace(comm=SimpleNamespace(timeout=10.0),
+                          cfg=SimpleNamespace(liveness_floor=1.0))
+    parking = recovery.Recovery(ctx, clock=lambda: 0.0, workers=2)
+    parking.park(1)
+    now[0] += 4.0
+    parking.park(2)
+    assert parking.keepalives() == []
+    now[0] += 1.0  # half the timeout since rank 1 parked
+    assert parking.keepalives() == [1] and parking.keepalives() == []
+    now[0] += 4.0
+    assert parking.keepalives() == [2]
+    assert parking.unpark(1) and not parking.unpark(1)
+    assert parking.release() == [2] and parking.parked == {}
 
 
 def test_leases_without_a_bound_are_granted_to_everyone_waiting():

@@ -46,12 +46,19 @@ The rooms:
 
 from __future__ import annotations
 
+import time
+
 from ...comm import PeerProcesses, Role, recovery_enabled
+from ...errors import CommTimeout
 from ..context import Context, Summary
 from ..evaluation import Stopwatch
-from .mailbox import PIPELINE_DEPTH
+from .mailbox import PIPELINE_DEPTH, Mailbox, ServerEnd
 from .server import Server
 from .worker import work
+
+#: seconds a worker that saw the server die leaves the report to the one worker that
+#: speaks, whose abort of the job (a few seconds) ends this one too (see _one_voice)
+SPEAKER_GRACE = 20.0
 
 
 def train(ctx: Context) -> Summary:
@@ -62,12 +69,26 @@ def train(ctx: Context) -> Summary:
     comm = ctx.comm
     # under --enable-recovery the server's death does not end the job: a worker on its
     # host sees it directly and stops, instead of waiting out its reply bound
-    comm.while_waiting = PeerProcesses(comm, [0]).watch(0, "the parameter server") \
-        if recovery_enabled() else None
+    peers = PeerProcesses(comm) if recovery_enabled() else None
+    comm.while_waiting = peers.watch(0, "the parameter server") if peers else None
     try:
         return work(ctx, clock)
+    except CommTimeout:
+        if comm.while_waiting is not None and not peers.alive(0):
+            _one_voice(comm, peers)
+        raise
     finally:
         comm.while_waiting = None
 
 
-__all__ = ["train", "Server", "PIPELINE_DEPTH"]
+def _one_voice(comm, peers: PeerProcesses) -> None:
+    """The server died, and every worker on its host saw it at once: one of them says
+    so, the lowest-ranked still alive (its line ends the job); the others give it
+    SPEAKER_GRACE to do that, and say it themselves only if it did not."""
+    alive = [r for r in comm.ranks_on_host(comm.hosts[0])
+             if r and (r == comm.rank or peers.alive(r))]
+    if comm.rank != min(alive):
+        time.sleep(SPEAKER_GRACE)
+
+
+__all__ = ["train", "Server", "Mailbox", "ServerEnd", "PIPELINE_DEPTH"]

@@ -4,6 +4,7 @@ checkpoints (so a resumed run goes on counting), staleness.csv and the summary."
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -12,6 +13,7 @@ import numpy as np
 from ...lifecycle import Checkpoint
 from ...schema import STALENESS_COLUMNS
 from ..leases import Quotas
+from ..priority import niceness
 
 
 @dataclass
@@ -25,6 +27,7 @@ class WorkerAccount:
     applied: int = 0  # its gradients applied in this session
     pipelined: bool = False  # its last push said it keeps a second one in flight
     dismissed: bool = False  # told to stop; listened to until its FINAL push
+    pushed_final: bool = False  # its latest push was FINAL (it sends no farewell)
     done: bool = False  # finished, or dropped: the server no longer waits for it
     lost: str = ""  # why it was dropped (under --enable-recovery); "" while it is in
     staleness: collections.Counter = field(default_factory=collections.Counter)
@@ -45,33 +48,59 @@ def restore(workers: Dict[int, WorkerAccount], quotas: Quotas, ckpt: Checkpoint)
         for s, c in ckpt.extra.get("staleness", {}).get(str(rank), {}).items():
             w.staleness[int(s)] += c
         quotas.of[rank] += extra.get(str(rank), 0)
-    quotas.short = ckpt.extra.get("updates_short", 0)
+    # steps a lost worker left with nobody to take them (the run was stopping): the
+    # workers there are now take them, so the resumed run makes the planned updates
+    quotas.share(ckpt.extra.get("updates_short", 0), workers)
     return list(ckpt.extra.get("lost_workers", []))
 
 
-def checkpoint_extra(workers: Dict[int, WorkerAccount], quotas: Quotas, total_steps: int,
-                     lost: List[dict], geometry) -> dict:
-    """The counts a checkpoint carries besides the model (:func:`restore` reads them)."""
-    return {"staleness": {str(w.rank): dict(w.staleness) for w in workers.values()},
-            "extra_steps": {str(r): q - total_steps for r, q in quotas.of.items()},
-            "updates_short": quotas.short,
-            "lost_workers": list(lost),
-            "geometry": geometry}
+def latest_buffers(workers: Dict[int, WorkerAccount]) -> List[np.ndarray]:
+    """The workers' latest BatchNorm statistics (of those that sent any)."""
+    return [w.buffers for w in workers.values() if w.buffers is not None]
 
 
-def summary_extra(workers: Dict[int, WorkerAccount], results, version: int, wall: float,
-                  bound: Optional[int], cpu_share: Dict[str, float], lost: List[dict],
-                  short: int) -> dict:
-    """Write staleness.csv; return the run's async columns of runs.csv."""
+def checkpoint(store, workers: Dict[int, WorkerAccount], quotas: Quotas, total_steps: int,
+               wall: float, ctx) -> Checkpoint:
+    """The server's checkpoint: its ``store``'s parameters and optimizer state, and the
+    counts :func:`restore` reads back."""
+    extra = {"staleness": {str(w.rank): dict(w.staleness) for w in workers.values()},
+             "extra_steps": {str(r): q - total_steps for r, q in quotas.of.items()},
+             "updates_short": quotas.short,
+             "lost_workers": list(ctx.lost),
+             "geometry": ctx.geometry}
+    return Checkpoint(store.weights.copy(), store.optimizer.state(), store.version, wall,
+                      {w.rank: w.steps for w in workers.values()}, extra,
+                      store.average_buffers(latest_buffers(workers)))
+
+
+class CpuShare:
+    """The server process's share of a core, and its protocol loop's (this thread), from
+    now on."""
+
+    def __init__(self):
+        self.cpu0, self.loop0, self.t0 = time.process_time(), time.thread_time(), \
+            time.perf_counter()
+
+    def shares(self) -> Dict[str, float]:
+        span = max(1e-9, time.perf_counter() - self.t0)
+        return {"server_cpu_share": round((time.process_time() - self.cpu0) / span, 4),
+                "server_loop_cpu_share": round((time.thread_time() - self.loop0) / span, 4),
+                "server_nice": niceness()}  # (it keeps its priority: ..priority)
+
+
+def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
+           bound: Optional[int], cpu_share: Dict[str, float], short: int) -> dict:
+    """Write staleness.csv and print the async line; return the run's async columns of
+    runs.csv."""
     rows, all_staleness = [], collections.Counter()
     for w in workers.values():
         all_staleness.update(w.staleness)
         rows += [{"worker": w.rank, "staleness": s, "count": c}
                  for s, c in sorted(w.staleness.items())]
-    results.write_csv("staleness.csv", list(STALENESS_COLUMNS), rows)
+    ctx.results.write_csv("staleness.csv", list(STALENESS_COLUMNS), rows)
     total = sum(all_staleness.values())
     mean = sum(s * c for s, c in all_staleness.items()) / max(1, total)
-    return {
+    extra = {
         "staleness_mean": round(mean, 3),
         "staleness_max": max(all_staleness) if all_staleness else 0,
         "staleness_bound": "" if bound is None else bound,
@@ -82,6 +111,13 @@ def summary_extra(workers: Dict[int, WorkerAccount], results, version: int, wall
             [w.steps / max(1e-9, w.elapsed) for w in workers.values()])), 1),
         **cpu_share,
         "lost_workers": "; ".join(f"rank {w['rank']} on {w['host']} at update "
-                                  f"{w['update']} ({w['reason']})" for w in lost),
+                                  f"{w['update']} ({w['reason']})" for w in ctx.lost),
         "updates_short": short,
     }
+    ctx.console.info(
+        f"async: {version} updates from {extra['pushes']} pushes; staleness mean "
+        f"{extra['staleness_mean']}, max {extra['staleness_max']}; server "
+        f"{extra['server_updates_per_s']} updates/s; server process "
+        f"{100 * cpu_share['server_cpu_share']:.1f}% of a core (protocol loop "
+        f"{100 * cpu_share['server_loop_cpu_share']:.1f}%, the rest evaluation)")
+    return extra

@@ -171,10 +171,6 @@ class ServerEnd:
             self.receive.what = what
         self.posted = self.comm.start(self.receive)
 
-    def header(self) -> Header:
-        """The header of the push that arrived."""
-        return Header.read(self.recv)
-
     def payload(self, header: Header) -> np.ndarray:
         """The message of the push that arrived (``header``'s): where its worker wrote
         it when they share memory (then its reply goes where the header says)."""

@@ -9,10 +9,6 @@ import numpy as np
 from ...lifecycle import Checkpoint
 from ..evaluation import BackgroundEvaluator, Evaluator
 
-#: the progress line is refreshed every this many updates (the console throttles it too)
-PROGRESS_EVERY = 64
-
-
 class Milestones:
     """The server's evaluations (every ``--eval-every`` epochs of updates, and at the
     end) and checkpoints (every ``--checkpoint-every`` epochs, every
@@ -20,6 +16,10 @@ class Milestones:
     loss of the pushes between evaluations. They run on a background thread
     (:class:`..evaluation.BackgroundEvaluator`), on copies: ``snapshot()`` gives the
     state to evaluate, ``checkpoint()`` the checkpoint of the current version.
+
+    Per update the server only appends the push's loss to :attr:`losses` and compares
+    the version with :attr:`next_point` (it calls :meth:`reached` there): the loop
+    applies tens of thousands of updates a second when workers push zeros.
     """
 
     def __init__(self, ctx, clock, workers: int, snapshot: Callable[[], np.ndarray],
@@ -31,29 +31,34 @@ class Milestones:
         self.checkpoint_interval = ctx.cfg.checkpoint_every * self.updates_per_epoch
         # --checkpoint-steps counts each worker's steps: N of theirs are N x workers updates
         self.checkpoint_steps = (ctx.cfg.checkpoint_steps or 0) * workers
-        self.losses: List[float] = []  # since the last evaluation
-        self.last_loss = float("nan")
+        self.losses: List[float] = []  # of the pushes applied since the last evaluation
+        self.last_loss = float("nan")  # the latest push's, once its evaluation took them
+        self.next_point = 0  # the next version to evaluate or save at (see start)
         self.evaluations = BackgroundEvaluator(Evaluator(
             ctx, clock, self.updates_per_epoch, ctx.cfg.batch_size, workers * ctx.total_steps))
 
-    def start(self) -> None:
-        """The initial weights' evaluation (a fresh run's curve starts at update 0)."""
-        self.evaluations.submit(0, self.snapshot(), None, 0.0)
+    def start(self, version: int, fresh: bool) -> None:
+        """Training starts at ``version``; a ``fresh`` run's (not resumed) with the initial
+        weights' evaluation, so its curve starts at update 0."""
+        if fresh:
+            self.evaluations.submit(0, self.snapshot(), None, 0.0)
+        self.next_point = self._point_after(version)
 
-    def applied(self, version: int, loss: float) -> None:
-        """Update ``version`` was applied (its push's ``loss``): evaluate and/or save if
-        it is a point for it."""
-        self.last_loss = loss
-        self.losses.append(loss)
+    def _point_after(self, version: int) -> int:
+        every = [self.eval_interval, self.checkpoint_interval, self.checkpoint_steps]
+        return min((version // n + 1) * n for n in every if n)
+
+    def reached(self, version: int) -> None:
+        """``version`` is :attr:`next_point`: evaluate and/or save."""
         evaluate = version % self.eval_interval == 0
         save = version % self.checkpoint_interval == 0 or bool(
             self.checkpoint_steps and version % self.checkpoint_steps == 0)
-        if evaluate or save:
-            self.queue(version, evaluate, save, self.clock())
+        self.queue(version, evaluate, save, self.clock())
+        self.next_point = self._point_after(version)
 
     def progress(self, version: int) -> None:
-        if version % PROGRESS_EVERY == 0:
-            self.evaluations.evaluator.progress(version, self.last_loss)
+        loss = self.losses[-1] if self.losses else self.last_loss
+        self.evaluations.evaluator.progress(version, loss)
 
     def finish(self, version: int, wall: float, record: bool = True) -> None:
         """The last checkpoint and, unless ``version`` had one, the last evaluation (none
@@ -73,7 +78,9 @@ class Milestones:
             self.evaluations.save(checkpoint)
 
     def _train_loss(self) -> Optional[float]:
-        loss = float(np.mean(self.losses)) if self.losses else None
+        if not self.losses:
+            return None
+        loss, self.last_loss = float(np.mean(self.losses)), self.losses[-1]
         self.losses.clear()
         return loss
 

@@ -14,15 +14,24 @@ updates; the lost worker's shard is not visited after its loss (recorded as
 ``lost_workers`` in runs.csv and status.json). A lost worker on the server's host
 still alive FENCE_GRACE after it was dropped is killed (a SIGSTOPped one would keep
 mpirun waiting); on another host it is named.
+
+A worker that finishes its steps while others still train is *parked*: its FINAL
+push is answered with PARKED (a header alone) and again every half ``--timeout``
+(it waits for the server's word twice that long), so it stays, idle, until the run
+ends (a FINAL reply) or a worker is lost: then it takes a share of the lost steps
+(its reply is a lease carrying them). So a loss after the others finished their
+shards still ends with the planned updates. A run that ends short anyway (nobody
+was left to take the steps) fails with a line saying by how much.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ...comm import PeerProcesses, recovery_enabled
+from ...errors import MpitrainError
 from ..leases import Liveness
 
 #: seconds between the server's checks of its silent workers
@@ -55,12 +64,15 @@ class Recovery:
         self.wake_every = LIVENESS_CHECK_EVERY if self.enabled else None
         self.next_check = 0.0
         self.fences: Dict[int, _Fence] = {}
+        #: parked workers -> when their next PARKED reply is due
+        self.parked: Dict[int, float] = {}
+        self.keepalive_every = self.comm.timeout / 2
 
     def due(self) -> bool:
         """Whether it is time to check the lease holders (once every
         LIVENESS_CHECK_EVERY, also while the others push: one silent worker among busy
-        ones is the case)."""
-        return self.enabled and time.monotonic() >= self.next_check
+        ones is the case); ask only if :attr:`enabled`."""
+        return time.monotonic() >= self.next_check
 
     def lost(self, silence, posted: Dict[int, object]) -> Optional[Tuple[int, str]]:
         """(rank, why) of the first lease holder of ``posted`` (rank -> its pending
@@ -75,10 +87,33 @@ class Recovery:
         fence = self.fences[end.rank] = _Fence(time.monotonic() + FENCE_GRACE)
         fence.dismissal = end.hang_up(tell=self.processes.alive(end.rank))
 
+    def park(self, rank: int) -> None:
+        """``rank`` finished its steps while others train (it was sent PARKED)."""
+        self.parked[rank] = time.monotonic() + self.keepalive_every
+
+    def keepalives(self) -> List[int]:
+        """The parked workers due for another PARKED reply now."""
+        now = time.monotonic()
+        due = [rank for rank, at in self.parked.items() if now >= at]
+        for rank in due:
+            self.parked[rank] = now + self.keepalive_every
+        return due
+
+    def unpark(self, rank: int) -> bool:
+        """Take ``rank`` back to train (given a lost worker's steps); False if it was not
+        parked."""
+        return self.parked.pop(rank, None) is not None
+
+    def release(self) -> List[int]:
+        """Every parked worker, no longer parked: the run is over."""
+        ranks, self.parked = list(self.parked), {}
+        return ranks
+
     def record(self, rank: int, update: int, step: int, why: str, gained: Dict[int, int],
-               short: int, active: int) -> None:
+               short: int, active: int, woken: int) -> None:
         """Note the loss of ``rank`` at ``update`` (its step ``step``) in the run's records
-        and on the console: who took its steps (``gained``), or how short the run is."""
+        and on the console: who took its steps (``gained``; ``woken`` of the ``active``
+        workers were parked), or how short the run is."""
         ctx = self.ctx
         ctx.lost.append({"rank": rank, "host": self.comm.hosts[rank], "update": update,
                          "step": step, "wall_time_s": round(self.clock(), 3), "reason": why})
@@ -87,6 +122,8 @@ class Recovery:
                  f"{short} planned updates will not be made")
         going_on = (f"training continues with {active} worker(s)" if active else
                     "the other workers have finished")
+        if woken:
+            going_on += f" ({woken} of them had finished their own steps and waited)"
         ctx.console.note(f"lost {self.comm.name(rank)} at update {update}: {why}; {moved}; "
                          + going_on)
         ctx.results.set_status("running", lost_workers=ctx.lost)
@@ -109,3 +146,14 @@ class Recovery:
             else:
                 self.ctx.console.note(f"lost {name} may still be alive (pid {pid} there): "
                                       f"if the job does not end, kill it")
+
+
+def short_of_plan(short: int, lost: List[dict], summary) -> MpitrainError:
+    """The server's error when ``short`` planned updates were never made: the steps of
+    the ``lost`` workers found no worker left to take them. Only the server knows."""
+    names = ", ".join(f"rank {w['rank']} on {w['host']}" for w in lost)
+    error = MpitrainError(f"the run ended {short} updates short of its plan: the remaining "
+                          f"steps of lost {names} had no worker left to take them (its "
+                          f"results are kept, recorded as failed)")
+    error.summary = summary
+    return error

@@ -14,20 +14,21 @@ from ...lifecycle import Checkpoint
 from ..context import Context, Summary, diverged, interrupted
 from ..evaluation import Stopwatch
 from ..leases import Leases, Quotas, first_look
-from ..priority import niceness
-from ..protocol import (DIVERGED, FAREWELL, FINAL, INTERRUPTED, PIPELINED, Header,
+from ..protocol import (DIVERGED, FAREWELL, FINAL, INTERRUPTED, PARKED, PIPELINED, Header,
                         SilentPeers, stalled)
 from . import accounts
 from .accounts import WorkerAccount
 from .mailbox import ServerEnd
 from .milestones import Milestones
-from .recovery import Recovery
+from .recovery import Recovery, short_of_plan
 from .store import ParameterStore
 
 #: workers whose steps take less than this (EWMA) make the server poll, not sleep
 FAST_STEP = 2e-4
 #: how the server polls then: yield for a round trip's worth, then sleep
 POLLING = Backoff(yield_for=3e-4, first_sleep=SERVING.first_sleep, max_sleep=SERVING.max_sleep)
+#: the progress line is refreshed every this many updates (the console throttles it too)
+PROGRESS_EVERY = 64
 
 
 class PollPolicy:
@@ -119,25 +120,16 @@ class Server:
         self.ctx.lost.extend(accounts.restore(self.workers, self.quotas, ckpt))
 
     def checkpoint(self) -> Checkpoint:
-        store = self.store
-        return Checkpoint(store.weights.copy(), store.optimizer.state(), store.version,
-                          self.clock(), {w.rank: w.steps for w in self.workers.values()},
-                          accounts.checkpoint_extra(self.workers, self.quotas,
-                                                    self.total_steps, self.ctx.lost,
-                                                    self.ctx.geometry),
-                          store.average_buffers(self._latest_buffers()))
-
-    def _latest_buffers(self) -> List[np.ndarray]:
-        return [w.buffers for w in self.workers.values() if w.buffers is not None]
+        return accounts.checkpoint(self.store, self.workers, self.quotas, self.total_steps,
+                                   self.clock(), self.ctx)
 
     def _snapshot(self) -> np.ndarray:
-        return self.store.snapshot(self._latest_buffers())
+        return self.store.snapshot(accounts.latest_buffers(self.workers))
 
     # ---- the loop ---------------------------------------------------------------------
     def run(self) -> Summary:
-        if self.ctx.resume_from is None:
-            self.milestones.start()
-        cpu0, loop_cpu0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
+        self.milestones.start(self.version, fresh=self.ctx.resume_from is None)
+        cpu = accounts.CpuShare()
         timer = self.ctx.timer
         self._grant_leases()
         timer.restart()
@@ -157,27 +149,32 @@ class Server:
             timer.lap()
             self._grant_leases()
             timer.lap("comm")
-            version, per_epoch = self.store.version, self.milestones.updates_per_epoch
-            if version % per_epoch == 0:
-                timer.end_epoch(version // per_epoch)
-            self.milestones.progress(version)
+            version, milestones = self.store.version, self.milestones
+            if version >= milestones.next_point:
+                milestones.reached(version)
+            if version % milestones.updates_per_epoch == 0:
+                timer.end_epoch(version // milestones.updates_per_epoch)
+            if version % PROGRESS_EVERY == 0:
+                milestones.progress(version)
+        for rank in self.recovery.release():  # the run is over: no more steps to give
+            self._reply(self.workers[rank])
         for rank, w in self.workers.items():
             # a lost worker's last reply may never be taken; Open MPI finalizes with it
             # pending
             if not w.lost:
                 self.ends[rank].drain()
         self.recovery.fence(at_end=True)
-        wall = self.clock()
-        span = max(1e-9, time.perf_counter() - t0)
-        cpu_share = {"server_cpu_share": round((time.process_time() - cpu0) / span, 4),
-                     "server_loop_cpu_share": round((time.thread_time() - loop_cpu0) / span, 4),
-                     "server_nice": niceness()}  # (it keeps its priority: .priority)
+        wall, cpu_share = self.clock(), cpu.shares()
         self.milestones.finish(self.version, wall, record=not self.ending & DIVERGED)
-        summary = self._summary(wall, cpu_share)
+        summary = self.milestones.summary(wall, **accounts.report(
+            self.ctx, self.workers, self.version, wall, self.leases.bound, cpu_share,
+            self.quotas.short))
         if self.ending & DIVERGED:
             raise diverged(", ".join(self.diverged_at), summary)
         if self.ending & INTERRUPTED:
             raise interrupted(self.ctx, f"after {self.version} updates", summary)
+        if self.quotas.short:
+            raise short_of_plan(self.quotas.short, self.ctx.lost, summary)
         return summary
 
     def _next_push(self) -> Optional[int]:
@@ -187,7 +184,9 @@ class Server:
         if self.dismissed:
             holders += self.dismissed
         ends = self.ends
-        if self.recovery.due():
+        if self.recovery.enabled and self.recovery.due():
+            for rank in self.recovery.keepalives():
+                self._reply(self.workers[rank], flags=PARKED)
             lost = self.recovery.lost(self.silence, {r: ends[r].posted for r in holders})
             if lost is not None:
                 self._drop(*lost)
@@ -222,21 +221,27 @@ class Server:
         self._retire(w)
         self.recovery.drop(self.ends[rank])
         active = [r for r, v in self.workers.items() if not v.done]
-        gained = self.quotas.reassign(rank, w.steps, active)
+        gained = self.quotas.reassign(rank, w.steps, active + list(self.recovery.parked))
+        woken = [r for r, n in gained.items() if n and self.recovery.unpark(r)]
+        for r in woken:  # the reply to its FINAL push will be a lease, with these steps
+            self.workers[r].done = False
+            self.training += 1
+            self.leases.wait(r)
         self.recovery.record(rank, self.version, w.steps, why, gained, self.quotas.short,
-                             len(active))
+                             len(active) + len(woken), len(woken))
         if all(v.lost for v in self.workers.values()):
             raise CommTimeout(f"every worker was lost (the last: {self.comm.name(rank)}, "
                               f"{why})")
         self._grant_leases()  # its lease no longer holds the others back (--staleness)
 
     def _apply(self, w: WorkerAccount, end: ServerEnd) -> None:
-        header = end.header()
+        header = Header.read(end.recv)  # (the push's header is always there)
         flags = header.flags
         if flags & FAREWELL:  # a dismissed worker's last word: nothing to apply
             self._finish(w)
             return
         w.steps, w.elapsed, w.pipelined = header.step, header.elapsed, bool(flags & PIPELINED)
+        w.pushed_final = bool(flags & FINAL)
         if not w.dismissed:  # (a dismissed worker's pushes were sent before it knew)
             self.leases.returned(w.rank)
         if flags & DIVERGED or not math.isfinite(header.loss):
@@ -252,21 +257,20 @@ class Server:
         w.applied += 1
         self.polling.observe(header.think)
         if flags & FINAL:
-            if not self.ending and w.steps < self.quotas.of[w.rank]:  # a raise it never saw
-                self.quotas.reassign(w.rank, w.steps,
-                                     [r for r, v in self.workers.items()
-                                      if not v.done and r != w.rank])
-            self._finish(w)
+            self._final(w)
         elif w.dismissed:  # one it had in flight: told again, listened to until FINAL
             self._dismiss(w)
         else:
             self.leases.wait(w.rank)
-        self.milestones.applied(self.store.version, header.loss)
+        self.milestones.losses.append(header.loss)
 
     # ---- leases and replies -----------------------------------------------------------
     def _grant_leases(self) -> None:
         for rank in self.leases.next_waiting(self.store.version, force=bool(self.ending)):
             w = self.workers[rank]
+            if w.pushed_final and self.ending:  # (it was to go on with a lost one's steps)
+                self._finish(w)
+                continue
             if self.ending or (w.applied == 0 and w.steps >= self.quotas.of[rank]):
                 self._dismiss(w)  # stopping, or resumed with its steps done: no lease
                 continue
@@ -284,38 +288,43 @@ class Server:
             self.dismissed.append(w.rank)
         self.silence.heard(w.rank)  # it owes a push now
         self.ends[w.rank].listen("a gradient or its farewell")
-        self._reply(w, with_weights=False)
+        self._reply(w)
+
+    def _final(self, w: WorkerAccount) -> None:
+        """``w``'s FINAL push was applied: it is finished, unless (under recovery, the
+        run going on) it was given a lost worker's steps after it pushed (it gets a
+        lease), or others still train (it is parked: see :mod:`.recovery`)."""
+        if self.ending or w.dismissed or not self.recovery.enabled:
+            self._finish(w)
+        elif w.steps < self.quotas.of[w.rank]:
+            self.leases.wait(w.rank)
+        elif self.training > 1:
+            self._retire(w)
+            self.recovery.park(w.rank)
+            self._reply(w, flags=PARKED)
+        else:
+            self._finish(w)
 
     def _finish(self, w: WorkerAccount) -> None:
         """``w`` sent its FINAL push: the final reply, and no more listening to it."""
         self._retire(w)
         if w.dismissed:
             self.dismissed.remove(w.rank)
-        self._reply(w, with_weights=False)
+        self._reply(w)
 
     def _retire(self, w: WorkerAccount) -> None:
         """``w`` is done (finished, or dropped): the loop no longer waits for it."""
         w.done = True
         self.training -= 1
 
-    def _reply(self, w: WorkerAccount, with_weights: bool) -> None:
-        """A lease (the current weights) or a final reply: the step to resume from, and
+    def _reply(self, w: WorkerAccount, with_weights: bool = False,
+               flags: Optional[int] = None) -> None:
+        """A lease (the current weights) or a header alone with ``flags`` (by default a
+        final reply: FINAL and why the run ends early); with the step to resume from and
         the steps of lost workers this one runs beyond its own."""
+        if flags is None:
+            flags = 0 if with_weights else FINAL | self.ending
         # (positional: a namedtuple made from keywords costs more, once per update)
-        header = Header(self.store.version, w.steps,
-                        0 if with_weights else FINAL | self.ending, 0.0, 0.0, 0.0,
+        header = Header(self.store.version, w.steps, flags, 0.0, 0.0, 0.0,
                         self.quotas.of[w.rank] - self.total_steps, 0)
         self.ends[w.rank].reply(header, self._write_lease if with_weights else None)
-
-    # ---- results ----------------------------------------------------------------------
-    def _summary(self, wall: float, cpu_share: Dict[str, float]) -> Summary:
-        extra = accounts.summary_extra(self.workers, self.ctx.results, self.version, wall,
-                                       self.leases.bound, cpu_share, self.ctx.lost,
-                                       self.quotas.short)
-        self.ctx.console.info(
-            f"async: {self.version} updates from {extra['pushes']} pushes; staleness mean "
-            f"{extra['staleness_mean']}, max {extra['staleness_max']}; server "
-            f"{extra['server_updates_per_s']} updates/s; server process "
-            f"{100 * cpu_share['server_cpu_share']:.1f}% of a core (protocol loop "
-            f"{100 * cpu_share['server_loop_cpu_share']:.1f}%, the rest evaluation)")
-        return self.milestones.summary(wall, **extra)

@@ -15,8 +15,8 @@ from ..compression import PushCodec
 from ..context import Context, Summary, worker_batches
 from ..evaluation import Stopwatch
 from ..leases import Pipelining
-from ..protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, PIPELINED, SLOTS,
-                        TAG_GRADIENT, TAG_WEIGHTS, Header, sentinel, slots_word)
+from ..protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, PARKED, PIPELINED,
+                        SLOTS, TAG_GRADIENT, TAG_WEIGHTS, Header, sentinel, slots_word)
 from .mailbox import PIPELINE_DEPTH, SHARED, Mailbox, pipelining_mode
 
 
@@ -70,50 +70,54 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
     if replica.n_buffers:  # the statistics the run has so far (a resumed run's)
         replica.set_buffers(leases[0][SLOTS + n:])
     timer.restart()
-    for _, step, x, y, end_of_epoch in ([] if lease.flags else worker_batches(
-            ctx, start_step, endless=True)):
-        started = time.perf_counter()  # (preparing the batch is compute too)
-        grad, loss, norm = replica.grad_at(leases[current][SLOTS:SLOTS + n], x, y)
-        think = time.perf_counter() - started  # lets the server pick its poll policy
-        version = lease.version
-        # the replies already in, the oldest one anyway when the pipeline is full
-        # (the phases marked with timer.lap, not `with timer(...)`: a block costs more,
-        # and with no compute at all this loop runs tens of thousands of times a second)
-        while flight and (len(flight) >= depth or flight[0].reply.test()) \
-                and not lease.flags:
-            timer.lap()
-            current, lease = _take_reply(comm, flight, box, HOT, reply_bound)
-            timer.lap("wait")
-        health = sentinel(loss, norm)
-        if lease.flags:  # the server is stopping: this gradient is not wanted
-            break
-        flags = _push_flags(ctx, step, total_steps + lease.extra, health)
-        slot = step % depth
-        push = pushes[slot]  # (its last send completed with its reply)
-        codec.encode(grad, push[SLOTS:SLOTS + codec.slots])
-        if replica.n_buffers:  # this worker's statistics travel with each push
-            push[SLOTS + codec.slots:] = replica.buffers()
-        # a lease buffer nobody uses (one push at most is still in flight here)
-        target = _free_lease(current, flight[0].lease if flight else None)
-        Header(version, step, flags | (PIPELINED if depth > 1 else 0), health, clock(),
-               think, 0, slots_word(slot, target)).write(push)
-        timer.lap()
-        flight.append(_InFlight(comm.start(replies[target]), comm.start(sends[slot]), target))
-        timer.lap("comm")
-        if shared_push:
-            comm.traffic.add_sent(SHARED, shared_push)
-        if depth == 1:
-            waited = time.perf_counter()
-            with timer("wait"):
+    batches = iter(() if lease.flags else worker_batches(ctx, start_step, endless=True))
+    while True:
+        for _, step, x, y, end_of_epoch in batches:
+            started = time.perf_counter()  # (preparing the batch is compute too)
+            grad, loss, norm = replica.grad_at(leases[current][SLOTS:SLOTS + n], x, y)
+            think = time.perf_counter() - started  # lets the server pick its poll policy
+            version = lease.version
+            # the replies already in, the oldest one anyway when the pipeline is full
+            # (the phases marked with timer.lap, not `with timer(...)`: a block costs more,
+            # and with no compute at all this loop runs tens of thousands of times a second)
+            while flight and (len(flight) >= depth or flight[0].reply.test()) \
+                    and not lease.flags:
+                timer.lap()
                 current, lease = _take_reply(comm, flight, box, HOT, reply_bound)
-            depth = pipelining.observe(think, time.perf_counter() - waited)
-        if end_of_epoch or flags & FINAL:
-            timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
-        if flags & FINAL or lease.flags:
+                timer.lap("wait")
+            health = sentinel(loss, norm)
+            if lease.flags:  # the server is stopping: this gradient is not wanted
+                break
+            flags = _push_flags(ctx, step, total_steps + lease.extra, health)
+            slot = step % depth
+            push = pushes[slot]  # (its last send completed with its reply)
+            codec.encode(grad, push[SLOTS:SLOTS + codec.slots])
+            if replica.n_buffers:  # this worker's statistics travel with each push
+                push[SLOTS + codec.slots:] = replica.buffers()
+            # a lease buffer nobody uses (one push at most is still in flight here)
+            target = _free_lease(current, flight[0].lease if flight else None)
+            Header(version, step, flags | (PIPELINED if depth > 1 else 0), health, clock(),
+                   think, 0, slots_word(slot, target)).write(push)
+            timer.lap()
+            flight.append(_InFlight(comm.start(replies[target]), comm.start(sends[slot]), target))
+            timer.lap("comm")
+            if shared_push:
+                comm.traffic.add_sent(SHARED, shared_push)
+            if depth == 1:
+                waited = time.perf_counter()
+                with timer("wait"):
+                    current, lease = _take_reply(comm, flight, box, HOT, reply_bound)
+                depth = pipelining.observe(think, time.perf_counter() - waited)
+            if end_of_epoch or flags & FINAL:
+                timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
+            if flags & FINAL or lease.flags:
+                break
+        timer.lap()
+        ending, resumed = _last_replies(comm, flight, box, flags, lease.flags, reply_bound)
+        timer.lap("wait")
+        if resumed is None:
             break
-    ending = lease.flags
-    while flight and not ending & DROPPED:
-        ending |= _take_reply(comm, flight, box, IDLE, reply_bound)[1].flags
+        (current, lease), flags = resumed, 0  # a lost worker's steps to run
     if ending & DROPPED:
         for f in flight:  # the server will not answer these: their receives must go
             comm.cancel(f.reply)
@@ -129,6 +133,25 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
     return Summary(clock(), step, step / ctx.steps_per_epoch, nan, nan, nan)
 
 
+def _last_replies(comm, flight, box: Mailbox, flags: int, ending: int, bound: float
+                  ) -> Tuple[int, Optional[Tuple[int, Header]]]:
+    """Take the replies still due once the worker stopped pushing (its last push had
+    ``flags``; the server's last word so far, ``ending``). Returns the flags they end
+    the run with, and None, or, when the reply to a FINAL push is a lease (a lost
+    worker's steps given to this one), the lease buffer and header to go on with.
+    A PARKED reply (the server keeps this worker for such steps) is listened past:
+    the server speaks again within ``--timeout``, half of ``bound``."""
+    while flight and not ending & DROPPED:
+        taken, header = _take_reply(comm, flight, box, IDLE, bound)
+        if flight or not flags & FINAL or header.flags & (FINAL | DROPPED):
+            ending |= header.flags
+        elif header.flags & PARKED:
+            flight.append(_InFlight(comm.start(box.replies[taken]), None, taken))
+        else:
+            return ending, (taken, header)
+    return ending, None
+
+
 def _take_reply(comm, flight, box: Mailbox, backoff: Backoff,
                 bound: float) -> Tuple[int, Header]:
     """Complete the oldest push in ``flight``: wait for its reply, then for the push
@@ -142,7 +165,7 @@ def _take_reply(comm, flight, box: Mailbox, backoff: Backoff,
     header = Header.read(lease)
     if oldest.push is not None and not header.flags & DROPPED:
         comm.wait(oldest.push, backoff, timeout=bound)
-    if box.shared and not header.flags & FINAL:  # the weights the server wrote in place
+    if box.shared and not header.flags & (FINAL | PARKED):  # weights written in place
         comm.traffic.add_recv(SHARED, (lease.size - SLOTS) * 4)
     return oldest.lease, header
 
