@@ -33,6 +33,7 @@ TARGET_ALLREDUCE_SHARE = 0.10
 def rank_side(steps: int, data_dir: str) -> None:
     """Runs on every rank under mpirun; rank 0 prints one JSON line of results."""
     from mpitrain import data, models
+    from mpitrain.data import shards
     from mpitrain.comm import Comm
     from mpitrain.models.replica import Replica, checksum, init_tensorflow
 
@@ -47,10 +48,10 @@ def rank_side(steps: int, data_dir: str) -> None:
     comm.bcast_(replica.weights())
     result = {}
     if workers is not None:
-        start, stop = data.shard_range(ds.train_size, n_workers, workers.rank)
+        start, stop = shards.shard_range(ds.train_size, n_workers, workers.rank)
         x, y = ds.x_train[start:stop], ds.y_train[start:stop]
         batches = [idx for epoch in range(1, 100)
-                   for idx in data.epoch_batches(len(y), 100, 0, workers.rank, epoch)]
+                   for idx in shards.epoch_batches(len(y), 100, 0, workers.rank, epoch)]
         alone = workers.size == 1
         t_grad = t_ar = t_apply = 0.0
         for i in range(steps + 20):

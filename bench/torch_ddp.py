@@ -148,7 +148,7 @@ def build(torch, args):
 
 
 # ---------------------------------------------------------------------------------------
-# Data: mpitrain's (mpitrain/data.py)
+# Data: mpitrain's (mpitrain/data/)
 # ---------------------------------------------------------------------------------------
 def datasets(args):
     """(train images, train labels, test images, test labels): float32 NCHW images;
@@ -170,7 +170,7 @@ def datasets(args):
 
 
 def epoch_batches(shard: int, batch: int, seed: int, worker: int, epoch: int):
-    """mpitrain's data.epoch_batches: one epoch's index arrays over a shard."""
+    """mpitrain's data.shards.epoch_batches: one epoch's index arrays over a shard."""
     order = np.random.default_rng([seed, worker, epoch]).permutation(shard)
     for start in range(0, shard, batch):
         yield order[start:start + batch]

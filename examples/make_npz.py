@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpitrain.data import read_mnist_dir
+from mpitrain.data.sources import read_mnist_dir
 
 if __name__ == "__main__":
     source, target = sys.argv[1:3]

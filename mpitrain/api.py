@@ -19,8 +19,6 @@ results files, telemetry, checkpoints and fault handling.
 
 from __future__ import annotations
 
-import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Tuple, Union
@@ -71,24 +69,20 @@ def fit(model: Union[Callable, str], train: Optional[Tuple] = None, test: Option
     (a stalled peer, a local crash) is printed and ends the whole job, as in the
     CLI, so no rank is left waiting.
     """
-    cfg, explicit = _config(model, train, test, mode, data, options)
-    from . import cli, session
+    cfg, explicit, spec, arrays = _config(model, train, test, mode, data, options)
+    from . import exits, session
 
     try:
-        summary = session.run(cfg, explicit)
+        summary = session.run(cfg, explicit, model=spec, arrays=arrays)
     except Dropped as error:  # async under --enable-recovery: the run went on without it
-        cli._fail(error)
+        exits.report(error)
         return None
     except MpitrainError as error:
         if not error.everywhere:
-            cli._fail(error)  # reports to rank 0, which aborts the job
+            exits.report(error)  # reports to rank 0, which aborts the job
         raise
     except Exception:  # a crash on one rank must not leave the others waiting
-        from .comm import abort_world, world_rank_if_running
-
-        sys.stderr.write(f"mpitrain: internal error on rank {world_rank_if_running()}:\n")
-        traceback.print_exc()
-        abort_world(1)
+        exits.crash()
         raise
     if summary.run_dir is None:
         return None
@@ -98,7 +92,8 @@ def fit(model: Union[Callable, str], train: Optional[Tuple] = None, test: Option
 
 
 def _config(model, train, test, mode, data, options):
-    """The run's Config and the names of the settings given, from fit's arguments."""
+    """(the run's Config, the names of the settings given, the model's spec if it is a
+    function, the arrays if given) from fit's arguments."""
     from . import data as datasets, models
 
     if mode not in MODES:
@@ -110,12 +105,16 @@ def _config(model, train, test, mode, data, options):
                          f"training settings: {', '.join(sorted(names))}")
     if (train is None) != (test is None) or (train is None) == (data is None):
         raise UsageError("give fit() train=(x, y) and test=(x, y), or data=PATH")
+    spec = None
     if callable(model):
-        model = models.from_callable(model)
+        spec = models.from_callable(model)
+        model = spec.name
     elif not isinstance(model, str):
         raise UsageError("model must be a function (input_shape, num_classes) -> keras.Model, "
                          "a registered name or a FILE.py:FUNCTION spec")
-    source = datasets.provide_arrays(train, test) if data is None else data
-    cfg = Config(model=models.canonical(model), async_mode=mode == "async", data=source,
+    arrays = None if data is not None else datasets.given_arrays(train, test)
+    cfg = Config(model=models.canonical(model), async_mode=mode == "async",
+                 data=datasets.GIVEN_ARRAYS if data is None else data,
                  **options).checked(lambda f: f"fit({f.name}=...)")
-    return cfg, frozenset(options) | {"data"} | ({"async_mode"} if mode == "async" else set())
+    explicit = frozenset(options) | {"data"} | ({"async_mode"} if mode == "async" else set())
+    return cfg, explicit, spec, arrays

@@ -10,17 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import List, Optional
 
-from . import models
-from .comm import (abort_world, bound_finalize, launcher_rank, launcher_world_size,
-                   report_failure, world_rank_if_running, world_size_if_running)
+from . import exits, models
+from .comm import bound_finalize, launcher_rank, launcher_world_size
 from .config import Config, fields_with_flags, resolve
-from .errors import EXIT_FAILURE, Dropped, Interrupted, MpitrainError, UsageError
-
-PROG = "mpitrain"
+from .errors import Dropped, MpitrainError, UsageError
+from .exits import PROG
 TOOLS = ("plot", "report", "check", "sweep", "launch")
 #: the grid lists ``mpitrain sweep`` takes on its command line: (grid key, option, type)
 SWEEP_LISTS = (("model", "models", str), ("mode", "modes", str), ("np", "np", int),
@@ -302,47 +299,16 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = True) -> int:
         session.run(cfg, explicit_settings(argv), ends_process)
         return 0
     except Dropped as error:
-        _fail(error)
+        exits.report(error)
         # the job goes on without this rank: it leaves at once, without MPI_Finalize
         # (which would still find its last push pending; under --enable-recovery
         # Open MPI lets a rank leave so)
         os._exit(error.exit_code)
     except MpitrainError as error:
-        return _fail(error)
+        return exits.report(error)
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: B902 - a crash on one rank must not hang the others
         if isinstance(error, SystemExit):
             raise
-        rank = world_rank_if_running()
-        sys.stderr.write(f"{PROG}: internal error on rank {rank}:\n")
-        traceback.print_exc()
-        abort_world(EXIT_FAILURE)
-        return EXIT_FAILURE
-
-
-def _fail(error: MpitrainError) -> int:
-    """Print ``error`` once and return its exit code, or end the job if it is local.
-
-    An error every rank raised together is printed by rank 0, which carries the
-    exit code. An error only this rank knows is, on a worker, first reported to
-    rank 0 (which records the run as failed, prints it and aborts the job); on
-    rank 0, printed and followed by an abort of the whole job.
-    """
-    rank = world_rank_if_running()
-    if isinstance(error, Dropped):  # the run goes on without this rank: leave quietly
-        print(f"{PROG}: {error}", file=sys.stderr, flush=True)
-        return error.exit_code
-    label = "interrupted" if isinstance(error, Interrupted) else "error"
-    if error.everywhere or world_size_if_running() <= 1:
-        if rank != 0:
-            # If every rank exited non-zero at once, mpirun would tear the job down
-            # on the first exit and could drop rank 0's line (seen: 3 runs in 10).
-            return 0
-        print(f"{PROG}: {label}: {error}", file=sys.stderr, flush=True)
-        return error.exit_code
-    if rank != 0:
-        report_failure(str(error))  # returns only if rank 0 did not end the job
-    print(f"{PROG}: {label}: {error}", file=sys.stderr, flush=True)
-    abort_world(error.exit_code)
-    return error.exit_code
+        return exits.crash()

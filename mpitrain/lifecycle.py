@@ -34,7 +34,7 @@ import numpy as np
 from .atomic import atomic_file
 from .config import Config
 from .errors import ResultsError, UsageError
-from .data import batches_per_epoch
+from .data.shards import batches_per_epoch
 from .models import same_model
 from .userfiles import open_regular, read_bounded
 

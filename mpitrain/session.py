@@ -17,7 +17,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
+
+import numpy as np
 
 from . import __version__, data, models, telemetry
 from .tools import preflight as preflight_checks
@@ -27,6 +29,7 @@ from .errors import Interrupted, MpitrainError, ResultsError, UsageError, WriteE
 from .launch import attempt_facts
 from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
 from .console import Console, NullConsole
+from .data.shards import batches_per_epoch, check_shards
 from .models.keras_import import onednn_enabled, onednn_hint
 from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from .results import NullResults, RunResults, run_identity
@@ -34,20 +37,24 @@ from .train import Context, Summary, decay_steps, protocol
 from .userfiles import read_bounded
 
 
-def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = False
-        ) -> Summary:
+def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = False, *,
+        model: Optional[models.ModelSpec] = None,
+        arrays: Optional[Dict[str, np.ndarray]] = None) -> Summary:
     """Train as configured; the serving rank writes the results. Collective.
 
     ``explicit`` names the settings given on the command line (for --resume);
     ``ends_process``: the process ends with this run (the CLI's last run), so what the
     run changes about the process need not be undone (:mod:`.train.priority`).
+    ``model`` and ``arrays`` are what ``mpitrain.fit`` hands over in memory: the model
+    to train instead of loading ``cfg.model`` by name, the data instead of reading
+    ``cfg.data`` (see :func:`mpitrain.data.given_arrays`).
     """
     stop = StopRequest().install()  # first, so a signal during setup is not lost
     comm = Comm.world(cfg.timeout, cfg.allreduce_wait, cfg.start_timeout)
     checkpoint, rescale = None, None
     if cfg.resume:
         cfg, checkpoint, rescale = prepare_resume(cfg, explicit, comm)
-    spec = load_model(cfg.model, comm)
+    spec = model if model is not None else load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
     preflight_checks.check_ranks(comm, preflight_checks.local_versions(library_versions()["mpi"]))
     role = comm.role
@@ -56,7 +63,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
 
     # Data before TensorFlow: a missing or corrupt file fails in a second, not
     # after every rank has spent seconds importing TensorFlow.
-    cfg, dataset, shard_size, worker_index = load_data(cfg, comm, spec)
+    cfg, dataset, shard_size, worker_index = load_data(cfg, comm, spec, arrays)
     for line in data.describe(dataset):
         (console.note if line == dataset.note else console.info)(line)
     if checkpoint is not None:  # in this session's units if it was saved on another -np
@@ -176,8 +183,9 @@ def check_model(spec, dataset, from_logits: bool) -> None:
                   from_logits, dataset.input_shape)
 
 
-def load_data(cfg: Config, comm: Comm, spec):
+def load_data(cfg: Config, comm: Comm, spec, arrays=None):
     """(config, this rank's splits, shard size, worker index); a worker keeps its shard.
+    ``arrays``: the data ``mpitrain.fit`` was given, instead of ``cfg.data``.
 
     With --batches-per-epoch the batch size is only known now, from the data size.
     """
@@ -189,11 +197,12 @@ def load_data(cfg: Config, comm: Comm, spec):
     worker_index = 0 if comm.size == 1 else comm.rank - 1
     dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
                         synthetic_shape=shape, user_data=cfg.data, image_size=cfg.image_size,
-                        shard=(cfg.workers, worker_index) if role.trains else None)
+                        shard=(cfg.workers, worker_index) if role.trains else None,
+                        arrays=arrays)
     if cfg.batches_per_epoch:
         shard = dataset.train_size // cfg.workers
         cfg = dataclasses.replace(cfg, batch_size=max(1, -(-shard // cfg.batches_per_epoch)))
-    shard_size = data.check_shards(dataset.train_size, cfg.workers, cfg.batch_size)
+    shard_size = check_shards(dataset.train_size, cfg.workers, cfg.batch_size)
     check_run_length(cfg, shard_size)
     return cfg, dataset, shard_size, worker_index
 
@@ -201,7 +210,7 @@ def load_data(cfg: Config, comm: Comm, spec):
 def check_run_length(cfg: Config, shard_size: int) -> None:
     """UsageError if the run would count more updates than its counters hold (steps and
     server versions travel as int32 in every message's header)."""
-    per_epoch = data.batches_per_epoch(shard_size, cfg.batch_size)
+    per_epoch = batches_per_epoch(shard_size, cfg.batch_size)
     steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
     updates = steps * (cfg.workers if cfg.mode == "async" else 1)
     if updates > MAX_COUNT:
@@ -267,8 +276,8 @@ def final_results(ctx: Context) -> Summary:
         return Summary(0.0, ctx.total_steps, float(ctx.cfg.epochs), nan, nan, nan)
     ctx.replica.set_state(ckpt.state)
     loss, accuracy = ctx.replica.evaluate(ctx.data.x_test, ctx.data.y_test)
-    ctx.console.note(f"the run's training was already complete (killed after its final "
-                     f"checkpoint): writing its results")
+    ctx.console.note("the run's training was already complete (killed after its final "
+                     "checkpoint): writing its results")
     return Summary(ckpt.wall_time_s, ckpt.step, float(ctx.cfg.epochs), loss, accuracy, nan)
 
 

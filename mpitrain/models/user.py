@@ -14,7 +14,7 @@ import re
 import stat
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 from ..errors import UsageError
 from ..userfiles import not_regular, read_bounded, stat_mode
@@ -130,40 +130,36 @@ def _is_file(target: str) -> bool:
     return target.endswith(".py") or os.sep in target or "/" in target
 
 
-_LOADED: Dict[str, ModelSpec] = {}
-
-
-def from_callable(builder: Callable) -> str:
-    """Make a builder function (``mpitrain.fit``'s model) loadable by :func:`get` in
-    this process; returns its name, ``SCRIPT.py:FUNCTION`` for a script's function."""
+def from_callable(builder: Callable) -> ModelSpec:
+    """The spec of a builder function (``mpitrain.fit``'s model), named
+    ``SCRIPT.py:FUNCTION`` for a script's function, else ``module:FUNCTION``."""
     module = getattr(builder, "__module__", None) or "model"
     if module == "__main__" and sys.argv and sys.argv[0].endswith(".py"):
         module = str(Path(sys.argv[0]).resolve())
     name = f"{module}:{getattr(builder, '__qualname__', 'build')}"
     source = getattr(getattr(builder, "__code__", None), "co_filename", None)
-    _LOADED[name] = ModelSpec(name, _checked(name, builder, source), f"your model {name}",
-                              dict(USER_DEFAULTS), dict(USER_SYNTHETIC), source)
-    return name
+    return ModelSpec(name, _checked(name, builder, source), f"your model {name}",
+                     dict(USER_DEFAULTS), dict(USER_SYNTHETIC), source)
 
 
 def user_spec(spec: str) -> ModelSpec:
-    if spec not in _LOADED:
-        target, function = _split(spec)
-        if not function or not target:
-            precheck(spec)  # raises: the spec names no function
-        module = _import_file(spec, target) if _is_file(target) else _import_module(spec, target)
-        builder = getattr(module, function, None)
-        if builder is None:
-            raise UsageError(f"model {spec}: {target} has no function {function!r}; define "
-                             f"def {function}(input_shape, num_classes) returning a keras.Model")
-        if not callable(builder):
-            raise UsageError(f"model {spec}: {function} is an object of type "
-                             f"{type(builder).__name__}, not a function; define "
-                             f"def {function}(input_shape, num_classes) returning a keras.Model")
-        source = getattr(module, "__file__", None)
-        _LOADED[spec] = ModelSpec(spec, _checked(spec, builder, source), f"your model {spec}",
-                                  dict(USER_DEFAULTS), dict(USER_SYNTHETIC), source)
-    return _LOADED[spec]
+    """The ModelSpec of a user's ``spec``, its module imported (once a process, as
+    Python imports any module); UsageError naming the spec for any problem."""
+    target, function = _split(spec)
+    if not function or not target:
+        precheck(spec)  # raises: the spec names no function
+    module = _import_file(spec, target) if _is_file(target) else _import_module(spec, target)
+    builder = getattr(module, function, None)
+    if builder is None:
+        raise UsageError(f"model {spec}: {target} has no function {function!r}; define "
+                         f"def {function}(input_shape, num_classes) returning a keras.Model")
+    if not callable(builder):
+        raise UsageError(f"model {spec}: {function} is an object of type "
+                         f"{type(builder).__name__}, not a function; define "
+                         f"def {function}(input_shape, num_classes) returning a keras.Model")
+    source = getattr(module, "__file__", None)
+    return ModelSpec(spec, _checked(spec, builder, source), f"your model {spec}",
+                     dict(USER_DEFAULTS), dict(USER_SYNTHETIC), source)
 
 
 def _model_file(spec: str, target: str) -> Path:
@@ -181,6 +177,9 @@ def _model_file(spec: str, target: str) -> Path:
 def _import_file(spec: str, target: str):
     path = _model_file(spec, target)
     name = f"mpitrain_user_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}"
+    imported = sys.modules.get(name)
+    if imported is not None and _same_file(getattr(imported, "__file__", ""), str(path)):
+        return imported  # this file, imported by an earlier run of this process
     loader_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..comm import Comm, Role
 from ..config import Config
-from ..data import Dataset, batches_per_epoch, epoch_batches
+from ..data.shards import Dataset, batches_per_epoch, epoch_batches
 from ..errors import Divergence, Interrupted
 from ..lifecycle import Checkpoint, StopRequest, geometry
 from ..models.replica import Replica

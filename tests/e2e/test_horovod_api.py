@@ -122,10 +122,10 @@ def test_the_examples_train_and_resume(tmp_path):
     examples/horovod_loop.py (Horovod's custom loop). One launch at -np 3 on an npz of
     the real MNIST."""
     from conftest import mnist_dir
-    from mpitrain import data
+    from mpitrain.data import sources
 
     npz = tmp_path / "mnist.npz"
-    np.savez(npz, **data.read_mnist_dir(mnist_dir()))
+    np.savez(npz, **sources.read_mnist_dir(mnist_dir()))
     fit = [str(REPO / "examples" / "keras_fit.py"), str(npz), "--steps", "30",
            "--checkpoint-dir", str(tmp_path / "ckpt")]
     runs = [fit + ["--epochs", "1"], fit + ["--epochs", "2"],

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import (REPO, in_one_launch, mpirun, mpirun_cmd, read_rows, run_bounded,
                       write_cifar, write_image_folder)
-from mpitrain import data
+from mpitrain.data import sources
 
 CNN = f"{REPO}/examples/cnn_batchnorm.py:build"
 
@@ -21,7 +21,7 @@ def mnist_npz(tmp_path_factory):
     from conftest import mnist_dir
 
     path = tmp_path_factory.mktemp("npz") / "mnist.npz"
-    np.savez(path, **data.read_mnist_dir(mnist_dir()))
+    np.savez(path, **sources.read_mnist_dir(mnist_dir()))
     return path
 
 
@@ -29,7 +29,7 @@ def mnist_npz(tmp_path_factory):
 def small_npz(tmp_path_factory):
     from conftest import mnist_dir
 
-    arrays = data.read_mnist_dir(mnist_dir())
+    arrays = sources.read_mnist_dir(mnist_dir())
     path = tmp_path_factory.mktemp("npz") / "small.npz"
     np.savez(path, x_train=arrays["x_train"][:3000], y_train=arrays["y_train"][:3000],
              x_test=arrays["x_test"][:1000], y_test=arrays["y_test"][:1000])

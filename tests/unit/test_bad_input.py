@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import fill, read_rows, write_cifar, write_image_folder
 from mpitrain import api, cli, data, models, userfiles
+from mpitrain.data import decoding, memory, sources
 from mpitrain.config import Config, flag_of
 from mpitrain.errors import EXIT_CANNOT_WRITE, DataError, ResultsError, UsageError, WriteError
 from mpitrain.lifecycle import Checkpoint, resumed_config
@@ -117,8 +118,8 @@ def test_fit_checks_its_options_as_the_command_line_does(options, message):
 
 def test_fit_takes_numpy_and_whole_numbers_as_plain_ones():
     x, y = [[0.0, 1.0]] * 4, [0, 1, 0, 1]
-    cfg, _ = api._config("lr", (x, y), (x, y), "sync", None,
-                         dict(epochs=np.int64(3), batch_size=2.0, lr=np.float32(0.5)))
+    cfg, *_ = api._config("lr", (x, y), (x, y), "sync", None,
+                          dict(epochs=np.int64(3), batch_size=2.0, lr=np.float32(0.5)))
     assert (cfg.epochs, cfg.batch_size, cfg.lr) == (3, 2, 0.5)
     assert (type(cfg.epochs), type(cfg.batch_size), type(cfg.lr)) == (int, int, float)
 
@@ -201,7 +202,7 @@ def _fifo_as_idx(tmp_path):
     mnist = write_mnist(tmp_path / "mnist")
     victim = mnist / "train-labels-idx1-ubyte.gz"
     victim.unlink()
-    return lambda: data.read_mnist_dir(mnist), fifo(victim)
+    return lambda: sources.read_mnist_dir(mnist), fifo(victim)
 
 
 def _fifo_as_cifar_batch(tmp_path):
@@ -396,11 +397,11 @@ def test_a_fit_builder_that_exits_is_one_line():
     def build(input_shape, num_classes):
         raise SystemExit("no GPU, bye")
 
-    name = models.from_callable(build)
+    spec = models.from_callable(build)
     with pytest.raises(UsageError) as error:
-        models.get(name).build((4,), 2)
+        spec.build((4,), 2)
     assert one_line(error.value).startswith(
-        f"model {name}: building it for input (4,) and 2 classes failed (it called "
+        f"model {spec.name}: building it for input (4,) and 2 classes failed (it called "
         f"sys.exit('no GPU, bye') at {__file__} line")
 
 
@@ -564,7 +565,7 @@ def test_any_labels_load_as_classes_or_are_one_line(tmp_path, labels):
     except DataError as e:
         one_line(e)
         return
-    assert 2 <= ds.num_classes <= data.MAX_CLASSES and ds.y_train.dtype == np.int32
+    assert 2 <= ds.num_classes <= decoding.MAX_CLASSES and ds.y_train.dtype == np.int32
     assert np.array_equal(ds.y_train, y.astype(np.int64))
 
 
@@ -592,21 +593,21 @@ def test_images_that_cannot_fit_are_refused_before_they_are_decoded(tmp_path):
 def test_synthetic_data_that_cannot_fit_is_a_usage_error():  # issue #39, item 13
     shape = {**models.get("alexnet").synthetic, "image_size": 60000, "n_train": 1280}
     with pytest.raises(UsageError) as error:
-        data.check_synthetic(shape, data.SPLITS, data.MemoryBudget(20 * 2**30, 3, "vm"))
+        sources.check_synthetic(shape, data.SPLITS, data.MemoryBudget(20 * 2**30, 3, "vm"))
     assert one_line(error.value) == (
         "--image-size 60000, --synthetic-size 1,280: the synthetic data (128 random "
         "60000x60000x3 images and 1,536 labels) need 5.0 TiB of memory on each rank, but vm "
         "has 20.0 GiB available for its 3 rank(s); use a smaller --image-size or "
         "--synthetic-size")
     assert not error.value.everywhere  # agreed on by data.load, every rank at once
-    data.check_synthetic({**shape, "image_size": 224}, data.SPLITS,
+    sources.check_synthetic({**shape, "image_size": 224}, data.SPLITS,
                          data.MemoryBudget(20 * 2**30, 3))
 
 
 def test_available_memory_is_what_this_host_can_give():
     import psutil
 
-    assert 0 < data.available_memory() <= psutil.virtual_memory().total
+    assert 0 < memory.available_memory() <= psutil.virtual_memory().total
 
 
 def test_fit_arrays_that_are_not_arrays_are_one_line():

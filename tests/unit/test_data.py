@@ -12,6 +12,7 @@ import pytest
 
 from conftest import mnist_size
 from mpitrain import data
+from mpitrain.data import shards, sources
 from mpitrain.errors import DataError, UsageError
 
 
@@ -28,7 +29,7 @@ def write_mnist(directory: Path, n_train=30, n_test=10, gz=True, seed=0) -> Path
               "y_train": rng.integers(0, 10, n_train, dtype=np.uint8),
               "x_test": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
               "y_test": rng.integers(0, 10, n_test, dtype=np.uint8)}
-    for key, stem in data.IDX_NAMES.items():
+    for key, stem in sources.IDX_NAMES.items():
         raw = idx_bytes(arrays[key])
         if gz:
             (directory / (stem + ".gz")).write_bytes(gzip.compress(raw))
@@ -60,12 +61,12 @@ class OneRank:
 @pytest.mark.parametrize("gz", [True, False])
 def test_idx_round_trip(tmp_path, gz):
     write_mnist(tmp_path, gz=gz)
-    arrays = data.read_mnist_dir(str(tmp_path))  # a str as well as a Path
+    arrays = sources.read_mnist_dir(str(tmp_path))  # a str as well as a Path
     assert arrays["x_train"].shape == (30, 28, 28) and arrays["y_test"].shape == (10,)
 
 
 def test_real_mnist_shapes(mnist):
-    arrays = data.read_mnist_dir(mnist)
+    arrays = sources.read_mnist_dir(mnist)
     assert arrays["x_train"].shape == (mnist_size("train"), 28, 28)
     assert arrays["x_test"].shape == (mnist_size("test"), 28, 28)
     assert set(np.unique(arrays["y_train"])) == set(range(10))
@@ -76,7 +77,7 @@ def test_truncated_gzip_names_the_file(tmp_path):
     victim = tmp_path / "train-images-idx3-ubyte.gz"
     victim.write_bytes(victim.read_bytes()[:500])
     with pytest.raises(DataError, match="train-images-idx3-ubyte.gz.*corrupt or truncated"):
-        data.read_mnist_dir(tmp_path)
+        sources.read_mnist_dir(tmp_path)
 
 
 def test_truncated_raw_idx_names_the_file(tmp_path):
@@ -84,21 +85,21 @@ def test_truncated_raw_idx_names_the_file(tmp_path):
     victim = tmp_path / "t10k-images-idx3-ubyte"
     victim.write_bytes(victim.read_bytes()[:-7])
     with pytest.raises(DataError, match="t10k-images-idx3-ubyte: IDX header announces"):
-        data.read_mnist_dir(tmp_path)
+        sources.read_mnist_dir(tmp_path)
 
 
 def test_bad_magic(tmp_path):
     write_mnist(tmp_path, gz=False)
     (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"PK\x03\x04garbage")
     with pytest.raises(DataError, match="not an IDX file"):
-        data.read_mnist_dir(tmp_path)
+        sources.read_mnist_dir(tmp_path)
 
 
 def test_not_gzip_at_all(tmp_path):
     write_mnist(tmp_path)
     (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(b"this is not gzip")
     with pytest.raises(DataError, match="t10k-labels-idx1-ubyte.gz: cannot read"):
-        data.read_mnist_dir(tmp_path)
+        sources.read_mnist_dir(tmp_path)
 
 
 def test_label_count_mismatch(tmp_path):
@@ -106,23 +107,23 @@ def test_label_count_mismatch(tmp_path):
     labels = np.zeros(29, np.uint8)
     (tmp_path / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(labels)))
     with pytest.raises(DataError, match="30 train images but labels of shape"):
-        data.read_mnist_dir(tmp_path)
+        sources.read_mnist_dir(tmp_path)
 
 
 def test_missing_files_listed(tmp_path):
     write_mnist(tmp_path)
     (tmp_path / "t10k-images-idx3-ubyte.gz").unlink()
     with pytest.raises(DataError, match="missing t10k-images-idx3-ubyte"):
-        data.read_mnist_dir(tmp_path)
+        sources.read_mnist_dir(tmp_path)
 
 
 def test_npz_and_corrupt_npz(tmp_path):
-    arrays = data.read_mnist_dir(write_mnist(tmp_path / "idx"))
+    arrays = sources.read_mnist_dir(write_mnist(tmp_path / "idx"))
     np.savez(tmp_path / "mnist.npz", **arrays)
-    assert data.read_mnist_dir(tmp_path)["x_train"].shape == (30, 28, 28)
+    assert sources.read_mnist_dir(tmp_path)["x_train"].shape == (30, 28, 28)
     (tmp_path / "mnist.npz").write_bytes((tmp_path / "mnist.npz").read_bytes()[:100])
     with pytest.raises(DataError, match="mnist.npz: cannot read"):
-        data.read_mnist_dir(tmp_path)
+        sources.read_mnist_dir(tmp_path)
 
 
 # ---- resolution order -------------------------------------------------------------------
@@ -130,27 +131,27 @@ def test_explicit_dir_beats_env_and_cache(tmp_path, monkeypatch):
     write_mnist(tmp_path / "flag", n_train=11)
     write_mnist(tmp_path / "env", n_train=12)
     monkeypatch.setenv("MPITRAIN_DATA_DIR", str(tmp_path / "env"))
-    arrays, origin = data.local_mnist(str(tmp_path / "flag"))
+    arrays, origin = sources.local_mnist(str(tmp_path / "flag"))
     assert len(arrays["y_train"]) == 11 and origin.endswith("flag")
-    arrays, origin = data.local_mnist(None)
+    arrays, origin = sources.local_mnist(None)
     assert len(arrays["y_train"]) == 12 and origin.endswith("env")
 
 
 def test_keras_cache_used_last(tmp_path, monkeypatch):
     monkeypatch.delenv("MPITRAIN_DATA_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert data.local_mnist(None) == (None, "")
-    arrays = data.read_mnist_dir(write_mnist(tmp_path / "idx", n_train=13))
+    assert sources.local_mnist(None) == (None, "")
+    arrays = sources.read_mnist_dir(write_mnist(tmp_path / "idx", n_train=13))
     cache = tmp_path / ".keras" / "datasets"
     cache.mkdir(parents=True)
     np.savez(cache / "mnist.npz", **arrays)
-    found, origin = data.local_mnist(None)
+    found, origin = sources.local_mnist(None)
     assert len(found["y_train"]) == 13 and origin.endswith("mnist.npz")
 
 
 def test_missing_explicit_dir_is_an_error(tmp_path):
     with pytest.raises(DataError, match="--data-dir .*nope: no such directory"):
-        data.local_mnist(str(tmp_path / "nope"))
+        sources.local_mnist(str(tmp_path / "nope"))
 
 
 def test_auto_falls_back_to_digits_offline(tmp_path, monkeypatch):
@@ -189,17 +190,17 @@ def test_download_verifies_checksum(http_dir, tmp_path):
     payload = b"x" * 100_000
     (served / "f.bin").write_bytes(payload)
     dest = tmp_path / "out" / "f.bin"
-    data.download(url + "/f.bin", dest, hashlib.sha256(payload).hexdigest())
+    sources.download(url + "/f.bin", dest, hashlib.sha256(payload).hexdigest())
     assert dest.read_bytes() == payload
     with pytest.raises(DataError, match="SHA-256 .* does not match"):
-        data.download(url + "/f.bin", tmp_path / "bad.bin", "0" * 64)
+        sources.download(url + "/f.bin", tmp_path / "bad.bin", "0" * 64)
     assert not (tmp_path / "bad.bin").exists()
     assert not list((tmp_path).glob(".*.part"))
 
 
 def test_download_from_mirror_with_wrong_file_is_rejected(http_dir, tmp_path, monkeypatch):
     served, url = http_dir
-    arrays = data.read_mnist_dir(write_mnist(tmp_path / "idx"))
+    arrays = sources.read_mnist_dir(write_mnist(tmp_path / "idx"))
     np.savez(served / "mnist.npz", **arrays)  # not the official file: checksum must fail
     monkeypatch.delenv("MPITRAIN_DATA_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -211,13 +212,13 @@ def test_download_from_mirror_with_wrong_file_is_rejected(http_dir, tmp_path, mo
 
 def test_download_unreachable():
     with pytest.raises(DataError, match="cannot download http://127.0.0.1:9/x"):
-        data.download("http://127.0.0.1:9/x", Path("/tmp/never"), "0" * 64, timeout=5)
+        sources.download("http://127.0.0.1:9/x", Path("/tmp/never"), "0" * 64, timeout=5)
 
 
 # ---- shards and batches -----------------------------------------------------------------
 @pytest.mark.parametrize("n,workers", [(20000, 1), (20000, 2), (20000, 3), (10, 3), (7, 7)])
 def test_shards_are_disjoint_equal_and_cover(n, workers):
-    ranges = [data.shard_range(n, workers, i) for i in range(workers)]
+    ranges = [shards.shard_range(n, workers, i) for i in range(workers)]
     sizes = {stop - start for start, stop in ranges}
     assert len(sizes) == 1
     covered = [i for start, stop in ranges for i in range(start, stop)]
@@ -225,11 +226,11 @@ def test_shards_are_disjoint_equal_and_cover(n, workers):
 
 
 def test_check_shards_errors():
-    assert data.check_shards(20000, 3, 100) == 6666
+    assert shards.check_shards(20000, 3, 100) == 6666
     with pytest.raises(UsageError, match="every worker would get no data"):
-        data.check_shards(2, 3, 1)
+        shards.check_shards(2, 3, 1)
     with pytest.raises(UsageError, match="larger than a worker's shard.*6666"):
-        data.check_shards(20000, 3, 7000)
+        shards.check_shards(20000, 3, 7000)
 
 
 @pytest.mark.parametrize("user", [False, True], ids=["mnist", "npz"])
@@ -238,13 +239,13 @@ def test_a_worker_keeps_its_shard_as_the_same_floats(tmp_path, user):
     worker's floats are bit for bit those of the whole set, sliced, in an array of its
     own (the whole set read can be freed); the other splits are as without a shard."""
     write_mnist(tmp_path / "m", n_train=200, n_test=4)
-    arrays = data.read_mnist_dir(tmp_path / "m")
+    arrays = sources.read_mnist_dir(tmp_path / "m")
     np.savez(tmp_path / "m.npz", **arrays)
     source = dict(data_dir=None, user_data=str(tmp_path / "m.npz")) if user else \
         dict(data_dir=tmp_path / "m")
     whole = data.load("mnist", comm=OneRank(), **source)
     worker = data.load("mnist", comm=OneRank(), shard=(3, 1), **source)
-    start, stop = data.shard_range(200, 3, 1)
+    start, stop = shards.shard_range(200, 3, 1)
     expected = arrays["x_train"][start:stop, :, :, None].astype(np.float32) / np.float32(255)
     assert worker.x_train.dtype == np.float32 and worker.x_train.base is None
     assert worker.x_train.tobytes() == expected.tobytes() == whole.x_train[start:stop].tobytes()
@@ -254,17 +255,17 @@ def test_a_worker_keeps_its_shard_as_the_same_floats(tmp_path, user):
 
 
 def test_epoch_batches_cover_shard_once_and_are_reproducible():
-    batches = list(data.epoch_batches(1050, 100, seed=1, worker=2, epoch=3))
-    assert len(batches) == data.batches_per_epoch(1050, 100) == 11
+    batches = list(shards.epoch_batches(1050, 100, seed=1, worker=2, epoch=3))
+    assert len(batches) == shards.batches_per_epoch(1050, 100) == 11
     assert len(batches[-1]) == 50
     assert sorted(np.concatenate(batches)) == list(range(1050))
-    again = list(data.epoch_batches(1050, 100, seed=1, worker=2, epoch=3))
+    again = list(shards.epoch_batches(1050, 100, seed=1, worker=2, epoch=3))
     assert all((a == b).all() for a, b in zip(batches, again))
-    other = next(data.epoch_batches(1050, 100, seed=1, worker=2, epoch=4))
+    other = next(shards.epoch_batches(1050, 100, seed=1, worker=2, epoch=4))
     assert not (other == batches[0]).all()
 
 
 def test_digits_fallback_shape():
-    arrays = data.digits_upscaled()
+    arrays = sources.digits_upscaled()
     assert arrays["x_train"].shape[1:] == (28, 28) and arrays["x_train"].dtype == np.uint8
     assert len(arrays["y_train"]) + len(arrays["y_test"]) == 1797

@@ -10,6 +10,7 @@ import pytest
 from conftest import write_cifar
 from mpitrain import api, data, models
 from mpitrain.errors import DataError, UsageError
+from unit.test_data import OneRank
 
 
 def test_hostile_cifar_batch_is_refused_not_run(tmp_path, capsys):
@@ -43,9 +44,18 @@ def test_fit_arguments():
 
     def build(input_shape, num_classes):
         return None
-    cfg, explicit = api._config(build, (x, y), (x, y), "async", None, {"epochs": 2})
-    assert cfg.async_mode and cfg.epochs == 2 and cfg.data == data.IN_MEMORY
-    assert cfg.model.endswith(":test_fit_arguments.<locals>.build")
+    cfg, explicit, spec, arrays = api._config(build, (x, y), (x, y), "async", None,
+                                              {"epochs": 2})
+    assert cfg.async_mode and cfg.epochs == 2 and cfg.data == data.GIVEN_ARRAYS
+    assert cfg.model.endswith(":test_fit_arguments.<locals>.build") and spec.name == cfg.model
     assert {"epochs", "async_mode", "data"} <= explicit
-    ds = data.read_user_data(cfg.data)
+    ds = data.load("auto", None, OneRank(), arrays=arrays)
     assert (ds.name, ds.input_shape, ds.num_classes) == ("arrays", (3,), 2)
+
+
+def test_the_arrays_of_a_fit_run_are_not_read_from_the_command_line():
+    """A run of mpitrain.fit records its arrays by a name no file has: resuming it
+    outside its script is one line saying where it can be resumed."""
+    with pytest.raises(DataError, match="arrays its script handed to mpitrain.fit, which "
+                                        "only that script has: resume it from the script"):
+        data.load("auto", None, OneRank(), user_data=data.GIVEN_ARRAYS)

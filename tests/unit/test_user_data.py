@@ -17,6 +17,7 @@ import pytest
 
 from conftest import mnist_dir
 from mpitrain import data
+from mpitrain.data import sources
 from mpitrain.errors import DataError
 from unit.test_data import OneRank
 
@@ -37,7 +38,7 @@ def banded(n: int, seed: int, size: int = 32, channels: int = 3, classes: int = 
 
 def write_mnist_npz(path: Path, n_train: int = 6000, n_test: int = 2000, flat=False) -> Path:
     """An npz made from the real MNIST (the first n examples of each split)."""
-    arrays = data.read_mnist_dir(mnist_dir())
+    arrays = sources.read_mnist_dir(mnist_dir())
     out = {"x_train": arrays["x_train"][:n_train], "y_train": arrays["y_train"][:n_train],
            "x_test": arrays["x_test"][:n_test], "y_test": arrays["y_test"][:n_test]}
     if flat:
@@ -105,7 +106,7 @@ def test_npz_from_real_mnist_images_and_vectors(tmp_path):
         ("npz", (28, 28, 1), 10, 6000)
     assert ds.source == str((tmp_path / "m.npz").absolute())
     assert ds.x_train.dtype == np.float32 and 0 <= ds.x_train.min() and ds.x_train.max() == 1
-    raw = data.read_mnist_dir(mnist_dir())["x_train"][:6000]
+    raw = sources.read_mnist_dir(mnist_dir())["x_train"][:6000]
     np.testing.assert_allclose(ds.x_train[..., 0], raw / 255.0, atol=1e-6)
     flat = data.read_user_data(str(write_mnist_npz(tmp_path / "f.npz", flat=True)))
     assert flat.input_shape == (784,) and flat.x_test.shape == (2000, 784)

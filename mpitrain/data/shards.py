@@ -1,0 +1,70 @@
+"""What a rank holds of the data, and how the training split is divided among workers.
+
+:class:`Dataset` is the record every source fills; the rest is the shard arithmetic
+that the training protocols and the checkpoint positions count in: each worker owns a
+disjoint, equal-size slice of the training set (:func:`shard_range`, the remainder
+dropped), passes over it once an epoch in batches shuffled reproducibly per (seed,
+worker, epoch) (:func:`epoch_batches`), and an epoch is :func:`batches_per_epoch` steps.
+Pure arithmetic: numpy and :mod:`mpitrain.errors` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import UsageError
+
+SPLITS = ("train", "test")
+
+
+@dataclass
+class Dataset:
+    """The splits a rank loaded, with where they came from."""
+
+    name: str  # mnist, digits, synthetic, npz, images, cifar10, arrays: in the results
+    source: str  # a path or URL, for the log and config.json
+    num_classes: int
+    input_shape: Tuple[int, ...]
+    train_size: int
+    x_train: Optional[np.ndarray] = None
+    y_train: Optional[np.ndarray] = None
+    x_test: Optional[np.ndarray] = None
+    y_test: Optional[np.ndarray] = None
+    note: str = ""  # a line the user must see (e.g. the offline fallback)
+    classes: Optional[List[str]] = None  # class names, where the data names them
+
+
+def shard_range(n_examples: int, workers: int, index: int) -> Tuple[int, int]:
+    """[start, stop) of worker ``index``'s shard: disjoint, equal sizes, remainder dropped."""
+    size = n_examples // workers
+    return index * size, (index + 1) * size
+
+
+def check_shards(n_examples: int, workers: int, batch_size: int) -> int:
+    """Shard size per worker; UsageError if a worker would get no data or less than a batch."""
+    size = n_examples // workers
+    if size == 0:
+        raise UsageError(f"{workers} workers but only {n_examples} training examples: every "
+                         "worker would get no data; use fewer ranks (mpirun -np)")
+    if batch_size > size:
+        raise UsageError(f"--batch-size {batch_size} is larger than a worker's shard "
+                         f"({size} examples = {n_examples} / {workers} workers); use "
+                         f"--batch-size {size} or less")
+    return size
+
+
+def batches_per_epoch(shard_size: int, batch_size: int) -> int:
+    """Steps in one pass over a shard; the last batch may be smaller."""
+    return -(-shard_size // batch_size)
+
+
+def epoch_batches(shard_size: int, batch_size: int, seed: int, worker: int,
+                  epoch: int) -> Iterator[np.ndarray]:
+    """Index arrays of one epoch over a shard, shuffled reproducibly per (seed, worker, epoch)."""
+    order = np.random.default_rng([seed, worker, epoch]).permutation(shard_size)
+    for start in range(0, shard_size, batch_size):
+        yield order[start:start + batch_size]
+
