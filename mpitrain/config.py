@@ -171,7 +171,8 @@ class Config:
         "how a sync worker waits in the mpi allreduce: spin (inside MPI's blocking "
         "allreduce, the fastest when every rank has a core; a watchdog thread holds "
         "--timeout), poll (test, yield the core, then sleep: for hosts with more ranks "
-        "than cores), or auto (spin unless this host runs more ranks than it has cores)",
+        "than cores), or auto (spin only where every host has a core to spare for each "
+        "of its ranks, its load average counted)",
         "auto", flag="--allreduce-wait", choices=ALLREDUCE_WAITS)
     compiler: str = _opt(
         "how the training steps are compiled: graph (tf.function), xla (TensorFlow's "

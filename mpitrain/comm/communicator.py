@@ -78,14 +78,15 @@ class Comm:
         # names and what decides how ranks wait (see spins), by a bounded allgather.
         bootstrap = cls(c, timeout, Traffic(), [MPI.Get_processor_name()] * c.Get_size(),
                         range(c.Get_size()))
-        names, nodes, pids, cpus, thread_multiple = zip(*bootstrap.allgather_objects(
+        names, nodes, pids, cpus, thread_multiple, loads = zip(*bootstrap.allgather_objects(
             (MPI.Get_processor_name(), bootstrap._node_leader(), os.getpid(),
-             os.cpu_count() or 1, MPI.Query_thread() == MPI.THREAD_MULTIPLE), kind="control"))
+             os.cpu_count() or 1, MPI.Query_thread() == MPI.THREAD_MULTIPLE,
+             os.getloadavg()[0]), kind="control"))
         hosts = node_names(names, nodes)
         world = cls(c, timeout, bootstrap.traffic, hosts, range(c.Get_size()))
         world.pids = list(pids)
         world._workers = world._split_workers()
-        if spins(allreduce_wait, hosts, cpus, thread_multiple):
+        if spins(allreduce_wait, hosts, cpus, thread_multiple, loads):
             for comm in (world, world._workers):  # (the same object at -np 1)
                 if comm is not None:
                     comm._spin = spin_watch(comm.name(comm.rank))
@@ -449,26 +450,30 @@ def node_names(names: Sequence[str], leaders: Sequence[int]) -> List[str]:
 
 
 def spins(allreduce_wait: str, hosts: Sequence[str], cpus: Sequence[int],
-          thread_multiple: Sequence[bool]) -> bool:
+          thread_multiple: Sequence[bool], loads: Optional[Sequence[float]] = None) -> bool:
     """Whether the ranks wait in the allreduce inside MPI's blocking call (``spin``) rather
-    than polling, from every rank's host, its host's CPU count and its MPI thread level:
-    mpitrain's one wait-policy decision (the exchange planning calls it; so may anyone).
+    than polling, from every rank's host, its host's CPU count, its MPI thread level and
+    its host's load average (1 minute, read as the job starts; None: not known, taken as
+    0): mpitrain's one wait-policy decision (the exchange planning calls it; so may anyone).
 
-    'auto' spins when every host has a core for every rank of the job on it. Open
-    MPI's blocking waits busy-poll; with more ranks than cores a spinning rank
-    takes the core of the one everybody waits for (a raw blocking allreduce of
-    31 KB took 31 ms at -np 3 on 2 cores). The rule is the same for Open MPI 4.1, Open
-    MPI 5 and MPICH: all three busy-poll inside their blocking calls (MPICH's ch4 device
-    too), so a rank without a core of its own must poll. ``python -m bench mpis``
-    measures both waits on each (docs/benchmarks.md section 16; not yet on a quiet
-    host). 'poll' never spins; neither does any
-    choice without MPI_THREAD_MULTIPLE on every rank (the watchdog's heartbeats
-    and failure report are MPI calls from a second thread). The same answer on
-    every rank, as the ranks of one allreduce must all make the same call.
+    'auto' spins only where every host has a core to spare for every rank of the job on
+    it: its ranks plus its load average fit in its cores. A spinning rank keeps a core
+    busy for the whole wait (the blocking waits of Open MPI 4.1, Open MPI 5 and MPICH
+    all busy-poll), the core that the rank it waits for, or another busy process,
+    needs when they outnumber the cores; a polling rank yields it. Spinning saves
+    microseconds an allreduce where every rank has a core of its own, and costs whole
+    scheduler time slices where it has not (``python -m bench mpis``, docs/benchmarks.md
+    sections 1 and 16: the same on the three implementations). The load average counts
+    this job's own ranks only in part as it starts, and counting them twice errs
+    towards polling, the cheaper mistake. 'poll' never spins; neither does any choice
+    without MPI_THREAD_MULTIPLE on every rank (the watchdog's heartbeats and failure
+    report are MPI calls from a second thread). The same answer on every rank, as the
+    ranks of one allreduce must all make the same call.
     """
     if allreduce_wait == "poll" or not all(thread_multiple):
         return False
     if allreduce_wait == "spin":
         return True
     per_host = Counter(hosts)
-    return all(per_host[host] <= n for host, n in zip(hosts, cpus))
+    loads = [0.0] * len(hosts) if loads is None else loads
+    return all(per_host[host] + load <= n for host, n, load in zip(hosts, cpus, loads))

@@ -193,3 +193,13 @@ def test_the_benchmark_of_the_three_runs():
     for row in rows:
         assert float(row["lr sync s/epoch"]) > 0 and float(row["allreduce lr blocking us"]) > 0
         assert float(row["lr async s/epoch / best"]) >= 1.0
+    # Open MPI's ranks share mpirun's session; Hydra gives each rank one of its own
+    # (what section 16 of docs/benchmarks.md explains its figures under load with)
+    assert [row["rank sessions at -np 2"] for row in rows] == ["1", "1", "2"], rows
+    waits = read_rows(summary.parent / "mpis-waits.csv")  # spin and poll, one launch each
+    assert [(w["mpi"], w["np"]) for w in waits] == [(row["mpi"], "3") for row in rows]
+    for w in waits:
+        assert float(w["spin s/epoch"]) > 0 and float(w["poll s/epoch"]) > 0
+        assert w["auto picks"] in ("spin", "poll"), w
+        if (os.cpu_count() or 1) < 3:  # 3 ranks on 2 cores: never spin
+            assert w["auto picks"] == "poll", w

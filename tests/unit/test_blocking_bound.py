@@ -120,17 +120,22 @@ def test_a_beat_given_late_is_not_followed_by_another_at_once():
     assert gaps and all(gap > 0.8 for gap in gaps), gaps
 
 
-@pytest.mark.parametrize("wait,hosts,cpus,multiple,spins", [
-    ("auto", ["a", "a"], [2, 2], [True, True], True),  # -np 2 on 2 cores
-    ("auto", ["a", "a", "a"], [2, 2, 2], [True] * 3, False),  # -np 3 on 2 cores
-    ("auto", ["a", "a", "b", "b"], [2, 2, 2, 2], [True] * 4, True),
-    ("auto", ["a", "b", "b", "b"], [4, 2, 2, 2], [True] * 4, False),  # one host short: none
-    ("spin", ["a"] * 4, [2] * 4, [True] * 4, True),
-    ("poll", ["a", "a"], [2, 2], [True, True], False),
-    ("spin", ["a", "a"], [2, 2], [True, False], False),  # a rank without THREAD_MULTIPLE
+@pytest.mark.parametrize("wait,hosts,cpus,multiple,loads,spins", [
+    ("auto", ["a", "a"], [2, 2], [True, True], None, True),  # -np 2 on 2 idle cores
+    ("auto", ["a", "a", "a"], [2, 2, 2], [True] * 3, None, False),  # -np 3 on 2 cores
+    ("auto", ["a", "a", "b", "b"], [2, 2, 2, 2], [True] * 4, None, True),
+    ("auto", ["a", "b", "b", "b"], [4, 2, 2, 2], [True] * 4, None, False),  # one host short
+    # the host's load average: other busy processes need the cores too
+    ("auto", ["a", "a"], [2, 2], [True, True], [0.4, 0.4], False),
+    ("auto", ["a"] * 3, [8] * 3, [True] * 3, [1.5] * 3, True),  # 3 + 1.5 <= 8
+    ("auto", ["a"] * 3, [8] * 3, [True] * 3, [12.0] * 3, False),  # a host busy with others
+    ("auto", ["a", "b"], [4, 4], [True, True], [0.2, 3.5], False),  # one host busy: none
+    ("spin", ["a"] * 4, [2] * 4, [True] * 4, [9.0] * 4, True),
+    ("poll", ["a", "a"], [2, 2], [True, True], None, False),
+    ("spin", ["a", "a"], [2, 2], [True, False], None, False),  # a rank without THREAD_MULTIPLE
 ])
-def test_ranks_spin_only_where_every_rank_has_a_core_and_all_agree(wait, hosts, cpus,
-                                                                  multiple, spins):
+def test_ranks_spin_only_where_every_rank_has_a_core_to_spare_and_all_agree(
+        wait, hosts, cpus, multiple, loads, spins):
     from mpitrain.comm.communicator import spins as decide
 
-    assert decide(wait, hosts, cpus, multiple) is spins
+    assert decide(wait, hosts, cpus, multiple, loads) is spins
