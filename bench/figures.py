@@ -85,10 +85,22 @@ def _sync_step(rows, ax):
     ax.set_title("sync LR step breakdown")
 
 
+def _ddp(rows, ax):
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    times = {(r["model"], r["side"], r["workers"]): float(r["epoch_time_s"]) for r in rows}
+    series = {f"{side}, {w} worker{'s' if w != '1' else ''}": [times.get((m, side, w), 0.0)
+                                                               for m in models]
+              for w in ("1", "2") for side in ("mpitrain", "ddp")}
+    _grouped_bars(ax, models, series, "epoch time (s)")
+    ax.set_yscale("log")
+    ax.set_title("mpitrain sync vs PyTorch DDP (gloo)")
+
+
 DRAW = {
     "comm.csv": _comm,
     "engines.csv": lambda rows, ax: _engines(rows, ax, "sync engines (2 workers)"),
     "async_engines.csv": lambda rows, ax: _engines(rows, ax, "async engines (2 workers)"),
+    "ddp.csv": _ddp,
     "scaling.csv": _scaling,
     "memory.csv": _memory,
     "sync_step.csv": _sync_step,
