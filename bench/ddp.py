@@ -19,8 +19,10 @@ scaling = epoch time at 1 worker / at 2. And the compute-only step of each, both
 workers computing at once with no exchange (mpitrain: ``bench lower_bound``'s hot
 path; PyTorch: DDP's ``no_sync``), which shows how much of a gap is the kernels.
 Targets (issue 41): mpitrain's epoch <= 0.9x DDP's at 2 workers, and its scaling
->= DDP's, on every model; LeNet's accuracy within 0.5 pp (the synthetic labels are
-noise: their accuracy is chance on both sides and only reported).
+>= DDP's, on every model, each judged on the whole run and on the steady state (the
+first epoch holds TensorFlow's tracing of the step, which these short runs do not
+amortise as a real run does); LeNet's accuracy within 0.5 pp (the synthetic labels
+are noise: their accuracy is chance on both sides and only reported).
 
 PyTorch is an optional dependency of the benchmarks, never of mpitrain: ``bash
 setup.sh`` installs torch 2.13.0 (CPU) into ``.venv-torch``
@@ -144,30 +146,34 @@ def checks_of(model: str, ours: dict, theirs: dict, quick: bool) -> list:
         return {"benchmark": "ddp", "ratio": f"{model}: {ratio}", "value": value,
                 "target": target, "met": None if quick else met}
 
-    epoch = round(ours[2]["epoch_time_s"] / theirs[2]["epoch_time_s"], 3)
-    scaling = {side: round(m[1]["epoch_time_s"] / m[2]["epoch_time_s"], 3)
-               for side, m in (("mpitrain", ours), ("DDP", theirs))}
     gap = round(100 * (ours[2]["test_accuracy"] - theirs[2]["test_accuracy"]), 2)
-    out = [check("mpitrain / DDP epoch time, 2 workers", epoch, f"<= {TARGET_EPOCH}",
-                 epoch <= TARGET_EPOCH),
-           *(check(f"{side} scaling, 1 -> 2 workers (epoch time at 1 / at 2)", value)
-             for side, value in scaling.items()),
-           check("scaling 1 -> 2 workers, mpitrain's / DDP's",
-                 round(scaling["mpitrain"] / scaling["DDP"], 3), ">= 1",
-                 scaling["mpitrain"] >= scaling["DDP"]),
-           check("mpitrain / DDP epoch time, 1 worker",
-                 round(ours[1]["epoch_time_s"] / theirs[1]["epoch_time_s"], 3)),
-           check("mpitrain / DDP whole launch (start-up, evaluation, exit), 2 workers",
-                 round(ours[2]["wall_s"] / theirs[2]["wall_s"], 3)),
-           check("test accuracy, mpitrain - DDP, 2 workers (pp)", gap,
-                 *((f"within {TARGET_ACCURACY_PP}", abs(gap) <= TARGET_ACCURACY_PP)
-                   if model == "lenet" else ("reported (synthetic labels are noise)",))),
-           check("compute-only step, TensorFlow (mpitrain) / PyTorch, 2 workers at once",
-                 round(ours[2]["compute_step_s"] / theirs[2]["compute_step_s"], 3))]
-    if ours[2].get("steady_epoch_s") and theirs[2].get("steady_epoch_s"):
-        out.append(check("mpitrain / DDP steady-state epoch, 2 workers",
-                         round(ours[2]["steady_epoch_s"] / theirs[2]["steady_epoch_s"], 3)))
-        for side, m in (("mpitrain", ours[2]), ("DDP", theirs[2])):
+    out = []
+    # judged both ways: the whole run (the first step's tracing and warm-up in it) and
+    # the steady state (the epochs between the first and the last; not in quick mode)
+    for way, key in (("whole run", "epoch_time_s"), ("steady state", "steady_epoch_s")):
+        if not all(m[w].get(key) for m in (ours, theirs) for w in WORKERS):
+            continue
+        epoch = round(ours[2][key] / theirs[2][key], 3)
+        scaling = {side: round(m[1][key] / m[2][key], 3)
+                   for side, m in (("mpitrain", ours), ("DDP", theirs))}
+        out += [check(f"mpitrain / DDP epoch time, 2 workers, {way}", epoch,
+                      f"<= {TARGET_EPOCH}", epoch <= TARGET_EPOCH),
+                *(check(f"{side} scaling 1 -> 2 workers (epoch time at 1 / at 2), {way}",
+                        value) for side, value in scaling.items()),
+                check(f"scaling 1 -> 2 workers, mpitrain's / DDP's, {way}",
+                      round(scaling["mpitrain"] / scaling["DDP"], 3), ">= 1",
+                      scaling["mpitrain"] >= scaling["DDP"]),
+                check(f"mpitrain / DDP epoch time, 1 worker, {way}",
+                      round(ours[1][key] / theirs[1][key], 3))]
+    out += [check("mpitrain / DDP whole launch (start-up, evaluation, exit), 2 workers",
+                  round(ours[2]["wall_s"] / theirs[2]["wall_s"], 3)),
+            check("test accuracy, mpitrain - DDP, 2 workers (pp)", gap,
+                  *((f"within {TARGET_ACCURACY_PP}", abs(gap) <= TARGET_ACCURACY_PP)
+                    if model == "lenet" else ("reported (synthetic labels are noise)",))),
+            check("compute-only step, TensorFlow (mpitrain) / PyTorch, 2 workers at once",
+                  round(ours[2]["compute_step_s"] / theirs[2]["compute_step_s"], 3))]
+    for side, m in (("mpitrain", ours[2]), ("DDP", theirs[2])):
+        if m.get("steady_epoch_s"):  # what the exchange adds to a step in steady state
             step = m["steady_epoch_s"] / m["steps_per_epoch"]
             out.append(check(f"{side} steady sync step / its compute-only step, 2 workers",
                              round(step / m["compute_step_s"], 3)))

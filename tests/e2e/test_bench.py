@@ -85,7 +85,7 @@ def check_ddp(out: Path, summary: str) -> None:
         assert float(r["epoch_time_s"]) > 0 and 0 <= float(r["test_accuracy"]) <= 1
         if r["workers"] == "2":  # the compute-only step of each side
             assert float(r["compute_only_ms"]) > 0
-    assert "| ddp | lenet: mpitrain / DDP epoch time, 2 workers |" in summary
+    assert "| ddp | lenet: mpitrain / DDP epoch time, 2 workers, whole run |" in summary
     assert "| ddp | resnet: compute-only step, TensorFlow (mpitrain) / PyTorch" in summary
 
 
