@@ -193,7 +193,8 @@ def run_sweep(args) -> int:
 def run_check(args) -> int:
     """``mpitrain check``: launch-side checks, then a short job that checks every rank."""
     training = _check_options_after_model(args, list(args.training)) or ["lr"]
-    cfg = parse_config(training, world_size=args.np)  # usage errors in its options
+    # usage errors in its options; inside the job (no -np given), at the job's size
+    cfg = parse_config(training, world_size=None if args.in_job else args.np)
     if args.in_job:
         from . import session
 
@@ -271,6 +272,9 @@ def parse_config(argv: List[str], args=None, world_size: Optional[int] = None) -
         models.precheck(cfg.model)
     if not cfg.resume:
         resolve(cfg, models.defaults_for(cfg.model), world_size or launcher_world_size())
+        from .tools.preflight import check_engine
+
+        check_engine(cfg.allreduce)
     return cfg
 
 

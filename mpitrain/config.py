@@ -37,24 +37,6 @@ OVERLAPS = ("auto", "on", "off")
 SHARED_MEMORY = ("auto", "on", "off")
 #: values of --pipeline (see mpitrain.train.leases.Pipelining)
 PIPELINES = ("auto", "on", "off")
-HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
-                   "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
-                   "--no-build-isolation horovod==0.28.1")
-#: the environment setup.sh builds Horovod in (TensorFlow 2.18: Horovod's newest that builds)
-HOROVOD_VENV = ".venv-horovod"
-
-
-def horovod_missing() -> str:
-    """The one-line error for --allreduce horovod where Horovod is not installed."""
-    from .tools.preflight import installed_version
-
-    tf = installed_version("tensorflow-cpu", "tensorflow")
-    return (f"Horovod is not installed in this environment (TensorFlow {tf}); Horovod 0.28.1 "
-            "builds only against TensorFlow 2.16-2.18 (Python 3.10-3.12): bash setup.sh "
-            f"builds it into {HOROVOD_VENV}, so run {HOROVOD_VENV}/bin/python -m mpitrain "
-            "under mpirun, or install tensorflow-cpu==2.18.1 and then: " + HOROVOD_INSTALL)
-
-
 #: the largest count a setting may hold (epochs, steps, batch...): steps travel in int32
 MAX_COUNT = 2**31 - 1
 #: the longest time a setting may give (--timeout...): past it a wait is no bound at all,
@@ -394,10 +376,6 @@ class Config:
             if self.async_mode:
                 raise UsageError("--allreduce horovod is for sync training: Horovod has no "
                                  "parameter-server mode (drop --async or use --allreduce mpi)")
-            from importlib.util import find_spec
-
-            if find_spec("horovod") is None:
-                raise UsageError(horovod_missing())
         elif self.horovod_timeline:
             raise UsageError("--horovod-timeline needs --allreduce horovod")
         if self.shared_memory == "on" and not self.async_mode:

@@ -64,7 +64,7 @@ mpirun's exit is waited for.
 Each attempt has a token of its own, given to every rank as
 ``$MPITRAIN_LAUNCH_ATTEMPT`` (``mpirun -x``); rank 0 records it in every
 status.json it writes, with who writes (``writer``: pid, boot id, pid namespace;
-see :func:`attempt_facts`). The attempt's run directory is the one (resumed, or
+see :func:`mpitrain.results.attempt_facts`). The attempt's run directory is the one (resumed, or
 new under ``--results-dir``) whose status.json carries the token, so neither the
 status.json of the attempt before nor another run sharing the results directory
 counts. The launcher looks at it once a second; until rank 0 has written it
@@ -107,7 +107,7 @@ from . import dialect
 from .errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE,
                      MpitrainError, UsageError)
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
-from .results import record_lost_attempt
+from .results import ATTEMPT_ENV, process_identity, record_lost_attempt
 from .tools import hostfile
 
 PROG = "mpitrain launch"
@@ -123,8 +123,6 @@ STOP_GRACE = 120.0
 TEARDOWN_GRACE = 15.0
 #: seconds between two looks at mpirun (and at the run's status.json)
 POLL_INTERVAL = 1.0
-#: the environment variable that carries an attempt's token to every rank
-ATTEMPT_ENV = "MPITRAIN_LAUNCH_ATTEMPT"
 
 
 def add_parser(commands) -> None:
@@ -556,30 +554,6 @@ class RunWatch:
             return [self.resumed]
         return sorted(self.results_dir / name
                       for name in _listing(self.results_dir) - self._names_before)
-
-
-def attempt_facts(environ=os.environ) -> dict:
-    """What rank 0 records in each status.json for ``mpitrain launch``: the attempt's
-    token (``launch_attempt``, when run by the launcher) and the writing process
-    (``writer``, :func:`process_identity`)."""
-    token = environ.get(ATTEMPT_ENV)
-    return {**({"launch_attempt": token} if token else {}), "writer": process_identity()}
-
-
-def process_identity() -> dict:
-    """This process as another process can tell whether it sees it: its pid, the kernel's
-    boot id and the inode of its pid namespace (None where they cannot be read). A host
-    name would not do: the nodes of a network-namespace cluster have names of their own
-    and share this machine's processes."""
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = None
-    try:
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        pid_ns = None
-    return {"pid": os.getpid(), "boot_id": boot_id, "pid_ns": pid_ns}
 
 
 def is_attempts(status: Optional[dict], token: str) -> bool:

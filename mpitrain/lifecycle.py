@@ -35,7 +35,7 @@ from .atomic import atomic_file
 from .config import Config
 from .errors import ResultsError, UsageError
 from .data.shards import batches_per_epoch
-from .models import same_model
+from .model_names import same_model
 from .userfiles import open_regular, read_bounded
 
 CHECKPOINT = "checkpoint.npz"

@@ -360,3 +360,31 @@ class NullResults:
 
     def set_status(self, status, reason="", **facts):
         pass
+
+
+#: the environment variable that carries ``mpitrain launch``'s attempt token to every rank
+ATTEMPT_ENV = "MPITRAIN_LAUNCH_ATTEMPT"
+
+
+def attempt_facts(environ=os.environ) -> dict:
+    """What rank 0 records in each status.json for ``mpitrain launch``: the attempt's
+    token (``launch_attempt``, when run by the launcher) and the writing process
+    (``writer``, :func:`process_identity`)."""
+    token = environ.get(ATTEMPT_ENV)
+    return {**({"launch_attempt": token} if token else {}), "writer": process_identity()}
+
+
+def process_identity() -> dict:
+    """This process as another process can tell whether it sees it: its pid, the kernel's
+    boot id and the inode of its pid namespace (None where they cannot be read). A host
+    name would not do: the nodes of a network-namespace cluster have names of their own
+    and share this machine's processes."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = None
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = None
+    return {"pid": os.getpid(), "boot_id": boot_id, "pid_ns": pid_ns}

@@ -26,13 +26,12 @@ from .tools import preflight as preflight_checks
 from .comm import Comm, Role, library_versions
 from .config import MAX_COUNT, Config, resolve
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError, WriteError
-from .launch import attempt_facts
 from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
 from .console import Console, NullConsole
 from .data.shards import batches_per_epoch, check_shards
 from .models.keras_import import onednn_enabled, onednn_hint
 from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
-from .results import NullResults, RunResults, run_identity
+from .results import NullResults, RunResults, attempt_facts, run_identity
 from .train import Context, Summary, decay_steps, protocol
 from .userfiles import read_bounded
 
@@ -56,6 +55,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
         cfg, checkpoint, rescale = prepare_resume(cfg, explicit, comm)
     spec = model if model is not None else load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
+    collectively(comm, lambda: preflight_checks.check_engine(cfg.allreduce))
     preflight_checks.check_ranks(comm, preflight_checks.local_versions(library_versions()["mpi"]))
     role = comm.role
     console = Console(cfg.quiet) if role.serves else NullConsole()
@@ -141,6 +141,7 @@ def preflight(cfg: Config) -> None:
     comm = Comm.world(cfg.timeout, start_timeout=cfg.start_timeout)
     spec = load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
+    collectively(comm, lambda: preflight_checks.check_engine(cfg.allreduce))
     versions = preflight_checks.local_versions(library_versions()["mpi"])
     preflight_checks.check_ranks(comm, versions)
     cfg, dataset, shard_size, _ = load_data(cfg, comm, spec)

@@ -33,8 +33,7 @@ from typing import Optional
 
 from .. import __version__, telemetry
 from ..comm import library_versions
-from ..launch import attempt_facts
-from ..results import NullResults, RunResults
+from ..results import NullResults, RunResults, attempt_facts
 from ..train.protocol import PhaseTimer
 
 #: seconds between two samples of CPU, memory and network

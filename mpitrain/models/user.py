@@ -17,23 +17,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import UsageError
+from ..model_names import is_file, split
 from ..userfiles import not_regular, read_bounded, stat_mode
 from .keras_import import import_keras
 from .registry import USER_DEFAULTS, USER_SYNTHETIC, ModelSpec
-
-
-def is_spec(name: str) -> bool:
-    """True for ``FILE.py:FUNCTION`` / ``module:FUNCTION`` (a user's model), not a name.
-
-    A bare ``FILE.py`` or path counts too, so that it gets the error saying to add
-    ``:FUNCTION`` rather than "invalid choice"."""
-    return (":" in name or name.endswith(".py") or "/" in name) and not name.startswith("-")
-
-
-def _split(spec: str):
-    """(target, function) of a spec; function is '' when the spec names none."""
-    target, colon, function = spec.rpartition(":")
-    return (target, function) if colon else (spec, "")
 
 
 def precheck(spec: str) -> None:
@@ -42,14 +29,14 @@ def precheck(spec: str) -> None:
     errors name the line) and defines the function; a module can be found.
     UsageError naming the spec otherwise. Loading and building it is checked later,
     collectively, by every rank (:mod:`mpitrain.session`)."""
-    target, function = _split(spec)
+    target, function = split(spec)
     if not function or not target:
         raise UsageError(f"model {spec}: name the builder function too, as "
                          f"{target or 'FILE.py'}:{function or 'build'} (FILE.py:FUNCTION or "
                          "module:FUNCTION)")
     if not function.isidentifier():
         raise UsageError(f"model {spec}: {function!r} is not a Python function name")
-    if _is_file(target):
+    if is_file(target):
         path = _model_file(spec, target)
         _precheck_source(spec, path, function)
         return
@@ -98,38 +85,6 @@ def _precheck_source(spec: str, path: Path, function: str) -> None:
                          f"def {function}(input_shape, num_classes) returning a keras.Model")
 
 
-def same_model(given: str, saved: str) -> bool:
-    """Whether ``given`` (a resumed run's command line) names the run's ``saved`` model:
-    equal names, or user specs of the same file name and function (the saved, absolute
-    path is what is loaded, so resuming from another directory works)."""
-    if given == saved or not (is_spec(given) and is_spec(saved)):
-        return given == saved
-    return run_name(given) == run_name(saved)
-
-
-def canonical(name: str) -> str:
-    """A spec with its file made absolute (a resumed run finds it from anywhere)."""
-    if not is_spec(name):
-        return name
-    target, function = _split(name)
-    if _is_file(target):
-        target = str(Path(target).expanduser().resolve())
-    return f"{target}:{function}" if function else target
-
-
-def run_name(name: str) -> str:
-    """A file-name-safe label for run directories: ``lr``, ``my_model-build``."""
-    if not is_spec(name):
-        return name
-    target, function = _split(name)
-    stem = Path(target).stem if _is_file(target) else target
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{stem}-{function}" if function else stem)
-
-
-def _is_file(target: str) -> bool:
-    return target.endswith(".py") or os.sep in target or "/" in target
-
-
 def from_callable(builder: Callable) -> ModelSpec:
     """The spec of a builder function (``mpitrain.fit``'s model), named
     ``SCRIPT.py:FUNCTION`` for a script's function, else ``module:FUNCTION``."""
@@ -145,10 +100,10 @@ def from_callable(builder: Callable) -> ModelSpec:
 def user_spec(spec: str) -> ModelSpec:
     """The ModelSpec of a user's ``spec``, its module imported (once a process, as
     Python imports any module); UsageError naming the spec for any problem."""
-    target, function = _split(spec)
+    target, function = split(spec)
     if not function or not target:
         precheck(spec)  # raises: the spec names no function
-    module = _import_file(spec, target) if _is_file(target) else _import_module(spec, target)
+    module = _import_file(spec, target) if is_file(target) else _import_module(spec, target)
     builder = getattr(module, function, None)
     if builder is None:
         raise UsageError(f"model {spec}: {target} has no function {function!r}; define "

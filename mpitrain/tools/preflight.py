@@ -12,6 +12,9 @@ Two halves:
   (Python, TensorFlow, numpy, mpi4py, the MPI library, mpitrain) and names the host that
   differs. Data on every host is checked by :func:`mpitrain.data.load`, which
   makes the ranks agree on what they loaded.
+
+And :func:`check_engine`, of both: the sync engine asked for (``--allreduce horovod``)
+is installed, on the command line before MPI starts and on every rank of the job.
 """
 
 from __future__ import annotations
@@ -36,6 +39,31 @@ def installed_version(*distributions: str) -> str:
         except metadata.PackageNotFoundError:
             continue
     return "missing"
+
+
+HOROVOD_INSTALL = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 "
+                   "HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install "
+                   "--no-build-isolation horovod==0.28.1")
+#: the environment setup.sh builds Horovod in (TensorFlow 2.18: Horovod's newest that builds)
+HOROVOD_VENV = ".venv-horovod"
+
+
+def horovod_missing() -> str:
+    """The one-line error for --allreduce horovod where Horovod is not installed."""
+    tf = installed_version("tensorflow-cpu", "tensorflow")
+    return (f"Horovod is not installed in this environment (TensorFlow {tf}); Horovod 0.28.1 "
+            "builds only against TensorFlow 2.16-2.18 (Python 3.10-3.12): bash setup.sh "
+            f"builds it into {HOROVOD_VENV}, so run {HOROVOD_VENV}/bin/python -m mpitrain "
+            "under mpirun, or install tensorflow-cpu==2.18.1 and then: " + HOROVOD_INSTALL)
+
+
+def check_engine(allreduce: str) -> None:
+    """UsageError, one line saying how to install it, if ``allreduce`` (the sync
+    engine, --allreduce) is not installed in this environment."""
+    from importlib.util import find_spec
+
+    if allreduce == "horovod" and find_spec("horovod") is None:
+        raise UsageError(horovod_missing())
 
 
 def local_versions(mpi: str = "missing") -> Dict[str, str]:

@@ -38,6 +38,7 @@ from typing import Dict, List, Optional
 from .. import dialect
 from ..atomic import write_json_atomic
 from ..errors import Interrupted, UsageError
+from ..model_names import run_name  # a user's FILE.py:FUNCTION, file-name safe
 from ..userfiles import read_bounded
 from . import hostfile as hostfile_formats
 from .preflight import check_launch
@@ -63,8 +64,6 @@ class Run:
         batch = (f"bs{self.batch_size}" if self.batch_size else
                  f"bpe{self.batches_per_epoch}" if self.batches_per_epoch else "bsdefault")
         epochs = f"e{self.epochs}" if self.epochs else "edefault"
-        from ..models import run_name  # a user's FILE.py:FUNCTION, file-name safe
-
         return f"{run_name(self.model)}-{self.mode}-np{self.np}-{batch}-{epochs}"
 
     def args(self, options: Dict[str, object]) -> List[str]:

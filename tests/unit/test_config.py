@@ -103,7 +103,7 @@ def test_horovod_missing_says_how_to_install(monkeypatch):
                        r"\(TensorFlow 2\.\d+.*TensorFlow 2\.16-2\.18.*bash setup\.sh builds it "
                        r"into \.venv-horovod.*tensorflow-cpu==2\.18\.1.*HOROVOD_WITH_TENSORFLOW=1"
                        r".*horovod==0\.28\.1") as error:
-        resolved(3, allreduce="horovod")
+        parse_config(["lr", "--allreduce", "horovod"], world_size=3)
     assert "\n" not in str(error.value)
 
 

@@ -14,9 +14,9 @@ import psutil
 import pytest
 
 from mpitrain import launch
-from mpitrain.launch import (ATTEMPT_ENV, Job, Launcher, RunWatch, attempt_facts, describe,
-                             is_attempts, process_identity, read_json_object, run_ended,
-                             teardown_overdue, writer_gone, writer_visible)
+from mpitrain.launch import (Job, Launcher, RunWatch, describe, is_attempts, read_json_object,
+                             run_ended, teardown_overdue, writer_gone, writer_visible)
+from mpitrain.results import ATTEMPT_ENV, attempt_facts, process_identity
 
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
