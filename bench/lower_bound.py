@@ -62,9 +62,8 @@ def rank_side(model: str, steps: int) -> None:
     from mpitrain import models
     from mpitrain.comm import IDLE, Comm
     from mpitrain.config import Config
-    from mpitrain.engines import gradient_engine
+    from mpitrain.exchange import plan
     from mpitrain.models.replica import Replica, init_tensorflow
-    from mpitrain.train.overlap import exchange_for
 
     spec = MODELS[model]
     comm = Comm.world(timeout=600)
@@ -82,13 +81,8 @@ def rank_side(model: str, steps: int) -> None:
     else:
         tail = 1 + workers.size  # the trainer's status tail (mpitrain/train/sync.py)
         defaults = Config(model=model)  # the trainer's defaults: engine, overlap, buckets
-        with gradient_engine(defaults, workers) as engine:
-            exchange = exchange_for(defaults, replica, engine, tail, 1.0 / workers.size,
-                                    workers)
-            try:
-                timed = interleaved_steps(replica, exchange, workers, spec, steps)
-            finally:
-                exchange.close()
+        with plan(defaults, replica, workers, tail) as exchange:
+            timed = interleaved_steps(replica, exchange, workers, spec, steps)
         comm.barrier("the workers", backoff=IDLE)
         result = {mode: min(times) for mode, times in timed.items()}
     results = comm.allgather_objects(result)

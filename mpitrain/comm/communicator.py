@@ -258,7 +258,7 @@ class Comm:
         core for every rank of the job; else started nonblocking and polled with the HOT
         backoff, which yields the core. Both are bounded by the communicator's
         timeout and keep calling :attr:`while_waiting`. ``computing``: this process
-        computes meanwhile (an overlapped bucket, :mod:`mpitrain.train.overlap`), so
+        computes meanwhile (an overlapped bucket, :mod:`mpitrain.exchange.overlap`), so
         it polls even where it could spin: a spinning thread would take a core from
         the computation it overlaps.
         """

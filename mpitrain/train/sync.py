@@ -22,8 +22,9 @@ gradient: a stop flag, and one slot per worker holding that worker's loss
 (plus 0 x its gradient norm, so a non-finite gradient makes the slot NaN).
 After the one allreduce every worker knows whether anyone was asked to stop,
 which workers went non-finite, and the mean loss, and all act at the same step.
-With ``--compression fp16`` the fused buffer travels as float16, the gradient
-with error feedback (:mod:`.compression`).
+How it travels (MPI, shared memory or Horovod; float16 with error feedback under
+``--compression fp16``; whole, or in buckets overlapped with back-propagation) is
+planned once by :func:`mpitrain.exchange.plan`.
 
 Message protocol with rank 0, on the world communicator (tags, header and flags
 in :mod:`.protocol`):
@@ -61,16 +62,14 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..comm import IDLE, Role
-from ..engines import gradient_engine
 from ..errors import Divergence, Interrupted, ReplicaDrift
 from ..lifecycle import Checkpoint, optimizer_mismatch
+from ..exchange import plan
 from ..models.replica import checksum
-from .compression import sync_engine
 from .context import (Context, Summary, diverged, interrupted, is_checkpoint_point,
                       is_eval_point, worker_batches)
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .leases import Liveness
-from .overlap import exchange_for
 from .priority import deferring_to_workers
 from .protocol import (CHECKPOINT, DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED,
                        REPORT, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
@@ -167,20 +166,12 @@ def _rng_table(ckpt, size: int, width: int) -> np.ndarray:
 # Workers
 # ---------------------------------------------------------------------------------------
 def _work(ctx: Context, link, start_step: int) -> Summary:
-    replica, workers = ctx.replica, ctx.comm.workers
-    n, n_workers = replica.n_params, workers.size
-    alone = n_workers == 1  # nothing to average: use the fused one-call step
-    tail = 1 + n_workers  # the status tail: a stop flag, a loss per worker
-    if alone:
+    workers = ctx.comm.workers
+    if workers.size == 1:  # nothing to average: use the fused one-call step
         return _steps(ctx, link, start_step, None)
-    with gradient_engine(ctx.cfg, workers, ctx.run_dir) as engine:
-        summing = sync_engine(engine, ctx.cfg.compression, n, n + tail)
-        # the gradient comes divided by the number of workers: their sum is the mean
-        exchange = exchange_for(ctx.cfg, replica, summing, tail, 1.0 / n_workers, workers)
-        try:
-            return _steps(ctx, link, start_step, exchange)
-        finally:
-            exchange.close()
+    tail = 1 + workers.size  # the status tail: a stop flag, a loss per worker
+    with plan(ctx.cfg, ctx.replica, workers, tail, ctx.run_dir) as exchange:
+        return _steps(ctx, link, start_step, exchange)
 
 
 def _steps(ctx: Context, link, start_step: int, exchange) -> Summary:

@@ -6,7 +6,8 @@ import pytest
 
 from mpitrain import half
 
-from mpitrain.train.compression import ErrorFeedback, HalfPrecisionEngine, PushCodec
+from mpitrain.exchange import ErrorFeedback, HalfPrecisionEngine
+from mpitrain.train.asynchronous.mailbox import PushCodec
 
 
 def test_error_feedback_loses_nothing_only_delays_it():

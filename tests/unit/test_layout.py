@@ -12,7 +12,7 @@ from conftest import REPO
 
 TOOLS = ("plots", "report", "sweep", "preflight", "hostfile")
 RUNTIME = ("tensorflow", "keras", "mpi4py", "mpitrain.comm", "mpitrain.session",
-           "mpitrain.train", "mpitrain.engines",
+           "mpitrain.train", "mpitrain.exchange",
            "mpitrain.models.replica", "mpitrain.telemetry", "mpitrain.data", "mpitrain.lifecycle")
 
 

@@ -1,13 +1,15 @@
-"""The bucket plan and the background thread of --overlap, with a fake engine (pure logic:
-the real exchange under MPI is in tests/mpi/test_sync_protocol.py and tests/e2e/test_overlap_mpirun.py)."""
+"""The exchange plan and the background thread of --overlap, with a fake engine (pure
+logic: the real exchange under MPI is in tests/mpi/test_sync_protocol.py and
+tests/e2e/test_overlap_mpirun.py)."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from mpitrain.errors import CommTimeout
 from mpitrain.models.replica import bucket_bounds
-from mpitrain.train import overlap
-from mpitrain.train.overlap import BucketedExchange
+from mpitrain.exchange import BucketedExchange, ErrorFeedback, Plan, overlap
 
 
 @pytest.mark.parametrize("sizes,bucket_bytes,expected", [
@@ -56,19 +58,19 @@ class FakeEngine:
     def __init__(self, error=None):
         self.calls, self.error = [], error
 
-    def allreduce_sum_(self, buf, what="", kind="allreduce", computing=False):
-        self.calls.append((buf.copy(), what, computing))
+    size = 2
+
+    def allreduce_sum_(self, buf, at=0, *, what="", kind="allreduce", computing=False):
+        self.calls.append((buf.copy(), what, computing, at))
         if self.error:
             raise self.error
         buf *= 2
         return buf
 
+    def fused_buffer(self, size):
+        return None
 
-class FakeWorkers:
-    timeout, rank = 5.0, 0
 
-    def name(self, rank):
-        return "rank 1 on vm"
 
 
 BOUNDS = [(4, 6), (2, 4), (0, 2)]
@@ -92,6 +94,7 @@ def test_buckets_are_summed_in_their_order_whatever_order_they_are_filled(fill_o
         # bucket 0 (the last variables) first, then the others, then the tail alone
         assert [s.tolist() for s in segments] == [[2.0, 2.5], [1.0, 1.5], [0.0, 0.5], [1.0, 3.0]]
         assert [call[2] for call in engine.calls] == [True, True, True, False]
+        assert [call[3] for call in engine.calls] == [4, 2, 0, 6]  # where each part starts
         assert "bucket 1 of 3" in engine.calls[0][1]
         assert buf.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 2.0, 6.0]
     ex.close()
@@ -127,17 +130,6 @@ def test_the_callers_wait_is_bounded():
         ex.allreduce_(np.zeros(8, np.float32))
 
 
-class PlannedReplica(FakeReplica):
-    """A model whose gradient makes ``buckets`` buckets of --bucket-mb."""
-
-    def __init__(self, buckets):
-        super().__init__([0])
-        self.buckets = buckets
-
-    def gradient_buckets(self, bucket_bytes):
-        return BOUNDS[:self.buckets]
-
-
 @pytest.mark.parametrize("buckets,settings,bucketed", [
     (3, {}, True),  # auto: two buckets or more on the mpi engine
     (1, {}, False),  # one bucket: nothing to overlap
@@ -151,14 +143,11 @@ def test_auto_overlaps_where_it_applies(buckets, settings, bucketed):
     from mpitrain.config import Config
 
     cfg = Config(model="alexnet", **settings)
-    made = overlap.exchange_for(cfg, PlannedReplica(buckets), FakeEngine(), 2, 0.5, FakeWorkers())
-    assert isinstance(made, BucketedExchange) == bucketed
-    made.close()
+    decided = Plan.of(cfg, BOUNDS[:buckets], SimpleNamespace(size=2, hosts=["a", "b"]))
+    assert (decided.buckets == BOUNDS[:buckets]) if bucketed else decided.buckets is None
 
 
 def test_fp16_parts_get_the_same_bits_and_residuals_as_the_whole():
-    from mpitrain.train.compression import ErrorFeedback
-
     rng = np.random.default_rng(0)
     whole, parts = ErrorFeedback(1000), ErrorFeedback(1000)
     for _ in range(3):  # residuals carried from step to step

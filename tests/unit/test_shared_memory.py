@@ -11,7 +11,7 @@ import pytest
 
 from mpitrain.comm import SharedMemorySum, shared
 from mpitrain.config import Config, resolve
-from mpitrain.engines import gradient_engine
+from mpitrain.exchange import Plan
 from mpitrain.errors import UsageError
 from mpitrain import models
 
@@ -63,23 +63,17 @@ def config(**kw):
     (dict(compression="fp16"), ("a", "a"), False),  # float16 on the wire: MPI's
 ])
 def test_the_mpi_engine_shares_memory_where_every_worker_is_on_one_host(settings, hosts, shares):
-    workers = workers_on(*hosts)
-    with gradient_engine(config(**settings), workers) as engine:
-        pass
-    assert isinstance(engine, SharedMemorySum) == shares
+    decided = Plan.of(config(**settings), [(0, 10)], workers_on(*hosts))
+    assert (decided.engine == "shared") == shares and not decided.every_part
     if not shares:
-        assert engine is workers
-    else:
-        assert engine.min_bytes == shared.SHARED_MIN_BYTES
-    with gradient_engine(config(shared_memory="on"), workers_on("a", "a")) as engine:
-        assert engine.min_bytes == 0
+        assert decided.engine == "mpi"
+    assert Plan.of(config(shared_memory="on"), [(0, 10)], workers_on("a", "a")).every_part
 
 
 def test_shared_memory_on_across_hosts_is_one_line():
     with pytest.raises(UsageError, match=r"needs every worker on one host; these run on 2 "
                                          r"\(a, b\): use --shared-memory auto"):
-        with gradient_engine(config(shared_memory="on"), workers_on("a", "b")):
-            pass
+        Plan.of(config(shared_memory="on"), [(0, 10)], workers_on("a", "b"))
 
 
 @pytest.mark.parametrize("settings,message", [

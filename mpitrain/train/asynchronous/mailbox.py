@@ -1,7 +1,7 @@
 """The async messages' buffers, and how they travel between a worker and a server.
 
 Every message is ``[header | payload]`` (:mod:`..protocol`): a push carries a
-gradient (as :class:`~mpitrain.train.compression.PushCodec` encodes it) and its
+gradient (as :class:`PushCodec` encodes it) and its
 worker's BatchNorm buffers; a lease (the server's reply) carries the weights and
 the buffers; a final reply is the header alone. A worker and a server exchange
 them through a *mailbox*: one push slot per push the worker may have in flight,
@@ -34,7 +34,8 @@ import numpy as np
 
 from ...comm import IDLE, share_with_server, shares_with_server
 from ...errors import UsageError
-from ..compression import PushCodec
+from ...exchange import ErrorFeedback
+from ...half import widen_
 from ..protocol import (DROPPED, FINAL, SLOTS, TAG_GRADIENT, TAG_WEIGHTS, Header, new_message,
                         slots_of)
 
@@ -47,6 +48,33 @@ SHARED = "shared"
 def pipelining_mode(cfg) -> str:
     """--pipeline as it applies: never under a staleness bound (one gradient per lease)."""
     return "off" if cfg.staleness is not None else cfg.pipeline
+
+
+class PushCodec:
+    """How a push carries its gradient in a float32 message: as it is, or (``--compression
+    fp16``) as float16 pairs packed into float32 slots, with error feedback on the
+    worker (:class:`mpitrain.exchange.ErrorFeedback`)."""
+
+    def __init__(self, compression: str, n: int):
+        self.half = compression == "fp16"
+        self.n = n
+        #: float32 slots the gradient takes in the message
+        self.slots = (n + 1) // 2 if self.half else n
+        self.feedback = ErrorFeedback(n) if self.half else None
+        self._decoded = np.zeros(n if self.half else 0, np.float32)
+
+    def encode(self, grad: np.ndarray, slots: np.ndarray) -> None:
+        """Write ``grad`` into the message's gradient ``slots`` (worker)."""
+        if self.half:
+            self.feedback.encode(grad, slots.view(np.float16))
+        else:
+            slots[:] = grad
+
+    def decode(self, slots: np.ndarray) -> np.ndarray:
+        """The float32 gradient in the message's gradient ``slots`` (server)."""
+        if self.half:  # (reused: the server applies one push at a time)
+            return widen_(slots.view(np.float16)[:self.n], self._decoded)
+        return slots
 
 
 class Layout(NamedTuple):

@@ -8,8 +8,8 @@ import numpy as np
 
 from ...lifecycle import Checkpoint, optimizer_mismatch
 from ...models import optim
-from ..compression import PushCodec
 from ..protocol import SLOTS
+from .mailbox import PushCodec
 
 
 class ParameterStore:

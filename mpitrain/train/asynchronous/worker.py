@@ -11,13 +11,12 @@ import numpy as np
 
 from ...comm import HOT, IDLE, Backoff
 from ...errors import Divergence, Dropped, Interrupted
-from ..compression import PushCodec
 from ..context import Context, Summary, worker_batches
 from ..evaluation import Stopwatch
 from ..leases import Pipelining
 from ..protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, PARKED, PIPELINED,
                         SLOTS, TAG_GRADIENT, TAG_WEIGHTS, Header, sentinel, slots_word)
-from .mailbox import PIPELINE_DEPTH, SHARED, Mailbox, pipelining_mode
+from .mailbox import PIPELINE_DEPTH, SHARED, Mailbox, PushCodec, pipelining_mode
 
 
 class _InFlight(NamedTuple):

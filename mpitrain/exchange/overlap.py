@@ -35,20 +35,21 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..errors import CommTimeout
-from .compression import HalfPrecisionEngine
 
 #: seconds the background thread waits for TensorFlow between looks at an abort
 LOOK_EVERY = 1.0
 
 
 class FusedExchange:
-    """The whole gradient and the status tail in ONE allreduce after the step."""
+    """The whole gradient and the status tail in ONE allreduce after the step, through
+    ``engine`` (:class:`~.engines.Engine`)."""
 
     def __init__(self, replica, engine, tail: int, scale: float):
         self.replica, self.engine, self.tail, self.scale = replica, engine, tail, scale
 
     def grad(self, x: np.ndarray, y: np.ndarray) -> Tuple[np.ndarray, float, float]:
-        """(fused buffer: the scaled gradient then ``tail`` zeros, loss, gradient norm)."""
+        """(fused buffer: ``scale`` x the gradient then ``tail`` zeros, loss, gradient
+        norm)."""
         return self.replica.grad(x, y, tail=self.tail, scale=self.scale)
 
     def allreduce_(self, buf: np.ndarray) -> None:
@@ -70,15 +71,11 @@ class BucketedExchange(FusedExchange):
         self.bounds = bounds
         self.bound_seconds = bound_seconds  # the caller's wait for the background buckets
         self.me = me  # 'rank R on HOST', for the timeout's message
-        # fp16 keeps an error-feedback residual per value: it must know where a part is
-        self._part_at = isinstance(engine, HalfPrecisionEngine)
         self._ready = [threading.Event() for _ in bounds]
         # the engine's own memory for the buffer, where it has some (shared memory: the
         # gradient step writes straight into what the other workers read)
-        shared = getattr(engine, "fused_buffer", None)
         self._grad, self._buf = replica.bucketed_grad(
-            bounds, tail, self._ready_now,
-            out=shared(replica.n_params + tail) if shared is not None else None)
+            bounds, tail, self._ready_now, out=engine.fused_buffer(replica.n_params + tail))
         self._start = threading.Event()  # a step began: its buckets are coming
         self._done = threading.Event()  # this step's buckets are summed, or one failed
         self._done.set()
@@ -116,8 +113,7 @@ class BucketedExchange(FusedExchange):
         self._sum(buf, self.replica.n_params, buf.size, "the status allreduce", False)
 
     def _sum(self, buf: np.ndarray, lo: int, hi: int, what: str, computing: bool) -> None:
-        at = {"at": lo} if self._part_at else {}
-        self.engine.allreduce_sum_(buf[lo:hi], what=what, computing=computing, **at)
+        self.engine.allreduce_sum_(buf[lo:hi], lo, what=what, computing=computing)
 
     def _serve(self) -> None:
         while True:
@@ -147,20 +143,3 @@ class BucketedExchange(FusedExchange):
             self._closing = True
             self._start.set()
             self._thread.join(LOOK_EVERY)
-
-
-def exchange_for(cfg, replica, engine, tail: int, scale: float, workers):
-    """The exchange ``cfg.overlap`` asks for: buckets where it is 'on' (or
-    ``--shared-memory on``), or 'auto' and the gradient fills two buckets or more on
-    the mpi engine (and no XLA step, which cannot call out to MPI); else fused.
-    Every worker decides the same (same config, same model)."""
-    bounds = replica.gradient_buckets(cfg.bucket_mb * 2**20)
-    wanted = cfg.overlap == "on" or cfg.shared_memory == "on" or (
-        cfg.overlap == "auto" and len(bounds) >= 2 and cfg.allreduce == "mpi"
-        and cfg.compiler != "xla")
-    if not wanted:
-        return FusedExchange(replica, engine, tail, scale)
-    # each bucket's allreduce has the workers' bound; this one only catches a thread gone
-    bound = workers.timeout * (len(bounds) + 1) + 10.0
-    return BucketedExchange(replica, engine, tail, scale, bounds, bound,
-                            workers.name(workers.rank))

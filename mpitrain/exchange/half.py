@@ -9,7 +9,8 @@ some of it one step late. What remains is the rounding of the average itself
 float16's range (65504), which become infinite and stop the run as a divergence.
 
 With ``--overlap`` the gradient travels in buckets, each encoded with its own part
-of the residual: the same bits as the whole buffer at once.
+of the residual: the same bits as the whole buffer at once. The async pushes use
+:class:`ErrorFeedback` too (:class:`mpitrain.train.asynchronous.mailbox.PushCodec`).
 
 Weights, BatchNorm statistics, the sync status tail's flags and the protocol
 headers stay float32. A resumed run starts with zero residuals, so under
@@ -18,9 +19,11 @@ compression a resume is not bit-exact with the uninterrupted run (it is without)
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
-from ..half import encode_, widen_
+from ..half import encode_
 
 
 class ErrorFeedback:
@@ -44,13 +47,11 @@ class ErrorFeedback:
 
 
 class HalfPrecisionEngine:
-    """A sync gradient engine moving the fused buffer as float16 with error feedback.
-
-    Same contract as :meth:`mpitrain.comm.Comm.allreduce_sum_` (every worker calls
-    it with its fused buffer; every worker gets the same sum, in place); ``engine``
-    provides ``allreduce_sum_half_`` and ``size``, the number of workers (the workers'
-    communicator or Horovod).
-    """
+    """An engine (:class:`~.engines.Engine`) moving the fused buffer as float16 with error
+    feedback, through ``engine``'s ``allreduce_sum_half_`` (the workers' communicator or
+    Horovod): the same contract, every worker gets the same float32 sum, in place.
+    ``n_gradient`` values of the fused buffer of ``size`` are the gradient (compensated);
+    the rest, the status tail, is cast as it is."""
 
     def __init__(self, engine, n_gradient: int, size: int):
         self.engine = engine
@@ -59,52 +60,22 @@ class HalfPrecisionEngine:
         self._halves = {}  # float16 buffer by the length of the part it carries
         self.half = self._half_for(size)  # the whole fused buffer's
 
-    def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
-                       kind: str = "allreduce", computing: bool = False,
-                       at: int = 0) -> np.ndarray:
+    def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,
+                       what: str = "the gradient allreduce", kind: str = "allreduce",
+                       computing: bool = False) -> np.ndarray:
         """``buf``: the fused buffer, or its part from index ``at`` (an overlapped
-        bucket, :mod:`.overlap`); each value gets its own error feedback either way,
-        and its sum is the same bits (summed in float32 in rank order by one rank)."""
+        bucket); each value gets its own error feedback either way, and its sum is the
+        same bits (summed in float32 in rank order by one rank). (``computing``: the
+        float16 exchange always polls.)"""
         half = self._half_for(buf.size)
         self.feedback.encode(buf, half, at)
         return self.engine.allreduce_sum_half_(half, buf, what, kind)
+
+    def fused_buffer(self, size: int) -> Optional[np.ndarray]:
+        return None  # the float16 copy is what travels: any float32 buffer will do
 
     def _half_for(self, size: int) -> np.ndarray:
         half = self._halves.get(size)
         if half is None:  # the exchange splits it in equal segments, one per worker
             half = self._halves[size] = np.zeros(-(-size // self.size) * self.size, np.float16)
         return half
-
-
-def sync_engine(engine, compression: str, n_gradient: int, size: int):
-    """``engine``, or it wrapped to move a fused buffer of ``size`` values (the first
-    ``n_gradient`` the gradient) as float16 (``compression`` 'fp16')."""
-    if compression == "fp16":
-        return HalfPrecisionEngine(engine, n_gradient, size)
-    return engine
-
-
-class PushCodec:
-    """How an async push carries its gradient in a float32 message: as it is, or as
-    float16 pairs packed into float32 slots (with error feedback on the worker)."""
-
-    def __init__(self, compression: str, n: int):
-        self.half = compression == "fp16"
-        self.n = n
-        #: float32 slots the gradient takes in the message
-        self.slots = (n + 1) // 2 if self.half else n
-        self.feedback = ErrorFeedback(n) if self.half else None
-        self._decoded = np.zeros(n if self.half else 0, np.float32)
-
-    def encode(self, grad: np.ndarray, slots: np.ndarray) -> None:
-        """Write ``grad`` into the message's gradient ``slots`` (worker)."""
-        if self.half:
-            self.feedback.encode(grad, slots.view(np.float16))
-        else:
-            slots[:] = grad
-
-    def decode(self, slots: np.ndarray) -> np.ndarray:
-        """The float32 gradient in the message's gradient ``slots`` (server)."""
-        if self.half:  # (reused: the server applies one push at a time)
-            return widen_(slots.view(np.float16)[:self.n], self._decoded)
-        return slots

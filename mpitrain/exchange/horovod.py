@@ -12,17 +12,18 @@ import numpy as np
 from ..comm import WORKERS_TIMEOUT_FACTOR, Comm
 
 
-class HorovodAllreduce:
-    """Horovod as the sync gradient engine, on the workers' communicator only.
+class HorovodEngine:
+    """Horovod as the sync gradient engine (:class:`~.engines.Engine`), on the workers'
+    communicator only.
 
     Horovod is initialised with the workers' sub-communicator, so the
     parameter server (rank 0) never imports or starts it (Horovod with every
     rank plus a process set would keep a Horovod thread busy on rank 0).
-    ``allreduce_sum_`` has the same contract as :meth:`Comm.allreduce_sum_`:
-    it sums with Horovod, exactly like the MPI engine, so the two differ only in
-    how the bytes travel. Horovod's own knobs
-    come from the environment: HOROVOD_CYCLE_TIME (ms, default 1: its latency
-    floor), HOROVOD_FUSION_THRESHOLD. A run's timeline is :meth:`timeline`.
+    It sums with Horovod, exactly like the MPI engine, so the two differ only in
+    how the bytes travel. Its wait is bounded by Horovod's stall shutdown
+    (``WORKERS_TIMEOUT_FACTOR`` x ``--timeout`` + 2 s, like the workers' own waits).
+    Horovod's own knobs come from the environment: HOROVOD_CYCLE_TIME (ms, default 1:
+    its latency floor), HOROVOD_FUSION_THRESHOLD. A run's timeline is :meth:`timeline`.
     """
 
     def __init__(self, workers: Comm, stall_seconds: float = 300.0):
@@ -54,8 +55,9 @@ class HorovodAllreduce:
         finally:
             self.hvd.stop_timeline()
 
-    def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
-                       kind: str = "allreduce", computing: bool = False) -> np.ndarray:
+    def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,
+                       what: str = "the gradient allreduce", kind: str = "allreduce",
+                       computing: bool = False) -> np.ndarray:
         # (computing: Horovod's background thread waits for it in any case)
         total = self.hvd.allreduce(self.tf.constant(buf), op=self.hvd.Sum,
                                    name="mpitrain_gradient")
@@ -63,6 +65,9 @@ class HorovodAllreduce:
         self.workers.traffic.add_sent(kind, buf.nbytes)
         self.workers.traffic.add_recv(kind, buf.nbytes)
         return buf
+
+    def fused_buffer(self, size: int) -> Optional[np.ndarray]:
+        return None  # Horovod copies the buffer into a tensor of its own
 
     def allreduce_sum_half_(self, half: np.ndarray, out: np.ndarray,
                             what: str = "the gradient allreduce",

@@ -1,0 +1,52 @@
+"""The engine protocol, and MPI as an engine (see the package's docstring)."""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import numpy as np
+
+from ..comm import SharedMemorySum
+
+
+class Engine(Protocol):
+    """What sums the sync workers' fused gradient buffer (the contract: the package's
+    docstring)."""
+
+    size: int
+
+    def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,
+                       what: str = "the gradient allreduce", kind: str = "allreduce",
+                       computing: bool = False) -> np.ndarray:
+        """``buf`` := the sum of every worker's ``buf`` (the fused buffer's part from
+        index ``at``), in place, bit-identical on every worker. Collective, bounded."""
+
+    def fused_buffer(self, size: int) -> Optional[np.ndarray]:
+        """The engine's own memory for a fused buffer of ``size`` float32 (zeroed), or
+        None. Collective over the workers, once."""
+
+
+class MpiEngine:
+    """The workers' communicator as the engine (``--allreduce mpi``): one MPI allreduce
+    per call (:meth:`mpitrain.comm.Comm.allreduce_sum_`), or, given ``shared``, the sum
+    through memory every worker maps (:class:`mpitrain.comm.SharedMemorySum`) for the
+    parts of its fused buffer large enough (its ``min_bytes``). Also moves float16
+    (``allreduce_sum_half_``, for :class:`~.half.HalfPrecisionEngine`)."""
+
+    def __init__(self, workers, shared: Optional[SharedMemorySum] = None):
+        self.workers, self.shared, self.size = workers, shared, workers.size
+        self._sum = (shared or workers).allreduce_sum_
+
+    def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,
+                       what: str = "the gradient allreduce", kind: str = "allreduce",
+                       computing: bool = False) -> np.ndarray:
+        # (shared memory finds its part from the buffer's address: it needs no ``at``)
+        return self._sum(buf, what, kind, computing)
+
+    def allreduce_sum_half_(self, half: np.ndarray, out: np.ndarray,
+                            what: str = "the gradient allreduce",
+                            kind: str = "allreduce") -> np.ndarray:
+        return self.workers.allreduce_sum_half_(half, out, what, kind)
+
+    def fused_buffer(self, size: int) -> Optional[np.ndarray]:
+        return self.shared.fused_buffer(size) if self.shared is not None else None

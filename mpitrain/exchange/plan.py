@@ -1,0 +1,101 @@
+"""The one place that plans a sync exchange from the config."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from ..comm import SharedMemorySum, one_host
+from ..errors import UsageError
+from .engines import MpiEngine
+from .half import HalfPrecisionEngine
+from .overlap import BucketedExchange, FusedExchange
+
+#: seconds beyond the buckets' own bounds (each the workers' --timeout) that the caller
+#: waits for the background thread: it only catches a thread gone
+THREAD_SLACK = 10.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the sync workers exchange their gradient: decided from the config, the
+    gradient's buckets and where the workers run, so the same on every worker.
+
+    * ``engine``: ``mpi``, ``shared`` (mpi, and parts of the fused buffer through the
+      memory the workers map: they all run on one host) or ``horovod``;
+    * ``every_part``: shared memory sums every part (``--shared-memory on``), not
+      only those large enough to be worth it;
+    * ``half``: the buffer moves as float16 with error feedback (``--compression fp16``);
+    * ``buckets``: the gradient's buckets (last layers first) allreduced while
+      back-propagation runs (``--overlap``), or None: the whole buffer after it.
+    """
+
+    engine: str
+    half: bool
+    buckets: Optional[List[Tuple[int, int]]]
+    every_part: bool = False
+
+    @classmethod
+    def of(cls, cfg, bounds: Sequence[Tuple[int, int]], workers) -> "Plan":
+        """The plan for ``cfg``, a gradient in ``bounds`` (of ``--bucket-mb``) and
+        ``workers`` (their communicator: its ``size`` and ``hosts``). UsageError where
+        ``--shared-memory on`` cannot be kept. Overlap:
+        'on', or ``--shared-memory on`` (which sums the buckets), or 'auto' where the
+        gradient fills two buckets or more on the mpi engine and no XLA step (which
+        cannot call out to MPI)."""
+        half = cfg.compression == "fp16"
+        engine = "horovod" if cfg.allreduce == "horovod" else "mpi"
+        if engine == "mpi" and cfg.shared_memory != "off" and not half:
+            if one_host(workers):
+                engine = "shared"
+            elif cfg.shared_memory == "on":
+                hosts = sorted(set(workers.hosts))
+                raise UsageError(f"--shared-memory on needs every worker on one host; these "
+                                 f"run on {len(hosts)} ({', '.join(hosts)}): use "
+                                 "--shared-memory auto")
+        overlap = cfg.overlap == "on" or cfg.shared_memory == "on" or (
+            cfg.overlap == "auto" and len(bounds) >= 2 and cfg.allreduce == "mpi"
+            and cfg.compiler != "xla")
+        return cls(engine, half, list(bounds) if overlap else None, cfg.shared_memory == "on")
+
+
+@contextmanager
+def plan(cfg, replica, workers, tail: int, run_dir: Optional[str] = None
+         ) -> Iterator[FusedExchange]:
+    """``with plan(cfg, replica, workers, tail) as exchange:`` the sync exchange of
+    ``replica``'s gradient and a status tail of ``tail`` values over ``workers`` (the
+    workers' communicator), as :meth:`Plan.of` decides, for one run: each worker's
+    gradient scaled by 1 / workers (so the sum is the mean); for Horovod, recording the
+    run's timeline into ``run_dir`` while inside if ``--horovod-timeline``. Collective
+    over the workers (the shared segment, Horovod's start)."""
+    decided = Plan.of(cfg, replica.gradient_buckets(cfg.bucket_mb * 2**20), workers)
+    with _engine(decided, cfg, workers, run_dir) as engine:
+        if decided.half:
+            engine = HalfPrecisionEngine(engine, replica.n_params, replica.n_params + tail)
+        scale = 1.0 / workers.size
+        if decided.buckets is None:
+            exchange = FusedExchange(replica, engine, tail, scale)
+        else:
+            bound = workers.timeout * (len(decided.buckets) + 1) + THREAD_SLACK
+            exchange = BucketedExchange(replica, engine, tail, scale, decided.buckets, bound,
+                                        workers.name(workers.rank))
+        try:
+            yield exchange
+        finally:
+            exchange.close()
+
+
+@contextmanager
+def _engine(decided: Plan, cfg, workers, run_dir: Optional[str]):
+    if decided.engine != "horovod":
+        shared = None if decided.engine != "shared" else (
+            SharedMemorySum(workers, min_bytes=0) if decided.every_part
+            else SharedMemorySum(workers))
+        yield MpiEngine(workers, shared)
+        return
+    from .horovod import HorovodEngine
+
+    engine = HorovodEngine(workers, stall_seconds=cfg.timeout)
+    with engine.timeline(f"{run_dir}/horovod-timeline.json" if cfg.horovod_timeline else None):
+        yield engine
