@@ -98,3 +98,35 @@ def test_dotted_name_in_the_docs_exists(name, where):
         resolve_dotted(name)
     except (ImportError, AttributeError) as missing:
         pytest.fail(f"{where} names {name}, which does not exist ({missing})")
+
+
+def readme_options_table() -> str:
+    """The rows of the README's options table (the table under '### Options')."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Options", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(line for line in section.splitlines() if line.startswith("| `"))
+
+
+def training_flags() -> set:
+    """Every long option of a training command (``mpitrain lr``), but --help."""
+    parser = commands()["lr"]
+    return {flag for action in parser._actions for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help"}
+
+
+def test_the_readme_lists_every_training_option_on_one_line():
+    table = readme_options_table()
+    named = set(re.findall(r"`(--[a-z][\w-]*)", table))
+    assert named - training_flags() == set(), "the README's options table names options " \
+        "the CLI does not have"
+    assert training_flags() - named == set(), "options missing from the README's table"
+    assert all(len(row) <= 160 for row in table.splitlines()), \
+        "an option row runs over 160 characters: the details belong in docs/usage.md"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_lead_somewhere(doc):
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+        if "://" in target:
+            continue
+        assert (doc.parent / target).exists(), f"{doc.relative_to(REPO)} links to {target}"
