@@ -1,7 +1,9 @@
-"""The layout keeps its promises: the tools in mpitrain/tools train nothing. They load no
-TensorFlow, no MPI and none of the training runtime (comm, session, trainers, replica,
-telemetry), so ``mpitrain plot|report|sweep|check`` start in a second. And only
-mpitrain/comm/ imports mpi4py: everything else talks to MPI through its verbs."""
+"""The layout keeps its promises: every import follows the layer table of
+docs/architecture.md (ALLOWED below is that table); the tools in mpitrain/tools train
+nothing: they load no TensorFlow, no MPI and none of the training runtime (comm, session,
+trainers, replica, telemetry), so ``mpitrain plot|report|sweep|check`` start in a
+second. And only mpitrain/comm/ imports mpi4py: everything else talks to MPI through
+its verbs."""
 
 import ast
 import subprocess
@@ -66,3 +68,108 @@ def test_the_import_rule_finds_every_form_of_import(tmp_path):
     for name, text in sources.items():
         (tmp_path / name).write_text(text)
     assert mpi4py_importers(tmp_path) == ["a.py", "b.py", "c.py", "comm/runtime.py"]
+
+
+#: the leaves: they import nothing of mpitrain but one another (__version__: the
+#: package's version string; _half: the C part of half)
+LEAVES = {"config", "schema", "atomic", "errors", "half", "_half", "dialect", "userfiles",
+          "model_names", "__version__"}
+#: the I/O modules
+IO = {"data", "results", "telemetry", "lifecycle", "console"}
+#: the layer table of docs/architecture.md: what each part of mpitrain may import besides
+#: itself (the entry points, ENTRY, may import anything)
+ALLOWED = {
+    **{leaf: LEAVES for leaf in LEAVES},
+    "comm": LEAVES,
+    **{io: LEAVES for io in IO},
+    "lifecycle": LEAVES | {"data"},
+    "models": LEAVES,
+    "exchange": LEAVES | {"comm"},
+    "train": LEAVES | {"comm", "exchange", "models", "lifecycle", "data"},
+    "session": LEAVES | IO | {"comm", "exchange", "models", "train", "tools.preflight"},
+    "horovod": LEAVES | IO | {"comm", "exchange", "models", "train"},
+    "tools.plots": LEAVES,
+    "tools.report": LEAVES | {"tools.plots"},
+    "tools.hostfile": LEAVES,
+    "tools.preflight": LEAVES | {"tools.hostfile"},
+    "tools.sweep": LEAVES | {"tools.hostfile", "tools.preflight", "tools.report"},
+}
+ENTRY = {"", "__main__", "cli", "api", "launch", "exits"}
+
+
+def import_edges(root: Path) -> list:
+    """(importer, imported) of every import of one mpitrain module by another under
+    ``root`` (the package directory), as dotted names relative to the package ('' for
+    the package itself): at module level, inside functions and for type checking alike."""
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = []
+    for name, path in sorted(modules.items()):
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in _targets(node, package, root.name):
+                # a module, a compiled extension (``_half``) or a name of a package
+                parent = target.rpartition(".")[0]
+                resolved = target if (target in modules or _compiled(root, target)
+                                      or target == "__version__") else parent
+                if resolved != name:
+                    edges.append((name, resolved))
+    return edges
+
+
+def _targets(node: ast.AST, package: str, top: str) -> list:
+    """What ``node`` imports of the package ``top``, relative to it ('a.b', 'a.b.NAME')."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+        return [n.partition(".")[2] for n in names if n.split(".")[0] == top]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        base = package.split(".") if package else []
+        base = base[:len(base) - (node.level - 1)] + ([node.module] if node.module else [])
+        module = ".".join(base)
+    elif node.module and node.module.split(".")[0] == top:
+        module = node.module.partition(".")[2]
+    else:
+        return []
+    return [f"{module}.{a.name}".lstrip(".") for a in node.names]
+
+
+def _compiled(root: Path, target: str) -> bool:
+    return (root / (target.replace(".", "/") + ".c")).exists()
+
+
+def unit(module: str) -> str:
+    """The part of the layer table ``module`` belongs to: the longest that names it."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in ALLOWED or ".".join(parts[:n]) in ENTRY:
+            return ".".join(parts[:n])
+    return module
+
+
+def test_every_import_follows_the_layer_table():
+    edges = import_edges(REPO / "mpitrain")
+    assert len(edges) > 100, "too few imports found: the scan is broken"
+    unknown = sorted({unit(m) for edge in edges for m in edge} - set(ALLOWED) - ENTRY)
+    assert unknown == [], f"parts of mpitrain missing from the layer table: {unknown}"
+    wrong = sorted(f"{a} imports {b}" for a, b in edges
+                   if unit(a) not in ENTRY and unit(b) != unit(a)
+                   and unit(b) not in ALLOWED[unit(a)])
+    assert wrong == [], "imports against docs/architecture.md's layer table:\n" + "\n".join(wrong)
+
+
+def test_the_layer_scan_resolves_every_form_of_import(tmp_path):
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    sources = {"__init__.py": "__version__ = '1'\nfrom .a import f\n",
+               "a.py": "from . import sub, _c\nfrom .sub.b import g\n",
+               "_c.c": "", "sub/__init__.py": "from .. import __version__\n",
+               "sub/b.py": "def g():\n    import pkg.a\n    from ..a import f\n"}
+    for name, text in sources.items():
+        (root / name).write_text(text)
+    assert sorted(import_edges(root)) == [
+        ("", "a"), ("a", "_c"), ("a", "sub"), ("a", "sub.b"), ("sub", "__version__"),
+        ("sub.b", "a"), ("sub.b", "a")]
