@@ -25,6 +25,20 @@ from .runtime import STATE, unsupported
 
 #: the default process set: the only one there is
 global_process_set = None
+#: the public calls run as they are inside tf.function: autograph has nothing to convert
+#: in them (no Python control flow on tensors), and converting them cost seconds of CPU
+#: at a script's first trace
+plain = tf.autograph.experimental.do_not_convert
+
+
+def _taped() -> bool:
+    """Whether a gradient tape may record what runs now (only then does an allreduce or
+    allgather carry its gradient function: tf.custom_gradient costs milliseconds a call)."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # (a TensorFlow that moved it: always differentiable)
+        return True
+    return record.could_possibly_record()
 
 
 def _check_process_set(process_set) -> None:
@@ -105,6 +119,7 @@ def _allreduce_group(tensors: List[tf.Tensor], op: int, prescale: float, postsca
             for part, t in zip(tf.split(out, sizes), tensors)]
 
 
+@plain
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
               name=None, process_set=global_process_set, ignore_name_scope=False):
@@ -119,7 +134,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name)
     t = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(t)
-    if compressed.dtype.is_floating and op in (Sum, Average):
+    if compressed.dtype.is_floating and op in (Sum, Average) and _taped():
         reduced = _differentiable_allreduce(compressed, op, prescale_factor, postscale_factor,
                                             name)
     else:
@@ -149,6 +164,7 @@ def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
+@plain
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set,
@@ -161,6 +177,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     return reduce_list(list(tensors), op, compression, prescale_factor, postscale_factor, name)
 
 
+@plain
 def reduce_list(tensors: List, op: int, compression, prescale: float = 1.0,
                 postscale: float = 1.0, name: Optional[str] = None) -> List:
     """Reduce a list of tensors and ``tf.IndexedSlices`` (None entries stay None): the
@@ -180,13 +197,14 @@ def reduce_list(tensors: List, op: int, compression, prescale: float = 1.0,
 
 
 # ---- gather, broadcast, scatter -----------------------------------------------------------
+@plain
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank's ``tensor`` concatenated along the first dimension, in rank order (the
     first dimension may differ between ranks; the others may not). Differentiable."""
     _check_process_set(process_set)
     top = runtime.topology()
     t = tf.convert_to_tensor(tensor)
-    if not t.dtype.is_floating:
+    if not (t.dtype.is_floating and _taped()):
         return _gather(t, name)
 
     @tf.custom_gradient
@@ -207,12 +225,14 @@ def _gather(t: tf.Tensor, name: Optional[str]) -> tf.Tensor:
     return out
 
 
+@plain
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
     """:func:`allgather` of each of ``tensors``, one after another."""
     return [allgather(t, name=name, process_set=process_set) for t in tensors]
 
 
+@plain
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
     """Rank ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere)."""
@@ -227,6 +247,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     return out
 
 
+@plain
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
     """Assign rank ``root_rank``'s values to ``variables`` (tf.Variable or Keras 3
     variables) on every rank: one fused broadcast per dtype. Eager: done when it
@@ -272,11 +293,13 @@ def _broadcast_in_graph(group, root: int):
     return [v.assign(tf.reshape(p, tf.shape(t))) for v, p, t in zip(group, parts, values)]
 
 
+@plain
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Horovod's in-place broadcast of variables: :func:`broadcast_variables`."""
     return broadcast_variables(variables, root_rank, process_set)
 
 
+@plain
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
                   postscale_factor=1.0):
@@ -296,6 +319,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     return reduced[start:start + count]
 
 
+@plain
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
@@ -327,6 +351,7 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
     return _call(lambda: runtime.engine().allgather_object(obj))
 
 
+@plain
 def barrier(process_set=global_process_set):
     """Return once every rank has called it. In a graph, the op that waits."""
     _check_process_set(process_set)
@@ -340,6 +365,7 @@ def barrier(process_set=global_process_set):
     return tf.numpy_function(run, [], tf.int32, stateful=True, name="mpitrain_barrier")
 
 
+@plain
 def join():
     """This rank has finished its data: until every rank has joined, it takes part in the
     others' allreduces with zeros (an Average still divides by every rank). Returns the

@@ -16,7 +16,7 @@ import tensorflow as tf
 from . import runtime
 from .compression import Compression
 from .engine import Average
-from .ops import _check_process_set, global_process_set
+from .ops import _check_process_set, global_process_set, plain
 from .runtime import unsupported
 from .tape import GradientReducer
 
@@ -40,6 +40,7 @@ class _Distributed:
             self._hvd_count = self.add_variable((), initializer="zeros", dtype="int64",
                                                 name="hvd_passes")
 
+    @plain
     def apply(self, grads, trainable_variables=None):
         """Average ``grads`` over every rank, then apply them as the optimizer does. With
         ``backward_passes_per_step`` k > 1: sum them locally and exchange and apply the

@@ -11,7 +11,7 @@ import tensorflow as tf
 from . import runtime
 from .compression import Compression
 from .engine import GRADIENTS, Average
-from .ops import _check_process_set, global_process_set, reduce_list
+from .ops import _check_process_set, global_process_set, plain, reduce_list
 
 
 class GradientReducer:
@@ -39,6 +39,7 @@ class GradientReducer:
     def register_local(self, source) -> None:
         self.local.add(id(source))
 
+    @plain
     def __call__(self, grads: Sequence, sources: Sequence) -> List:
         grads = [tf.convert_to_tensor(g) if self.sparse_as_dense
                  and isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -65,6 +66,7 @@ class _Distributed:
 
     _reducer: GradientReducer
 
+    @plain
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
         """The tape's gradients, averaged (or reduced by the tape's ``op``) over every rank.
