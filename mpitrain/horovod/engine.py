@@ -17,10 +17,13 @@ it buys four things:
 * **``join`` works.** A rank that joined answers every later header with zeros (the
   reduction's identity) until every rank has joined.
 
-The data then moves with mpitrain's communicator (:class:`mpitrain.comm.Comm`): a sum
-is its gradient allreduce, in place, blocking or polled as the host allows, bounded
-by its timeout; the other reductions, gathers and broadcasts are
-:mod:`mpitrain.comm.reductions`. No copy is made that the caller did not ask for.
+The data then moves with mpitrain's own engine: a float sum through the exchange
+protocol's :class:`mpitrain.exchange.MpiEngine` over the world communicator (the
+sync trainer's gradient allreduce: in place, blocking or polled as the host allows,
+bounded by the timeout; float16 moving float16), the other reductions, gathers and
+broadcasts through :mod:`mpitrain.comm.reductions`. No copy is made that the caller
+did not ask for. (The engine's shared-memory sum needs the buffer in memory the ranks
+map; a tensor's buffer is TensorFlow's, so the sums go through MPI.)
 
 Cross-rank contract: every rank makes the same calls in the same order (what
 Horovod requires too); a rank that joined takes part in the others' allreduces and
@@ -42,6 +45,7 @@ import numpy as np
 
 from ..comm import HOT, CommTimeout, reductions
 from ..errors import UsageError
+from ..exchange import MpiEngine
 
 # Horovod's reduction operations, with its numbers (horovod/common/message.h)
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -96,6 +100,9 @@ class Engine:
 
     def __init__(self, comm):
         self.comm = comm
+        #: the sums of float buffers: mpitrain's gradient engine (the exchange protocol)
+        #: over the world communicator; every rank trains
+        self.summing = MpiEngine(comm)
         self.rank, self.size = comm.rank, comm.size
         self.table = np.zeros((comm.size, 8), np.int64)  # every rank's header, by rank
         self.seq = 0
@@ -297,6 +304,8 @@ class Engine:
         what = _what(ALLREDUCE, name)
         if flat.dtype == np.float16 and _MPI_OP[op] == "sum":
             self._sum_half_(flat, what)
+        elif flat.dtype == np.float32 and _MPI_OP[op] == "sum":
+            self.summing.allreduce_sum_(flat, what=what)
         elif flat.dtype == np.bool_:
             view = flat.view(np.uint8)
             reductions.allreduce_(self.comm, view, "min" if op in (Min, Product) else "max",
@@ -317,7 +326,7 @@ class Engine:
                              np.empty(n, np.float32))
         half, out = self._half[n]
         half[:n] = flat
-        self.comm.allreduce_sum_half_(half, out, what)
+        self.summing.allreduce_sum_half_(half, out, what)
         flat[:] = out
 
 
