@@ -1,7 +1,7 @@
 """Bad uses of mpitrain.horovod, one per run (``python hvd_bad_use.py CASE``, under mpirun
-but for ``before_init``), for tests/e2e/test_horovod_api.py: each must end the job with
-one ``mpitrain: error:`` line (or Open MPI's word on a dead rank) and a non-zero exit,
-never hang. ``$MPITRAIN_TIMEOUT`` bounds the waits."""
+but for ``before_init``), for tests/e2e/test_horovod_api_mpirun.py: each must end the
+job with one ``mpitrain: error:`` line (or Open MPI's word on a dead rank) and a
+non-zero exit, never hang. ``$MPITRAIN_TIMEOUT`` bounds the waits."""
 
 import os
 import signal

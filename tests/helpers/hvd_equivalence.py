@@ -2,7 +2,7 @@
 the same calls with real Horovod 0.28.1 (``horovod.tensorflow``), then with
 ``mpitrain.horovod``, and rank 0 writes what each got to OUT-horovod.npz and
 OUT-mpitrain.npz (numbers) and OUT.json (what the Keras 3 paths did), for
-tests/e2e/test_horovod_api.py to compare.
+tests/e2e/test_horovod_api_mpirun.py to compare.
 
 mpitrain.horovod starts MPI first (so Horovod, finding it started, leaves it running
 at its shutdown); Horovod runs its part and shuts down (its background thread gone)

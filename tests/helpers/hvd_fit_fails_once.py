@@ -1,5 +1,5 @@
 """A model.fit script (mpitrain.horovod.keras) that resumes from its own checkpoints and
-fails once, for tests/e2e/test_horovod_api.py's ``mpitrain launch`` restart:
+fails once, for the ``mpitrain launch`` restart of tests/e2e/test_horovod_api_mpirun.py:
 
     mpitrain launch -np 2 tests/helpers/hvd_fit_fails_once.py CHECKPOINT_DIR
 
