@@ -22,16 +22,19 @@ class MpitrainError(Exception):
     ``everywhere`` is True when every rank raises the same error at the same point
     (usage errors, and errors agreed on collectively): then each rank can exit on
     its own and rank 0 alone prints it. Otherwise the raising rank prints it and
-    aborts the job, so the other ranks are not left waiting for it.
+    aborts the job, so the other ranks are not left waiting for it. ``summary``: what
+    the run had made when it ended so (a :class:`mpitrain.train.Summary`), for its
+    records; None if nothing.
     """
 
     exit_code = EXIT_FAILURE
     everywhere = False
 
-    def __init__(self, message: str = "", everywhere: bool = None):
+    def __init__(self, message: str = "", everywhere: bool = None, summary=None):
         super().__init__(message)
         if everywhere is not None:
             self.everywhere = everywhere
+        self.summary = summary
 
 
 class UsageError(MpitrainError):

@@ -154,11 +154,12 @@ class Checkpoint:
 
 
 def optimizer_mismatch(saved: Dict[str, np.ndarray], layout: Dict[str, tuple],
-                       run_dir) -> Optional[UsageError]:
+                       run_dir, everywhere: bool = True) -> Optional[UsageError]:
     """The error to raise when a checkpoint's optimizer state (``saved``) does not fit the
     optimizer it is resumed into (``layout``: {name: (shape, dtype)}), else None. It
     happens to checkpoints of an mpitrain that kept the optimizer another way (Keras'
-    variables, one per weight, before the flat update of large models)."""
+    variables, one per weight, before the flat update of large models). ``everywhere``:
+    False where one rank alone reads the checkpoint (see :class:`MpitrainError`)."""
     have = {name: int(np.size(value)) for name, value in saved.items()}
     want = {name: int(np.prod(shape, dtype=np.int64)) for name, (shape, _) in layout.items()}
     if have == want:
@@ -167,7 +168,7 @@ def optimizer_mismatch(saved: Dict[str, np.ndarray], layout: Dict[str, tuple],
                       f"variable(s), {sum(have.values()):,} values) does not fit this run's "
                       f"optimizer ({len(want)}, {sum(want.values()):,} values): it was saved "
                       "by a version of mpitrain that kept the optimizer another way; resume "
-                      "it with that version, or start a new run")
+                      "it with that version, or start a new run", everywhere=everywhere)
 
 
 def saved_config(run_dir: Path) -> dict:

@@ -32,7 +32,7 @@ from .data.shards import batches_per_epoch, check_shards
 from .models.keras_import import onednn_enabled, onednn_hint
 from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from .results import NullResults, RunResults, attempt_facts, run_identity
-from .train import Context, Summary, decay_steps, protocol
+from .train import Context, Summary, decay_steps, trainer
 from .userfiles import read_bounded
 
 
@@ -101,7 +101,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
                   worker_index=worker_index, rescaled=rescale.rule if rescale else "",
                   ends_process=ends_process)
     trained = check_resumable(ctx, comm)  # a run killed after its final checkpoint
-    train = protocol(cfg.async_mode)
+    train = trainer(cfg.async_mode)
     sampler = start_sampler(cfg, comm)
     if role is Role.SERVER:
         comm.listen_for_failures()
@@ -321,7 +321,7 @@ def record_failure(ctx: Context, error: MpitrainError, sampler,
     """
     status = "interrupted" if isinstance(error, Interrupted) else "failed"
     unwritable = isinstance(error, WriteError)
-    row = run_row(ctx.cfg, ctx.data, summary or getattr(error, "summary", None), status,
+    row = run_row(ctx.cfg, ctx.data, summary or error.summary, status,
                   str(error), ctx.rescaled)
     facts = {"restartable": False} if unwritable else {}
     # until the row is written, status.json says so: should this rank be killed meanwhile

@@ -78,6 +78,4 @@ def agree(comm: "Comm", error: Optional[MpitrainError]) -> None:
         if report is not None:
             error_type, message = report
             where = "" if comm.size == 1 else f"{comm.name(rank)}: "
-            error = error_type(where + message)
-            error.everywhere = True
-            raise error
+            raise error_type(where + message, everywhere=True)

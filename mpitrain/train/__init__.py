@@ -12,7 +12,7 @@
 * :mod:`.evaluation`: the serving rank's evaluation, curve and clock.
 
 Each protocol is a function ``train(ctx) -> Summary`` that every rank calls
-(:func:`protocol` picks it); it receives a communicator in ``ctx.comm`` and never
+(:func:`trainer` picks it); it receives a communicator in ``ctx.comm`` and never
 imports MPI itself.
 """
 
@@ -21,11 +21,11 @@ from __future__ import annotations
 from .context import Context, Summary, decay_steps
 
 
-def protocol(async_mode: bool):
+def trainer(async_mode: bool):
     """The ``train(ctx)`` function of the async or the sync protocol."""
     from . import asynchronous, sync
 
     return asynchronous.train if async_mode else sync.train
 
 
-__all__ = ["Context", "Summary", "decay_steps", "protocol"]
+__all__ = ["Context", "Summary", "decay_steps", "trainer"]

@@ -133,19 +133,15 @@ def is_eval_point(ctx: Context, epoch: int, step: int) -> bool:
 def interrupted(ctx: Context, when: str, summary: Optional[Summary] = None) -> Interrupted:
     """The serving rank's error when a stop signal ended the run (every rank stops)."""
     path = ctx.results.path
-    error = Interrupted(f"stopped by {ctx.stop.name or 'a signal to a worker'} {when}; "
-                        f"checkpoint saved in {path}, resume with --resume {path}",
-                        everywhere=True)
-    error.summary = summary
-    return error
+    return Interrupted(f"stopped by {ctx.stop.name or 'a signal to a worker'} {when}; "
+                       f"checkpoint saved in {path}, resume with --resume {path}",
+                       everywhere=True, summary=summary)
 
 
 def diverged(where: str, summary: Optional[Summary] = None) -> Divergence:
     """The error when a non-finite loss or gradient stopped the run (every rank stops)."""
-    error = Divergence(f"training diverged: non-finite loss or gradient on {where}; "
-                       "lower --lr or set --clip-grad-norm", everywhere=True)
-    error.summary = summary
-    return error
+    return Divergence(f"training diverged: non-finite loss or gradient on {where}; "
+                      "lower --lr or set --clip-grad-norm", everywhere=True, summary=summary)
 
 
 def is_checkpoint_point(ctx: Context, epoch: int, step: int, end_of_epoch: bool) -> bool:

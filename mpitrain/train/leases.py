@@ -164,18 +164,17 @@ class Pipelining:
 
     Pipelined, the worker computes its next gradient while its push and the reply
     travel, so the round trip is hidden; but each gradient it pushes is then at
-    least one of its own updates older (measured, LeNet with two workers: mean
-    staleness 3.9 against 1.0, test accuracy 1 pp lower). So 'auto' pipelines only
-    where the round trip is worth hiding. The worker starts with one push in flight
-    and measures each window of ``WINDOW`` steps (the first step, which traces the
-    model, not counted): its median wait for a reply over its median compute. From
-    the ``JUDGED``-th window on, while it has measured at most ``WINDOWS``, it turns
-    pipelining on for the rest of the run once the median of those ratios is at
-    least ``WORTH``. Measured on 2 cores, windows of LR: 0.45-0.99, so it
-    pipelines; of LeNet: 0.10-0.30 with the odd 0.43 (a worker's first steps share
-    the cores with the other workers' tracing and the server's first evaluation,
-    hence the median of windows), so it does not. 'on' always pipelines, 'off'
-    never (nor does a bounded staleness, which needs one gradient per lease).
+    least one of its own updates older, which costs accuracy (docs/benchmarks.md,
+    section 3). So 'auto' pipelines only where the round trip is worth hiding. The
+    worker starts with one push in flight and measures each window of ``WINDOW``
+    steps (the first step, which traces the model, not counted): its median wait
+    for a reply over its median compute. From the ``JUDGED``-th window on, while it
+    has measured at most ``WINDOWS``, it turns pipelining on for the rest of the run
+    once the median of those ratios is at least ``WORTH``: LR's windows lie above
+    it, LeNet's below (a worker's first steps share the cores with the other
+    workers' tracing and the server's first evaluation, so one window can mislead:
+    hence the median of windows). 'on' always pipelines, 'off' never (nor does a
+    bounded staleness, which needs one gradient per lease).
     """
 
     WINDOW, JUDGED, WINDOWS, WORTH = 8, 3, 16, 0.3

@@ -2,8 +2,8 @@
 
 Its work (taking reports, evaluating, writing checkpoints) is never on the sync
 workers' critical path, so on a host with fewer cores than ranks it should take only
-the CPU they leave: its evaluation of the initial model beside the workers' first
-steps cost an AlexNet run 0.4 s of its 5.4 (2 workers on 2 cores, measured). At the
+the CPU they leave (its evaluation of the initial model beside the workers' first
+steps slowed a large model's run measurably: docs/benchmarks.md, section 2). At the
 lowest priority it still runs at once whenever they wait, and at full speed once they
 are done. The async server applies every update: it is the critical path and keeps
 its priority.

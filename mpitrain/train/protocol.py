@@ -10,7 +10,7 @@
   1. STEP (int): the worker's step (sync report, async push); the step to resume
      from (async reply).
   2. FLAGS (int): sync report REPORT (else a heartbeat), FINAL, INTERRUPTED,
-     DIVERGED, EVALUATE, CHECKPOINT; async push FINAL, INTERRUPTED, DIVERGED,
+     DIVERGED, EVALUATE, SAVE; async push FINAL, INTERRUPTED, DIVERGED,
      FAREWELL, PIPELINED; async reply also DROPPED, PARKED.
   3. LOSS: sync, the running train loss; async push, the batch's (the sentinel).
   4. ELAPSED: the worker's wall time (sync report, async push).
@@ -59,7 +59,7 @@ INTERRUPTED = 2  # a stop signal ended the run
 DIVERGED = 4  # a non-finite loss or gradient ended the run
 DROPPED = 8  # async reply: the server went on without this worker
 EVALUATE = 16  # sync report: this step is an evaluation point
-CHECKPOINT = 32  # sync report: this step is a checkpoint point
+SAVE = 32  # sync report: this step is a checkpoint point (rank 0 saves)
 REPORT = 64  # sync report: a report of a step all workers reach (else a heartbeat)
 FAREWELL = 128  # async push (with FINAL): no gradient, the last word of a dismissed worker
 PIPELINED = 256  # async push: its worker keeps a second push in flight (the poll policy)
@@ -98,8 +98,8 @@ class Header(NamedTuple):
 
 
 #: the header's bytes: int32 slots bit-exact, float slots as float32, the CRC-32
-#: unsigned (one struct call each way: ~0.3 us, against ~4 us through numpy views,
-#: and the async server reads and writes a header per update)
+#: unsigned (one struct call each way, an order of magnitude cheaper than numpy views,
+#: docs/benchmarks.md section 7; the async server reads and writes a header per update)
 _LAYOUT = struct.Struct("=iiifffiI")
 FLOAT_SLOTS = ("loss", "elapsed", "think")
 assert _LAYOUT.size == SLOTS * 4
@@ -239,7 +239,7 @@ class PhaseTimer:
         for, is what moving the data takes: when the epoch closes, that much of each
         of its collectives counts as comm, the rest as waiting for the slowest rank.
         (Learnt from the calls themselves: measuring it up front took four extra
-        allreduces, 0.53 s before an AlexNet run's first step.)"""
+        allreduces before the first step: docs/benchmarks.md, section 2.)"""
         self.lap()
         try:
             yield

@@ -71,8 +71,8 @@ from .context import (Context, Summary, diverged, interrupted, is_checkpoint_poi
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .leases import Liveness
 from .priority import deferring_to_workers
-from .protocol import (CHECKPOINT, DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED,
-                       REPORT, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
+from .protocol import (DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED, REPORT, SAVE,
+                       TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
                        SilentPeers, new_message, sentinel, stalled)
 
 
@@ -127,8 +127,8 @@ def _start(ctx: Context):
 def _pack(state: Dict[str, np.ndarray], layout) -> np.ndarray:
     """Optimizer state as one byte vector: each variable's own bytes in the dtype of
     ``layout`` (:meth:`~mpitrain.models.replica.Replica.optimizer_layout`), in its
-    order. Float32 slots travel as 4 bytes each (as float64, AlexNet's momentum took
-    220 MB at every checkpoint, not 110)."""
+    order. Float32 slots travel as 4 bytes each (as float64, a large model's
+    momentum would cost twice the bytes at every checkpoint)."""
     parts = [np.ascontiguousarray(state[k], dtype=dtype).reshape(-1).view(np.uint8)
              for k, (_, dtype) in _in_order(layout)]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
@@ -201,7 +201,7 @@ def _steps(ctx: Context, link, start_step: int, exchange) -> Summary:
             flags |= FINAL
         with timer(link.accounted_as):
             link.after_step(step, loss_sum / n_batches)
-            if flags & (EVALUATE | CHECKPOINT) and not (alone or nonfinite):
+            if flags & (EVALUATE | SAVE) and not (alone or nonfinite):
                 average_buffers(replica, workers)  # every worker: the same step, the same flags
             if flags:
                 link.report(step, loss_sum / n_batches, flags)
@@ -224,13 +224,13 @@ def _flags(ctx: Context, epoch: int, step: int, end_of_epoch: bool, stop: bool,
     if end_of_epoch and is_eval_point(ctx, epoch, step) or stop:
         flags |= EVALUATE
     if is_checkpoint_point(ctx, epoch, step, end_of_epoch) or stop:
-        flags |= CHECKPOINT
+        flags |= SAVE
     if step == ctx.total_steps:
         flags |= FINAL
     if stop:
         flags |= INTERRUPTED
     if diverged_here:
-        flags = (flags | DIVERGED) & ~(EVALUATE | CHECKPOINT)
+        flags = (flags | DIVERGED) & ~(EVALUATE | SAVE)
     return flags
 
 
@@ -279,7 +279,7 @@ class LocalEvaluation:
         now, replica = self.clock(), self.ctx.replica
         self.wall = now
         checkpoint = None
-        if flags & CHECKPOINT:
+        if flags & SAVE:
             rng = replica.rng_state()
             checkpoint = Checkpoint(replica.weights(), replica.optimizer_state(), step, now,
                                     extra={"rng": {0: rng.tolist()} if rng.size else {},
@@ -332,11 +332,11 @@ class ServerLink:
         payloads = []
         if self.sends_weights:
             payloads.append((TAG_WEIGHTS, "pull", weights))
-            if flags & CHECKPOINT:
+            if flags & SAVE:
                 payloads.append((TAG_STATE, "checkpoint", _pack(  # (_pack copies)
                     replica.optimizer_state(copy=False), replica.optimizer_layout())))
         rng = replica.rng_state()
-        if flags & CHECKPOINT and rng.size:
+        if flags & SAVE and rng.size:
             payloads.append((TAG_RNG, "checkpoint", rng))
         for tag, kind, buf in payloads:
             self._complete(kind)  # back-pressure: one message of each kind in flight
@@ -478,7 +478,7 @@ class Server:
         nonfinite = [w for w, h in reports.items() if h.flags & DIVERGED]
         with timer("comm"):
             comm.wait(comm.irecv(self.weights, 1, TAG_WEIGHTS, "pull", "the weights"), IDLE)
-            state = self._receive_checkpoint_state() if union & CHECKPOINT else None
+            state = self._receive_checkpoint_state() if union & SAVE else None
         if nonfinite:
             raise diverged_at(ctx, nonfinite, step)
         self._check_replicas(step, reports)

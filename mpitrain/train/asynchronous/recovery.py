@@ -152,8 +152,6 @@ def short_of_plan(short: int, lost: List[dict], summary) -> MpitrainError:
     """The server's error when ``short`` planned updates were never made: the steps of
     the ``lost`` workers found no worker left to take them. Only the server knows."""
     names = ", ".join(f"rank {w['rank']} on {w['host']}" for w in lost)
-    error = MpitrainError(f"the run ended {short} updates short of its plan: the remaining "
-                          f"steps of lost {names} had no worker left to take them (its "
-                          f"results are kept, recorded as failed)")
-    error.summary = summary
-    return error
+    return MpitrainError(f"the run ended {short} updates short of its plan: the remaining "
+                         f"steps of lost {names} had no worker left to take them (its "
+                         f"results are kept, recorded as failed)", summary=summary)

@@ -67,9 +67,9 @@ class ParameterStore:
         self.weights = ckpt.weights.astype(np.float32).copy()
         if ckpt.buffers.size:
             self.buffers = ckpt.buffers.astype(np.float32).copy()
-        mismatch = optimizer_mismatch(ckpt.optimizer, self.optimizer.layout(), resume)
+        mismatch = optimizer_mismatch(ckpt.optimizer, self.optimizer.layout(), resume,
+                                      everywhere=False)  # the server alone reads it
         if mismatch is not None:
-            mismatch.everywhere = False
             raise mismatch
         self.optimizer.load_state(ckpt.optimizer)
         self.version = ckpt.step
