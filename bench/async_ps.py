@@ -17,8 +17,8 @@
    same for all three: at 20,000 a run of mpitrain's lasts 0.3 s, of which its
    fixed start and end (mapping the shared message memory, the background
    evaluator's first and last evaluations, the first 25 steps before a worker
-   pipelines) took about 70 ms (measured at -np 2: 57k updates/s at 20,000, 71k
-   at 100,000; the raw echo's rate is the same at both). Ratio mpitrain / bound
+   pipelines) were a fifth of it (docs/benchmarks.md, the Summary's async_ps
+   row; the raw echo's rate is the same at both). Ratio mpitrain / bound
    (target >= 0.5).
 2. **Async vs sync epoch time** on LR at -np 3 (and 4), real CLI runs, same epochs.
 

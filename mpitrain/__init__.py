@@ -9,13 +9,12 @@ __version__ = "0.1.0"
 import os as _os
 
 # oneDNN's kernels, unless the user set it. TensorFlow's x86 wheels use them by default
-# only on CPUs with AVX-512 VNNI/BF16 or AMX; elsewhere (the AVX2 EPYC these machines
-# had) they fall back to Eigen's. Measured there, one thread, one training step: LeNet batch 64
-# 34.5 -> 11.0 ms, AlexNet 32x32 batch 32 1304 -> 732 ms, LR unchanged
-# (docs/benchmarks.md section 15); results differ in rounding only (sums in another
-# order): LeNet sync at -np 3, 2 epochs, 97.20% -> 97.18%. Set here, it is set before
-# any mpitrain module imports TensorFlow (the package runs first), and it reaches a
-# script that imports TensorFlow after mpitrain; TensorFlow reads it when it loads.
+# only on CPUs with AVX-512 VNNI/BF16 or AMX; elsewhere (AVX2) they fall back to Eigen's,
+# which take several times as long for a convolutional model's step (docs/benchmarks.md
+# sections 15 and 17); results differ in rounding only (sums in another order). Set
+# here, it is set before any mpitrain module imports TensorFlow (the package runs
+# first), and it reaches a script that imports TensorFlow after mpitrain; TensorFlow
+# reads it when it loads.
 _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 from .api import FitResult, fit  # noqa: E402  (light: TensorFlow and MPI load on the first fit)

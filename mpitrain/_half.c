@@ -1,7 +1,7 @@
 /* float32 <-> float16 conversions for --compression fp16, one pass each, with the
  * x86 F16C instructions (8 values per instruction). numpy converts float16 one value
- * at a time (measured: 190 ms for AlexNet's 61M gradient values, against ~20 ms
- * here), which made compression slower than the bytes it saved. Every function
+ * at a time, an order of magnitude slower than this (docs/benchmarks.md section 17),
+ * which made compression slower than the bytes it saved. Every function
  * checks its buffers' sizes, releases the GIL, and is used only when the CPU has
  * F16C (mpitrain/half.py falls back to numpy otherwise). */
 #define PY_SSIZE_T_CLEAN

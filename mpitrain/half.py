@@ -1,8 +1,8 @@
 """float32 <-> float16 for gradient compression (``--compression fp16``): one fused pass
 each, in C with the x86 F16C instructions (``mpitrain/_half.c``, built by ``pip install``)
 where it was built and the CPU has them, in numpy otherwise. Both round to nearest even
-(IEEE), so they give the same bits; numpy converts float16 one value at a time (~10x
-slower: 190 ms against ~20 ms for AlexNet's 61M values, measured here).
+(IEEE), so they give the same bits; numpy converts float16 one value at a time, about
+an order of magnitude slower (docs/benchmarks.md sections 10 and 17).
 
 A leaf: numpy only, no other part of mpitrain.
 """

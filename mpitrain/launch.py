@@ -50,7 +50,7 @@ outlives it.
 Once the run has ended by its own word (rank 0's ``status.json`` says ok,
 failed or interrupted) mpirun gets ``TEARDOWN_GRACE`` seconds to exit: Open
 MPI can take minutes to tear down a job whose daemon on a lost host it cannot
-reach (timed: up to 300 s). Past them the launcher says so in one line, kills
+reach. Past them the launcher says so in one line, kills
 the job's process group and goes on as if mpirun had exited as the run did
 (failed: 1, and the usual restart; interrupted: 143; ok: 0). Rank 0 can also
 die before it records an end (killed; when a host is lost, Open MPI kills the
@@ -115,9 +115,9 @@ PROG = "mpitrain launch"
 STOP_GRACE = 120.0
 #: seconds mpirun gets to exit once the run's status.json says the run ended, before it
 #: is killed. What follows that write in a healthy job: rank 0 writes its telemetry and
-#: runs.csv row (a second or less) and aborts the job, which mpirun ends in about 2.5 s
-#: (measured; see mpitrain.comm.runtime.abort_world), or, after a run that succeeded,
-#: every rank finalizes (well under a second). 15 s is several times that, on a loaded
+#: runs.csv row (a second or less) and aborts the job, which mpirun ends in seconds
+#: (mpitrain.comm.runtime.abort_world; docs/benchmarks.md section 17), or, after a
+#: run that succeeded, every rank finalizes (well under a second). 15 s is several times that, on a loaded
 #: host too, and rank 0 has long written its files by then; it is small against the
 #: minutes Open MPI can spend tearing down a job with a daemon on a lost host.
 TEARDOWN_GRACE = 15.0

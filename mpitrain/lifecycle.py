@@ -110,8 +110,8 @@ class Checkpoint:
         one writes the file, and the new file replaces the old one only after it
         returned: a run killed before then resumes from the previous checkpoint, all of
         whose curve rows are written, as when the two ran one after the other. A large
-        model's file takes most of a second to write and sync (AlexNet's 220 MB:
-        0.66-0.94 s), which the evaluation then hides. If ``meanwhile`` raises, the new
+        model's file takes most of a second to write and sync (docs/benchmarks.md section 17),
+        which the evaluation then hides. If ``meanwhile`` raises, the new
         file is dropped and the error goes on."""
         path = Path(run_dir) / CHECKPOINT
         meta = {"step": self.step, "wall_time_s": self.wall_time_s,

@@ -18,9 +18,9 @@ Design rules that every verb here follows:
   host with more ranks than cores (``-np 4`` on 2 cores) a spinning rank steals
   the core a worker needs, so there the allreduce is polled too.
   :class:`Backoff` yields the core while it polls,
-  then sleeps with growing intervals. Measured on 2 cores, sync LR, 3 workers:
-  Iallreduce with this policy 1.6 ms/step against 2.6 ms with sleeps alone,
-  while a sleeping parameter server uses ~1.5% of a core.
+  then sleeps with growing intervals: a sync step takes less time than with
+  sleeps alone, and a sleeping parameter server uses little of a core
+  (docs/benchmarks.md section 17).
 * **Traffic is counted exactly.** Every verb adds its payload bytes and message
   count, by kind (allreduce, push, pull, broadcast, control), to :attr:`traffic`.
 

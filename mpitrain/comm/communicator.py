@@ -195,8 +195,8 @@ class Comm:
         def any_done() -> bool:
             # One MPI_Test per request, not one MPI_Testany for all: each Test drives
             # Open MPI's progress engine once, and a ~31 KB shared-memory message
-            # needs several progress calls. Measured, async LR -np 3: 2430 updates/s
-            # with Test per request, 1780 with Testany.
+            # needs several progress calls: more updates a second than with Testany
+            # (docs/benchmarks.md section 17).
             for j, p in enumerate(live_pendings):
                 if p.test():
                     found.append(live[j][0])
@@ -299,8 +299,8 @@ class Comm:
         each rank every rank's copy of its segment, which it sums in float32 in rank
         order; one allgather then gives every rank every summed segment (as
         float16). Half the bytes of a float32 ring allreduce, no user-defined MPI
-        reduction (a Python one costs ~60x: measured 2.3 ms against
-        0.03 ms for LR's 7,850 values at -np 2), and every rank gets the
+        reduction (a Python one costs an order of magnitude more or worse:
+        docs/benchmarks.md section 17), and every rank gets the
         bit-identical result: each segment is summed once, by its owner. Collective:
         every rank calls it with ``len(half)`` a multiple of ``size``, the same on all;
         ``out`` may be shorter (the caller's padding is dropped).

@@ -46,8 +46,8 @@ def _load_mpi(start_bound: Optional[float] = None):
         if dialect.launcher_recovery() and "OMPI_MCA_orte_enable_recovery" in os.environ:
             # Open MPI 4.1 opens MPI_Finalize with a PMIx fence over every rank of the
             # job; when a rank has left early (a dropped async worker), that fence
-            # waits for it forever about one run in three (measured: LeNet async -np 4,
-            # a SIGSTOPped worker dropped and woken). Every message of the protocols is
+            # can wait for it forever (seen with a SIGSTOPped async worker dropped and
+            # woken: docs/benchmarks.md section 17). Every message of the protocols is
             # completed before finalizing, so the fence protects nothing here.
             os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
         import mpi4py
@@ -304,8 +304,8 @@ def abort_world(code: int) -> None:
     Under ``mpirun --enable-recovery`` MPI_Abort ends only the calling process and the
     others run on (and a SIGSTOPped rank would keep mpirun waiting forever), so the
     job is ended through the process that started this rank instead: mpirun, or its
-    daemon on another host, ends the whole job on SIGTERM (measured: 2.5 s, with a
-    stopped rank too).
+    daemon on another host, ends the whole job on SIGTERM, a stopped rank too, in
+    seconds (docs/benchmarks.md section 17).
     """
     if world_size_if_running():
         sys.stdout.flush()

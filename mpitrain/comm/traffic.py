@@ -13,8 +13,8 @@ class Traffic:
     ``wait_seconds``: dicts by kind) are exact whenever they are read. Collectives
     on the hot path (:meth:`add_exchanged`, once per gradient allreduce) are kept
     as per-kind running totals and folded in when a table is read: one dict lookup
-    a call instead of five dict updates (0.4 us, 3% of an LR-sized allreduce at
-    -np 2).
+    a call instead of five dict updates (a few percent of an LR-sized allreduce;
+    docs/benchmarks.md section 17).
     """
 
     def __init__(self):

@@ -12,10 +12,9 @@ class LargeAllreduceRing:
     """Picks Open MPI's nonblocking-allreduce algorithm by buffer size, per call.
 
     Open MPI's libnbc uses a binomial tree for in-place allreduces on fewer than
-    four ranks: best for small buffers, but an AlexNet-sized gradient (244 MB) at
-    two workers took 250-500 ms against 123-128 ms with the ring (measured side by
-    side in one job; 4M floats: 8-9 ms vs 3 ms; LR and LeNet sizes: the tree wins,
-    0.06 vs 0.10 ms). The choice is the MCA variable
+    four ranks: best for small buffers (LR's and LeNet's gradients), but two to
+    four times slower than the ring for large ones (from millions of floats up;
+    docs/benchmarks.md section 17). The choice is the MCA variable
     ``coll_libnbc_iallreduce_algorithm``, which libnbc reads at every call; this
     writes it through the MPI tool interface (MPI_T) around each large call and
     sets the default back right after it. Anything unexpected (another MPI, no

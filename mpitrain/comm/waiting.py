@@ -25,8 +25,8 @@ class Backoff:
     latency); on an oversubscribed host it hands the core to a rank that is
     still computing, the one everybody waits for. After that, sleep between
     tests, doubling from ``first_sleep`` to ``max_sleep``, so a long wait costs
-    almost no CPU. Measured, sync LR allreduce on 2 cores: 3 workers 2.6 ms/step
-    with sleeps only, 1.6 ms/step with the yield phase; 2 workers 0.98 -> 0.71.
+    almost no CPU. The yield phase makes an oversubscribed sync step faster than
+    sleeps alone (docs/benchmarks.md section 17).
     """
 
     yield_for: float
@@ -39,9 +39,8 @@ HOT = Backoff(yield_for=2e-3)
 #: A server, or a rank waiting on something slow (evaluation, a slow worker).
 IDLE = Backoff(yield_for=0.0, first_sleep=5e-5, max_sleep=1e-3)
 #: The async server between pushes: workers keep computing while it sleeps (their
-#: pipeline hides its reply latency), so it polls less often. Measured, async LR
-#: at -np 3 and 4: protocol loop 17-19% of a core with a 50 us first sleep,
-#: 13-14% with 500 us, at the same update rate.
+#: pipeline hides its reply latency), so it polls less often: a longer first sleep
+#: saves CPU at the same update rate (docs/benchmarks.md section 17).
 SERVING = Backoff(yield_for=0.0, first_sleep=5e-4, max_sleep=1e-3)
 
 
@@ -239,17 +238,16 @@ class SpinWatch:
     process with the same one-line message a timed-out wait raises; while the
     call lasts it calls ``while_waiting`` about every WAITING_CALL_EVERY seconds
     (the sync workers' heartbeats), as :func:`poll` does. In the caller's thread
-    it only reads the clock and takes a lock: about 0.5 us of Python a call,
-    against about 10 us for the polled wait's machinery (measured at -np 2, LR
-    and LeNet sizes).
+    it only reads the clock and takes a lock, a fraction of the polled wait's
+    machinery (docs/benchmarks.md section 17).
 
     The watchdog runs ``while_waiting`` only while the call is in flight, so the two
     threads never run the protocol's Python at the same time: it raises a flag, then
     checks the call is still the one in flight, and runs it holding a lock; the
     caller, after marking the call finished, takes that lock only when it sees the
     flag (under the interpreter lock each thread's two steps happen in order, so at
-    least one of them sees the other's). Taking the lock on every call cost 0.3 us
-    of the ~14 us LR-size allreduce at -np 2. Its MPI calls (a heartbeat's send, the
+    least one of them sees the other's): taking the lock on every call cost a few
+    percent of an LR-size allreduce. Its MPI calls (a heartbeat's send, the
     failure report) go to other communicators while the caller's thread is inside
     MPI: that needs MPI_THREAD_MULTIPLE, what mpi4py initialises (checked before
     anyone spins: :func:`.communicator.spins`). Local to this rank.
@@ -338,7 +336,7 @@ def blocking_call_bound(seconds: float, what: str, who: str = "this rank") -> It
     rank bounds its own call (use the same ``seconds`` on every rank).
 
     The call must release the interpreter while it waits, or the thread cannot run:
-    mpi4py's Comm.Split does (measured: another thread ran throughout a 4 s Split);
+    mpi4py's Comm.Split does (checked: another thread runs throughout a Split);
     MPI_Init (importing mpi4py) and MPI_Finalize do not (see :func:`.runtime.finalize`). The
     thread makes no MPI call, so MPI's thread level does not matter (it is
     MPI_THREAD_MULTIPLE here anyway). When the body returns in time, the thread is

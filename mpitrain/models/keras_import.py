@@ -78,7 +78,8 @@ def onednn_hint(facts) -> str:
         return ""
     return (f"TensorFlow runs without oneDNN's kernels on rank(s) {', '.join(map(str, off))}: "
             "it was imported before mpitrain; import mpitrain first, or set "
-            "TF_ENABLE_ONEDNN_OPTS=1 (CNN steps ran 2-3x faster with them on AVX2 CPUs)")
+            "TF_ENABLE_ONEDNN_OPTS=1 (convolutional models train several times faster "
+            "with them)")
 
 
 @contextlib.contextmanager
@@ -186,7 +187,7 @@ def _reexports(module) -> dict:
     imports (every generated API package outside ``tf.compat``); else {}, and the module
     runs whole. Binding one name at a time imports only what is used: ``tf.nn`` also
     re-exports TF 1's RNN cell wrappers, and running it whole loads all of the legacy
-    ``tf.keras`` (0.35 s of CPU per rank, measured)."""
+    ``tf.keras`` (a noticeable share of a rank's start-up: docs/benchmarks.md section 17)."""
     spec = module.__spec__
     plan = getattr(spec, "_mpitrain_reexports", None)
     if plan is None:

@@ -2,7 +2,7 @@
 sync workers' for large models (:data:`mpitrain.models.replica.FLAT_UPDATE_MIN`).
 
 The server applies every worker's gradient the moment it arrives. A Keras
-``apply_gradients`` call costs ~0.3 ms of TensorFlow dispatch whatever the model
+``apply_gradients`` call costs a fixed TensorFlow dispatch whatever the model
 size, which at thousands of LR updates per second would keep the server on a
 core all the time; these elementwise updates on the fused buffer cost
 microseconds for LR and LeNet. They follow Keras 3's formulas exactly (checked
@@ -18,9 +18,8 @@ every mode (single, sync, async) transforms gradients the same way.
 
 Each update is one fused pass in C (``mpitrain/models/_optim.c``, built by ``pip
 install``) where it was built, else numpy; both give the same bits (the C code
-makes numpy's float32 operations in numpy's order). Measured per update, numpy ->
-fused, on LR's 7,850 values: SGD 5.6 -> 2.5 us, momentum 10.3 -> 3.6, Adam 41 -> 12;
-on the 32x32 AlexNet's 27.5M: SGD 32 -> 16 ms, momentum 61 -> 24, Adam 209 -> 35.
+makes numpy's float32 operations in numpy's order); the C pass takes a fraction of
+numpy's time (docs/benchmarks.md section 17).
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class FlatOptimizer:
     def __init__(self, n_params: int, lr: float, decay_steps: Optional[int] = None,
                  clip_norm: Optional[float] = None):
         self.base_lr = lr
-        self._constant_lr = np.float32(lr)  # (made once: np.float32() costs ~1 us a call)
+        self._constant_lr = np.float32(lr)  # (made once, not per update)
         self.decay_steps = decay_steps  # cosine schedule over this many updates, or None
         self.clip_norm = clip_norm  # --clip-grad-norm, applied before every update
         self.iterations = 0

@@ -102,15 +102,12 @@ def make_optimizer(name: str, lr: float, decay_steps: Optional[int] = None):
 def step_function(input_signature, xla: bool, modes: Dict[str, str]):
     """A decorator: the function as a ``tf.function``, compiled by XLA if ``xla``.
 
-    XLA fuses a step's elementwise work into few kernels: measured on this
-    machine (one thread, gradient of one batch, side by side) against Eigen's
-    kernels, LR 0.90x, LeNet 0.74x and AlexNet 0.78x of the graph-mode time.
-    XLA runs its own kernels, not oneDNN's: against graph mode with oneDNN (the
-    default, see mpitrain/__init__.py) LeNet's gradient took 2.4x as
-    long (35.7 against 15.1 ms; docs/benchmarks.md section 13). It compiles for every
-    batch shape (the epoch's short last batch is a second one): LeNet's
-    gradient took 2-3 s of CPU to compile against 0.4 s to trace, so it pays
-    off on long runs only (docs/benchmarks.md section 13). A model XLA cannot
+    XLA fuses a step's elementwise work into few kernels, faster than graph mode
+    with Eigen's kernels; but it runs its own kernels, not oneDNN's, so against graph
+    mode with oneDNN (the default, see mpitrain/__init__.py) a convolutional model's
+    gradient takes longer. It compiles for every batch shape (the epoch's short last
+    batch is a second one), several times as long as tracing, so it pays off on long
+    runs only (docs/benchmarks.md sections 13 and 17). A model XLA cannot
     compile (an op it does not support, such as a ``tf.py_function``) fails at
     that first call, before anything ran; the function then falls back to graph
     mode for good. ``modes[name]`` says which the function runs in: 'graph',
@@ -210,7 +207,7 @@ class Replica:
         # No autograph: these steps have no Python control flow on tensors, and it
         # never converts a Keras 3 model's call (it stops at Keras' modules; Keras 3
         # layers branch with keras.ops, as they also run under jax.jit). Converting
-        # cost about 0.25 s of CPU per rank per launch and left an
+        # cost CPU in every rank of every launch (docs/benchmarks.md section 17) and left an
         # __autograph_generated_file*.py in the temporary directory per function.
         compiled = functools.partial(tf.function, autograph=False)
         # The training steps (not evaluation, whose last batch has another shape) may be
@@ -375,9 +372,9 @@ class Replica:
 
     def _keep(self, flat) -> np.ndarray:
         """A writable numpy view of the output tensor ``flat``, no copy (``.numpy()``
-        copies: AlexNet's 244 MB took 50-100 ms). The tensor is kept, so that
+        copies, a large model's in tens of milliseconds). The tensor is kept, so that
         :meth:`apply` of this buffer hands it back to TensorFlow as it is instead of
-        converting the array (a copy: 0.4 s for AlexNet's gradient, measured). A
+        converting the array (another copy; docs/benchmarks.md section 17). A
         function's output is a fresh buffer that TensorFlow holds nowhere else."""
         self._fused = flat
         self._fused_view = view = flat._numpy()  # noqa: SLF001 - documented above

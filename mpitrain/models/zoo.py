@@ -39,9 +39,10 @@ def logistic_regression(input_shape, num_classes):
                         dataset="auto", lr_schedule="cosine"),
           **MNIST_LIKE)
 def lenet(input_shape, num_classes):
-    """Defaults measured on the 20,000-image MNIST subset: Adam 1e-3 with cosine decay
-    reaches 98.6% single-node and holds sync (linear lr scaling) and async at -np 4;
-    momentum SGD collapsed at the scaled lr (sync -np 4) and with stale gradients."""
+    """Defaults chosen on the 20,000-image MNIST subset: Adam 1e-3 with cosine decay
+    holds its single-node accuracy sync (linear lr scaling) and async at -np 4, where
+    momentum SGD collapsed at the scaled lr and with stale gradients
+    (docs/benchmarks.md section 17)."""
     import keras
 
     _image_input("lenet", input_shape, 12)  # 12: the second pooling still has a 1x1 map
