@@ -70,7 +70,11 @@ status.json of the attempt before nor another run sharing the results directory
 counts. The launcher looks at it once a second; until rank 0 has written it
 (it says running once the run is set up), mpirun's exit is waited for. Each
 attempt's status and reason also stay in its ``runs.csv`` row (rank 0 writes it
-right after the status; the next attempt rewrites status.json).
+right after the status; the next attempt rewrites status.json). When rank 0 was
+killed before it wrote the row (also before it wrote the attempt's first status,
+the run's status.json still an earlier attempt's), the launcher writes it: an
+attempt has its row when the run has one more in runs.csv than when it began
+(:func:`mpitrain.results.record_lost_attempt`).
 
 Exit codes: 0 the run finished (after N restarts, printed); 1 it still failed
 after the last restart, or failed before writing any checkpoint twice; 2 usage
@@ -105,9 +109,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import dialect
 from .errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE,
-                     MpitrainError, UsageError)
+                     MpitrainError, ResultsError, UsageError)
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
-from .results import ATTEMPT_ENV, process_identity, record_lost_attempt
+from .results import ATTEMPT_ENV, process_identity, record_lost_attempt, run_rows
 from .tools import hostfile
 
 PROG = "mpitrain launch"
@@ -358,7 +362,10 @@ class Launcher:
         for attempt in range(self.max_restarts + 1):
             before = run_dirs(self.results_dir)
             argv = self.training + (["--resume", self.resume] if self.resume else [])
-            code, watched = self._run_job(argv)
+            token = uuid.uuid4().hex
+            # the run's rows so far: the attempt has its own once there is one more
+            rows_before = self._rows_of(Path(self.resume)) if self.resume else 0
+            code, watched = self._run_job(argv, token)
             self._kill_job()  # a rank that outlived mpirun must not hold on to its shard
             if code == 0:
                 if attempt:
@@ -374,7 +381,8 @@ class Launcher:
             run_dir = self._failed_run_dir(before, watched)
             if run_dir is not None and record_lost_attempt(  # each attempt keeps its row
                     run_dir, f"the job ended (mpirun exit {code}) before rank 0 recorded how: "
-                    "a rank was killed, or its host lost", resumed=self.resume is not None):
+                    "a rank was killed, or its host lost", resumed=self.resume is not None,
+                    token=token, rows_before=rows_before):
                 say("rank 0 did not record this attempt's end: its runs.csv row written")
             if code == EXIT_CANNOT_WRITE or not restartable(run_dir):
                 say(f"the job failed (exit {code}) writing its results: a restart would fail "
@@ -430,13 +438,22 @@ class Launcher:
         new = sorted(run_dirs(self.results_dir) - before)
         return new[-1] if new else None
 
-    def _run_job(self, argv: Sequence[str]) -> Tuple[int, Optional[Path]]:
-        """Run one attempt: its exit code (or, when mpirun outlived the run's own end, or
-        rank 0, by TEARDOWN_GRACE and was killed: the code of the run's status, or 1),
-        and the run directory its token marked (None if rank 0 never said running)."""
+    @staticmethod
+    def _rows_of(run_dir: Path) -> int:
+        """The run's rows in runs.csv (see :func:`run_rows`); 0 if it cannot be read (no
+        row can be added to it then either)."""
+        try:
+            return run_rows(run_dir)
+        except ResultsError:
+            return 0
+
+    def _run_job(self, argv: Sequence[str], token: str) -> Tuple[int, Optional[Path]]:
+        """Run one attempt with its ``token``: its exit code (or, when mpirun outlived the
+        run's own end, or rank 0, by TEARDOWN_GRACE and was killed: the code of the run's
+        status, or 1), and the run directory its token marked (None if rank 0 never said
+        running)."""
         command = self.job.command() + list(argv)
         say("$ " + " ".join(command))
-        token = uuid.uuid4().hex
         watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
         # a session of its own: one killpg reaches mpirun and every local rank. Python's
         # view of the environment, as for the probes (see _probe), plus the token

@@ -304,34 +304,51 @@ class RunResults:
             checkpoint.save(self.dir, meanwhile)
 
 
-def record_lost_attempt(run_dir: Path, reason: str, resumed: bool) -> bool:
-    """For ``mpitrain launch``: write what rank 0 of an attempt was killed before it
-    could. A run whose status.json still says running is recorded as failed with
-    ``reason``; one whose status says its runs.csv row is pending (rank 0 was killed
-    while it recorded its failure) gets that row, with the status's own reason. The row
-    is made from config.json (the newest resumed-*.json if the attempt was
-    ``resumed``), so every attempt keeps its row. True if it recorded; False if there
-    was nothing to record or no room."""
+def record_lost_attempt(run_dir: Path, reason: str, resumed: bool, token: str,
+                        rows_before: int) -> bool:
+    """For ``mpitrain launch``: write the runs.csv row of an attempt whose rank 0 did not
+    (killed first). Whether it did is told by runs.csv itself: the attempt has its row
+    if the run has more rows than ``rows_before`` (its rows when the attempt began, see
+    :func:`run_rows`), whatever status.json says (rank 0 can be killed between writing
+    its row and saying so). Without one, the row takes the attempt's own ending from
+    status.json (the one carrying the attempt's ``token``: rank 0 killed while it
+    recorded its failure), else says failed with ``reason`` (rank 0 killed while its
+    status said running, or before it wrote any: the status.json is then an earlier
+    attempt's). The row's settings come from config.json (the newest resumed-*.json if
+    the attempt was ``resumed``). True if it recorded; False if there was nothing to
+    record or no room."""
     run_dir = Path(run_dir)
     try:
-        status = json.loads(read_bounded(run_dir / "status.json"))
-        if not isinstance(status, dict):
+        if run_rows(run_dir) > rows_before or not (run_dir / "config.json").is_file():
             return False
-        if status.get("status") == "running":
+        try:
+            status = json.loads(read_bounded(run_dir / "status.json"))
+        except (OSError, ValueError):
+            status = None
+        if not (isinstance(status, dict) and status.get("launch_attempt") == token):
+            status = {"launch_attempt": token}  # an earlier attempt's, or none
+        if status.get("status") not in ("ok", "failed", "interrupted"):
             status = {**status, "status": "failed", "reason": reason}
-        elif status.get("runs_csv") != "pending":
-            return False
         sessions = sorted(run_dir.glob("resumed-*.json")) if resumed else []
         meta = json.loads(read_bounded(sessions[-1] if sessions else run_dir / "config.json"))
         row = {"run": run_dir.name, **run_identity(
             meta["config"], meta["dataset"], status["status"], status.get("reason", ""),
-            (meta.get("rescaled") or {}).get("rule", ""))}
+            (meta.get("rescaled") or {}).get("rule", "")), "resumed": resumed}
         append_run_row(run_dir.parent / "runs.csv", row)
         write_json_atomic(run_dir / "status.json", {
             **status, "runs_csv": "written", "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     except (OSError, ValueError, KeyError, TypeError, ResultsError):
         return False
     return True
+
+
+def run_rows(run_dir: Path) -> int:
+    """How many rows of its results directory's runs.csv are the run's (0 when there is
+    no runs.csv yet); ResultsError if it cannot be read."""
+    table = Path(run_dir).parent / "runs.csv"
+    if not table.exists():
+        return 0
+    return sum(row.get("run") == Path(run_dir).name for row in read_csv(table))
 
 
 class NullResults:

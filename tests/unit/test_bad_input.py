@@ -495,31 +495,48 @@ def test_a_results_dir_that_cannot_be_written_is_one_line(tmpfs, how, line):
 
 def test_a_killed_attempt_is_recorded_by_the_launcher(tmp_path):
     """After a kill -9, rank 0 never wrote the end of its run: mpitrain launch records
-    the attempt as failed, in status.json and in a runs.csv row (also found in #39)."""
+    the attempt as failed, in status.json and in a runs.csv row (also found in #39).
+    Whether the attempt has its row is runs.csv's to say, not status.json's: rank 0 can
+    be killed before it wrote the attempt's first status (status.json is still the
+    previous attempt's, ended and recorded) or after its row but before saying so."""
     from mpitrain.launch import restartable
-    from mpitrain.results import record_lost_attempt
+    from mpitrain.results import append_run_row, record_lost_attempt, run_rows
 
     run = tmp_path / "20261126-lr-sync-np3"
     run.mkdir()
     (run / "config.json").write_text(json.dumps(lr_metadata()))
     (run / "status.json").write_text(json.dumps({"status": "running", "launch_attempt": "t"}))
-    assert record_lost_attempt(run, "the job ended (mpirun exit 137) before rank 0 ...", False)
+    assert record_lost_attempt(run, "the job ended (mpirun exit 137) before rank 0 ...", False,
+                               "t", rows_before=0)
     status = json.loads((run / "status.json").read_text())
     assert (status["status"], status["launch_attempt"]) == ("failed", "t")
     row, = read_rows(tmp_path / "runs.csv")
     assert (row["run"], row["model"], row["mode"], row["np"], row["global_batch"],
             row["status"], row["reason"]) == (run.name, "lr", "sync", "3", "200", "failed",
                                               "the job ended (mpirun exit 137) before rank 0 ...")
-    assert not record_lost_attempt(run, "again", False)  # it ended: nothing more to record
-    assert len(read_rows(tmp_path / "runs.csv")) == 1 and restartable(run)
-    # rank 0 killed while it recorded its failure: its status written, its row pending
+    assert not record_lost_attempt(run, "again", False, "t", rows_before=0)  # it has its row
+    assert run_rows(run) == 1 and restartable(run)
+    # the next attempt, rank 0 killed while it recorded its failure: its status written,
+    # its row pending
     (run / "status.json").write_text(json.dumps({"status": "failed", "reason": "rank 2 died",
-                                                 "runs_csv": "pending"}))
-    assert record_lost_attempt(run, "the job ended (mpirun exit 137) ...", False)
-    assert [(r["status"], r["reason"]) for r in read_rows(tmp_path / "runs.csv")][1] == (
-        "failed", "rank 2 died")
+                                                 "runs_csv": "pending", "launch_attempt": "u"}))
+    assert record_lost_attempt(run, "the job ended (mpirun exit 137) ...", True, "u", 1)
+    assert [(r["status"], r["reason"], r["resumed"]) for r in read_rows(
+        tmp_path / "runs.csv")][1] == ("failed", "rank 2 died", "True")
     assert json.loads((run / "status.json").read_text())["runs_csv"] == "written"
-    assert not record_lost_attempt(run, "again", False)
+    # the next, rank 0 killed before it said running: status.json is attempt u's, ended
+    # and recorded, yet attempt v has no row
+    assert record_lost_attempt(run, "the job ended (mpirun exit 137) before ...", True, "v", 2)
+    assert [(r["status"], r["reason"]) for r in read_rows(tmp_path / "runs.csv")][2] == (
+        "failed", "the job ended (mpirun exit 137) before ...")
+    status = json.loads((run / "status.json").read_text())
+    assert (status["status"], status["launch_attempt"]) == ("failed", "v")
+    # the next, rank 0 killed after its row but before it said so: no second row
+    (run / "status.json").write_text(json.dumps({"status": "failed", "reason": "rank 1 died",
+                                                 "runs_csv": "pending", "launch_attempt": "w"}))
+    append_run_row(tmp_path / "runs.csv", {"run": run.name, "status": "failed"})
+    assert not record_lost_attempt(run, "the job ended ...", True, "w", rows_before=3)
+    assert run_rows(run) == 4
     (run / "status.json").write_text(json.dumps({"status": "failed", "restartable": False}))
     assert not restartable(run)
 
