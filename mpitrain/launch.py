@@ -113,6 +113,7 @@ from .errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK,
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
 from .results import ATTEMPT_ENV, process_identity, record_lost_attempt, run_rows
 from .tools import hostfile
+from .userfiles import read_bounded
 
 PROG = "mpitrain launch"
 #: seconds the job gets to checkpoint and exit after a stop signal before it is killed
@@ -601,9 +602,10 @@ def writer_gone(status: Optional[dict], here: dict) -> bool:
 
 def read_json_object(path: Path) -> Optional[dict]:
     """The JSON object in ``path`` (status.json, config.json), or None when there is none
-    to read (missing, unreadable, not JSON, not an object): the run has not said it yet."""
+    to read (missing, unreadable, no regular file, not JSON, not an object): the run has
+    not said it yet. Never blocks (a FIFO in its place is no object)."""
     try:
-        status = json.loads(path.read_text())
+        status = json.loads(read_bounded(path))
     except (OSError, ValueError):  # ValueError: bad JSON, or bytes that are not UTF-8
         return None
     return status if isinstance(status, dict) else None

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..dialect import COLON, SLOTS
 from ..errors import UsageError
+from ..userfiles import read_bounded
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,17 @@ def parse(text: str, origin: str = "hostfile") -> List[Host]:
 
 
 def read(path) -> List[Host]:
-    """Parse the hostfile at ``path``; UsageError if it is missing or unreadable."""
-    path = Path(path)
+    """Parse the hostfile at ``path``; UsageError if it is missing, unreadable or no
+    regular file."""
+    return parse(_text(path), str(path))
+
+
+def _text(path) -> str:
+    """The hostfile's text, read with a bound from a regular file only (a FIFO given as
+    the hostfile would block the read forever): else one UsageError naming it."""
     try:
-        return parse(path.read_text(), str(path))
+        return read_bounded(path, error=lambda message: UsageError(f"hostfile {message}")
+                            ).decode()
     except FileNotFoundError:
         raise UsageError(f"hostfile {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -103,7 +111,7 @@ def for_launcher(path: str, fmt: str) -> str:
     """A hostfile with ``path``'s hosts that a launcher reading ``fmt`` understands:
     ``path`` itself when it is in that format already, else a copy written in it (a
     temporary file that lives as long as the process)."""
-    text = Path(path).read_text()
+    text = _text(path)
     if format_of(text) in (None, fmt):
         return path
     if (path, fmt, text) not in _CONVERTED:  # (one copy however often a job restarts)

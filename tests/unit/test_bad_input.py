@@ -248,6 +248,12 @@ def _fifo_as_a_run_file_to_plot(tmp_path):
     return lambda: plot_runs([run]), fifo(run / "config.json")
 
 
+def _fifo_as_hostfile(tmp_path):
+    from mpitrain.tools import hostfile
+
+    return lambda: hostfile.read(tmp_path / "hosts"), fifo(tmp_path / "hosts")
+
+
 @pytest.mark.timeout(60)  # a read that blocks fails here instead of hanging the suite
 @pytest.mark.parametrize("make,error,kind", [
     (_fifo_in_a_class_folder, DataError, "a FIFO (named pipe)"),
@@ -261,12 +267,25 @@ def _fifo_as_a_run_file_to_plot(tmp_path):
     (_fifo_as_checkpoint, ResultsError, "a FIFO (named pipe)"),
     (_fifo_as_sweep_spec, UsageError, "a FIFO (named pipe)"),
     (_fifo_as_a_run_file_to_plot, ResultsError, "a FIFO (named pipe)"),
+    (_fifo_as_hostfile, UsageError, "a FIFO (named pipe)"),
 ])
 def test_a_name_that_is_no_regular_file_is_refused_never_read(tmp_path, make, error, kind):
     read, culprit = make(tmp_path)
     with pytest.raises(error) as raised:
         read()
     assert f"{culprit}: is {kind}, not a regular file" in one_line(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_never_waits_on_a_fifo_in_a_run_directory(tmp_path):
+    """mpitrain launch reads the run's status.json (and config.json) once a second: a FIFO
+    in their place is nothing said yet, not a read that never returns."""
+    from mpitrain.launch import read_json_object, restartable
+
+    run = tmp_path / "run"
+    assert read_json_object(fifo(run / "status.json")) is None and restartable(run)
+    (run / "config.json").write_text('{"a": 1}')
+    assert read_json_object(run / "config.json") == {"a": 1}
 
 
 def test_a_small_file_read_whole_has_a_bound(tmp_path):
