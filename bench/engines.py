@@ -82,6 +82,9 @@ def tf_baseline(strategy: str, model: str, args, quick: bool, onednn: bool = Fal
                                 timeout=timeout)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        for line in result.stderr.splitlines():  # a cluster started again, say
+            if line.startswith("tf_baselines: note:"):
+                print(line, flush=True)
         return json.loads(out.read_text())
 
 

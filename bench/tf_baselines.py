@@ -27,8 +27,13 @@ The script launches every process itself (TF_CONFIG on free localhost ports),
 bounds every wait (``--timeout``, default 1800 s for the whole run), kills all its
 children on any error, timeout or signal (and the children die with it even if it
 is SIGKILLed: PR_SET_PDEATHSIG), and writes one JSON result, also printed as the
-last stdout line. Errors: one ``tf_baselines: error: ...`` line on stderr, exit
-status 2 (usage) or 1. It imports nothing from mpitrain.
+last stdout line. A cluster that fails in TensorFlow's runtime rather than in this
+script (an InternalError, UnavailableError... from gRPC or the eager service, or a
+crash: see ``not_ours``) is started again on new ports, at most ``CLUSTER_STARTS``
+times in all within ``--timeout``, each restart one ``tf_baselines: note: ...`` line on
+stderr and counted in the result (``cluster_starts``). Errors: one
+``tf_baselines: error: ...`` line on stderr, exit status 2 (usage) or 1. It imports
+nothing from mpitrain.
 
 Semantics follow mpitrain: each worker trains on its own disjoint, equal shard of
 the training set (train_size // workers, remainder dropped), reshuffled every
@@ -82,6 +87,29 @@ class Failure(Exception):
 
 class UsageFailure(Failure):
     """Bad arguments: exit status 2."""
+
+
+class ClusterFailure(Failure):
+    """A process of the cluster failed; ``not_ours`` when TensorFlow's runtime did (see
+    :func:`not_ours`), so that starting the cluster again may well succeed."""
+
+    def __init__(self, message: str, not_ours: bool):
+        super().__init__(message)
+        self.not_ours = not_ours
+
+
+#: how many times the cluster is started at most: again after a failure of TensorFlow's
+#: own runtime (not_ours), within the one --timeout
+CLUSTER_STARTS = 3
+#: errors of TensorFlow's runtime, gRPC and the eager service, that a child reports as
+#: its own (never this script's Failure): e.g. ParameterServerStrategy's coordinator
+#: now and then sends a worker a request it cannot parse ("InternalError: ... Unable to
+#: parse request", the request's device string corrupted in the coordinator), a server
+#: cannot bind its port (UnknownError), a peer is not there yet (UnavailableError)
+TF_RUNTIME_ERRORS = ("InternalError", "UnknownError", "UnavailableError", "AbortedError",
+                     "CancelledError", "DeadlineExceededError")
+#: signals that kill a child from inside TensorFlow's native code
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,10 +330,11 @@ class Launcher:
                                     preexec_fn=_child_setup)
         self.procs.append((name, proc, log))
 
-    def run(self) -> dict:
+    def run(self, deadline: float) -> dict:
+        """Start the cluster, wait for the chief's result (until ``deadline``, a
+        time.monotonic()) and return it."""
         args = self.args
         t_launch = time.time()
-        deadline = time.monotonic() + args.timeout
         result_file = str(self.logdir / "result.json")
         W = args.workers
         if args.strategy == "mwms":
@@ -336,8 +365,9 @@ class Launcher:
                 if rc is None or rc == 0 and (not servers_run_forever or proc is main):
                     continue
                 how = "died" if servers_run_forever and proc is not main else "failed"
-                raise Failure(f"{name} {how} (exit status {rc}): {last_error(log)}; "
-                              f"logs in {self.logdir}")
+                error = last_error(log)
+                raise ClusterFailure(f"{name} {how} (exit status {rc}): {error}; "
+                                     f"logs in {self.logdir}", not_ours(rc, error))
             if done and all(p.poll() is not None for _, p, _ in self.procs
                             if not servers_run_forever or p is main):
                 break
@@ -383,6 +413,14 @@ class Launcher:
             proc.wait()
 
 
+def not_ours(returncode: int, error: str) -> bool:
+    """True if a child that exited with ``returncode`` after ``error`` (its
+    :func:`last_error`) failed in TensorFlow's runtime, not in this script: a
+    TF_RUNTIME_ERRORS exception, or a crash signal."""
+    return (-returncode in CRASH_SIGNALS
+            or error.split(":", 1)[0].strip() in TF_RUNTIME_ERRORS)
+
+
 def last_error(log: Path) -> str:
     """The child's own error line, else the last line that looks like an error."""
     try:
@@ -400,23 +438,17 @@ def last_error(log: Path) -> str:
 
 def launch(args, argv) -> int:
     plan = check_args(args)
-    launcher = Launcher(args, argv)
 
     def on_signal(signum, frame):
         raise Interrupted(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    ok = False
     try:
-        result = launcher.run()
-        ok = True
+        result = run_cluster(args, argv, time.monotonic() + args.timeout)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # no second interruption while cleaning up
-        launcher.cleanup()
-        if ok:
-            shutil.rmtree(launcher.logdir, ignore_errors=True)
     assert result["steps_per_worker_planned"] == plan.steps_per_worker
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -425,6 +457,29 @@ def launch(args, argv) -> int:
     os.replace(tmp, out)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def run_cluster(args, argv, deadline: float) -> dict:
+    """The chief's result, the cluster started up to CLUSTER_STARTS times (each on new
+    ports) while it fails in TensorFlow's runtime (:func:`not_ours`), each restart said
+    in one line on stderr and counted in the result (``cluster_starts``). A failed
+    start's logs are kept; the successful one's are removed."""
+    for start in range(1, CLUSTER_STARTS + 1):
+        launcher = Launcher(args, argv)
+        try:
+            result = launcher.run(deadline)
+        except ClusterFailure as e:
+            if not e.not_ours or start == CLUSTER_STARTS:
+                raise
+            print(f"{PROG}: note: the cluster failed in TensorFlow, not in this script "
+                  f"({e}); starting it again on new ports ({start + 1} of {CLUSTER_STARTS})",
+                  file=sys.stderr, flush=True)
+            continue
+        finally:
+            launcher.cleanup()
+        shutil.rmtree(launcher.logdir, ignore_errors=True)
+        result["cluster_starts"] = start
+        return result
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ timing.csv, peak memory by role from its telemetry.csv, a CSV as a Markdown tabl
 are summarised."""
 
 import csv
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,43 @@ def test_the_ddp_comparison_judges_two_workers_scaling_and_lenet_accuracy():
     checks = checks_of("lenet", ours, theirs, quick=True)
     assert all(c["met"] is None for c in checks)
     assert not [c for c in checks if "steady" in c["ratio"]]
+
+
+def test_a_tf_cluster_failing_in_tensorflow_is_started_again_a_bounded_number_of_times(
+        monkeypatch, capsys):
+    """tf_baselines starts the cluster again (new ports, one note line each) while it
+    fails in TensorFlow's runtime, at most CLUSTER_STARTS times; a failure of its own is
+    never retried."""
+    from bench import tf_baselines as tfb
+
+    assert tfb.not_ours(1, "InternalError: 2 root error(s) found.")
+    assert tfb.not_ours(1, "UnknownError: Could not start gRPC server")
+    assert tfb.not_ours(-11, "no output")  # SIGSEGV in TensorFlow's native code
+    assert not tfb.not_ours(1, "Failure: optimizer counted 39 updates, expected 40")
+    assert not tfb.not_ours(1, "ValueError: bad shape")
+
+    def fake_launcher(outcomes):
+        class Launcher:  # one cluster start per instance: raises or returns its outcome
+            def __init__(self, args, argv):
+                self.outcome, self.logdir = outcomes.pop(0), Path("/nonexistent")
+
+            def run(self, deadline):
+                if isinstance(self.outcome, Exception):
+                    raise self.outcome
+                return dict(self.outcome)
+
+            def cleanup(self):
+                pass
+        return Launcher
+
+    theirs = tfb.ClusterFailure("chief failed (exit status 1): InternalError: ...", True)
+    ours = tfb.ClusterFailure("chief failed (exit status 1): Failure: diverged", False)
+    monkeypatch.setattr(tfb, "Launcher", fake_launcher([theirs, {"wall_time_s": 1.0}]))
+    assert tfb.run_cluster(None, [], 0.0) == {"wall_time_s": 1.0, "cluster_starts": 2}
+    assert capsys.readouterr().err.count("tf_baselines: note: the cluster failed") == 1
+    monkeypatch.setattr(tfb, "Launcher", fake_launcher([theirs] * tfb.CLUSTER_STARTS))
+    with pytest.raises(tfb.ClusterFailure):
+        tfb.run_cluster(None, [], 0.0)
+    monkeypatch.setattr(tfb, "Launcher", fake_launcher([ours, {"wall_time_s": 1.0}]))
+    with pytest.raises(tfb.ClusterFailure, match="diverged"):
+        tfb.run_cluster(None, [], 0.0)
