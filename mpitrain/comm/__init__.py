@@ -31,12 +31,15 @@ The parts, one concern each:
 
 * ``runtime``: loading MPI (the one import of mpi4py), the bounded finalize,
   aborting the job, the launcher's rank and size, :class:`Role`;
-* ``waiting``: :class:`Backoff` and its policies, :class:`Pending`, the bounded
-  poll loop and its timeout message, the bounds around blocking calls;
+* ``pending``: the started operations (:class:`Pending`, :class:`Persistent`) and
+  the peers' deaths MPI reports on them;
+* ``waiting``: :class:`Backoff` and its policies, the bounded poll loop and its
+  timeout message, the bounds around blocking calls;
 * ``traffic``: the :class:`Traffic` table;
 * ``tuning``: Open MPI's allreduce algorithm by buffer size (MPI_T);
 * ``failures``: the one-line failure reports to rank 0;
-* ``objects``: the pickled exchanges (allgather, gather, agree);
+* ``objects``: the pickled exchanges (allgather, gather, agree), a part of
+  :class:`Comm` (its base class);
 * ``reductions``: buffer collectives beyond the gradient sum (min/max/product, gathers
   of parts of different lengths, broadcasts of any dtype), for :mod:`mpitrain.horovod`;
 * ``processes``: the other ranks' processes on this host (alive, kill, watch);
@@ -61,8 +64,8 @@ from .runtime import (FINALIZE_BOUND, Role, abort_world, bound_finalize,
 from .shared import SharedMemorySum, one_host, share_with_server, shares_with_server
 from .traffic import Traffic
 from .tuning import LargeAllreduceRing
-from .waiting import (HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, Pending, Persistent,
-                      blocking_call_bound)
+from .pending import Pending, Persistent
+from .waiting import HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, blocking_call_bound
 
 __all__ = [
     "Comm", "spins", "PeerProcesses", "SharedMemorySum", "one_host", "share_with_server",

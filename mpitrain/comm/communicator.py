@@ -14,14 +14,15 @@ import numpy as np
 
 from ..errors import CommTimeout, MpitrainError
 from ..half import mean_rows_, widen_
-from . import objects
 from .failures import FailureListener
+from .objects import ObjectExchanges
 from .runtime import Role, _load_mpi
 from .traffic import Traffic
 from .tuning import allreduce_algorithm
-from .waiting import (FAILED_RANKS, HOT, IDLE, Backoff, Pending, Persistent, SpinWatch,
-                      blocking_call_bound, free_persistent, is_process_failure,
-                      note_process_failure, poll, spin_watch, timeout_error)
+from .pending import (FAILED_RANKS, Pending, Persistent, free_persistent, is_process_failure,
+                      note_process_failure)
+from .waiting import (HOT, IDLE, Backoff, SpinWatch, blocking_call_bound, poll, spin_watch,
+                      timeout_error)
 
 #: see Comm._split_workers
 WORKERS_TIMEOUT_FACTOR = 1.5
@@ -29,12 +30,14 @@ WORKERS_TIMEOUT_FACTOR = 1.5
 CANCEL_BOUND, LOST_PEER_CANCEL_BOUND = 10.0, 1.0
 
 
-class Comm:
+class Comm(ObjectExchanges):
     """A bounded, traffic-counting view of one MPI communicator.
 
     ``Comm.world()`` wraps MPI_COMM_WORLD; :attr:`workers` is the communicator of
     the ranks that train (every rank but 0, or the single rank at -np 1) and is
-    ``None`` on the server. All views of a process share one :class:`Traffic`.
+    ``None`` on the server. All views of a process share one :class:`Traffic`. The
+    rare exchanges of pickled objects (``allgather_objects``, ``gather_objects``,
+    ``agree``) come from :class:`~.objects.ObjectExchanges`.
     """
 
     def __init__(self, mpi_comm, timeout: float, traffic: Traffic, hosts: Sequence[str],
@@ -408,22 +411,6 @@ class Comm:
     def stop_listening(self) -> None:
         self.cancel(self._failures.pending)
         self._failures.pending = None
-
-    # ---- rare metadata exchanges (pickled objects, see objects.py) --------------------
-    def allgather_objects(self, obj, kind: str = "control") -> list:
-        """Every rank's ``obj``, in rank order, on every rank. Collective, bounded."""
-        return objects.allgather_objects(self, obj, kind)
-
-    def gather_objects(self, obj, skip: Sequence[int] = (), kind: str = "control") -> list:
-        """Every rank's ``obj`` on rank 0 (None in place of the ranks in ``skip``); the
-        other ranks get ``[obj]``. Point to point, bounded; works after ranks were lost
-        (see :func:`objects.gather_objects`)."""
-        return objects.gather_objects(self, obj, skip, kind)
-
-    def agree(self, error: Optional[MpitrainError]) -> None:
-        """Collective check that a phase succeeded on every rank: if any rank passes an
-        error, every rank raises the lowest failing rank's (see :func:`objects.agree`)."""
-        objects.agree(self, error)
 
 
 def peer_died(pendings: Sequence[Pending], me: str, name: Callable[[int], str]) -> CommTimeout:

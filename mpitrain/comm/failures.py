@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import PeerFailure
 from .runtime import _load_mpi, world_size_if_running
-from .waiting import Pending, is_process_failure
+from .pending import Pending, is_process_failure
 
 #: tag of the one-line failure reports that ranks send rank 0 before the job ends
 TAG_FAILURE = 77

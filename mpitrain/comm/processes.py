@@ -14,7 +14,7 @@ import time
 from typing import Callable, Dict, Iterable, Optional
 
 from ..errors import CommTimeout
-from .waiting import FAILED_RANKS
+from .pending import FAILED_RANKS
 
 #: seconds to wait for a killed rank to be reaped, then for its death to reach mpirun
 REAP_WAIT, REAP_SETTLE = 10.0, 1.0

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .runtime import _load_mpi
-from .waiting import HOT, Pending
+from .pending import Pending
+from .waiting import HOT
 
 if TYPE_CHECKING:
     from .communicator import Comm

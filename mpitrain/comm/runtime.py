@@ -15,7 +15,7 @@ import time
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Callable, List, Optional
 
 from .. import dialect
 from ..errors import UsageError
@@ -191,6 +191,18 @@ def bound_finalize(seconds: float = FINALIZE_BOUND) -> None:
     _finalize_bound = seconds
 
 
+#: what runs just before MPI_Finalize on this rank (see :func:`before_finalize`)
+_BEFORE_FINALIZE: List[Callable[[], None]] = []
+
+
+def before_finalize(step: Callable[[], None]) -> None:
+    """Run ``step`` just before MPI ends on this rank (:func:`finalize`): for the
+    modules above this one that hold MPI objects MPI_Finalize must not find (they
+    register it as they load, so this module needs to know none of them). Local."""
+    if step not in _BEFORE_FINALIZE:
+        _BEFORE_FINALIZE.append(step)
+
+
 def finalize(bound: Optional[float] = None) -> None:
     """End MPI on this rank (a collective in MPI's terms). With a bound (``bound``, or
     the one set by :func:`bound_finalize`, or FINALIZE_BOUND under --enable-recovery)
@@ -205,7 +217,8 @@ def finalize(bound: Optional[float] = None) -> None:
         bound = _finalize_bound or (FINALIZE_BOUND if recovery_enabled() else None)
     sys.stdout.flush()
     sys.stderr.flush()
-    _free_requests_left()
+    for step in _BEFORE_FINALIZE:
+        step()
     if bound is None:
         _MPI.Finalize()
         return
@@ -213,24 +226,6 @@ def finalize(bound: Optional[float] = None) -> None:
     signal.alarm(max(1, int(bound)))
     _MPI.Finalize()
     signal.alarm(0)
-
-
-def _free_requests_left() -> None:
-    """Free the persistent requests no run's end freed (a script or test that made them
-    on a Comm of its own): MPI_Finalize must not find any (MPICH prints a line for each).
-    A started one still pending gets a cancel and one second, then is freed all the same."""
-    from .waiting import free_persistent  # (waiting imports this module)
-
-    def cancel(op) -> None:
-        try:
-            op.request.Cancel()
-            deadline = time.monotonic() + 1.0
-            while not op.request.Test() and time.monotonic() < deadline:
-                time.sleep(0.001)
-        except _MPI.Exception:
-            pass
-
-    free_persistent(cancel)
 
 
 def launcher_rank() -> int:

@@ -9,10 +9,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Iterator, Optional, Sequence
 
 from ..errors import EXIT_FAILURE, CommTimeout
-from .runtime import _load_mpi
+from .failures import report_failure
+from .pending import Pending
 from .traffic import Traffic
 
 
@@ -46,127 +47,6 @@ SERVING = Backoff(yield_for=0.0, first_sleep=5e-4, max_sleep=1e-3)
 
 #: seconds between calls of Comm.while_waiting during a long wait
 WAITING_CALL_EVERY = 1.0
-
-
-#: world ranks MPI has reported dead to this process (ULFM: Open MPI 5 under ``mpirun
-#: --with-ft ulfm``); see :func:`note_process_failure`
-FAILED_RANKS: Set[int] = set()
-
-
-def process_failure_classes() -> Tuple[int, ...]:
-    """The MPI error classes that mean a peer process died (ULFM's: MPI_ERR_PROC_FAILED,
-    MPI_ERR_PROC_FAILED_PENDING, MPI_ERR_REVOKED); none where mpi4py has no such names."""
-    MPI = _load_mpi()
-    return tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
-                                                 "ERR_REVOKED") if hasattr(MPI, name))
-
-
-def is_process_failure(error: BaseException) -> bool:
-    """True when ``error`` is MPI saying that a peer process died (see above)."""
-    MPI = _load_mpi()
-    return isinstance(error, MPI.Exception) and \
-        error.Get_error_class() in process_failure_classes()
-
-
-def note_process_failure() -> None:
-    """Acknowledge the failures MPI reported (so that receives from any source go on
-    matching the live ranks, as ULFM requires) and add the dead to FAILED_RANKS. Local."""
-    MPI = _load_mpi()
-    world = MPI.COMM_WORLD
-    try:
-        world.Ack_failed()
-        failed = world.Get_failed()
-        try:
-            FAILED_RANKS.update(r for r in MPI.Group.Translate_ranks(
-                failed, list(range(failed.Get_size())), world.Get_group()) if r >= 0)
-        finally:
-            failed.Free()
-    except (MPI.Exception, NotImplementedError, AttributeError):
-        pass
-
-
-class Pending:
-    """A started nonblocking operation, with what it is for (used in timeout messages).
-
-    A receive adds the bytes it actually received (from its MPI status) to the
-    traffic table when it completes. One whose peer died (MPI said so: ULFM) is
-    ``failed``: it never completes; the wait on it decides what that means (see
-    :meth:`Comm._poll`).
-    """
-
-    __slots__ = ("request", "what", "peer", "kind", "done", "failed", "_traffic", "_status")
-
-    def __init__(self, request, what: str, peer: Optional[int], kind: str,
-                 traffic: Optional[Traffic] = None):
-        self.request = request
-        self.what = what
-        self.peer = peer
-        self.kind = kind
-        self.done = False
-        self.failed = False
-        self._traffic = traffic  # set for receives only
-        self._status = _load_mpi().Status() if traffic is not None else None
-
-    def test(self) -> bool:
-        if self.done or self.failed:
-            return self.done
-        try:
-            if not self.request.Test(self._status):
-                return False
-        except Exception as error:  # noqa: BLE001 - MPI.Exception, read below
-            if not is_process_failure(error):
-                raise
-            note_process_failure()
-            # a receive from any source stays posted (it matches the live ranks);
-            # anything else that involved the dead rank will never complete
-            pending = getattr(_load_mpi(), "ERR_PROC_FAILED_PENDING", None)
-            self.failed = error.Get_error_class() != pending
-            return False
-        self.done = True
-        if self._traffic is not None:
-            self._traffic.add_recv(self.kind, self._status.Get_count())  # (in bytes)
-        return True
-
-
-class Persistent(Pending):
-    """A persistent send or receive (MPI_Send_init / MPI_Recv_init on one buffer, peer
-    and tag): made once, then started for each message (:meth:`Comm.start`) and
-    completed like any :class:`Pending`. Starting one costs a fraction of a new
-    Isend or Irecv (no request, buffer or status to make); the async protocol's
-    loops start one per message, thousands of times a second. Only a completed (or
-    never started) one may be started again, as with any MPI buffer in use."""
-
-    __slots__ = ("sent_bytes",)
-
-    #: every one made in this process and not freed yet (see :func:`free_persistent`)
-    allocated: List["Persistent"] = []
-
-    def __init__(self, request, what: str, peer: int, kind: str,
-                 traffic: Optional[Traffic] = None, sent_bytes: int = 0):
-        super().__init__(request, what, peer, kind, traffic)
-        self.done = True  # (not started: nothing to wait for)
-        self.sent_bytes = sent_bytes  # a send's bytes per start; 0 for a receive
-        Persistent.allocated.append(self)
-
-
-def free_persistent(cancel: Callable[[Pending], None]) -> int:
-    """Free every :class:`Persistent` request of this process, each started one not yet
-    complete first given to ``cancel`` (a receive nothing will match: a lost peer's);
-    returns how many were freed. MPI requires persistent requests to be freed before
-    MPI_Finalize (MPICH prints a line for each one left); the run's end frees them
-    (:meth:`Comm.free_requests`). Local."""
-    MPI = _load_mpi()
-    freed = 0
-    while Persistent.allocated:
-        op = Persistent.allocated.pop()
-        if not op.done and not op.failed:
-            cancel(op)
-        try:
-            op.request.Free()
-            freed += 1
-        except MPI.Exception:  # a request a lost peer left matched: MPI keeps it
-            pass
-    return freed
 
 
 def poll(done: Callable[[], bool], kind: str, backoff: Backoff, seconds: float,
@@ -298,8 +178,6 @@ class SpinWatch:
                 seconds, what, while_waiting = self._bound
                 waited = time.perf_counter() - began
                 if waited > seconds:
-                    from .failures import report_failure  # (failures imports this module)
-
                     line = timeout_text(self.me, seconds, what)
                     report_failure(line, grace=1.0)
                     _leave(f"mpitrain: error: {line}\n")

@@ -115,7 +115,7 @@ def init(comm=None, process_sets=None, *, timeout: Optional[float] = None,
     if results_dir:
         from .telemetry import Telemetry
 
-        STATE.telemetry = Telemetry.start(world, results_dir, seconds)
+        STATE.telemetry = Telemetry.start(world, STATE.engine, results_dir, seconds)
         STATE.engine.timer = STATE.telemetry.timer
     atexit.register(_at_exit)  # (after MPI's own exit hook: this one runs first)
 

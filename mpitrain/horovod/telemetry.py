@@ -42,10 +42,12 @@ ENGINE = "mpitrain.horovod"
 
 
 class Telemetry:
-    """One script's run directory and this rank's sampler and phase timer."""
+    """One script's run directory and this rank's sampler and phase timer; ``engine``
+    (:class:`~.engine.Engine`) counts the run's steps (its gradient exchanges)."""
 
-    def __init__(self, comm, results, sampler, script: str):
+    def __init__(self, comm, engine, results, sampler, script: str):
         self.comm, self.results, self.sampler, self.script = comm, results, sampler, script
+        self.engine = engine
         self.role = "single" if comm.size == 1 else "worker"  # every rank trains
         self.timer = PhaseTimer()
         self.started = time.perf_counter()
@@ -54,7 +56,7 @@ class Telemetry:
         self._last: dict = {}  # the last epoch's logs, for runs.csv
 
     @classmethod
-    def start(cls, comm, results_dir: str, timeout: float) -> "Telemetry":
+    def start(cls, comm, engine, results_dir: str, timeout: float) -> "Telemetry":
         """Open the run on every rank (collective): rank 0 writes config.json and says
         running; every rank starts sampling itself (and its host, on its lowest rank)."""
         script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c") \
@@ -72,7 +74,7 @@ class Telemetry:
         leader = comm.ranks_on_host()[0] == comm.rank
         sampler = telemetry.Sampler(comm.rank, comm.host, "single" if comm.size == 1
                                     else "worker", SAMPLE_INTERVAL, node_leader=leader).start()
-        return cls(comm, results, sampler, script)
+        return cls(comm, engine, results, sampler, script)
 
     def epoch_end(self, epoch: int, logs: Optional[dict]) -> None:
         """A Keras epoch ended (``epoch`` counts from 0): close this rank's timing row.
@@ -99,9 +101,7 @@ class Telemetry:
                                     "test_accuracy": _number(logs.get("val_accuracy"))})
 
     def steps(self) -> int:
-        from .runtime import STATE
-
-        return STATE.engine.gradient_exchanges if STATE.engine is not None else 0
+        return self.engine.gradient_exchanges
 
     def finish(self, status: str, reason: str = "", collective: bool = True) -> None:
         """Write the run's files and its runs.csv row; collective unless ``collective``

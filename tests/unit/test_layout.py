@@ -173,3 +173,52 @@ def test_the_layer_scan_resolves_every_form_of_import(tmp_path):
     assert sorted(import_edges(root)) == [
         ("", "a"), ("a", "_c"), ("a", "sub"), ("a", "sub.b"), ("sub", "__version__"),
         ("sub.b", "a"), ("sub.b", "a")]
+
+
+def import_cycles(edges) -> list:
+    """The import cycles among ``edges`` ((importer, imported) pairs): each a sorted list of
+    the modules that import one another round a loop (the strongly connected components
+    of more than one module, Tarjan's algorithm)."""
+    graph: dict = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import cycle anywhere in mpitrain, inside a package or across two: at module
+    level, inside functions and for type checking alike (a cycle hidden in a function
+    is still two modules that cannot be read, or changed, one without the other)."""
+    cycles = import_cycles(import_edges(REPO / "mpitrain"))
+    assert cycles == [], "modules that import one another round a loop: " + "; ".join(
+        " <-> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_scan_finds_every_loop():
+    edges = [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d"), ("d", "e"), ("e", "d"), ("f", "a")]
+    assert import_cycles(edges) == [["a", "b", "c"], ["d", "e"]]
+    assert import_cycles([("a", "b"), ("b", "c"), ("a", "c")]) == []

@@ -52,16 +52,16 @@ def test_a_zombie_is_not_alive():
 
 def test_a_rank_mpi_reported_dead_is_not_alive_on_any_host(monkeypatch):
     """Under ULFM (Open MPI 5, --with-ft ulfm) MPI names the dead ranks wherever they ran
-    (comm.waiting.FAILED_RANKS): the async server drops them at once, as it does a
+    (comm.pending.FAILED_RANKS): the async server drops them at once, as it does a
     process gone on its own host."""
-    from mpitrain.comm import waiting
+    from mpitrain.comm import pending
 
     elsewhere = Ranks([os.getpid(), os.getpid(), os.getpid()], ["here", "here", "there"])
     processes = PeerProcesses(elsewhere)
     assert processes.alive(0) and processes.alive(2)
-    monkeypatch.setattr(waiting, "FAILED_RANKS", waiting.FAILED_RANKS)
-    waiting.FAILED_RANKS.add(2)
+    monkeypatch.setattr(pending, "FAILED_RANKS", pending.FAILED_RANKS)
+    pending.FAILED_RANKS.add(2)
     try:
         assert not processes.alive(2) and processes.alive(0)
     finally:
-        waiting.FAILED_RANKS.discard(2)
+        pending.FAILED_RANKS.discard(2)
