@@ -142,6 +142,7 @@ def test_async_run_survives_a_killed_server_under_recovery(mnist, tmp_path):
     assert code == 0, err[-3000:]
     assert "the parameter server, rank 0 on" in err and "has died" in err, err[-3000:]
     assert err.count("has died") == 1, err  # said once, though both workers saw it
+    assert err.count("mpitrain: error") == 1, err  # one error line for the one failure
     assert err.count("the job failed") == 1 and "finished after 1 restart(s)" in err, err
     rows = read_rows(results / "runs.csv")
     assert rows[-1]["status"] == "ok" and float(rows[-1]["epochs"]) == pytest.approx(2, abs=0.05)
