@@ -5,8 +5,9 @@ from types import SimpleNamespace
 from conftest import longest_files_first
 
 
-def ids(*nodeids):
-    return [SimpleNamespace(nodeid=n) for n in nodeids]
+def ids(*nodeids, slow=()):
+    return [SimpleNamespace(nodeid=n, keywords={"slow": 1} if n in slow else {})
+            for n in nodeids]
 
 
 def test_files_go_longest_first_and_keep_their_tests_together_in_order():
@@ -23,3 +24,11 @@ def test_only_the_selected_tests_count_and_unknown_ones_count_nothing():
     longest_files_first(items, {"a.py::t1": 2, "b.py::quick": 1, "b.py::slow": 100})
     assert [i.nodeid for i in items] == ["a.py::t1", "b.py::quick", "d.py::new"]
 
+
+
+def test_a_file_with_an_unmeasured_slow_test_goes_first():
+    # e.g. a renamed or new benchmark smoke: maybe long, and a long file last idles a worker
+    items = ids("a.py::t1", "b.py::quick", "b.py::renamed", "c.py::new", slow={"b.py::renamed"})
+    longest_files_first(items, {"a.py::t1": 50, "b.py::quick": 1})
+    assert [i.nodeid for i in items] == ["b.py::quick", "b.py::renamed", "a.py::t1",
+                                         "c.py::new"]
