@@ -7,9 +7,13 @@ the same pixels and labels), with the same per-worker batch, optimizer, learning
 rate (scaled linearly by the workers on both sides), schedule and epochs, and the
 same threads (the host's cores // workers). mpitrain runs as shipped: 1 worker is
 ``mpirun -np 1`` (the single-process run), 2 workers ``-np 3`` (rank 0 serves);
-DDP is ``torchrun --nproc-per-node 1`` and ``2``. Evaluation is excluded from the
-epoch time on both sides: each evaluates the test set once, after the last update
-(mpitrain also checkpoints only then); ``after_last_step_s`` shows it.
+DDP is ``torchrun --nproc-per-node 1`` and ``2``, its OpenMP threads waiting
+passively (``OMP_WAIT_POLICY=PASSIVE`` unless set), as mpitrain's waits do: with
+GNU OpenMP's default spin, one worker's two threads on a busy host spin away the
+time slice the other thread needs at every operator (docs/benchmarks.md, "PyTorch
+DDP"). Evaluation is excluded from the epoch time on both sides: each evaluates the
+test set once, after the last update (mpitrain also checkpoints only then);
+``after_last_step_s`` shows it.
 
 Per model and worker count: epoch time = training time / epochs (from the first
 step, tracing included, to the last update; the slowest worker), the steady-state
@@ -105,7 +109,9 @@ def ddp_side(python: str, model: str, workers: int, quick: bool, compute_steps: 
                *(["--steps", str(QUICK_STEPS)] if quick else [])]
         began = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800,
-                              env={**mpi_env(), "OMP_NUM_THREADS": str(threads)})
+                              env={**mpi_env(), "OMP_NUM_THREADS": str(threads),
+                                   "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY",
+                                                                     "PASSIVE")})
         launch = time.perf_counter() - began
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n"
