@@ -109,7 +109,7 @@ def run_table(run_dir, name: str, roles=None):
     import numpy as np
 
     from mpitrain.schema import OPTIONAL_TABLES
-    from mpitrain.tools.plots import read_table
+    from mpitrain.tools.run_files import read_table
 
     table = read_table(Path(run_dir) / f"{name}.csv", OPTIONAL_TABLES[name])
     return table if roles is None else table.where(np.isin(table["role"], list(roles)))

@@ -22,8 +22,8 @@ from urllib.parse import quote
 
 from ..atomic import write_text_atomic
 from ..schema import NODE_COLUMN, runs_columns
-from .plots import (MB, Run, load_run, make_dir, plot_comparison, plot_run, read_table,
-                    results_error)
+from .plots import make_dir, plot_comparison, plot_run
+from .run_files import MB, Run, load_run, read_table, results_error
 
 def read_runs(results_dir: Path) -> List[dict]:
     """The rows of ``results_dir/runs.csv`` (one per run, first occurrence of a name wins)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import REPO
 
-TOOLS = ("plots", "report", "sweep", "preflight", "hostfile")
+TOOLS = ("plots", "run_files", "run_figures", "report", "sweep", "preflight", "hostfile")
 RUNTIME = ("tensorflow", "keras", "mpi4py", "mpitrain.comm", "mpitrain.session",
            "mpitrain.train", "mpitrain.exchange",
            "mpitrain.models.replica", "mpitrain.telemetry", "mpitrain.data", "mpitrain.lifecycle")
@@ -88,8 +88,10 @@ ALLOWED = {
     "train": LEAVES | {"comm", "exchange", "models", "lifecycle", "data"},
     "session": LEAVES | IO | {"comm", "exchange", "models", "train", "tools.preflight"},
     "horovod": LEAVES | IO | {"comm", "exchange", "models", "train"},
-    "tools.plots": LEAVES,
-    "tools.report": LEAVES | {"tools.plots"},
+    "tools.run_files": LEAVES,
+    "tools.run_figures": LEAVES | {"tools.run_files"},
+    "tools.plots": LEAVES | {"tools.run_files", "tools.run_figures"},
+    "tools.report": LEAVES | {"tools.plots", "tools.run_files"},
     "tools.hostfile": LEAVES,
     "tools.preflight": LEAVES | {"tools.hostfile"},
     "tools.sweep": LEAVES | {"tools.hostfile", "tools.preflight", "tools.report"},

@@ -11,7 +11,9 @@ import matplotlib.image as mpimg
 import pytest
 
 from mpitrain.errors import ResultsError
-from mpitrain.tools.plots import fig_nodes, load_run, node_label, node_labels, plot_runs
+from mpitrain.tools.plots import plot_runs
+from mpitrain.tools.run_figures import fig_nodes, node_label, node_labels
+from mpitrain.tools.run_files import load_run
 from mpitrain.cli import main as cli_main
 from mpitrain.tools.report import write_report
 from mpitrain.schema import (COMM_COLUMNS, CURVE_COLUMNS, STALENESS_COLUMNS, TELEMETRY_COLUMNS,
