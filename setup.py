@@ -24,7 +24,7 @@ setup(
         "Pillow>=9,<13",  # --data image folders
     ],
     extras_require={
-        "test": ["pytest>=7,<10", "pytest-timeout>=2.1,<3", "pytest-xdist>=3.5,<4", "matplotlib>=3.7,<4",
+        "test": ["pytest>=7,<10", "pytest-timeout>=2.1,<3", "pytest-xdist>=3.8,<4", "matplotlib>=3.7,<4",
                  "hypothesis>=6.100,<7"],
         # --allreduce horovod; build it against the installed TensorFlow and MPI:
         # HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1

@@ -48,7 +48,8 @@ _recorded: dict = {}
 def pytest_collection_modifyitems(items):
     """Files in order of their selected tests' measured time, longest first, each file's
     tests in their own order. Under ``--dist loadfile`` a file runs on one worker and
-    files are handed out in this order, so a long file handed out last leaves the other
+    files are handed out in this order (with ``--no-loadscope-reorder``, pytest.ini's:
+    else xdist re-sorts them by their number of tests), so a long file handed out last leaves the other
     worker idle: the quick tier's last file was the 50 s tests/unit/test_plots.py, and a
     sampler saw 15% of the CPU idle, most of it at the end. Unknown tests count 0 s, but
     a file with an unmeasured slow test goes first: a new or renamed slow test may be
