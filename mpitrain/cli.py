@@ -202,7 +202,8 @@ def run_check(args) -> int:
         return 0
     from .tools.preflight import check_launch
 
-    for line in check_launch(args.np, args.hostfile, args.oversubscribe, cfg.async_mode):
+    for line in check_launch(args.np, args.hostfile, args.oversubscribe, cfg.async_mode,
+                             cfg.servers):
         print(line)
     if args.no_launch:
         return 0

@@ -190,6 +190,12 @@ class Config:
         "current weights (synchronous, one worker applied at a time); K = fast workers "
         "wait so no gradient is more than K updates old; default: unbounded",
         flag="--staleness", type=int, metavar="K", number=Number(True, 0))
+    servers: int = _opt(
+        "async only: parameter servers. Ranks 0..K-1 each own one contiguous share of the "
+        "parameters (balanced by size), apply its updates and answer each worker's push "
+        "with its weights; rank 0 also evaluates, checkpoints and writes. The workers are "
+        "ranks K..N-1 (docs/architecture.md)", 1, flag="--servers", type=int, metavar="K",
+        number=COUNT)
     pipeline: str = _opt(
         "async only: whether a worker computes its next gradient while its last push "
         "and the reply travel (hiding the round trip, but each gradient one of its own "
@@ -315,8 +321,9 @@ class Config:
 
     @property
     def workers(self) -> int:
-        """Ranks that compute gradients: all of them at -np 1, else every rank but 0."""
-        return 1 if self.world_size == 1 else self.world_size - 1
+        """Ranks that compute gradients: all of them at -np 1, else every rank but the
+        servers (rank 0, or ranks 0..K-1 with --servers K)."""
+        return 1 if self.world_size == 1 else self.world_size - self.servers
 
     @property
     def max_steps(self) -> Optional[int]:
@@ -401,6 +408,15 @@ class Config:
             raise UsageError(
                 "--async needs a parameter server and at least one worker: "
                 "run with mpirun -np 2 or more")
+        if self.servers > 1:
+            if not self.async_mode:
+                raise UsageError(f"--servers {self.servers} shards the async parameter "
+                                 "server; sync training has none (its workers allreduce): "
+                                 "add --async or drop --servers")
+            if self.servers >= self.world_size:
+                raise UsageError(f"--servers {self.servers} leaves no worker at -np "
+                                 f"{self.world_size}: run with -np {self.servers + 1} or "
+                                 "more, or fewer --servers")
 
     def to_dict(self) -> dict:
         """All settings, including derived ones, for config.json."""

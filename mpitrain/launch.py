@@ -182,7 +182,7 @@ def run(args, cfg) -> int:
     from .tools.preflight import check_launch
 
     np_ = world_size(args)
-    placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode)
+    placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode, cfg.servers)
     in_slurm = args.hostfile is None and bool(os.environ.get("SLURM_JOB_ID"))
     if in_slurm:
         placement = [f"{np_} ranks on the SLURM allocation of job {os.environ['SLURM_JOB_ID']}"]

@@ -43,7 +43,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 #: settings a resumed run may change; every other one must match the saved run
 RESUMABLE_CHANGES = ("epochs", "eval_every", "checkpoint_every", "checkpoint_steps",
-                     "quiet", "timeout", "start_timeout",
+                     "quiet", "timeout", "start_timeout", "servers",
                      "liveness_floor",
                      "sample_interval", "threads", "keep_cpu_binding", "data_dir", "resume",
                      "steps", "dry_run")
@@ -213,11 +213,28 @@ def resumed_config(cli: Config, explicit: set, world_size: int
                              f"run, not {getattr(cli, name)!r}; resume with the same setting")
     changes = {name: getattr(cli, name) for name in RESUMABLE_CHANGES if name in explicit}
     changes["resume"] = cli.resume
+    # the servers of the session that wrote the checkpoint (a resumed session may have
+    # changed them); they stay unless --servers is given
+    saved_servers = _last_servers(Path(cli.resume), Config(**base).servers)
+    changes.setdefault("servers", saved_servers)
     original = _checked_saved(dataclasses.replace(Config(**base), **changes), cli.resume)
-    if original.world_size == world_size:
+    if original.world_size == world_size and original.servers == saved_servers:
         return dataclasses.replace(original, **changes), None
-    rescale = Rescale.between(original, world_size)
+    # another number of ranks, or of --servers: the workers are others
+    rescale = Rescale.between(dataclasses.replace(original, servers=saved_servers),
+                              world_size, original.servers)
     return dataclasses.replace(rescale.config, **changes), rescale
+
+
+def _last_servers(run_dir: Path, first: int) -> int:
+    """--servers of the run's last session: its newest resumed-*.json's, else ``first``
+    (config.json's)."""
+    for path in sorted(run_dir.glob("resumed-*.json"), reverse=True):
+        try:
+            return int(json.loads(path.read_text())["config"]["servers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # (unreadable, or written before --servers existed)
+    return first
 
 
 def _checked_saved(cfg: Config, run_dir) -> Config:
@@ -251,13 +268,20 @@ class Rescale:
     rule: str  # one line for the console and the run's records
 
     @classmethod
-    def between(cls, original: Config, world_size: int) -> "Rescale":
-        moved = dataclasses.replace(original, world_size=world_size)
-        if moved.async_mode and world_size < 2:
-            raise UsageError(f"--resume: an async run needs a parameter server and a worker; "
-                             f"-np {world_size} cannot continue it (use -np 2 or more)")
+    def between(cls, original: Config, world_size: int,
+                servers: Optional[int] = None) -> "Rescale":
+        """``original`` continued on ``world_size`` ranks, ``servers`` of them parameter
+        servers (async; default: as many as before)."""
+        servers = original.servers if servers is None else servers
+        moved = dataclasses.replace(original, world_size=world_size, servers=servers)
+        if moved.async_mode and world_size < servers + 1:
+            raise UsageError(f"--resume: an async run needs its parameter server(s) and a "
+                             f"worker; -np {world_size} cannot continue it with --servers "
+                             f"{servers} (use -np {servers + 1} or more)")
         how = f"-np {original.world_size} -> {world_size} ({original.workers} -> " \
               f"{moved.workers} workers)"
+        if servers != original.servers:
+            how = f"--servers {original.servers} -> {servers}, {how}"
         if original.async_mode:
             return cls(original, moved, f"{how}: batch {original.batch_size} per worker and "
                        f"lr {original.effective_lr:g} kept; the workers share the updates left")
@@ -303,18 +327,26 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
     epoch for sync; for async the updates done are spread over ``cfg``'s workers. The
     optimizer state carries over as it is (it holds no per-rank entries)."""
     was = ckpt.extra.get("geometry") or geometry(original or cfg)
-    old_workers = dataclasses.replace(cfg, world_size=int(was["world_size"])).workers
+    old_servers = int(was.get("servers", 1))
+    old_workers = dataclasses.replace(cfg, world_size=int(was["world_size"]),
+                                      servers=old_servers).workers
     old_batch = int(was["batch_size"])
     if old_workers == cfg.workers and old_batch == cfg.batch_size:
-        return ckpt
+        if old_servers == cfg.servers:
+            return ckpt
+        # the same workers at other ranks: the worker of index i was rank old_servers + i
+        return _moved_workers(ckpt, cfg.servers - old_servers, geometry(cfg))
     extra = {**ckpt.extra, "geometry": geometry(cfg)}
     if cfg.async_mode:
         done = sum(ckpt.worker_steps.values()) or ckpt.step
         share, left = divmod(done, cfg.workers)
-        steps = {rank: share + (1 if rank <= left else 0) for rank in range(1, cfg.workers + 1)}
+        first = cfg.servers  # the first worker's rank
+        steps = {first + i: share + (1 if i < left else 0) for i in range(cfg.workers)}
         extra["extra_steps"] = {}  # the plan starts over: total_steps each, minus done
         extra["updates_short"] = 0  # (and with it what a lost worker left undone)
-        extra["staleness"] = _fold_staleness(ckpt.extra.get("staleness", {}), cfg.workers)
+        extra["staleness"] = _fold_staleness(
+            _shifted(ckpt.extra.get("staleness", {}), cfg.servers - old_servers),
+            first, cfg.workers)
         return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
     old_per_epoch = batches_per_epoch(train_size // old_workers, old_batch)
     new_per_epoch = batches_per_epoch(train_size // cfg.workers, cfg.batch_size)
@@ -325,20 +357,39 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
     return dataclasses.replace(ckpt, step=step, extra=extra)
 
 
-def _fold_staleness(by_rank: Dict[str, Dict], workers: int) -> Dict[str, Dict]:
-    """Staleness counts of ranks that are gone go to the last worker there is, so the
-    run's histogram (the sum over workers) stays whole."""
+def _fold_staleness(by_rank: Dict[str, Dict], first: int, workers: int) -> Dict[str, Dict]:
+    """Staleness counts of ranks that are gone go to the nearest worker there is (ranks
+    ``first``..``first + workers - 1``), so the run's histogram (the sum over workers)
+    stays whole."""
     out: Dict[str, Dict] = {}
     for rank, counts in by_rank.items():
-        into = out.setdefault(str(min(int(rank), workers)), {})
+        into = out.setdefault(str(min(max(int(rank), first), first + workers - 1)), {})
         for s, c in counts.items():
             into[s] = into.get(s, 0) + c
     return out
 
 
+def _shifted(by_rank: Dict, offset: int) -> Dict[str, object]:
+    """``by_rank`` (worker rank -> anything, keys int or str) with every rank + offset."""
+    return {str(int(rank) + offset): value for rank, value in by_rank.items()}
+
+
+def _moved_workers(ckpt: Checkpoint, offset: int, new_geometry: Dict[str, int]) -> Checkpoint:
+    """``ckpt`` with every worker's counts ``offset`` ranks on (another --servers at the
+    same number of workers: the same workers, numbered after the servers)."""
+    extra = {**ckpt.extra, "geometry": new_geometry}
+    for key in ("staleness", "extra_steps"):
+        if key in extra:
+            extra[key] = _shifted(extra[key], offset)
+    steps = {rank + offset: n for rank, n in ckpt.worker_steps.items()}
+    return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
+
+
 def geometry(cfg: Config) -> Dict[str, int]:
-    """The units of a checkpoint's position: ranks and per-worker batch."""
-    return {"world_size": cfg.world_size, "batch_size": cfg.batch_size}
+    """The units of a checkpoint's position: ranks, parameter servers and per-worker
+    batch."""
+    return {"world_size": cfg.world_size, "batch_size": cfg.batch_size,
+            "servers": cfg.servers}
 
 
 def _alongside(background: Callable[[], None], foreground: Callable[[], None]) -> None:

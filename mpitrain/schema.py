@@ -59,7 +59,8 @@ COMM = (_cols("rank") + _cols("host", "role", text=True, optional=True, blank_ok
         + _cols("sent_msgs", optional=True, blank_ok=True) + _cols("recv_bytes")
         + _cols("recv_msgs", "wait_s", optional=True, blank_ok=True))
 #: staleness.csv (async): how many of a worker's gradients had each staleness
-STALENESS = _cols("worker", "staleness", "count")
+STALENESS = (_cols("worker", "staleness", "count")
+             + _cols("server", optional=True, blank_ok=True))  # (--servers K: each's own)
 
 CURVE_COLUMNS = names(CURVE)
 TELEMETRY_COLUMNS = names(TELEMETRY)
@@ -77,7 +78,7 @@ RUNS_NUMERIC = frozenset({
     "test_accuracy", "test_loss", "train_loss", "mpi_bytes", "staleness_mean",
     "staleness_max", "staleness_bound", "pushes", "applied", "server_updates_per_s",
     "worker_steps_per_s", "server_cpu_share", "server_loop_cpu_share", "updates_short",
-    "finish_s", "server_nice"})
+    "finish_s", "server_nice", "servers"})
 #: runs.csv: per-node columns node<i>_<metric> (numbers, except node<i>_host)
 NODE_COLUMN = re.compile(r"node(\d+)_(\w+)")
 

@@ -57,6 +57,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     cfg = resolve(cfg, spec.defaults, comm.size)
     collectively(comm, lambda: preflight_checks.check_engine(cfg.allreduce))
     preflight_checks.check_ranks(comm, preflight_checks.local_versions(library_versions()["mpi"]))
+    comm.servers = cfg.servers
     role = comm.role
     console = Console(cfg.quiet) if role.serves else NullConsole()
     threads = place_on_cpus(cfg, comm)
@@ -142,6 +143,7 @@ def preflight(cfg: Config) -> None:
     spec = load_model(cfg.model, comm)
     cfg = resolve(cfg, spec.defaults, comm.size)
     collectively(comm, lambda: preflight_checks.check_engine(cfg.allreduce))
+    comm.servers = cfg.servers
     versions = preflight_checks.local_versions(library_versions()["mpi"])
     preflight_checks.check_ranks(comm, versions)
     cfg, dataset, shard_size, _ = load_data(cfg, comm, spec)
@@ -191,11 +193,14 @@ def load_data(cfg: Config, comm: Comm, spec, arrays=None):
     With --batches-per-epoch the batch size is only known now, from the data size.
     """
     role = comm.role
-    splits = (("train",) if role.trains else ()) + (("test",) if role.serves else ())
+    # (a parameter server of a share, --servers K, reads the test split too: the ranks
+    # agree on the data's shape through what they read)
+    splits = (("train",) if role.trains else ()) + (("test",) if not role.trains or
+                                                    role.serves else ())
     shape = {**spec.synthetic, "n_train": cfg.synthetic_size}
     if cfg.image_size:
         shape["image_size"] = cfg.image_size
-    worker_index = 0 if comm.size == 1 else comm.rank - 1
+    worker_index = max(0, comm.rank - cfg.servers) if comm.size > 1 else 0
     dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
                         synthetic_shape=shape, user_data=cfg.data, image_size=cfg.image_size,
                         shard=(cfg.workers, worker_index) if role.trains else None,

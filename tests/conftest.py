@@ -359,7 +359,7 @@ LR_ACCURACY_RUNS = {
     2: [()],
     3: [(), ("--async",), ("--async", "--staleness", "0"), ("--compression", "fp16"),
         ("--async", "--compression", "fp16")],
-    4: [(), ("--async",)],
+    4: [(), ("--async",), ("--async", "--servers", "2")],
 }
 
 

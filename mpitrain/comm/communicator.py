@@ -64,6 +64,8 @@ class Comm(ObjectExchanges):
         self._sum_in_place = functools.partial(mpi_comm.Allreduce, _load_mpi().IN_PLACE)
         #: process id of every rank (world communicator only; for fencing a lost rank)
         self.pids: List[int] = []
+        #: the run's parameter servers, ranks 0..servers-1 (async --servers; see role)
+        self.servers = 1
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -127,7 +129,8 @@ class Comm(ObjectExchanges):
 
     @property
     def role(self) -> Role:
-        return Role.of(self.rank, self.size)
+        """This rank's role in the run (:attr:`servers` set by the session first)."""
+        return Role.of(self.rank, self.size, self.servers)
 
     @property
     def workers(self) -> Optional["Comm"]:
@@ -143,7 +146,7 @@ class Comm(ObjectExchanges):
     def with_timeout(self, seconds: float) -> "Comm":
         """The same communicator with another wait bound (shares the traffic table)."""
         view = Comm(self._c, seconds, self.traffic, self.hosts, self.world_ranks)
-        view.pids = self.pids
+        view.pids, view.servers = self.pids, self.servers
         return view
 
     def name(self, rank: int) -> str:
@@ -157,7 +160,7 @@ class Comm(ObjectExchanges):
 
     def workers_on_host(self) -> List[int]:
         """Ranks on this rank's host that train (workers, or the single rank)."""
-        return [r for r in self.ranks_on_host() if Role.of(r, self.size).trains]
+        return [r for r in self.ranks_on_host() if Role.of(r, self.size, self.servers).trains]
 
     # ---- waiting ----------------------------------------------------------------------
     def wait(self, pending: Pending, backoff: Backoff = HOT,

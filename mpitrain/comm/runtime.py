@@ -254,22 +254,27 @@ class Role(Enum):
 
     SINGLE = "single"  # -np 1: trains, evaluates and writes results alone
     SERVER = "server"  # rank 0 of several: owns the canonical model, evaluates, writes
-    WORKER = "worker"  # ranks 1..N-1: train on their shard
+    #: ranks 1..K-1 under async --servers K: a parameter server of one share of the
+    #: parameters (rank 0 serves the first share and evaluates and writes)
+    PARTITION = "partition"
+    WORKER = "worker"  # the other ranks: train on their shard
 
     @classmethod
-    def of(cls, rank: int, size: int) -> "Role":
+    def of(cls, rank: int, size: int, servers: int = 1) -> "Role":
         if size == 1:
             return cls.SINGLE
-        return cls.SERVER if rank == 0 else cls.WORKER
+        if rank == 0:
+            return cls.SERVER
+        return cls.PARTITION if rank < servers else cls.WORKER
 
     @property
     def trains(self) -> bool:
-        return self is not Role.SERVER
+        return self in (Role.SINGLE, Role.WORKER)
 
     @property
     def serves(self) -> bool:
         """Owns the canonical model, evaluates and writes results."""
-        return self is not Role.WORKER
+        return self in (Role.SINGLE, Role.SERVER)
 
 
 def recovery_enabled() -> bool:

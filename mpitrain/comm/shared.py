@@ -148,12 +148,14 @@ def map_segment(workers, size: int) -> List[np.ndarray]:
     return [np.frombuffer(segment, np.float32, size, k * stride) for k in range(workers.size)]
 
 
-def share_with_server(comm, lengths: Sequence[int]) -> Tuple[
+def share_with_server(comm, lengths: Sequence[int], server: int = 0,
+                      sharers: Optional[Sequence[int]] = None) -> Tuple[
         List[np.ndarray], Dict[int, List[np.ndarray]], List[int]]:
-    """Message buffers that rank 0 maps, for the workers on its host.
+    """Message buffers that rank ``server`` maps, for the workers on its host.
 
-    Each worker on rank 0's host makes a segment of page-aligned float32 slots of
-    ``lengths`` (:func:`new_memory_file`) and rank 0 opens it, so what one of them
+    Each of ``sharers`` (default: every other rank on the server's host) makes a
+    segment of page-aligned float32 slots of ``lengths`` (:func:`new_memory_file`)
+    and the server opens it, so what one of them
     writes into a slot the other reads in place: a message's payload need not go
     through MPI at all, only a small message saying it is there (the async
     protocol's pushes and leases). MPI's shared-memory transport orders the
@@ -161,29 +163,32 @@ def share_with_server(comm, lengths: Sequence[int]) -> Tuple[
     its own bytes.
 
     Returns (this worker's slots, or [] when its messages keep going through MPI:
-    on another host, or when either side could not map the segment; on rank 0,
+    on another host, or when either side could not map the segment; on the server,
     the slots of every worker that shares them, by rank; on every rank, the ranks
     that share). Collective over ``comm`` (the world), bounded.
     """
+    if sharers is None:
+        sharers = [r for r in comm.ranks_on_host(comm.hosts[server]) if r != server]
     sizes = [slot_stride(n) for n in lengths]
     fd, segment = -1, None
-    if comm.rank != 0 and comm.host == comm.hosts[0]:
+    if comm.rank in sharers and comm.host == comm.hosts[server]:
         try:
             fd, segment = new_memory_file("mpitrain-messages", sum(sizes))
         except OSError:
             pass
-    wheres = comm.gather_objects((os.getpid(), fd) if segment is not None else None)
-    mapped = np.zeros(comm.size, np.int64)  # by rank: 1 if rank 0 maps its segment
+    where = (os.getpid(), fd) if segment is not None else None
+    wheres = comm.gather_objects(where) if server == 0 else comm.allgather_objects(where)
+    mapped = np.zeros(comm.size, np.int64)  # by rank: 1 if the server maps its segment
     theirs: Dict[int, List[np.ndarray]] = {}
-    if comm.rank == 0:
+    if comm.rank == server:
         for rank, where in enumerate(wheres):
-            if rank and where is not None:
+            if rank != server and where is not None:
                 peer_fd, peer_segment = open_memory_file(*where, sum(sizes))
                 if peer_segment is not None:
                     os.close(peer_fd)  # (the mapping keeps the file)
                     theirs[rank] = _slots(peer_segment, lengths, sizes)
                     mapped[rank] = 1
-    comm.bcast_(mapped, 0, "control", IDLE)
+    comm.bcast_(mapped, server, "control", IDLE)
     if fd >= 0:  # rank 0 has opened it (or given up): the mappings keep it
         os.close(fd)
     mine = _slots(segment, lengths, sizes) if mapped[comm.rank] else []

@@ -38,10 +38,12 @@ except ImportError:  # not built (no compiler at install time): numpy does the u
 FUSED = _optim is not None
 
 
-def clip_by_global_norm_(grad: np.ndarray, clip_norm: float) -> np.ndarray:
+def clip_by_global_norm_(grad: np.ndarray, clip_norm: float,
+                         norm: Optional[float] = None) -> np.ndarray:
     """Scale ``grad`` in place to at most ``clip_norm`` in L2 norm, as the Keras path does:
-    g * min(1, clip / (||g|| + 1e-12)), in float32."""
-    norm = np.float32(np.sqrt(np.dot(grad, grad)))
+    g * min(1, clip / (||g|| + 1e-12)), in float32. ``norm``: ||g|| when the caller knows
+    it (the async servers: each holds a share of g, the worker sent the whole's norm)."""
+    norm = np.float32(np.sqrt(np.dot(grad, grad)) if norm is None else norm)
     factor = min(np.float32(1.0), np.float32(clip_norm) / (norm + np.float32(1e-12)))
     if factor < 1.0:
         grad *= np.float32(factor)
@@ -80,10 +82,13 @@ class FlatOptimizer:
             return np.float32(self.base_lr * cosine_factor(self.iterations, self.decay_steps))
         return self._constant_lr
 
-    def step(self, weights: np.ndarray, grad: np.ndarray) -> None:
-        """One update of ``weights`` from ``grad`` (clipped in place first, if configured)."""
+    def step(self, weights: np.ndarray, grad: np.ndarray,
+             norm: Optional[float] = None) -> None:
+        """One update of ``weights`` from ``grad`` (clipped in place first, if configured,
+        by its global norm: ``norm`` when given, the norm of a whole of which ``grad`` is a
+        part)."""
         if self.clip_norm:
-            clip_by_global_norm_(grad, self.clip_norm)
+            clip_by_global_norm_(grad, self.clip_norm, norm)
         self.update(weights, grad)
 
     def update(self, weights: np.ndarray, grad: np.ndarray) -> None:

@@ -76,8 +76,10 @@ def local_versions(mpi: str = "missing") -> Dict[str, str]:
 
 
 def check_launch(np_: int, hostfile_path: Optional[str], oversubscribe: bool,
-                 async_mode: bool) -> List[str]:
-    """Validate a launch before mpirun; returns the rank -> role -> host lines.
+                 async_mode: bool, servers: int = 1) -> List[str]:
+    """Validate a launch before mpirun; returns the rank -> role -> host lines
+    (``servers``: async --servers K, ranks 0..K-1 serve; checked against -np by the
+    config).
 
     Raises UsageError (one line) for a missing/unreadable/malformed hostfile,
     -np larger than its slots without oversubscription, or -np too small.
@@ -94,7 +96,11 @@ def check_launch(np_: int, hostfile_path: Optional[str], oversubscribe: bool,
         if not oversubscribe:
             hostfile.placement(hosts, np_)  # raises if -np exceeds the slots
     placement = _round_robin(hosts, np_) if oversubscribe else hostfile.placement(hosts, np_)
-    roles = ["single"] if np_ == 1 else ["parameter server"] + ["worker"] * (np_ - 1)
+    servers = min(servers, np_ - 1) if np_ > 1 else 0
+    roles = ["single"] if np_ == 1 else (
+        ["parameter server"] if servers == 1 else
+        [f"parameter server {s + 1}/{servers}" for s in range(servers)]) + \
+        ["worker"] * (np_ - servers)
     return [f"rank {r}: {role} on {host}" for r, (role, host) in enumerate(zip(roles, placement))]
 
 

@@ -11,7 +11,7 @@
      from (async reply).
   2. FLAGS (int): sync report REPORT (else a heartbeat), FINAL, INTERRUPTED,
      DIVERGED, EVALUATE, SAVE; async push FINAL, INTERRUPTED, DIVERGED,
-     FAREWELL, PIPELINED; async reply also DROPPED, PARKED.
+     FAREWELL, PIPELINED, REQUEST; async reply also DROPPED, PARKED.
   3. LOSS: sync, the running train loss; async push, the batch's (the sentinel).
   4. ELAPSED: the worker's wall time (sync report, async push).
   5. THINK: async push, its seconds of compute (the server's poll policy).
@@ -46,6 +46,8 @@ TAG_GRADIENT = 23  # async: worker -> server gradient pushes
 TAG_STOP = 24  # sync: server -> worker, exactly once per run (stop now / stop listening)
 TAG_STATE = 25  # sync: worker 1 -> server optimizer state at checkpoints
 TAG_RNG = 26  # sync: every worker -> server random-generator state at checkpoints
+TAG_CONTROL = 27  # async --servers K: rank 0 <-> the other servers, small int messages
+TAG_SHARE = 28  # async --servers K: a server's share of the state -> rank 0 (a pickle)
 
 #: workers tell the server they are alive (and how far they are) this often, at least
 HEARTBEAT_SECONDS = 1.0
@@ -66,6 +68,9 @@ PIPELINED = 256  # async push: its worker keeps a second push in flight (the pol
 #: async reply to a FINAL push (a header alone): the server keeps this worker for a lost
 #: one's steps, and will speak again within --timeout (then: a lease, or FINAL)
 PARKED = 512
+#: async push to a server of rank > 0 under --staleness with --servers K (a header
+#: alone): this worker holds the leases of the servers before it and asks for this one's
+REQUEST = 1024
 
 
 class Header(NamedTuple):

@@ -52,13 +52,17 @@ def test_async_usage_errors(args, pattern):
 
 @pytest.mark.slow
 def test_async_accuracy_close_to_sync(lr_accuracy):
-    """Async LR at -np 3 and 4 within 1 pp of sync; --staleness 0 within 0.5 pp."""
+    """Async LR at -np 3 and 4 within 1 pp of sync, and with --servers 2 within 1 pp of
+    one server with as many workers; --staleness 0 within 0.5 pp."""
     accuracy = lr_accuracy
     found = {}
     for np_ in (3, 4):
         found[f"sync{np_}"] = sync = accuracy(np_)
         found[f"async{np_}"] = accuracy(np_, "--async")
         assert abs(found[f"async{np_}"] - sync) <= 0.01, found
+    # two parameter servers and two workers (-np 4) against one and two (-np 3)
+    found["servers2_4"] = accuracy(4, "--async", "--servers", "2")
+    assert abs(found["servers2_4"] - found["async3"]) <= 0.01, found
     found["ssp0_3"] = accuracy(3, "--async", "--staleness", "0")
     print("LR test accuracy:", found)
     assert abs(found["ssp0_3"] - found["sync3"]) <= 0.005, found

@@ -78,16 +78,20 @@ def check_statistics(run_dir, row, data):
 
 @pytest.fixture(scope="module")
 def two_epoch_runs(bn_data, tmp_path_factory):
-    """{mode: (run directory, runs.csv row)}: a 2-epoch sync and async run, one launch."""
+    """{mode: (run directory, runs.csv row)}: a 2-epoch sync and async run, and an async
+    one with two parameter servers (--servers 2: the statistics travel to rank 0), one
+    launch."""
     common = [BN_MODEL_SPEC, "--data", bn_data, "--batch-size", "32", "--epochs", "2", "--quiet"]
-    found = named_runs_in_one_launch(3, {"sync": common, "async": [*common, "--async"]},
+    found = named_runs_in_one_launch(3, {"sync": common, "async": [*common, "--async"],
+                                         "async-servers": [*common, "--async", "--servers",
+                                                           "2"]},
                                      tmp_path_factory.mktemp("bn-runs"))
     for mode, (_, row) in found.items():
-        assert row["status"] == "ok" and row["mode"] == mode, row
+        assert row["status"] == "ok" and row["mode"] == mode.split("-")[0], row
     return found
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async-servers"])
 def test_batchnorm_statistics_are_kept_and_evaluated(bn_data, two_epoch_runs, mode):
     run_dir, row = two_epoch_runs[mode]
     accuracy = check_statistics(run_dir, row, bn_data)

@@ -53,15 +53,19 @@ class _RecordingResults(NullResults):
         self.headers[name] = tuple(columns)
 
 
-def context(comm, replica, steps, staleness=None, results=None, shared_memory="auto"):
-    """A Context for this rank; ``steps`` may differ per rank (unequal batch counts)."""
+def context(comm, replica, steps, staleness=None, results=None, shared_memory="auto",
+            servers=1, **settings):
+    """A Context for this rank; ``steps`` may differ per rank (unequal batch counts);
+    ``servers``: --servers (the caller restores ``comm.servers`` to 1 after the run)."""
+    settings = {"eval_every": 1000, **settings}
     cfg = resolve(Config(model="lr", async_mode=True, epochs=50, batch_size=BATCH,
-                         steps=steps, staleness=staleness, eval_every=1000,
-                         shared_memory=shared_memory),
+                         steps=steps, staleness=staleness, shared_memory=shared_memory,
+                         servers=servers, **settings),
                   models.get("lr").defaults, comm.size)
-    data = synthetic_shard(comm.rank, SHARD, comm.size - 1)
+    comm.servers = servers
+    data = synthetic_shard(comm.rank, SHARD, comm.size - servers)
     return Context(cfg, comm, comm.role, replica, data, results or NullResults(), NullConsole(),
-                   shard_size=SHARD, worker_index=max(0, comm.rank - 1))
+                   shard_size=SHARD, worker_index=max(0, comm.rank - servers))
 
 
 def run_protocol(ctx, delay=0.0):
@@ -110,14 +114,14 @@ def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica, sha
     moved = _traffic_since(comm, before)
     reports = comm.allgather_objects(None if server else (comm.rank, summary.steps))
     shared = shared_memory == "on"
-    message = 4 * (SLOTS + replica.n_params)  # a push's, a lease's bytes
+    message = push = 4 * (SLOTS + replica.n_params)  # a push's, a lease's bytes
     header = 4 * SLOTS
     if server is None:  # its pushes, and the initial lease plus a reply to each
         pushes = summary.steps
-        assert moved.get(("push", "sent_bytes"), 0) == pushes * (header if shared else message)
+        assert moved.get(("push", "sent_bytes"), 0) == pushes * (header if shared else push)
         assert moved.get(("pull", "recv_bytes"), 0) == (pushes + 1) * (
             header if shared else message) - (0 if shared else message - header)
-        assert moved.get(("shared", "sent_bytes"), 0) == (pushes * (message - header)
+        assert moved.get(("shared", "sent_bytes"), 0) == (pushes * (push - header)
                                                            if shared else 0)
         assert moved.get(("shared", "recv_bytes"), 0) == (pushes * (message - header)
                                                            if shared else 0)
@@ -210,4 +214,115 @@ def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replic
         with pytest.raises(Interrupted, match="stopped"):
             asynchronous.train(ctx)
         assert comm.allgather_objects(None)[0] <= 6 + 2 * (comm.size - 1)
+    comm.barrier()
+
+
+# ---- --servers K: ranks 0..K-1 each own a share of the parameters ----------------------
+NEEDS_TWO_SERVERS = "two servers and a worker: runs under mpirun -np 3+ (test_mpi_tier)"
+
+
+def run_sharded(ctx):
+    """One async job with --servers K on every rank: (this rank's server object, or None
+    on a worker; this rank's summary)."""
+    clock = Stopwatch()
+    try:
+        if ctx.role is Role.SERVER:
+            server = asynchronous.Server(ctx, clock)
+        elif ctx.role is Role.PARTITION:
+            server = asynchronous.PartitionServer(ctx, clock)
+        else:
+            return None, asynchronous.train(ctx)
+        return server, server.run()
+    finally:
+        ctx.comm.servers = 1
+
+
+@pytest.mark.parametrize("shared_memory", ["on", "off"])
+def test_two_servers_apply_every_push_once_to_each_share(comm, replica, shared_memory):
+    """--servers 2: every push reaches both servers and each applies it once to its
+    share; an evaluation point mid-run (a cut) and the final state put the shares
+    together into the model that a single server would hold (same updates: LR's SGD
+    with one worker is order-free here, so the weights are checked against a run with
+    one server)."""
+    if comm.size < 3:
+        pytest.skip(NEEDS_TWO_SERVERS)
+    steps = 4 + 3 * comm.rank if comm.rank >= 2 else 40  # (the servers' plan: 40 each)
+    written = _RecordingResults()
+    ctx = context(comm, replica, steps, results=written, shared_memory=shared_memory,
+                  servers=2, eval_every=1, pipeline="off")
+    server, summary = run_sharded(ctx)
+    counts = comm.allgather_objects(
+        {r: w.applied for r, w in server.workers.items()} if server else summary.steps)
+    worker_steps = {r: s for r, s in enumerate(counts) if r >= 2}
+    for s in (0, 1):  # each server applied each worker's every push, once
+        assert counts[s] == worker_steps, (s, counts)
+    if isinstance(server, asynchronous.Server):
+        assert summary.extra["servers"] == 2
+        assert summary.extra["applied_by_server"] == " ".join(
+            f"{s}:{sum(worker_steps.values())}" for s in (0, 1))
+        assert written.headers["staleness.csv"] == schema.STALENESS_COLUMNS
+        whole = server.whole["state"]
+        assert whole["weights"].size == replica.n_params
+        assert int(whole["version"]) == server.version == sum(worker_steps.values())
+        # one cut per epoch passed before the end (an epoch: 8 steps of each worker)
+        assert server.peers.cuts == server.version // (8 * (comm.size - 2))
+    if isinstance(server, asynchronous.PartitionServer):
+        assert (server.ends[2].pushes is not None) == (shared_memory == "on")
+    comm.barrier()
+
+
+def test_each_server_holds_the_staleness_bound(comm, replica):
+    """--servers 2 --staleness 1: no gradient applied more than one update after the
+    version of that server's lease, at either server (each has its own versions), and
+    the job ends (the leases are asked for in server order: no two workers can each
+    hold one the other waits for)."""
+    if comm.size < 3:
+        pytest.skip(NEEDS_TWO_SERVERS)
+    delay = 0.03 if comm.rank == 2 else 0.0
+    ctx = context(comm, replica, 10, staleness=1, servers=2)
+    if delay:
+        real = ctx.replica.grad_at
+
+        def slow_grad_at(*args):
+            time.sleep(delay)
+            return real(*args)
+        ctx = dataclasses.replace(ctx, replica=_Wrapped(ctx.replica, grad_at=slow_grad_at))
+    server, summary = run_sharded(ctx)
+    seen = comm.allgather_objects(
+        sorted({s for w in server.workers.values() for s in w.staleness}) if server else None)
+    assert max(seen[0]) <= 1 and max(seen[1]) <= 1, seen
+    comm.barrier()
+
+
+def test_a_stop_with_two_servers_leaves_every_share_alike(comm, replica):
+    """A stop at rank 0's 5th update: every worker is dismissed by rank 0 and says
+    farewell to both servers; both applied exactly the same pushes."""
+    if comm.size < 3:
+        pytest.skip(NEEDS_TWO_SERVERS)
+    ctx = context(comm, replica, 200, servers=2)
+    if ctx.role is Role.SERVER:
+        server = asynchronous.Server(ctx, Stopwatch())
+        apply = server._apply
+
+        def apply_then_stop(*args):
+            apply(*args)
+            if server.version == 5:
+                ctx.stop.request()
+
+        server._apply = apply_then_stop
+        try:
+            with pytest.raises(Interrupted, match="stopped by SIGTERM after"):
+                server.run()
+        finally:
+            comm.servers = 1
+        applied = {r: w.applied for r, w in server.workers.items()}
+    elif ctx.role is Role.PARTITION:
+        server, _ = run_sharded(ctx)
+        applied = {r: w.applied for r, w in server.workers.items()}
+    else:
+        with pytest.raises(Interrupted, match="stopped"):
+            run_sharded(ctx)
+        applied = None
+    counts = comm.allgather_objects(applied)
+    assert counts[0] == counts[1] and 5 <= sum(counts[0].values()), counts
     comm.barrier()

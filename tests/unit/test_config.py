@@ -1,6 +1,7 @@
 """Config validation and CLI parsing: every bad setting is one UsageError line."""
 
 import dataclasses
+import platform
 
 import pytest
 
@@ -39,6 +40,31 @@ def test_async_needs_two_ranks():
     with pytest.raises(UsageError, match="--async needs a parameter server"):
         resolved(world_size=1, async_mode=True)
     assert resolved(world_size=2, async_mode=True).mode == "async"
+
+
+@pytest.mark.parametrize("argv,np_,pattern", [
+    (["lr", "--servers", "2"], 4, "--servers 2 shards the async parameter server; sync "
+     "training has none"),
+    (["lr", "--async", "--servers", "4"], 4, "--servers 4 leaves no worker at -np 4: run "
+     "with -np 5 or more"),
+    (["lr", "--async", "--servers", "0"], 4, "--servers must be"),
+])
+def test_servers_usage_errors_are_one_line(argv, np_, pattern):
+    with pytest.raises(UsageError, match=pattern) as info:
+        parse_config(argv, world_size=np_)
+    assert "\n" not in str(info.value)
+    assert parse_config(["lr", "--async", "--servers", "3"], world_size=4).workers == 1
+
+
+def test_check_launch_names_every_server():
+    from mpitrain.tools.preflight import check_launch
+
+    assert check_launch(4, None, False, True, 2)[:3] == [
+        f"rank 0: parameter server 1/2 on {platform.node()}",
+        f"rank 1: parameter server 2/2 on {platform.node()}",
+        f"rank 2: worker on {platform.node()}"]
+    assert check_launch(3, None, False, True)[0] == f"rank 0: parameter server on " \
+        f"{platform.node()}"
 
 
 def test_modes_and_linear_lr_scaling():

@@ -61,6 +61,25 @@ def test_clip_by_global_norm():
     assert small.tolist() == [np.float32(0.3), np.float32(0.4)]  # under the bound: untouched
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_shares_clipped_by_the_whole_norm_update_as_the_whole(name):
+    """--servers K: each server steps its share with the norm of the whole gradient (the
+    worker sends it): the shares put together are the one-server update, bit for bit."""
+    rng = np.random.default_rng(0)
+    weights = rng.normal(size=7850).astype(np.float32)
+    grads = [rng.normal(size=7850).astype(np.float32) for _ in range(3)]
+    whole = optim.make(name, 7850, 0.1, None, 1.0)
+    bounds = (0, 3920, 7850)
+    shares = [optim.make(name, b - a, 0.1, None, 1.0) for a, b in zip(bounds, bounds[1:])]
+    one, parts = weights.copy(), [weights[a:b].copy() for a, b in zip(bounds, bounds[1:])]
+    for g in grads:
+        norm = float(np.sqrt(np.dot(g, g)))
+        whole.step(one, g.copy())
+        for opt, part, (a, b) in zip(shares, parts, zip(bounds, bounds[1:])):
+            opt.step(part, g[a:b].copy(), norm)
+    np.testing.assert_array_equal(np.concatenate(parts), one)
+
+
 @pytest.mark.skipif(not optim.FUSED, reason="the compiled updates (mpitrain/models/_optim.c) "
                                             "are not built: no compiler at install time")
 @pytest.mark.parametrize("name,decay,clip", [

@@ -72,7 +72,7 @@ def test_sync_position_is_the_same_fraction_of_the_same_epoch():
     rng = {0: [1, 2], 1: [3, 4], 3: [5, 6]}
     moved = remap_position(checkpoint(step, before, rng=rng), after.config, MNIST_TRAIN)
     assert moved.step == 2 * per_epoch_after + per_epoch_after // 2
-    assert moved.extra["geometry"] == {"world_size": 3, "batch_size": 8}
+    assert moved.extra["geometry"] == {"world_size": 3, "batch_size": 8, "servers": 1}
     assert sorted(moved.extra["rng"]) == [0, 1]  # rank 3 is gone
     assert moved.wall_time_s == 12.5  # the clock continues
 

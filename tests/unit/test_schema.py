@@ -25,7 +25,7 @@ def test_file_formats_are_pinned():
                                      "comm_s", "wait_s")
     assert schema.COMM_COLUMNS == ("rank", "host", "role", "kind", "sent_bytes", "sent_msgs",
                                    "recv_bytes", "recv_msgs", "wait_s")
-    assert schema.STALENESS_COLUMNS == ("worker", "staleness", "count")
+    assert schema.STALENESS_COLUMNS == ("worker", "staleness", "count", "server")
 
 
 @pytest.mark.parametrize("table", [schema.CURVE, *schema.OPTIONAL_TABLES.values()])

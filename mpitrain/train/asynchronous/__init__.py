@@ -53,6 +53,7 @@ from ...errors import CommTimeout
 from ..context import Context, Summary
 from ..evaluation import Stopwatch
 from .mailbox import PIPELINE_DEPTH, Mailbox, ServerEnd
+from .partition_server import PartitionServer
 from .server import Server
 from .worker import work
 
@@ -66,27 +67,46 @@ def train(ctx: Context) -> Summary:
     clock = Stopwatch()
     if ctx.role is Role.SERVER:
         return Server(ctx, clock).run()
-    comm = ctx.comm
-    # under --enable-recovery the server's death does not end the job: a worker on its
-    # host sees it directly and stops, instead of waiting out its reply bound
+    comm, servers = ctx.comm, [s for s in range(ctx.cfg.servers) if s != ctx.comm.rank]
+    # under --enable-recovery a server's death does not end the job: a rank on its host
+    # sees it directly and stops, instead of waiting out its reply bound
     peers = PeerProcesses(comm) if recovery_enabled() else None
-    comm.while_waiting = peers.watch(0, "the parameter server") if peers else None
+    comm.while_waiting = _watch(peers, servers) if peers else None
     try:
+        if ctx.role is Role.PARTITION:
+            return PartitionServer(ctx, clock).run()
         return work(ctx, clock)
     except CommTimeout:
-        if comm.while_waiting is not None and not peers.alive(0):
-            _one_voice(comm, peers)
+        dead = [s for s in servers if not peers.alive(s)] if comm.while_waiting else []
+        if dead:
+            _one_voice(comm, peers, dead[0])
         raise
     finally:
         comm.while_waiting = None
 
 
-def _one_voice(comm, peers: PeerProcesses) -> None:
-    """The server died, and every worker on its host saw it at once: one of them says
-    so, the lowest-ranked still alive (its line ends the job); the others give it
+def _watch(peers: PeerProcesses, servers):
+    """A check for :attr:`Comm.while_waiting` that raises once one of the parameter
+    ``servers`` on this host has died; None when none runs here."""
+    checks = [peers.watch(s, "the parameter server" if s == 0 else
+                          "a parameter server (of a share of the parameters)")
+              for s in servers]
+    checks = [check for check in checks if check is not None]
+    if len(checks) < 2:
+        return checks[0] if checks else None
+
+    def check() -> None:
+        for each in checks:
+            each()
+    return check
+
+
+def _one_voice(comm, peers: PeerProcesses, server: int) -> None:
+    """A server died, and every rank on its host saw it at once: one of them says so,
+    the lowest-ranked still alive (its line ends the job); the others give it
     SPEAKER_GRACE to do that, and say it themselves only if it did not."""
-    alive = [r for r in comm.ranks_on_host(comm.hosts[0])
-             if r and (r == comm.rank or peers.alive(r))]
+    alive = [r for r in comm.ranks_on_host(comm.hosts[server])
+             if r != server and (r == comm.rank or peers.alive(r))]
     if comm.rank != min(alive):
         time.sleep(SPEAKER_GRACE)
 

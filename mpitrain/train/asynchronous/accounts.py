@@ -89,14 +89,21 @@ class CpuShare:
 
 
 def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
-           bound: Optional[int], cpu_share: Dict[str, float], short: int) -> dict:
+           bound: Optional[int], cpu_share: Dict[str, float], short: int,
+           others: Optional[Dict[int, dict]] = None) -> dict:
     """Write staleness.csv and print the async line; return the run's async columns of
     runs.csv."""
     rows, all_staleness = [], collections.Counter()
-    for w in workers.values():
-        all_staleness.update(w.staleness)
-        rows += [{"worker": w.rank, "staleness": s, "count": c}
-                 for s, c in sorted(w.staleness.items())]
+    by_server = {0: {w.rank: w.staleness for w in workers.values()}}
+    applied = {0: sum(w.applied for w in workers.values())}
+    for server, final in sorted((others or {}).items()):  # --servers K: the others' own
+        by_server[server] = final["staleness"]
+        applied[server] = sum(final["applied"].values())
+    for server, histograms in by_server.items():
+        for rank, staleness in sorted(histograms.items()):
+            all_staleness.update(staleness)
+            rows += [{"worker": rank, "staleness": s, "count": c, "server": server}
+                     for s, c in sorted(staleness.items())]
     ctx.results.write_csv("staleness.csv", list(STALENESS_COLUMNS), rows)
     total = sum(all_staleness.values())
     mean = sum(s * c for s, c in all_staleness.items()) / max(1, total)
@@ -113,6 +120,9 @@ def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
         "lost_workers": "; ".join(f"rank {w['rank']} on {w['host']} at update "
                                   f"{w['update']} ({w['reason']})" for w in ctx.lost),
         "updates_short": short,
+        "servers": len(by_server),
+        # each server's updates (with --servers K, each push updates every share once)
+        "applied_by_server": " ".join(f"{s}:{n}" for s, n in applied.items()),
     }
     ctx.console.info(
         f"async: {version} updates from {extra['pushes']} pushes; staleness mean "

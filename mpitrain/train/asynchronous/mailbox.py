@@ -21,9 +21,9 @@ time, as an MPI buffer does: a push slot is the server's from its header's send
 until its reply is taken, a lease slot from the push that names it until its reply
 comes.
 
-A :class:`Layout` sizes both ends from the payload the server owns (today every
-parameter, on rank 0); a server owning a slice of them would give its workers a
-mailbox of that slice's length, addressed to its rank (``server``).
+A :class:`Layout` sizes both ends from the payload the server owns (its share of
+the parameters, :mod:`.partition`): with ``--servers K`` a worker has K mailboxes, one
+with each server, each the length of that server's share.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...comm import IDLE, share_with_server, shares_with_server
+from ...comm import IDLE, share_with_server
 from ...errors import UsageError
 from ...exchange import ErrorFeedback
 from ...half import widen_
 from ..protocol import (DROPPED, FINAL, SLOTS, TAG_GRADIENT, TAG_WEIGHTS, Header, new_message,
                         slots_of)
+from .partition import partition_of
 
 #: pushes a worker may have in flight under unbounded staleness (see .worker)
 PIPELINE_DEPTH = 2
@@ -48,6 +49,14 @@ SHARED = "shared"
 def pipelining_mode(cfg) -> str:
     """--pipeline as it applies: never under a staleness bound (one gradient per lease)."""
     return "off" if cfg.staleness is not None else cfg.pipeline
+
+
+def norm_slots(cfg) -> int:
+    """A push's float32 slots after its gradient: with ``--servers K`` > 1, one, the
+    gradient's global L2 norm (each server holds a share of the gradient, and
+    --clip-grad-norm clips by the whole's norm); with one server none (it has the whole
+    gradient: the message is today's)."""
+    return 1 if cfg.servers > 1 else 0
 
 
 class PushCodec:
@@ -85,12 +94,15 @@ class Layout(NamedTuple):
     depth: int  # push slots: the pushes its worker may have in flight
 
     @classmethod
-    def of(cls, ctx) -> "Layout":
-        """The mailbox of a worker with the server of every parameter (rank 0)."""
+    def of(cls, ctx, server: int = 0) -> "Layout":
+        """The mailbox of a worker with server ``server`` (rank ``server``): its share of
+        the parameters, and the BatchNorm buffers with server 0."""
         replica, cfg = ctx.replica, ctx.cfg
         depth = 1 if pipelining_mode(cfg) == "off" else PIPELINE_DEPTH
-        gradient = PushCodec(cfg.compression, replica.n_params).slots
-        return cls(SLOTS + gradient + replica.n_buffers, SLOTS + replica.n_state, depth)
+        share = partition_of(ctx).size(server)
+        gradient = PushCodec(cfg.compression, share).slots
+        buffers = replica.n_buffers if server == 0 else 0
+        return cls(SLOTS + gradient + norm_slots(cfg) + buffers, SLOTS + share + buffers, depth)
 
     @property
     def lengths(self) -> List[int]:
@@ -102,24 +114,27 @@ class Layout(NamedTuple):
         return list(slots[:self.depth]), list(slots[self.depth:])
 
 
-def share_mailboxes(ctx, lengths: List[int]) -> tuple:
-    """(this worker's shared slots or [], on the server every sharing worker's by
-    rank): :func:`mpitrain.comm.share_with_server` of slots of ``lengths``
+def share_mailboxes(ctx, lengths: List[int], server: int = 0) -> tuple:
+    """(this worker's shared slots with ``server`` or [], on that server every sharing
+    worker's by rank): :func:`mpitrain.comm.share_with_server` of slots of ``lengths``
     (:attr:`Layout.lengths`) for ``--shared-memory`` auto or on. Collective over the
-    world; the server and every worker call it once, first."""
+    world; every rank calls it once per server, first, in server order."""
     comm, mode = ctx.comm, ctx.cfg.shared_memory
     if mode == "off":
         return [], {}
-    if mode == "on" and len(shares_with_server(comm)) < comm.size - 1:
-        away = sorted({comm.hosts[r] for r in range(1, comm.size)} - {comm.hosts[0]})
-        raise UsageError(f"--shared-memory on needs every worker on rank 0's host "
-                         f"({comm.hosts[0]}); workers run on {', '.join(away)}: use "
-                         f"--shared-memory auto")
-    mine, theirs, sharing = share_with_server(comm, lengths)
-    if mode == "on" and len(sharing) < comm.size - 1:
-        raise UsageError("--shared-memory on: the workers' message memory could not be "
-                         "mapped by rank 0 (no memfd, or /proc/PID/fd not readable): use "
-                         "--shared-memory auto")
+    workers = range(ctx.cfg.servers, comm.size)
+    host = comm.hosts[server]
+    if mode == "on" and any(comm.hosts[r] != host for r in workers):
+        away = sorted({comm.hosts[r] for r in workers} - {host})
+        raise UsageError(f"--shared-memory on needs every worker on the host of rank "
+                         f"{server}, a parameter server ({host}); workers run on "
+                         f"{', '.join(away)}: use --shared-memory auto")
+    mine, theirs, sharing = share_with_server(comm, lengths, server,
+                                              [r for r in workers if comm.hosts[r] == host])
+    if mode == "on" and len(sharing) < len(workers):
+        raise UsageError(f"--shared-memory on: the workers' message memory could not be "
+                         f"mapped by rank {server} (no memfd, or /proc/PID/fd not readable): "
+                         "use --shared-memory auto")
     return mine, theirs
 
 
@@ -130,6 +145,7 @@ class Mailbox:
     def __init__(self, comm, pushes: List[np.ndarray], leases: List[np.ndarray],
                  carried: Optional[int], server: int = 0):
         self.pushes, self.leases, self.carried = pushes, leases, carried
+        self.server = server  # the server's rank
         #: a push's payload bytes that moved through shared memory (0: through MPI)
         self.shared_push = (pushes[0].size - SLOTS) * 4 if self.shared else 0
         self.replies = [comm.recv_init(b[:carried], server, TAG_WEIGHTS, "pull",
@@ -142,15 +158,22 @@ class Mailbox:
         return self.carried is not None
 
     @classmethod
-    def open(cls, ctx) -> "Mailbox":
-        """This worker's mailbox with rank 0, in shared memory where it can be.
-        Collective with :meth:`ServerEnd.open_all` on the server."""
-        layout = Layout.of(ctx)
-        slots, _ = share_mailboxes(ctx, layout.lengths)
-        if slots:
-            return cls(ctx.comm, *layout.split(slots), SLOTS)
-        return cls(ctx.comm, [new_message(layout.push - SLOTS) for _ in range(layout.depth)],
-                   [new_message(layout.lease - SLOTS) for _ in range(layout.depth + 1)], None)
+    def open_all(cls, ctx) -> List["Mailbox"]:
+        """This worker's mailboxes, one with each server in server order, in shared
+        memory where they can be. Collective with :meth:`ServerEnd.open_all` on the
+        servers."""
+        boxes = []
+        for server in range(ctx.cfg.servers):
+            layout = Layout.of(ctx, server)
+            slots, _ = share_mailboxes(ctx, layout.lengths, server)
+            if slots:
+                boxes.append(cls(ctx.comm, *layout.split(slots), SLOTS, server))
+            else:
+                boxes.append(cls(
+                    ctx.comm, [new_message(layout.push - SLOTS) for _ in range(layout.depth)],
+                    [new_message(layout.lease - SLOTS) for _ in range(layout.depth + 1)], None,
+                    server))
+        return boxes
 
 
 class ServerEnd:
@@ -182,11 +205,17 @@ class ServerEnd:
 
     @classmethod
     def open_all(cls, ctx) -> Dict[int, "ServerEnd"]:
-        """Every worker's end, by rank, shared where the worker shares this host's
-        memory. Collective with :meth:`Mailbox.open` on the workers."""
-        layout = Layout.of(ctx)
-        _, shared = share_mailboxes(ctx, layout.lengths)
-        return {r: cls(ctx.comm, r, layout, shared.get(r)) for r in range(1, ctx.comm.size)}
+        """Every worker's end with this server, by rank, shared where the worker shares
+        this host's memory. Collective with :meth:`Mailbox.open_all` on the workers (and
+        this call on the other servers)."""
+        me, ends = ctx.comm.rank, {}
+        for server in range(ctx.cfg.servers):
+            layout = Layout.of(ctx, server)
+            _, shared = share_mailboxes(ctx, layout.lengths, server)
+            if server == me:
+                ends = {r: cls(ctx.comm, r, layout, shared.get(r))
+                        for r in range(ctx.cfg.servers, ctx.comm.size)}
+        return ends
 
     def _reply_op(self, i: int):
         """The persistent send of reply buffer ``i`` with its weights."""
@@ -194,10 +223,12 @@ class ServerEnd:
                                    self.takes_weights)
 
     def listen(self, what: Optional[str] = None) -> None:
-        """Start the receive of the worker's next push (``what`` it is, if not a gradient)."""
+        """Start the receive of the worker's next push (``what`` it is, if not a gradient),
+        unless it is started already (a cut listens early: see .server._Cut)."""
         if what:
             self.receive.what = what
-        self.posted = self.comm.start(self.receive)
+        if self.posted is None or self.posted.done or self.posted.failed:
+            self.posted = self.comm.start(self.receive)
 
     def payload(self, header: Header) -> np.ndarray:
         """The message of the push that arrived (``header``'s): where its worker wrote

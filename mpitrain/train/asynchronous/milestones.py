@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -50,11 +50,15 @@ class Milestones:
 
     def reached(self, version: int) -> None:
         """``version`` is :attr:`next_point`: evaluate and/or save."""
-        evaluate = version % self.eval_interval == 0
-        save = version % self.checkpoint_interval == 0 or bool(
-            self.checkpoint_steps and version % self.checkpoint_steps == 0)
-        self.queue(version, evaluate, save, self.clock())
-        self.next_point = self._point_after(version)
+        self.queue(version, *self.due(version), self.clock())
+
+    def due(self, point: int) -> Tuple[bool, bool]:
+        """(evaluate, save) at ``point`` (:attr:`next_point`), which moves on past it."""
+        evaluate = point % self.eval_interval == 0
+        save = point % self.checkpoint_interval == 0 or bool(
+            self.checkpoint_steps and point % self.checkpoint_steps == 0)
+        self.next_point = self._point_after(point)
+        return evaluate, save
 
     def progress(self, version: int) -> None:
         loss = self.losses[-1] if self.losses else self.last_loss
@@ -71,9 +75,14 @@ class Milestones:
     def queue(self, version: int, evaluate: bool, save: bool, wall: float) -> None:
         """Queue ``version``'s evaluation and/or checkpoint (written meanwhile)."""
         checkpoint = self.checkpoint() if save else None
-        if evaluate:
-            self.evaluations.submit(version, self.snapshot(), self._train_loss(), wall,
-                                    checkpoint)
+        self.submit(version, self.snapshot() if evaluate else None, checkpoint, wall)
+
+    def submit(self, version: int, state: Optional[np.ndarray],
+               checkpoint: Optional[Checkpoint], wall: float) -> None:
+        """Queue the evaluation of ``state`` (None: none) and the writing of
+        ``checkpoint`` (None: none), both of ``version``."""
+        if state is not None:
+            self.evaluations.submit(version, state, self._train_loss(), wall, checkpoint)
         elif checkpoint is not None:
             self.evaluations.save(checkpoint)
 

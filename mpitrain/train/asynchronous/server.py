@@ -18,10 +18,12 @@ from ..protocol import (DIVERGED, FAREWELL, FINAL, INTERRUPTED, PARKED, PIPELINE
                         SilentPeers, stalled)
 from . import accounts
 from .accounts import WorkerAccount
-from .mailbox import ServerEnd
+from .mailbox import PIPELINE_DEPTH, ServerEnd
 from .milestones import Milestones
+from .partition import partition_of
+from .peers import GONE, PartitionServers, completed, raise_if_lost
 from .recovery import Recovery, short_of_plan
-from .store import ParameterStore
+from .store import ParameterStore, fresh_share_state, share_of_checkpoint
 
 #: workers whose steps take less than this (EWMA) make the server poll, not sleep
 FAST_STEP = 2e-4
@@ -106,6 +108,14 @@ class Server:
         self.total_steps = ctx.total_steps  # (a property: read once, not per reply)
         self.quotas = Quotas(self.workers, self.total_steps)
         self.training = len(self.workers)  # workers not done (see _retire)
+        #: the other parameter servers (--servers K; see .peers): with them, evaluations
+        #: and checkpoints are made at cuts (see _milestone), and at the end from every
+        #: server's final share (``whole``)
+        self.peers = PartitionServers(ctx)
+        self.cut: Optional[_Cut] = None
+        self.whole: Optional[dict] = None
+        #: how many updates before a point a cut starts draining (0: none, one server)
+        self.lookahead = PIPELINE_DEPTH * len(self.workers) if self.peers.enabled else 0
         if ctx.resume_from is not None:
             self._restore(ctx.resume_from)
 
@@ -120,15 +130,44 @@ class Server:
         self.ctx.lost.extend(accounts.restore(self.workers, self.quotas, ckpt))
 
     def checkpoint(self) -> Checkpoint:
-        return accounts.checkpoint(self.store, self.workers, self.quotas, self.total_steps,
+        """The run's checkpoint now; with other servers, rank 0's share unless the
+        whole state is in (the end: :attr:`whole`; a cut completes it: _make_cut)."""
+        ckpt = accounts.checkpoint(self.store, self.workers, self.quotas, self.total_steps,
                                    self.clock(), self.ctx)
+        return completed(ckpt, self.whole) if self.whole is not None else ckpt
 
     def _snapshot(self) -> np.ndarray:
-        return self.store.snapshot(accounts.latest_buffers(self.workers))
+        """The weights and statistics to evaluate: all of them on rank 0 with one server;
+        with others, the run's initial weights or (the end) :attr:`whole`'s."""
+        latest = accounts.latest_buffers(self.workers)
+        if not self.peers.enabled:
+            return self.store.snapshot(latest)
+        weights = self.ctx.replica.weights() if self.whole is None else \
+            self.whole["state"]["weights"]
+        return np.concatenate([weights, self.store.average_buffers(latest)])
+
+    def _start_states(self) -> Dict[int, dict]:
+        """What each other server starts from: its share of the initial weights (fresh) or
+        of the checkpoint, each worker's position, and its own staleness counts (a run
+        resumed with as many servers)."""
+        ckpt, part = self.ctx.resume_from, partition_of(self.ctx)
+        weights = self.ctx.replica.weights() if ckpt is None else None
+        saved = (ckpt.extra.get("partition_staleness", {}) if ckpt is not None and
+                 int(ckpt.extra.get("geometry", {}).get("servers", 1)) == part.servers
+                 else {})
+        positions = {r: w.steps for r, w in self.workers.items()}
+        return {s: {"state": (fresh_share_state(self.ctx, weights, part.share(s)) if ckpt
+                              is None else share_of_checkpoint(ckpt, part.share(s))),
+                    "positions": positions,
+                    "staleness": {int(w): {int(k): c for k, c in counts.items()}
+                                  for w, counts in saved.get(str(s), {}).items()}}
+                for s in self.peers.ranks}
 
     # ---- the loop ---------------------------------------------------------------------
     def run(self) -> Summary:
         self.milestones.start(self.version, fresh=self.ctx.resume_from is None)
+        if self.peers.enabled:
+            self.peers.start(self._start_states())
         cpu = accounts.CpuShare()
         timer = self.ctx.timer
         self._grant_leases()
@@ -150,8 +189,10 @@ class Server:
             self._grant_leases()
             timer.lap("comm")
             version, milestones = self.store.version, self.milestones
-            if version >= milestones.next_point:
-                milestones.reached(version)
+            if version >= milestones.next_point - self.lookahead:
+                self._milestone(version)
+            if self.cut is not None or self.peers.gathering is not None:
+                self._cutting()
             if version % milestones.updates_per_epoch == 0:
                 timer.end_epoch(version // milestones.updates_per_epoch)
             if version % PROGRESS_EVERY == 0:
@@ -165,10 +206,12 @@ class Server:
                 self.ends[rank].drain()
         self.recovery.fence(at_end=True)
         wall, cpu_share = self.clock(), cpu.shares()
+        if self.peers.enabled:  # every other server's final share, and its counts
+            self.whole = self.peers.whole_final({"state": self.store.state()})
         self.milestones.finish(self.version, wall, record=not self.ending & DIVERGED)
         summary = self.milestones.summary(wall, **accounts.report(
             self.ctx, self.workers, self.version, wall, self.leases.bound, cpu_share,
-            self.quotas.short))
+            self.quotas.short, self.peers.finals))
         if self.ending & DIVERGED:
             raise diverged(", ".join(self.diverged_at), summary)
         if self.ending & INTERRUPTED:
@@ -184,7 +227,10 @@ class Server:
         if self.dismissed:
             holders += self.dismissed
         ends = self.ends
+        if self.cut is not None:
+            holders += self.cut.extras
         if self.recovery.enabled and self.recovery.due():
+            raise_if_lost(self.peers)  # (a share of the model went with it: restart)
             for rank in self.recovery.keepalives():
                 self._reply(self.workers[rank], flags=PARKED)
             lost = self.recovery.lost(self.silence, {r: ends[r].posted for r in holders})
@@ -220,6 +266,9 @@ class Server:
         w.lost = why
         self._retire(w)
         self.recovery.drop(self.ends[rank])
+        self.peers.drop(rank)
+        if self.cut is not None and rank in self.cut.extras:
+            self.cut.extras.remove(rank)
         active = [r for r, v in self.workers.items() if not v.done]
         gained = self.quotas.reassign(rank, w.steps, active + list(self.recovery.parked))
         woken = [r for r, n in gained.items() if n and self.recovery.unpark(r)]
@@ -242,7 +291,9 @@ class Server:
             return
         w.steps, w.elapsed, w.pipelined = header.step, header.elapsed, bool(flags & PIPELINED)
         w.pushed_final = bool(flags & FINAL)
-        if not w.dismissed:  # (a dismissed worker's pushes were sent before it knew)
+        # (a dismissed worker's pushes were sent before it knew; a cut takes a pipelined
+        # worker's push sent before it took its last lease, see _Cut)
+        if not w.dismissed and self.leases.holds(w.rank):
             self.leases.returned(w.rank)
         if flags & DIVERGED or not math.isfinite(header.loss):
             self.ending |= DIVERGED  # never apply a non-finite gradient
@@ -262,10 +313,58 @@ class Server:
             self._dismiss(w)
         else:
             self.leases.wait(w.rank)
+            if self.cut is not None:
+                self.cut.took(w, flags, self.ends[w.rank], self.silence)
         self.milestones.losses.append(header.loss)
+
+    # ---- cuts: evaluations and checkpoints with other servers (see .peers) -------------
+    def _milestone(self, version: int) -> None:
+        """``version`` is at (one server) or near (others: lookahead) the next point."""
+        milestones = self.milestones
+        if not self.peers.enabled:
+            milestones.reached(version)
+            return
+        point = milestones.next_point
+        owed = len(self.leases.base) + len(self.dismissed)  # pushes still to come in
+        if self.cut is not None or version + owed < point:
+            return
+        if point >= self.milestones.evaluations.evaluator.total_updates:
+            milestones.next_point = math.inf  # (the end: every server's final share)
+            return
+        self.cut = _Cut(*milestones.due(point))
+
+    def _cutting(self) -> None:
+        """Make the cut once drained; take the shares of the one being gathered."""
+        if self.cut is not None and not self.leases.base and not self.dismissed \
+                and not self.cut.extras:
+            self._make_cut()
+        self.peers.poll()
+
+    def _make_cut(self) -> None:
+        """Every push the workers could send without a reply is in: the workers'
+        positions are final until rank 0 replies again, so every server can hold its
+        share there. Rank 0 records its own, tells the others (once they acked, it
+        replies again), and evaluates and/or saves when their shares are in."""
+        cut, self.cut = self.cut, None
+        version, wall = self.store.version, self.clock()
+        checkpoint = self.checkpoint() if cut.save else None  # (rank 0's share: completed)
+        buffers = self.store.average_buffers(accounts.latest_buffers(self.workers))
+        positions = {r: GONE if w.lost else w.steps for r, w in self.workers.items()}
+
+        def then(whole: dict) -> None:
+            state = np.concatenate([whole["state"]["weights"], buffers]) \
+                if cut.evaluate else None
+            self.milestones.submit(version, state, checkpoint and completed(checkpoint, whole),
+                                   wall)
+        self.peers.cut(positions, {"state": self.store.state()}, then)
+        self._grant_leases()
 
     # ---- leases and replies -----------------------------------------------------------
     def _grant_leases(self) -> None:
+        if self.cut is not None:  # draining: no lease until the cut is made
+            if not self.ending:
+                return
+            self.cut = None  # (the run ends: its last state is saved instead)
         for rank in self.leases.next_waiting(self.store.version, force=bool(self.ending)):
             w = self.workers[rank]
             if w.pushed_final and self.ending:  # (it was to go on with a lost one's steps)
@@ -328,3 +427,26 @@ class Server:
         header = Header(self.store.version, w.steps, flags, 0.0, 0.0, 0.0,
                         self.quotas.of[w.rank] - self.total_steps, 0)
         self.ends[w.rank].reply(header, self._write_lease if with_weights else None)
+
+
+class _Cut:
+    """An evaluation and/or checkpoint point being drained for (``--servers K``): rank
+    0 grants no lease until every push the workers can send without one is in. That
+    is the lease holders' and dismissed workers' pushes, and one more of each pipelined
+    worker whose push rank 0 answers no more: it sends the next one before it waits
+    for the answer (``extras``, listened for at once)."""
+
+    def __init__(self, evaluate: bool, save: bool):
+        self.evaluate, self.save = evaluate, save
+        self.extras: List[int] = []
+        self.seen: set = set()
+
+    def took(self, w: WorkerAccount, flags: int, end: ServerEnd, silence) -> None:
+        """``w``'s push (``flags``) was applied while draining; its lease is held back."""
+        if w.rank in self.extras:
+            self.extras.remove(w.rank)
+        elif w.rank not in self.seen and flags & PIPELINED:
+            self.extras.append(w.rank)
+            silence.heard(w.rank)
+            end.listen()
+        self.seen.add(w.rank)

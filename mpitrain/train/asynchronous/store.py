@@ -2,44 +2,52 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from ...lifecycle import Checkpoint, optimizer_mismatch
 from ...models import optim
 from ..protocol import SLOTS
-from .mailbox import PushCodec
+from .mailbox import PushCodec, norm_slots
+from .partition import partition_of
 
 
 class ParameterStore:
-    """What the server's updates change: the flat float32 weights, updated in place by
-    a numpy/C optimizer (:mod:`mpitrain.models.optim`: microseconds per update, no
-    TensorFlow), the BatchNorm statistics (the mean of the workers' latest, taken at
+    """What a server's updates change: its share of the flat float32 weights (all of
+    them with one server), updated in place by a numpy/C optimizer
+    (:mod:`mpitrain.models.optim`: microseconds per update, no TensorFlow), the
+    BatchNorm statistics (server 0's: the mean of the workers' latest, taken at
     evaluations and checkpoints) and the version (updates applied so far).
 
-    Today rank 0 owns every parameter. A server owning a slice of them would hold a
-    store of that slice (its weights, its optimizer state, its version), fed the
-    matching slice of each push by its :class:`.mailbox.ServerEnd`.
+    A push carries this server's share of the gradient, then the gradient's global
+    norm (:func:`.mailbox.norm_slots`, with K > 1), then (server 0) the worker's statistics: every server clips its
+    share by the same factor, so clipping means what it means with one server.
     """
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, server: int = 0):
         replica, cfg = ctx.replica, ctx.cfg
-        n = replica.n_params
-        self.weights = replica.weights()
-        self.buffers = replica.buffers()  # the workers' mean at the last evaluation
+        self.share = partition_of(ctx).share(server)
+        n = self.share.stop - self.share.start
+        self.n_params = replica.n_params  # of the whole model
+        self.weights = np.ascontiguousarray(replica.weights()[self.share])
+        # the workers' mean at the last evaluation; only server 0 holds them
+        self.buffers = replica.buffers() if server == 0 else np.zeros(0, np.float32)
         self.optimizer = optim.make(cfg.optimizer, n, cfg.effective_lr, ctx.decay_steps,
                                     cfg.clip_grad_norm)
         self.codec = PushCodec(cfg.compression, n)
-        self.gradient_end = SLOTS + self.codec.slots  # a push's gradient, then its buffers
+        self.norm_slots = norm_slots(cfg)
+        self.gradient_end = SLOTS + self.codec.slots  # a push's gradient, its norm, buffers
         self.version = 0
 
     def apply(self, push: np.ndarray) -> Optional[np.ndarray]:
         """Apply the gradient of ``push`` (a message; clipped first if configured);
         returns a copy of the BatchNorm statistics it carries, or None."""
         end = self.gradient_end
-        self.optimizer.step(self.weights, self.codec.decode(push[SLOTS:end]))
+        norm = float(push[end]) if self.norm_slots else None  # (one server: its own)
+        self.optimizer.step(self.weights, self.codec.decode(push[SLOTS:end]), norm)
         self.version += 1
+        end += self.norm_slots
         return push[end:].copy() if push.size > end else None
 
     def write_lease(self, lease: np.ndarray) -> None:
@@ -61,15 +69,56 @@ class ParameterStore:
         buffers = self.average_buffers(latest)
         return np.concatenate([self.weights, buffers]) if buffers.size else self.weights.copy()
 
+    def state(self) -> Dict[str, np.ndarray]:
+        """A copy of this share's weights (``weights``) and optimizer state (its slots by
+        name, ``iterations``), with the ``version``: what another server or a checkpoint
+        takes it up from (:meth:`load`)."""
+        return {"weights": self.weights.copy(), "version": np.array(self.version),
+                **self.optimizer.state()}
+
+    def load(self, state: Dict[str, np.ndarray]) -> None:
+        """Continue from ``state`` (:meth:`state`'s form, of this share)."""
+        self.weights = np.ascontiguousarray(state["weights"], np.float32)
+        self.optimizer.load_state(state)
+        self.version = int(state["version"])
+
     def restore(self, ckpt: Checkpoint, resume: str) -> None:
-        """Continue from ``ckpt`` (of the run in ``resume``). An optimizer state that does
-        not fit is a UsageError this rank alone knows (it reports, the job ends)."""
-        self.weights = ckpt.weights.astype(np.float32).copy()
-        if ckpt.buffers.size:
-            self.buffers = ckpt.buffers.astype(np.float32).copy()
-        mismatch = optimizer_mismatch(ckpt.optimizer, self.optimizer.layout(), resume,
+        """Continue from ``ckpt`` (of the run in ``resume``; it holds every parameter, so
+        this store takes its share). An optimizer state that does not fit is a
+        UsageError this rank alone knows (it reports, the job ends)."""
+        whole = {name: ((self.n_params,) if shape else shape, dtype)
+                 for name, (shape, dtype) in self.optimizer.layout().items()}
+        mismatch = optimizer_mismatch(ckpt.optimizer, whole, resume,
                                       everywhere=False)  # the server alone reads it
         if mismatch is not None:
             raise mismatch
-        self.optimizer.load_state(ckpt.optimizer)
-        self.version = ckpt.step
+        if ckpt.buffers.size and self.buffers.size:
+            self.buffers = ckpt.buffers.astype(np.float32).copy()
+        self.load(share_of_checkpoint(ckpt, self.share))
+
+
+def fresh_share_state(ctx, weights: np.ndarray, share: slice) -> Dict[str, np.ndarray]:
+    """The :meth:`ParameterStore.state` of the parameters ``share`` of ``weights`` (the
+    initial model) before any update."""
+    cfg = ctx.cfg
+    n = share.stop - share.start
+    optimizer = optim.make(cfg.optimizer, n, cfg.effective_lr, ctx.decay_steps,
+                           cfg.clip_grad_norm)
+    return {"weights": np.ascontiguousarray(weights[share]), "version": np.array(0),
+            **optimizer.state()}
+
+
+def share_of_checkpoint(ckpt: Checkpoint, share: slice) -> Dict[str, np.ndarray]:
+    """The :meth:`ParameterStore.state` of the parameters ``share`` at ``ckpt``."""
+    return {"weights": ckpt.weights[share].astype(np.float32),
+            "version": np.array(ckpt.step),
+            **{name: np.asarray(value)[share] if np.ndim(value) else np.asarray(value)
+               for name, value in ckpt.optimizer.items()}}
+
+
+def whole_state(shares: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    """Every server's :meth:`ParameterStore.state`, in server order, as one: the weights
+    and each optimizer slot concatenated; the counts (version, iterations) server 0's."""
+    first = shares[0]
+    return {name: np.concatenate([s[name] for s in shares]) if np.ndim(value) else value
+            for name, value in first.items()}
