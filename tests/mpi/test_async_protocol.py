@@ -182,6 +182,20 @@ def test_staleness_bound_holds_and_holds_fast_workers_back(comm, replica, bound)
     comm.barrier()
 
 
+def stopping_server(ctx, version: int):
+    """Rank 0's server that stops the run (as on SIGTERM) once it made ``version``."""
+    server = asynchronous.Server(ctx, Stopwatch())
+    apply = server._apply
+
+    def apply_then_stop(*args):
+        apply(*args)
+        if server.version == version:
+            ctx.stop.request()
+
+    server._apply = apply_then_stop
+    return server
+
+
 @pytest.mark.parametrize("staleness", [None, 1])
 def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replica, staleness):
     """The server stops the run (as on SIGTERM) at its 6th update: every worker is
@@ -192,15 +206,7 @@ def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replic
         pytest.skip(NEEDS_WORKER)
     ctx = context(comm, replica, 200, staleness=staleness)
     if ctx.role is Role.SERVER:
-        server = asynchronous.Server(ctx, Stopwatch())
-        apply = server._apply
-
-        def apply_then_stop(*args):
-            apply(*args)
-            if server.version == 6:
-                ctx.stop.request()
-
-        server._apply = apply_then_stop
+        server = stopping_server(ctx, 6)
         with pytest.raises(Interrupted, match="stopped by SIGTERM after"):
             server.run()
         assert all(w.done and w.dismissed for w in server.workers.values())
@@ -301,15 +307,7 @@ def test_a_stop_with_two_servers_leaves_every_share_alike(comm, replica):
         pytest.skip(NEEDS_TWO_SERVERS)
     ctx = context(comm, replica, 200, servers=2)
     if ctx.role is Role.SERVER:
-        server = asynchronous.Server(ctx, Stopwatch())
-        apply = server._apply
-
-        def apply_then_stop(*args):
-            apply(*args)
-            if server.version == 5:
-                ctx.stop.request()
-
-        server._apply = apply_then_stop
+        server = stopping_server(ctx, 5)
         try:
             with pytest.raises(Interrupted, match="stopped by SIGTERM after"):
                 server.run()
