@@ -71,8 +71,8 @@ def make_run(root, name, mode="sync", np_=3, batch=100, epochs=3, hosts=None):
                for r, h in enumerate(hosts) for k in kinds[mode]])
     if mode == "async":
         write_csv(run / "staleness.csv", STALENESS_COLUMNS,
-                  [[w, s, max(1, 50 - 8 * abs(s - w - 2))] for w in range(1, np_)
-                   for s in range(0, 9)] + [[1, 120, 1]])
+                  [[w, s, max(1, 50 - 8 * abs(s - w - 2)), 0] for w in range(1, np_)
+                   for s in range(0, 9)] + [[1, 120, 1, 0]])
     return run
 
 

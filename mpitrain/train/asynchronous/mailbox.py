@@ -126,9 +126,9 @@ def share_mailboxes(ctx, lengths: List[int], server: int = 0) -> tuple:
     host = comm.hosts[server]
     if mode == "on" and any(comm.hosts[r] != host for r in workers):
         away = sorted({comm.hosts[r] for r in workers} - {host})
-        raise UsageError(f"--shared-memory on needs every worker on the host of rank "
-                         f"{server}, a parameter server ({host}); workers run on "
-                         f"{', '.join(away)}: use --shared-memory auto")
+        raise UsageError(f"--shared-memory on needs every worker on rank {server}'s host "
+                         f"({host}); workers run on {', '.join(away)}: use --shared-memory "
+                         "auto")
     mine, theirs, sharing = share_with_server(comm, lengths, server,
                                               [r for r in workers if comm.hosts[r] == host])
     if mode == "on" and len(sharing) < len(workers):
