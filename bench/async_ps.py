@@ -83,8 +83,8 @@ def rank_side(mode: str, updates: int) -> None:
     else:
         init_tensorflow(1, 0)
         replica = Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
-        cfg = resolve(Config(model="lr", async_mode=True, epochs=10**6, batch_size=1,
-                             steps=per_worker, eval_every=10**6),
+        cfg = resolve(Config.of(model="lr", async_mode=True, epochs=10**6, batch_size=1,
+                                steps=per_worker, eval_every=10**6),
                       models.get("lr").defaults, comm.size)
         data = Dataset("synthetic", "bench", 10, (28, 28, 1), 10**6 * n_workers,
                        x_train=np.zeros((10**6, 1, 1, 1), np.float32)[:, :0],

@@ -80,7 +80,7 @@ def rank_side(model: str, steps: int) -> None:
         comm.barrier("the workers", backoff=IDLE)
     else:
         tail = 1 + workers.size  # the trainer's status tail (mpitrain/train/sync.py)
-        defaults = Config(model=model)  # the trainer's defaults: engine, overlap, buckets
+        defaults = Config.of(model=model)  # the trainer's defaults: engine, overlap, buckets
         with plan(defaults, replica, workers, tail) as exchange:
             timed = interleaved_steps(replica, exchange, workers, spec, steps)
         comm.barrier("the workers", backoff=IDLE)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Tuple, Union
 
-from .config import Config, fields_with_flags
+from .config import Config, resolve, settings_with_flags
 from .errors import Dropped, MpitrainError, UsageError
 
 MODES = ("sync", "async")
@@ -92,13 +92,15 @@ def fit(model: Union[Callable, str], train: Optional[Tuple] = None, test: Option
 
 
 def _config(model, train, test, mode, data, options):
-    """(the run's Config, the names of the settings given, the model's spec if it is a
-    function, the arrays if given) from fit's arguments."""
+    """(the run's Config, built once as the command line's is, the keys of the settings
+    given, the model's spec if it is a function, the arrays if given) from fit's
+    arguments."""
     from . import data as datasets, models
+    from .comm import launcher_world_size
 
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
-    names = {f.name for f in fields_with_flags()} - {"async_mode", "data"}
+    names = {s.key for s in settings_with_flags()} - {"async_mode", "data"}
     unknown = sorted(set(options) - names)
     if unknown:
         raise UsageError(f"fit() got unknown option(s) {', '.join(unknown)}; options are the "
@@ -113,8 +115,11 @@ def _config(model, train, test, mode, data, options):
         raise UsageError("model must be a function (input_shape, num_classes) -> keras.Model, "
                          "a registered name or a FILE.py:FUNCTION spec")
     arrays = None if data is not None else datasets.given_arrays(train, test)
-    cfg = Config(model=models.canonical(model), async_mode=mode == "async",
-                 data=datasets.GIVEN_ARRAYS if data is None else data,
-                 **options).checked(lambda f: f"fit({f.name}=...)")
+    cfg = Config.of(model=models.canonical(model), async_mode=mode == "async",
+                    data=datasets.GIVEN_ARRAYS if data is None else data,
+                    **options).checked(lambda s: f"fit({s.key}=...)")
+    if not cfg.resume:  # a resumed run's config is its own (see session.run)
+        defaults = spec.defaults if spec else models.defaults_for(cfg.model)
+        cfg = resolve(cfg, defaults, launcher_world_size())
     explicit = frozenset(options) | {"data"} | ({"async_mode"} if mode == "async" else set())
     return cfg, explicit, spec, arrays

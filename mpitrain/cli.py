@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from . import exits, models
 from .comm import bound_finalize, launcher_rank, launcher_world_size
-from .config import Config, fields_with_flags, resolve
+from .config import SECTION_TITLES, Config, resolve, settings_with_flags
 from .errors import Dropped, MpitrainError, UsageError
 from .exits import PROG
 TOOLS = ("plot", "report", "check", "sweep", "launch")
@@ -49,24 +49,28 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
-def _model_help(spec, field_name: str, doc: str) -> str:
-    default = spec.defaults.get(field_name)
+def _model_help(spec, key: str, doc: str) -> str:
+    default = spec.defaults.get(key)
     return doc + (f" (default for {spec.name}: {default})" if default is not None else "")
 
 
-def _add_training_options(parser: argparse.ArgumentParser, spec, defaults: bool = True
-                          ) -> None:
-    for f in fields_with_flags():
-        kwargs = dict(f.metadata["cli"])
-        doc = f.metadata["doc"]
-        if f.default is None:
-            kwargs["help"] = _model_help(spec, f.name, doc)
+def _add_training_options(parser: argparse.ArgumentParser, spec) -> None:
+    """The training options, flat (dest: each setting's key), listed by section; one not
+    given stays out of the namespace (see :func:`explicit_settings`), its default is the
+    setting's."""
+    groups = {}
+    for s in settings_with_flags():
+        if s.section not in groups:
+            groups[s.section] = parser.add_argument_group(f"{SECTION_TITLES[s.section]} options")
+        kwargs = dict(s.cli)
+        if s.default is None:
+            kwargs["help"] = _model_help(spec, s.key, s.doc)
         elif kwargs.get("action") == "store_true":
-            kwargs["help"] = doc
+            kwargs["help"] = s.doc
         else:
-            kwargs["help"] = f"{doc} (default: {f.default})"
-        parser.add_argument(f.metadata["flag"], dest=f.name,
-                            default=f.default if defaults else argparse.SUPPRESS, **kwargs)
+            kwargs["help"] = f"{s.doc} (default: {s.default})"
+        groups[s.section].add_argument(s.flag, dest=s.key, default=argparse.SUPPRESS,
+                                       **kwargs)
 
 
 def user_model_in(argv: List[str]) -> Optional[str]:
@@ -74,10 +78,8 @@ def user_model_in(argv: List[str]) -> Optional[str]:
     return argv[0] if argv and models.is_spec(argv[0]) else None
 
 
-def build_parser(user_model: Optional[str] = None, defaults: bool = True
-                 ) -> argparse.ArgumentParser:
-    """The whole CLI; ``user_model`` adds a training command for that model spec;
-    ``defaults=False`` leaves the training options not given out of the namespace."""
+def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole CLI; ``user_model`` adds a training command for that model spec."""
     from . import __version__
 
     parser = _Parser(prog=PROG, description="MPI data-parallel training for TensorFlow: "
@@ -91,7 +93,7 @@ def build_parser(user_model: Optional[str] = None, defaults: bool = True
     for spec in models.specs() + user:
         sub = commands.add_parser(spec.name, help=f"train {spec.summary}",
                                   description=spec.summary)
-        _add_training_options(sub, spec, defaults)
+        _add_training_options(sub, spec)
     plot = commands.add_parser("plot", help="figures of one run, or a comparison of several",
                                description="Figures of one run (written into its directory) "
                                "or a comparison of several runs (into a new directory).")
@@ -203,7 +205,7 @@ def run_check(args) -> int:
     from .tools.preflight import check_launch
 
     for line in check_launch(args.np, args.hostfile, args.oversubscribe, cfg.async_mode,
-                             cfg.servers):
+                             cfg.asynchronous.servers):
         print(line)
     if args.no_launch:
         return 0
@@ -221,10 +223,11 @@ def run_check(args) -> int:
                          cfg.keep_cpu_binding)
     training = [models.canonical(training[0]), *training[1:]]  # from any working directory
     cmd += [sys.executable, "-m", "mpitrain", "check", "--in-job", *training]
+    bound = cfg.faults.bounds.check_job
     try:
-        return subprocess.run(cmd, timeout=cfg.timeout + 120).returncode
+        return subprocess.run(cmd, timeout=bound).returncode
     except subprocess.TimeoutExpired:
-        raise UsageError(f"the check job did not finish in {cfg.timeout + 120:g} s; a host "
+        raise UsageError(f"the check job did not finish in {bound:g} s; a host "
                          "is unreachable or a rank is stuck starting") from None
 
 
@@ -254,39 +257,41 @@ def _check_options_after_model(args, training: List[str]) -> List[str]:
 
 
 def parse_config(argv: List[str], args=None, world_size: Optional[int] = None) -> Config:
-    """The run's Config from ``argv``; UsageError on bad arguments.
+    """The run's Config from ``argv``, built once (see :func:`mpitrain.config.resolve`);
+    UsageError on bad arguments.
 
-    Validated against ``world_size`` (default: the launcher's) to fail fast,
-    before MPI and TensorFlow load; the session re-checks with MPI's own size.
+    Built for ``world_size`` (default: the launcher's) to fail fast, before MPI and
+    TensorFlow load (the session checks it against MPI's own size). With --resume it
+    is what the command line asks of the run; the session builds the run's config
+    from its config.json (only rank 0 may see the run directory).
     """
     args = args or build_parser(user_model_in(argv)).parse_args(argv)
     if args.command in TOOLS:
         raise UsageError(f"expected a model to train, not {args.command!r}")
-    values = {f.name: getattr(args, f.name) for f in fields_with_flags()}
     user_model = models.is_spec(args.command)
-    cfg = Config(model=models.canonical(args.command),
-                 model_given=args.command if user_model else None, **values)
-    if user_model and not cfg.resume and launcher_rank() == 0:
+    cfg = Config.of(model=models.canonical(args.command),
+                    model_given=args.command if user_model else None,
+                    **{s.key: getattr(args, s.key, s.default) for s in settings_with_flags()})
+    if cfg.resume:  # what is typed is checked as typed; the run's own settings later
+        return cfg.checked()
+    if user_model and launcher_rank() == 0:
         # Before MPI and TensorFlow: the file is there, parses and defines the function.
         # Rank 0 alone (it prints; the job ends with it): the other ranks go on to the
         # collective load in the session, so a host where the file differs is named.
         models.precheck(cfg.model)
-    if not cfg.resume:
-        resolve(cfg, models.defaults_for(cfg.model), world_size or launcher_world_size())
-        from .tools.preflight import check_engine
+    cfg = resolve(cfg, models.defaults_for(cfg.model), world_size or launcher_world_size())
+    from .tools.preflight import check_engine
 
-        check_engine(cfg.allreduce)
+    check_engine(cfg.sync.allreduce)
     return cfg
 
 
-def explicit_settings(argv: List[str]) -> frozenset:
-    """Names of the config fields given on the command line (for --resume).
-
-    Read from what argparse parsed, not from the tokens: an abbreviated flag
-    (``--epoch 5``) or ``--epochs=5`` counts as given, as it does for training.
+def explicit_settings(args) -> frozenset:
+    """Keys of the settings given on the command line (for --resume), from what argparse
+    parsed (``args``), not from the tokens: an abbreviated flag (``--epoch 5``) or
+    ``--epochs=5`` counts as given, as it does for training.
     """
-    args = build_parser(user_model_in(argv), defaults=False).parse_args(argv)
-    return frozenset(f.name for f in fields_with_flags() if hasattr(args, f.name))
+    return frozenset(s.key for s in settings_with_flags() if hasattr(args, s.key))
 
 
 def main(argv: Optional[List[str]] = None, ends_process: bool = True) -> int:
@@ -301,7 +306,7 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = True) -> int:
         from . import session  # imports TensorFlow and MPI: only once arguments are valid
 
         bound_finalize()  # every rank of a training run reaches its end together
-        session.run(cfg, explicit_settings(argv), ends_process)
+        session.run(cfg, explicit_settings(args), ends_process)
         return 0
     except Dropped as error:
         exits.report(error)

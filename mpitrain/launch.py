@@ -176,13 +176,14 @@ def run(args, cfg) -> int:
     if script:
         from .config import Config
 
-        cfg = Config(results_dir=os.environ.get("MPITRAIN_RESULTS_DIR", "results"))
+        cfg = Config.of(results_dir=os.environ.get("MPITRAIN_RESULTS_DIR", "results"))
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
     from .tools.preflight import check_launch
 
     np_ = world_size(args)
-    placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode, cfg.servers)
+    placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode,
+                             cfg.asynchronous.servers)
     in_slurm = args.hostfile is None and bool(os.environ.get("SLURM_JOB_ID"))
     if in_slurm:
         placement = [f"{np_} ranks on the SLURM allocation of job {os.environ['SLURM_JOB_ID']}"]

@@ -32,7 +32,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from .atomic import atomic_file
-from .config import Config
+from .config import SETTINGS, Config
 from .errors import ResultsError, UsageError
 from .data.shards import batches_per_epoch
 from .model_names import same_model
@@ -199,31 +199,32 @@ def resumed_config(cli: Config, explicit: set, world_size: int
     (returned, else None).
     """
     saved = saved_config(Path(cli.resume))
-    fields = {f.name for f in dataclasses.fields(Config)}
-    base = {k: v for k, v in saved.items() if k in fields}
+    base = {k: v for k, v in saved.items() if k in SETTINGS}  # older files: fewer keys
     if not same_model(cli.model, str(base.get("model"))):
         raise UsageError(f"--resume {cli.resume}: that run trained {base.get('model')}, "
                          f"not {cli.model}")  # a user's model: the saved absolute spec loads
-    for name in sorted(explicit):
-        if name in RESUMABLE_CHANGES or name == "model":
+    for key in sorted(explicit):
+        if key in RESUMABLE_CHANGES or key == "model":
             continue
-        if getattr(cli, name) != base.get(name):
-            flag = "--" + name.replace("_", "-").replace("async-mode", "async")
-            raise UsageError(f"--resume {cli.resume}: {flag} was {base.get(name)!r} in that "
-                             f"run, not {getattr(cli, name)!r}; resume with the same setting")
-    changes = {name: getattr(cli, name) for name in RESUMABLE_CHANGES if name in explicit}
+        if cli.setting(key) != base.get(key):
+            raise UsageError(f"--resume {cli.resume}: {SETTINGS[key].label} was "
+                             f"{base.get(key)!r} in that run, not {cli.setting(key)!r}; "
+                             "resume with the same setting")
+    changes = {key: cli.setting(key) for key in RESUMABLE_CHANGES if key in explicit}
     changes["resume"] = cli.resume
     # the servers of the session that wrote the checkpoint (a resumed session may have
     # changed them); they stay unless --servers is given
-    saved_servers = _last_servers(Path(cli.resume), Config(**base).servers)
+    saved = Config.of(**base)
+    saved_servers = _last_servers(Path(cli.resume), saved.asynchronous.servers)
     changes.setdefault("servers", saved_servers)
-    original = _checked_saved(dataclasses.replace(Config(**base), **changes), cli.resume)
-    if original.world_size == world_size and original.servers == saved_servers:
-        return dataclasses.replace(original, **changes), None
+    original = _checked_saved(saved.replace(**changes), cli.resume)
+    # the rules between settings hold at this job's size (another -np, other --servers)
+    if original.world_size == world_size and original.asynchronous.servers == saved_servers:
+        return _checked_saved(original, cli.resume, rules=True), None
     # another number of ranks, or of --servers: the workers are others
-    rescale = Rescale.between(dataclasses.replace(original, servers=saved_servers),
-                              world_size, original.servers)
-    return dataclasses.replace(rescale.config, **changes), rescale
+    rescale = Rescale.between(original.replace(servers=saved_servers), world_size,
+                              original.asynchronous.servers)
+    return _checked_saved(rescale.config.replace(**changes), cli.resume, rules=True), rescale
 
 
 def _last_servers(run_dir: Path, first: int) -> int:
@@ -237,12 +238,14 @@ def _last_servers(run_dir: Path, first: int) -> int:
     return first
 
 
-def _checked_saved(cfg: Config, run_dir) -> Config:
+def _checked_saved(cfg: Config, run_dir, rules: bool = False) -> Config:
     """A resumed run's settings (its config.json's, with this session's changes) checked
-    as strictly as typed ones (:meth:`Config.checked`): the file may have been edited."""
+    as strictly as typed ones (:meth:`Config.checked`), and with ``rules`` validated
+    (:meth:`Config.validate`, at this job's size): the file may have been edited."""
     path = Path(run_dir) / "config.json"
     try:
-        return cfg.checked(lambda f: f"{f.name} in {path}", complete=True)
+        checked = cfg.checked(lambda s: f"{s.key} in {path}", complete=True)
+        return checked.validate() if rules else checked
     except UsageError as e:
         raise UsageError(f"--resume {run_dir}: {e}; fix the file or start a new run") \
             from None
@@ -272,16 +275,16 @@ class Rescale:
                 servers: Optional[int] = None) -> "Rescale":
         """``original`` continued on ``world_size`` ranks, ``servers`` of them parameter
         servers (async; default: as many as before)."""
-        servers = original.servers if servers is None else servers
-        moved = dataclasses.replace(original, world_size=world_size, servers=servers)
+        servers = original.asynchronous.servers if servers is None else servers
+        moved = original.replace(world_size=world_size, servers=servers)
         if moved.async_mode and world_size < servers + 1:
             raise UsageError(f"--resume: an async run needs its parameter server(s) and a "
                              f"worker; -np {world_size} cannot continue it with --servers "
                              f"{servers} (use -np {servers + 1} or more)")
         how = f"-np {original.world_size} -> {world_size} ({original.workers} -> " \
               f"{moved.workers} workers)"
-        if servers != original.servers:
-            how = f"--servers {original.servers} -> {servers}, {how}"
+        if servers != original.asynchronous.servers:
+            how = f"--servers {original.asynchronous.servers} -> {servers}, {how}"
         if original.async_mode:
             return cls(original, moved, f"{how}: batch {original.batch_size} per worker and "
                        f"lr {original.effective_lr:g} kept; the workers share the updates left")
@@ -292,9 +295,9 @@ class Rescale:
                        f"{original.effective_lr:g} kept")
         target = original.global_batch
         batch = max(1, round(target / moved.workers))
-        moved = dataclasses.replace(moved, batch_size=batch)
+        moved = moved.replace(batch_size=batch)
         ratio = moved.global_batch / target
-        lr = original.effective_lr * (ratio if original.lr_scaling == "linear" else 1.0)
+        lr = original.effective_lr * (ratio if original.optimizer.scaling == "linear" else 1.0)
         moved = cls._with_effective_lr(moved, lr)
         if ratio == 1:
             rule = f"global batch {target} kept (per-worker batch {original.batch_size} -> " \
@@ -303,14 +306,14 @@ class Rescale:
             rule = f"global batch {target} does not divide by {moved.workers}: per-worker " \
                    f"batch {original.batch_size} -> {batch}, global batch " \
                    f"{moved.global_batch}, lr {original.effective_lr:g} -> {lr:g} " + \
-                   ("(linear scaling)" if original.lr_scaling == "linear"
+                   ("(linear scaling)" if original.optimizer.scaling == "linear"
                     else "kept (--lr-scaling none)")
         return cls(original, moved, f"{how}: {rule}")
 
     @staticmethod
     def _with_effective_lr(cfg: Config, effective_lr: float) -> Config:
         """``cfg`` with --lr set so that its effective (scaled) learning rate is this."""
-        return dataclasses.replace(cfg, lr=effective_lr * cfg.lr / cfg.effective_lr)
+        return cfg.replace(lr=effective_lr * cfg.optimizer.lr / cfg.effective_lr)
 
     def as_dict(self) -> dict:
         o, n = self.original, self.config
@@ -328,24 +331,23 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
     optimizer state carries over as it is (it holds no per-rank entries)."""
     was = ckpt.extra.get("geometry") or geometry(original or cfg)
     old_servers = int(was.get("servers", 1))
-    old_workers = dataclasses.replace(cfg, world_size=int(was["world_size"]),
-                                      servers=old_servers).workers
+    old_workers = cfg.replace(world_size=int(was["world_size"]), servers=old_servers).workers
     old_batch = int(was["batch_size"])
     if old_workers == cfg.workers and old_batch == cfg.batch_size:
-        if old_servers == cfg.servers:
+        if old_servers == cfg.asynchronous.servers:
             return ckpt
         # the same workers at other ranks: the worker of index i was rank old_servers + i
-        return _moved_workers(ckpt, cfg.servers - old_servers, geometry(cfg))
+        return _moved_workers(ckpt, cfg.asynchronous.servers - old_servers, geometry(cfg))
     extra = {**ckpt.extra, "geometry": geometry(cfg)}
     if cfg.async_mode:
         done = sum(ckpt.worker_steps.values()) or ckpt.step
         share, left = divmod(done, cfg.workers)
-        first = cfg.servers  # the first worker's rank
+        first = cfg.asynchronous.servers  # the first worker's rank
         steps = {first + i: share + (1 if i < left else 0) for i in range(cfg.workers)}
         extra["extra_steps"] = {}  # the plan starts over: total_steps each, minus done
         extra["updates_short"] = 0  # (and with it what a lost worker left undone)
         extra["staleness"] = _fold_staleness(
-            _shifted(ckpt.extra.get("staleness", {}), cfg.servers - old_servers),
+            _shifted(ckpt.extra.get("staleness", {}), cfg.asynchronous.servers - old_servers),
             first, cfg.workers)
         return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
     old_per_epoch = batches_per_epoch(train_size // old_workers, old_batch)
@@ -389,7 +391,7 @@ def geometry(cfg: Config) -> Dict[str, int]:
     """The units of a checkpoint's position: ranks, parameter servers and per-worker
     batch."""
     return {"world_size": cfg.world_size, "batch_size": cfg.batch_size,
-            "servers": cfg.servers}
+            "servers": cfg.asynchronous.servers}
 
 
 def _alongside(background: Callable[[], None], foreground: Callable[[], None]) -> None:

@@ -1,15 +1,14 @@
 """One training run from start to finish, on every rank.
 
-The order matters and is the same on every rank: MPI up, configuration
-resolved against the world size (usage errors surface identically everywhere),
-CPU placement, data (a collective that agrees on what was loaded), TensorFlow
-and the replica, the results writer, the trainer, the results. Every cross-rank
-step is bounded by ``--timeout``.
+The order matters and is the same on every rank: MPI up, the configuration (built once,
+by the CLI or ``mpitrain.fit``; a resumed run's read from its directory by rank 0 and
+handed to the others), CPU placement, data (a collective that agrees on what was
+loaded), TensorFlow and the replica, the results writer, the trainer, the results.
+Every cross-rank step is bounded by ``--timeout``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import platform
@@ -24,13 +23,14 @@ import numpy as np
 from . import __version__, data, models, telemetry
 from .tools import preflight as preflight_checks
 from .comm import Comm, Role, library_versions
-from .config import MAX_COUNT, Config, resolve
+from .config import Config
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError, WriteError
 from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
 from .console import Console, NullConsole
 from .data.shards import batches_per_epoch, check_shards
 from .models.keras_import import onednn_enabled, onednn_hint
 from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
+from .settings import MAX_COUNT
 from .results import NullResults, RunResults, attempt_facts, run_identity
 from .train import Context, Summary, decay_steps, trainer
 from .userfiles import read_bounded
@@ -46,18 +46,19 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     run changes about the process need not be undone (:mod:`.train.priority`).
     ``model`` and ``arrays`` are what ``mpitrain.fit`` hands over in memory: the model
     to train instead of loading ``cfg.model`` by name, the data instead of reading
-    ``cfg.data`` (see :func:`mpitrain.data.given_arrays`).
+    ``cfg.data.path`` (see :func:`mpitrain.data.given_arrays`).
     """
     stop = StopRequest().install()  # first, so a signal during setup is not lost
-    comm = Comm.world(cfg.timeout, cfg.allreduce_wait, cfg.start_timeout)
+    comm = Comm.world(cfg.faults.timeout, cfg.sync.allreduce_wait, cfg.faults.start_timeout)
     checkpoint, rescale = None, None
     if cfg.resume:
         cfg, checkpoint, rescale = prepare_resume(cfg, explicit, comm)
+    else:
+        cfg = at_job_size(cfg, comm)
     spec = model if model is not None else load_model(cfg.model, comm)
-    cfg = resolve(cfg, spec.defaults, comm.size)
-    collectively(comm, lambda: preflight_checks.check_engine(cfg.allreduce))
+    collectively(comm, lambda: preflight_checks.check_engine(cfg.sync.allreduce))
     preflight_checks.check_ranks(comm, preflight_checks.local_versions(library_versions()["mpi"]))
-    comm.servers = cfg.servers
+    comm.servers = cfg.asynchronous.servers
     role = comm.role
     console = Console(cfg.quiet) if role.serves else NullConsole()
     threads = place_on_cpus(cfg, comm)
@@ -75,8 +76,9 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
 
     init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
     replica = collectively(comm, lambda: Replica(
-        spec, dataset.input_shape, dataset.num_classes, cfg.optimizer, cfg.effective_lr,
-        cfg.clip_grad_norm, decay_steps(cfg, shard_size), from_logits=cfg.outputs == "logits",
+        spec, dataset.input_shape, dataset.num_classes, cfg.optimizer.name, cfg.effective_lr,
+        cfg.optimizer.clip_grad_norm, decay_steps(cfg, shard_size),
+        from_logits=cfg.outputs == "logits",
         applies=role.trains and not cfg.async_mode,  # the ranks that run Keras' optimizer
         compiler=cfg.compiler), spec)
     if cfg.outputs == "probabilities" and not ends_in_softmax(replica.model,
@@ -139,11 +141,11 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
 
 def preflight(cfg: Config) -> None:
     """``mpitrain check``'s job: every in-job check of a training run, without training."""
-    comm = Comm.world(cfg.timeout, start_timeout=cfg.start_timeout)
+    comm = Comm.world(cfg.faults.timeout, start_timeout=cfg.faults.start_timeout)
+    cfg = at_job_size(cfg, comm)
     spec = load_model(cfg.model, comm)
-    cfg = resolve(cfg, spec.defaults, comm.size)
-    collectively(comm, lambda: preflight_checks.check_engine(cfg.allreduce))
-    comm.servers = cfg.servers
+    collectively(comm, lambda: preflight_checks.check_engine(cfg.sync.allreduce))
+    comm.servers = cfg.asynchronous.servers
     versions = preflight_checks.local_versions(library_versions()["mpi"])
     preflight_checks.check_ranks(comm, versions)
     cfg, dataset, shard_size, _ = load_data(cfg, comm, spec)
@@ -155,6 +157,15 @@ def preflight(cfg: Config) -> None:
               + ", ".join(f"{k} {v}" for k, v in versions.items())
               + f"; {dataset.name} ({dataset.train_size} training examples, "
               f"{shard_size} per worker) readable on every host", flush=True)
+
+
+def at_job_size(cfg: Config, comm: Comm) -> Config:
+    """``cfg`` (built for the size the launcher's environment gave) for this job's size:
+    itself, or, where MPI counts otherwise (a launcher whose variables mpitrain does not
+    read), rebuilt for MPI's size and validated again, on every rank alike."""
+    if cfg.world_size == comm.size:
+        return cfg
+    return collectively(comm, lambda: cfg.replace(world_size=comm.size).validate())
 
 
 def load_model(name: str, comm: Comm):
@@ -188,7 +199,7 @@ def check_model(spec, dataset, from_logits: bool) -> None:
 
 def load_data(cfg: Config, comm: Comm, spec, arrays=None):
     """(config, this rank's splits, shard size, worker index); a worker keeps its shard.
-    ``arrays``: the data ``mpitrain.fit`` was given, instead of ``cfg.data``.
+    ``arrays``: the data ``mpitrain.fit`` was given, instead of ``cfg.data.path``.
 
     With --batches-per-epoch the batch size is only known now, from the data size.
     """
@@ -197,17 +208,18 @@ def load_data(cfg: Config, comm: Comm, spec, arrays=None):
     # agree on the data's shape through what they read)
     splits = (("train",) if role.trains else ()) + (("test",) if not role.trains or
                                                     role.serves else ())
-    shape = {**spec.synthetic, "n_train": cfg.synthetic_size}
-    if cfg.image_size:
-        shape["image_size"] = cfg.image_size
-    worker_index = max(0, comm.rank - cfg.servers) if comm.size > 1 else 0
-    dataset = data.load(cfg.dataset, cfg.data_dir, comm, splits, seed=cfg.seed,
-                        synthetic_shape=shape, user_data=cfg.data, image_size=cfg.image_size,
+    given = cfg.data
+    shape = {**spec.synthetic, "n_train": given.synthetic_size}
+    if given.image_size:
+        shape["image_size"] = given.image_size
+    worker_index = max(0, comm.rank - cfg.asynchronous.servers) if comm.size > 1 else 0
+    dataset = data.load(given.dataset, given.data_dir, comm, splits, seed=cfg.seed,
+                        synthetic_shape=shape, user_data=given.path, image_size=given.image_size,
                         shard=(cfg.workers, worker_index) if role.trains else None,
                         arrays=arrays)
     if cfg.batches_per_epoch:
         shard = dataset.train_size // cfg.workers
-        cfg = dataclasses.replace(cfg, batch_size=max(1, -(-shard // cfg.batches_per_epoch)))
+        cfg = cfg.replace(batch_size=max(1, -(-shard // cfg.batches_per_epoch)))
     shard_size = check_shards(dataset.train_size, cfg.workers, cfg.batch_size)
     check_run_length(cfg, shard_size)
     return cfg, dataset, shard_size, worker_index
@@ -358,10 +370,10 @@ def _if_there_is_room(write) -> None:
 
 def start_sampler(cfg: Config, comm: Comm):
     """This rank's telemetry sampler; the lowest rank on each host also samples the host."""
-    if cfg.sample_interval <= 0:
+    if cfg.telemetry.sample_interval <= 0:
         return telemetry.NullSampler()
     leader = comm.ranks_on_host()[0] == comm.rank
-    return telemetry.Sampler(comm.rank, comm.host, comm.role.value, cfg.sample_interval,
+    return telemetry.Sampler(comm.rank, comm.host, comm.role.value, cfg.telemetry.sample_interval,
                              node_leader=leader).start()
 
 
@@ -432,7 +444,7 @@ def run_row(cfg: Config, dataset, summary: Optional[Summary], status: str = "ok"
     row = run_identity(cfg.to_dict(), {"name": dataset.name, "input_shape": dataset.input_shape,
                                        "num_classes": dataset.num_classes}, status, reason,
                        rescaled, preflight_checks.installed_version("horovod")
-                       if cfg.allreduce == "horovod" else "")
+                       if cfg.sync.allreduce == "horovod" else "")
     if summary is not None:
         row.update(epochs=summary.epochs_done, steps=summary.steps,
                    wall_time_s=round(summary.wall_time_s, 3),

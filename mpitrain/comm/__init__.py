@@ -53,7 +53,7 @@ their module (``mpitrain.comm.runtime.FINALIZE_BOUND``), not on this package.
 """
 
 from ..errors import CommTimeout, PeerFailure
-from .communicator import WORKERS_TIMEOUT_FACTOR, Comm, spins
+from .communicator import Comm, spins
 from .failures import FAILURE_BYTES, TAG_FAILURE, report_failure
 from .objects import TAG_GATHER
 from .processes import PeerProcesses
@@ -73,7 +73,7 @@ __all__ = [
     "Traffic", "Pending", "Persistent", "Backoff", "HOT",
     "IDLE", "SERVING",
     "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",
-    "WAITING_CALL_EVERY", "WORKERS_TIMEOUT_FACTOR", "TAG_FAILURE", "TAG_GATHER",
+    "WAITING_CALL_EVERY", "TAG_FAILURE", "TAG_GATHER",
     "FAILURE_BYTES", "FINALIZE_BOUND",
     "finalize", "bound_finalize", "launcher_rank", "launcher_world_size",
     "recovery_enabled", "world_size_if_running", "world_rank_if_running",

@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
+from ..bounds import Bounds
 from ..errors import CommTimeout, MpitrainError
 from ..half import mean_rows_, widen_
 from .failures import FailureListener
@@ -24,8 +25,6 @@ from .pending import (FAILED_RANKS, Pending, Persistent, free_persistent, is_pro
 from .waiting import (HOT, IDLE, Backoff, SpinWatch, blocking_call_bound, poll, spin_watch,
                       timeout_error)
 
-#: see Comm._split_workers
-WORKERS_TIMEOUT_FACTOR = 1.5
 #: seconds a cancelled receive gets to complete; from a lost peer (see Comm.cancel)
 CANCEL_BOUND, LOST_PEER_CANCEL_BOUND = 10.0, 1.0
 
@@ -124,7 +123,7 @@ class Comm(ObjectExchanges):
             return None
         # Workers wait for each other longer than rank 0 waits for their heartbeats,
         # so that a stall is reported by rank 0, which can name the silent worker.
-        return Comm(sub, WORKERS_TIMEOUT_FACTOR * self.timeout + 2.0, self.traffic,
+        return Comm(sub, Bounds(self.timeout).workers, self.traffic,
                     self.hosts[1:], range(1, self.size))
 
     @property

@@ -9,7 +9,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..comm import WORKERS_TIMEOUT_FACTOR, Comm
+from ..bounds import Bounds
+from ..comm import Comm
 
 
 class HorovodEngine:
@@ -21,20 +22,21 @@ class HorovodEngine:
     rank plus a process set would keep a Horovod thread busy on rank 0).
     It sums with Horovod, exactly like the MPI engine, so the two differ only in
     how the bytes travel. Its wait is bounded by Horovod's stall shutdown
-    (``WORKERS_TIMEOUT_FACTOR`` x ``--timeout`` + 2 s, like the workers' own waits).
+    (:attr:`mpitrain.bounds.Bounds.horovod_stall_shutdown`, the workers' own bound).
     Horovod's own knobs come from the environment: HOROVOD_CYCLE_TIME (ms, default 1:
     its latency floor), HOROVOD_FUSION_THRESHOLD. A run's timeline is :meth:`timeline`.
     """
 
-    def __init__(self, workers: Comm, stall_seconds: float = 300.0):
+    def __init__(self, workers: Comm, bounds: Bounds):
         # Horovod starts once per process (a second hvd.init does nothing) and reads
         # HOROVOD_TIMELINE only then: DYNAMIC lets every run of the process (mpitrain.fit
         # called twice) start and stop a timeline file of its own
         os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
         # Horovod's allreduce blocks in C++; its stall detector is the bound there
-        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(stall_seconds)))
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS",
+                              str(int(bounds.horovod_stall_check)))
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
-                              str(int(WORKERS_TIMEOUT_FACTOR * stall_seconds + 2)))
+                              str(int(bounds.horovod_stall_shutdown)))
         import horovod.tensorflow as hvd
         import tensorflow as tf
 

@@ -12,10 +12,6 @@ from .engines import MpiEngine
 from .half import HalfPrecisionEngine
 from .overlap import BucketedExchange, FusedExchange
 
-#: seconds beyond the buckets' own bounds (each the workers' --timeout) that the caller
-#: waits for the background thread: it only catches a thread gone
-THREAD_SLACK = 10.0
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -44,20 +40,21 @@ class Plan:
         'on', or ``--shared-memory on`` (which sums the buckets), or 'auto' where the
         gradient fills two buckets or more on the mpi engine and no XLA step (which
         cannot call out to MPI)."""
-        half = cfg.compression == "fp16"
-        engine = "horovod" if cfg.allreduce == "horovod" else "mpi"
-        if engine == "mpi" and cfg.shared_memory != "off" and not half:
+        sync, shared_memory = cfg.sync, cfg.transport.shared_memory
+        half = cfg.transport.compression == "fp16"
+        engine = "horovod" if sync.allreduce == "horovod" else "mpi"
+        if engine == "mpi" and shared_memory != "off" and not half:
             if one_host(workers):
                 engine = "shared"
-            elif cfg.shared_memory == "on":
+            elif shared_memory == "on":
                 hosts = sorted(set(workers.hosts))
                 raise UsageError(f"--shared-memory on needs every worker on one host; these "
                                  f"run on {len(hosts)} ({', '.join(hosts)}): use "
                                  "--shared-memory auto")
-        overlap = cfg.overlap == "on" or cfg.shared_memory == "on" or (
-            cfg.overlap == "auto" and len(bounds) >= 2 and cfg.allreduce == "mpi"
+        overlap = sync.overlap == "on" or shared_memory == "on" or (
+            sync.overlap == "auto" and len(bounds) >= 2 and sync.allreduce == "mpi"
             and cfg.compiler != "xla")
-        return cls(engine, half, list(bounds) if overlap else None, cfg.shared_memory == "on")
+        return cls(engine, half, list(bounds) if overlap else None, shared_memory == "on")
 
 
 @contextmanager
@@ -69,7 +66,7 @@ def plan(cfg, replica, workers, tail: int, run_dir: Optional[str] = None
     gradient scaled by 1 / workers (so the sum is the mean); for Horovod, recording the
     run's timeline into ``run_dir`` while inside if ``--horovod-timeline``. Collective
     over the workers (the shared segment, Horovod's start)."""
-    decided = Plan.of(cfg, replica.gradient_buckets(cfg.bucket_mb * 2**20), workers)
+    decided = Plan.of(cfg, replica.gradient_buckets(cfg.sync.bucket_mb * 2**20), workers)
     with _engine(decided, cfg, workers, run_dir) as engine:
         if decided.half:
             engine = HalfPrecisionEngine(engine, replica.n_params, replica.n_params + tail)
@@ -77,7 +74,8 @@ def plan(cfg, replica, workers, tail: int, run_dir: Optional[str] = None
         if decided.buckets is None:
             exchange = FusedExchange(replica, engine, tail, scale)
         else:
-            bound = workers.timeout * (len(decided.buckets) + 1) + THREAD_SLACK
+            # it only catches a thread gone: each bucket's own wait is bounded
+            bound = cfg.faults.bounds.bucket_thread(len(decided.buckets))
             exchange = BucketedExchange(replica, engine, tail, scale, decided.buckets, bound,
                                         workers.name(workers.rank))
         try:
@@ -96,6 +94,7 @@ def _engine(decided: Plan, cfg, workers, run_dir: Optional[str]):
         return
     from .horovod import HorovodEngine
 
-    engine = HorovodEngine(workers, stall_seconds=cfg.timeout)
-    with engine.timeline(f"{run_dir}/horovod-timeline.json" if cfg.horovod_timeline else None):
+    engine = HorovodEngine(workers, cfg.faults.bounds)
+    with engine.timeline(f"{run_dir}/horovod-timeline.json" if cfg.sync.horovod_timeline
+                         else None):
         yield engine

@@ -76,7 +76,7 @@ class Context:
 
 def decay_steps(cfg: Config, shard_size: int) -> Optional[int]:
     """Updates over which a cosine schedule decays (all the run's updates), or None."""
-    if cfg.lr_schedule != "cosine":
+    if cfg.optimizer.schedule != "cosine":
         return None
     updates_per_step = cfg.workers if cfg.mode == "async" else 1
     return batches_per_epoch(shard_size, cfg.batch_size) * cfg.epochs * updates_per_step
@@ -147,6 +147,6 @@ def diverged(where: str, summary: Optional[Summary] = None) -> Divergence:
 def is_checkpoint_point(ctx: Context, epoch: int, step: int, end_of_epoch: bool) -> bool:
     """Checkpoint after every ``checkpoint_every``-th epoch, every ``checkpoint_steps``
     steps and after the final step. Every worker computes it alike from its step."""
-    every = ctx.cfg.checkpoint_steps
-    return (step == ctx.total_steps or (end_of_epoch and epoch % ctx.cfg.checkpoint_every == 0)
+    every = ctx.cfg.checkpoint.steps
+    return (step == ctx.total_steps or (end_of_epoch and epoch % ctx.cfg.checkpoint.every == 0)
             or bool(every and step % every == 0))

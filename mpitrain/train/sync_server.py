@@ -85,7 +85,7 @@ class Server:
         self.headers = {w: new_message() for w in self.workers}
         self.posted = {w: self._post(w) for w in self.workers}
         self.silence = SilentPeers(self.comm, self.workers)
-        self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.liveness_floor)
+        self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.faults.liveness_floor)
         self.next_liveness_check = 0.0
         self.weights = np.empty(ctx.replica.n_state, np.float32)  # weights, then buffers
         self.reports: Dict[int, Dict[int, Header]] = {}

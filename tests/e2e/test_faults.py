@@ -286,9 +286,11 @@ def test_async_checkpoint_counts_worker_steps(mnist, tmp_path):
     at -np 3 (2 workers) is at 2 epochs' worth of server updates, yet resumes to 2
     epochs (it was refused as finished), and is refused once it has done them. The
     resume abbreviates --epochs (it was dropped as not given); the refusal counts the
-    epochs the run did, not those of its first session."""
-    first = mpirun(3, "lr", "--async", "--epochs", "1", "--batch-size", "500", "--data-dir",
-                   mnist, "--results-dir", tmp_path, "--quiet")
+    epochs the run did, not those of its first session. The batch comes from
+    --batches-per-epoch (20 steps an epoch): such a run's saved config holds both it and
+    the batch, which the resume once refused as given together."""
+    first = mpirun(3, "lr", "--async", "--epochs", "1", "--batches-per-epoch", "20",
+                   "--data-dir", mnist, "--results-dir", tmp_path, "--quiet")
     assert first.returncode == 0, first.stderr[-2000:]
     run_dir = next(d for d in tmp_path.iterdir() if d.is_dir())
     more = mpirun(3, "lr", "--async", "--resume", run_dir, "--epoch", "2", "--quiet")

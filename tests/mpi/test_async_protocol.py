@@ -58,9 +58,9 @@ def context(comm, replica, steps, staleness=None, results=None, shared_memory="a
     """A Context for this rank; ``steps`` may differ per rank (unequal batch counts);
     ``servers``: --servers (the caller restores ``comm.servers`` to 1 after the run)."""
     settings = {"eval_every": 1000, **settings}
-    cfg = resolve(Config(model="lr", async_mode=True, epochs=50, batch_size=BATCH,
-                         steps=steps, staleness=staleness, shared_memory=shared_memory,
-                         servers=servers, **settings),
+    cfg = resolve(Config.of(model="lr", async_mode=True, epochs=50, batch_size=BATCH,
+                            steps=steps, staleness=staleness, shared_memory=shared_memory,
+                            servers=servers, **settings),
                   models.get("lr").defaults, comm.size)
     comm.servers = servers
     data = synthetic_shard(comm.rank, SHARD, comm.size - servers)
@@ -97,7 +97,7 @@ class _Wrapped:
 def test_async_needs_a_server_and_a_worker():
     # resolve() is told the world size, so this holds on every rank at any -np
     with pytest.raises(UsageError, match="--async needs a parameter server"):
-        resolve(Config(model="lr", async_mode=True), models.get("lr").defaults, 1)
+        resolve(Config.of(model="lr", async_mode=True), models.get("lr").defaults, 1)
 
 
 @pytest.mark.parametrize("shared_memory", ["on", "off"])

@@ -52,7 +52,7 @@ class _Recording(NullResults):
 
 
 def context(comm, replica, epochs, results, **settings):
-    cfg = resolve(Config(model="lr", epochs=epochs, batch_size=BATCH, eval_every=1, **settings),
+    cfg = resolve(Config.of(model="lr", epochs=epochs, batch_size=BATCH, eval_every=1, **settings),
                   models.get("lr").defaults, comm.size)
     data = synthetic_shard(comm.rank, SHARD, comm.size - 1)
     return Context(cfg, comm, comm.role, replica, data, results, NullConsole(),

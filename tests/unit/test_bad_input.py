@@ -8,7 +8,6 @@ command line, ``mpitrain.fit``, a resumed run's edited config.json). The cases t
 need ranks run under real mpirun in tests/e2e/test_bad_input_mpirun.py.
 """
 
-import dataclasses
 import json
 import math
 import os
@@ -21,13 +20,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import fill, read_rows, write_cifar, write_image_folder
 from mpitrain import api, cli, data, models, userfiles
 from mpitrain.data import decoding, memory, sources
-from mpitrain.config import Config, flag_of
+from mpitrain.config import SETTINGS as ALL_SETTINGS, Config
 from mpitrain.errors import EXIT_CANNOT_WRITE, DataError, ResultsError, UsageError, WriteError
 from mpitrain.lifecycle import Checkpoint, resumed_config
 from mpitrain.results import CsvLog, RunResults
 from unit.test_data import write_mnist
 
-NUMERIC = [f for f in dataclasses.fields(Config) if f.metadata.get("number")]
+NUMERIC = [s for s in ALL_SETTINGS.values() if s.number]
 #: anything a hostile user, a script or a hand-edited JSON file could put in a setting
 ANY_VALUE = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
@@ -46,15 +45,15 @@ def one_line(error: Exception) -> str:
 
 # ---- numbers: one check for every source -------------------------------------------------
 @SETTINGS
-@given(field=st.sampled_from(NUMERIC), value=ANY_VALUE)
-def test_a_numeric_setting_is_finite_in_range_and_whole_where_integral(field, value):
-    number = field.metadata["number"]
+@given(setting=st.sampled_from(NUMERIC), value=ANY_VALUE)
+def test_a_numeric_setting_is_finite_in_range_and_whole_where_integral(setting, value):
+    number = setting.number
     try:
-        checked = getattr(Config(**{field.name: value}).checked(), field.name)
+        checked = Config.of(**{setting.key: value}).checked().setting(setting.key)
     except UsageError as e:
-        assert one_line(e).startswith(f"{flag_of(field)} must be ") and "(got " in str(e)
+        assert one_line(e).startswith(f"{setting.label} must be ") and "(got " in str(e)
         return
-    if value is None and field.default is None:
+    if value is None and setting.default is None:
         assert checked is None
         return
     assert type(checked) is (int if number.integral else float)
@@ -63,17 +62,17 @@ def test_a_numeric_setting_is_finite_in_range_and_whole_where_integral(field, va
 
 
 @SETTINGS
-@given(field=st.sampled_from([f for f in NUMERIC if f.metadata["flag"]]),
+@given(setting=st.sampled_from([s for s in NUMERIC if s.flag]),
        value=st.one_of(st.floats(), st.integers(min_value=-2**40, max_value=2**40),
                        st.sampled_from(["inf", "-inf", "nan", "1e400", "0x10", "", "-0"])))
-def test_the_command_line_refuses_what_the_config_refuses(field, value):
-    argv = ["lr", field.metadata["flag"], str(value)]
-    if field.name == "staleness":
+def test_the_command_line_refuses_what_the_config_refuses(setting, value):
+    argv = ["lr", setting.flag, str(value)]
+    if setting.key == "staleness":
         argv.append("--async")
     try:
         cli.parse_config(argv, world_size=3)
     except UsageError as e:
-        assert one_line(e).startswith(field.metadata["flag"]) or "argument" in str(e)
+        assert one_line(e).startswith(setting.flag) or "argument" in str(e)
 
 
 @pytest.mark.parametrize("argv,line", [  # issue #39, items 6 and 7, and their neighbours
@@ -120,18 +119,14 @@ def test_fit_takes_numpy_and_whole_numbers_as_plain_ones():
     x, y = [[0.0, 1.0]] * 4, [0, 1, 0, 1]
     cfg, *_ = api._config("lr", (x, y), (x, y), "sync", None,
                           dict(epochs=np.int64(3), batch_size=2.0, lr=np.float32(0.5)))
-    assert (cfg.epochs, cfg.batch_size, cfg.lr) == (3, 2, 0.5)
-    assert (type(cfg.epochs), type(cfg.batch_size), type(cfg.lr)) == (int, int, float)
+    assert (cfg.epochs, cfg.batch_size, cfg.optimizer.lr) == (3, 2, 0.5)
+    assert (type(cfg.epochs), type(cfg.batch_size), type(cfg.optimizer.lr)) == (int, int, float)
 
 
 # ---- a resumed run's config.json, edited --------------------------------------------------
 def saved_run(tmp_path, **edits):
     """A run directory whose config.json holds a resolved LR config with ``edits``."""
-    cfg = cli.parse_config(["lr"], world_size=3)
-    from mpitrain import models
-    from mpitrain.config import resolve
-
-    saved = resolve(cfg, models.get("lr").defaults, 3).to_dict()
+    saved = cli.parse_config(["lr"], world_size=3).to_dict()
     saved.update(edits)
     run = tmp_path / "run"
     run.mkdir(exist_ok=True)
@@ -153,25 +148,25 @@ def saved_run(tmp_path, **edits):
 def test_a_resumed_config_is_checked_as_strictly_as_a_typed_one(tmp_path, edits, message):
     run = saved_run(tmp_path, **edits)
     with pytest.raises(UsageError) as error:
-        resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3)
+        resumed_config(Config.of(model="lr", resume=str(run)), {"resume"}, 3)
     assert one_line(error.value).startswith(f"--resume {run}: " + message.format(run=run))
 
 
 def test_a_resumed_config_may_be_fixed_from_the_command_line(tmp_path):
     run = saved_run(tmp_path, epochs="many")
-    cfg, _ = resumed_config(Config(model="lr", resume=str(run), epochs=40),
+    cfg, _ = resumed_config(Config.of(model="lr", resume=str(run), epochs=40),
                             {"resume", "epochs"}, 3)
     assert cfg.epochs == 40
 
 
 @SETTINGS
-@given(key=st.sampled_from([f.name for f in dataclasses.fields(Config)]),
+@given(key=st.sampled_from(list(ALL_SETTINGS)),
        value=st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40),
                        st.floats(allow_nan=False), st.text(max_size=6)))
 def test_any_edit_of_a_resumed_config_resumes_or_is_one_line(tmp_path, key, value):
     run = saved_run(tmp_path, **{key: value})
     try:
-        resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3)
+        resumed_config(Config.of(model="lr", resume=str(run)), {"resume"}, 3)
     except UsageError as e:
         assert one_line(e).startswith(f"--resume {run}: ")
 
@@ -226,7 +221,7 @@ def _fifo_as_model_file(tmp_path):
 def _fifo_as_resumed_config(tmp_path):
     run = saved_run(tmp_path)
     (run / "config.json").unlink()
-    return lambda: resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3), \
+    return lambda: resumed_config(Config.of(model="lr", resume=str(run)), {"resume"}, 3), \
         fifo(run / "config.json")
 
 
@@ -293,7 +288,7 @@ def test_a_small_file_read_whole_has_a_bound(tmp_path):
     with open(run / "config.json", "ab") as f:
         f.truncate(userfiles.TEXT_LIMIT + 1)  # sparse: nothing is written
     with pytest.raises(UsageError, match=r"config.json: larger than 16 MiB"):
-        resumed_config(Config(model="lr", resume=str(run)), {"resume"}, 3)
+        resumed_config(Config.of(model="lr", resume=str(run)), {"resume"}, 3)
 
 
 # ---- the user's code: whatever it raises (SystemExit too) is one line naming it --------------
@@ -454,7 +449,7 @@ def lr_metadata(world_size=3, mode="sync"):
     """config.json's sections for an LR run, as the session writes them."""
     from mpitrain.config import resolve
 
-    cfg = resolve(Config(async_mode=mode == "async"), models.get("lr").defaults, world_size)
+    cfg = resolve(Config.of(async_mode=mode == "async"), models.get("lr").defaults, world_size)
     return {"config": cfg.to_dict(),
             "dataset": {"name": "mnist", "input_shape": [28, 28, 1], "num_classes": 10}}
 

@@ -1,25 +1,33 @@
 """Config validation and CLI parsing: every bad setting is one UsageError line."""
 
 import dataclasses
+import json
 import platform
+from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from mpitrain import models
-from mpitrain.cli import explicit_settings, parse_config
+from mpitrain.bounds import Bounds
+from mpitrain.cli import build_parser, explicit_settings, parse_config, user_model_in
 from mpitrain.config import Config, resolve
 from mpitrain.errors import UsageError
+from mpitrain.lifecycle import resumed_config
+from mpitrain.settings import MAX_SECONDS
+from mpitrain.train.leases import Liveness
 
 LR_DEFAULTS = models.get("lr").defaults
 
 
 def resolved(world_size=1, **kw):
-    return resolve(Config(**kw), LR_DEFAULTS, world_size)
+    return resolve(Config.of(**kw), LR_DEFAULTS, world_size)
 
 
 def test_model_defaults_fill_unset_fields():
     cfg = resolved()
-    assert (cfg.epochs, cfg.batch_size, cfg.lr, cfg.optimizer) == (30, 100, 0.5, "sgd")
+    assert (cfg.epochs, cfg.batch_size, cfg.optimizer.lr, cfg.optimizer.name) == (
+        30, 100, 0.5, "sgd")
     assert resolved(epochs=3).epochs == 3
 
 
@@ -97,7 +105,7 @@ def test_cli_parses_into_config():
 def test_explicit_settings_are_what_argparse_parsed(argv, given):
     """--resume compares the settings given with the saved run's: an abbreviated or
     ``--flag=value`` option is given as much as a whole one (it was dropped before)."""
-    assert explicit_settings(argv) == given
+    assert explicit_settings(build_parser(user_model_in(argv)).parse_args(argv)) == given
 
 
 @pytest.mark.parametrize("argv,pattern", [
@@ -159,4 +167,111 @@ def test_pipeline_options():
         resolved(3, async_mode=True, staleness=2, pipeline="on")
     with pytest.raises(UsageError, match="--pipeline off is for the async workers: add --async"):
         resolved(3, pipeline="off")
-    assert resolved(3, async_mode=True, staleness=2, pipeline="off").pipeline == "off"
+    assert resolved(3, async_mode=True, staleness=2, pipeline="off").asynchronous.pipeline \
+        == "off"
+
+
+# ---- sections, keys, one build -----------------------------------------------------------
+def test_settings_live_in_sections_and_keep_their_flat_keys():
+    cfg = resolved(3, async_mode=True, staleness=2, lr=0.1, data_dir="d", checkpoint_steps=5)
+    assert (cfg.asynchronous.staleness, cfg.optimizer.lr, cfg.data.data_dir,
+            cfg.checkpoint.steps) == (2, 0.1, "d", 5)
+    assert cfg.setting("staleness") == 2 and cfg.setting("checkpoint_steps") == 5
+    assert cfg.replace(staleness=1, epochs=4).asynchronous.staleness == 1
+    with pytest.raises(AttributeError, match="it is cfg.asynchronous.staleness"):
+        cfg.staleness  # noqa: B018 - a key is no attribute: the message says where it lives
+    with pytest.raises(TypeError, match="no setting 'epoch'"):
+        Config.of(epoch=3)
+
+
+def test_help_lists_the_flat_flags_by_section(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["lr", "--help"])
+    blocks = {block.split("\n", 1)[0]: block for block in
+              capsys.readouterr().out.split("\n\n")}
+    for heading, flag in (("sync training options:", "--overlap"),
+                          ("async training options:", "--staleness"),
+                          ("stalls and faults options:", "--timeout")):
+        assert f"\n  {flag} " in blocks[heading], (heading, flag)
+
+
+def test_a_config_json_of_the_layout_before_sections_resumes(tmp_path):
+    """config.json keeps its flat keys: a run directory written before the settings were
+    sectioned (this file is one, from 022e3fc) resumes with the same settings; so does an
+    older one that lacks settings added since (they take their defaults)."""
+    saved = json.loads((Path(__file__).parent / "config_before_sections.json").read_text())
+    for missing in ((), ("liveness_floor", "start_timeout", "checkpoint_steps")):
+        run = tmp_path / f"run{len(missing)}"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps(
+            {"config": {k: v for k, v in saved["config"].items() if k not in missing}}))
+        cfg, rescale = resumed_config(Config.of(model="lr", resume=str(run)), {"resume"}, 3)
+        assert rescale is None
+        expect = {k: v for k, v in saved["config"].items() if k not in missing}
+        assert {k: v for k, v in cfg.to_dict().items() if k in expect and k != "resume"} == \
+            {k: v for k, v in expect.items() if k != "resume"}
+        assert cfg.asynchronous.staleness == 2 and cfg.faults.timeout == 200.0
+        assert cfg.faults.liveness_floor == (10.0 if missing else 12.0)
+
+
+def test_the_command_line_gives_the_configs_and_errors_it_gave_before_sections():
+    """config_before_sections.json's "cli" cases, written by 4e59ec8 (the flat config,
+    which the session resolved again at the job's size): for each argv and size, the
+    settings a run got (config.json's, all derived keys included) or the error line.
+    Every model's defaults at -np 1-4, every option given, abbreviated flags, every rule
+    between options alone and values out of range: the sections change none of them."""
+    saved = json.loads((Path(__file__).parent / "config_before_sections.json").read_text())
+    assert len(saved["cli"]) == 73
+    for case in saved["cli"]:
+        try:
+            cfg = parse_config(case["argv"], world_size=case["world_size"])
+            # with --batches-per-epoch the session derives the batch from the data
+            got = {"settings": cfg.settings()} if cfg.batch_size is None else \
+                {"config": cfg.to_dict()}
+        except UsageError as e:
+            got = {"error": str(e)}
+        assert {"argv": case["argv"], "world_size": case["world_size"], **got} == case
+
+
+def test_a_value_typed_with_resume_is_checked_as_typed():
+    """Named by its flag, not as a bad value of the run's config.json (as it was)."""
+    with pytest.raises(UsageError, match=r"^--epochs must be a positive integer \(got 0\)$"):
+        parse_config(["lr", "--resume", "RUN", "--epochs", "0"])
+
+
+def test_a_run_with_batches_per_epoch_resumes(tmp_path):
+    """Its config.json holds the batch the session derived beside --batches-per-epoch:
+    the resumed run is that config, validated as read, not built again from the command
+    line's rules (which refuse the two given together, and refused the resume)."""
+    cfg = parse_config(["lr", "--batches-per-epoch", "5"], world_size=3)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"config": cfg.replace(batch_size=6000).to_dict()}))  # as the session derives it
+    resumed, _ = resumed_config(parse_config(["lr", "--resume", str(tmp_path), "--epochs", "40"]),
+                                {"resume", "epochs"}, 3)
+    assert (resumed.batches_per_epoch, resumed.batch_size, resumed.epochs) == (5, 6000, 40)
+    with pytest.raises(UsageError, match="give --batch-size or --batches-per-epoch, not both"):
+        parse_config(["lr", "--batches-per-epoch", "5", "--batch-size", "4"], world_size=3)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(peer=st.floats(min_value=1e-3, max_value=MAX_SECONDS),
+       start=st.floats(min_value=1e-3, max_value=MAX_SECONDS),
+       floor=st.floats(min_value=1e-3, max_value=MAX_SECONDS),
+       interval=st.floats(min_value=0, max_value=MAX_SECONDS), buckets=st.integers(1, 64))
+def test_the_bounds_keep_their_order(peer, start, floor, interval, buckets):
+    """The order mpitrain.bounds states: the rank that can name the culprit gives up
+    first."""
+    b = Bounds(peer, start)
+    liveness = Liveness(b.peer, floor)
+    liveness.observe(1, interval)
+    assert max(liveness.bound(1), liveness.bound(2)) <= b.peer < b.workers \
+        < b.bucket_thread(buckets) < b.bucket_thread(buckets + 1)
+    assert b.keepalive < b.peer < b.reply
+    assert b.horovod_stall_check == b.peer < b.horovod_stall_shutdown == b.workers
+    assert max(b.start, b.peer) < b.check_job
+
+
+def test_the_bounds_are_the_multiples_of_timeout_they_were():
+    b = resolved(3, timeout=300.0).faults.bounds
+    assert (b.peer, b.workers, b.reply, b.keepalive, b.bucket_thread(2), b.check_job) == (
+        300.0, 1.5 * 300 + 2, 600.0, 150.0, (1.5 * 300 + 2) * 3 + 10, 300.0 + 120.0)

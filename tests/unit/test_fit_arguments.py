@@ -33,7 +33,8 @@ def test_resnet_is_resnet20():
 
 
 # ---- mpitrain.fit's arguments ------------------------------------------------------------------
-def test_fit_arguments():
+def test_fit_arguments(monkeypatch):
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")  # as under mpirun -np 3
     x, y = np.zeros((4, 3)), np.array([0, 1, 0, 1])
     with pytest.raises(UsageError, match="unknown option.*epoch_count"):
         api._config("lr", (x, y), (x, y), "sync", None, {"epoch_count": 3})
@@ -46,7 +47,8 @@ def test_fit_arguments():
         return None
     cfg, explicit, spec, arrays = api._config(build, (x, y), (x, y), "async", None,
                                               {"epochs": 2})
-    assert cfg.async_mode and cfg.epochs == 2 and cfg.data == data.GIVEN_ARRAYS
+    assert cfg.async_mode and cfg.epochs == 2 and cfg.data.path == data.GIVEN_ARRAYS
+    assert cfg.world_size == 3 and cfg.optimizer.name == "adam"  # built: a user's defaults
     assert cfg.model.endswith(":test_fit_arguments.<locals>.build") and spec.name == cfg.model
     assert {"epochs", "async_mode", "data"} <= explicit
     ds = data.load("auto", None, OneRank(), arrays=arrays)

@@ -72,8 +72,8 @@ def test_the_import_rule_finds_every_form_of_import(tmp_path):
 
 #: the leaves: they import nothing of mpitrain but one another (__version__: the
 #: package's version string; _half: the C part of half)
-LEAVES = {"config", "schema", "atomic", "errors", "half", "_half", "dialect", "userfiles",
-          "model_names", "__version__"}
+LEAVES = {"config", "settings", "bounds", "schema", "atomic", "errors", "half", "_half", "dialect",
+          "userfiles", "model_names", "__version__"}
 #: the I/O modules
 IO = {"data", "results", "telemetry", "lifecycle", "console"}
 #: the layer table of docs/architecture.md: what each part of mpitrain may import besides

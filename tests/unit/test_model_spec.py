@@ -10,7 +10,7 @@ from contextlib import redirect_stdout
 import pytest
 
 from mpitrain import cli, models
-from mpitrain.config import Config, resolve
+from mpitrain.config import Config
 from mpitrain.errors import UsageError
 from mpitrain.lifecycle import resumed_config
 from mpitrain.tools.sweep import Run
@@ -181,11 +181,11 @@ def test_parse_config_records_both_forms_and_user_defaults(cnn, monkeypatch):
     monkeypatch.chdir(cnn.parent)
     cfg = cli.parse_config(["./my_cnn.py:build", "--async", "--steps", "3"], world_size=3)
     assert cfg.model == f"{cnn}:build" and cfg.model_given == "./my_cnn.py:build"
-    cfg = resolve(cfg, models.defaults_for(cfg.model), 3)  # as the session does
-    assert (cfg.optimizer, cfg.lr, cfg.batch_size, cfg.epochs, cfg.lr_schedule,
-            cfg.dataset, cfg.outputs) == ("adam", 0.001, 64, 5, "constant", "auto", "logits")
-    assert {k: getattr(cfg, k) for k in models.USER_DEFAULTS} == models.USER_DEFAULTS
-    assert cli.parse_config(["./my_cnn.py:build", "--lr", "0.01"]).lr == 0.01
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.batch_size, cfg.epochs,
+            cfg.optimizer.schedule, cfg.data.dataset, cfg.outputs) == (
+        "adam", 0.001, 64, 5, "constant", "auto", "logits")
+    assert {k: cfg.setting(k) for k in models.USER_DEFAULTS} == models.USER_DEFAULTS
+    assert cli.parse_config(["./my_cnn.py:build", "--lr", "0.01"]).optimizer.lr == 0.01
     assert cli.parse_config(["lr"], world_size=1).model_given is None
 
 
@@ -221,7 +221,7 @@ def test_resume_from_another_directory_matches_by_file_and_function(cnn, tmp_pat
                                                                     monkeypatch):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    saved = Config(model=f"{cnn}:build", model_given="./my_cnn.py:build", world_size=2,
+    saved = Config.of(model=f"{cnn}:build", model_given="./my_cnn.py:build", world_size=2,
                    optimizer="adam", lr=0.001, batch_size=64, epochs=1)
     (run_dir / "config.json").write_text(json.dumps({"config": saved.to_dict()}))
     elsewhere = tmp_path / "elsewhere"

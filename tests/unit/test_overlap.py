@@ -142,7 +142,7 @@ def test_the_callers_wait_is_bounded():
 def test_auto_overlaps_where_it_applies(buckets, settings, bucketed):
     from mpitrain.config import Config
 
-    cfg = Config(model="alexnet", **settings)
+    cfg = Config.of(model="alexnet", **settings)
     decided = Plan.of(cfg, BOUNDS[:buckets], SimpleNamespace(size=2, hosts=["a", "b"]))
     assert (decided.buckets == BOUNDS[:buckets]) if bucketed else decided.buckets is None
 

@@ -335,7 +335,7 @@ def write_like_mpitrain(root, mode, hosts):
     from mpitrain.train.protocol import PhaseTimer
 
     np_ = len(hosts)
-    cfg = resolve(Config(model="lr", async_mode=mode == "async", epochs=2),
+    cfg = resolve(Config.of(model="lr", async_mode=mode == "async", epochs=2),
                   models.get("lr").defaults, np_)
     dataset = Dataset("mnist", "test", 10, (28, 28, 1), 600)
     results = RunResults(root, f"lr-{cfg.mode}-np{np_}")

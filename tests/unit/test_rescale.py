@@ -13,7 +13,7 @@ MNIST_TRAIN = 60000
 
 
 def sync(world_size=4, **kw):
-    return Config(**{"model": "lr", "world_size": world_size, "batch_size": 5, "lr": 0.05,
+    return Config.of(**{"model": "lr", "world_size": world_size, "batch_size": 5, "lr": 0.05,
                      "epochs": 4, "optimizer": "sgd", "dataset": "mnist", **kw})
 
 
@@ -58,7 +58,7 @@ def test_batches_per_epoch_keeps_the_steps_and_the_lr():
 def test_async_keeps_batch_and_lr_and_needs_a_worker():
     before = sync(4, async_mode=True)
     after = Rescale.between(before, 3)
-    assert (after.config.batch_size, after.config.lr) == (5, 0.05)
+    assert (after.config.batch_size, after.config.optimizer.lr) == (5, 0.05)
     assert after.config.workers == 2
     with pytest.raises(UsageError, match="-np 1 cannot continue it"):
         Rescale.between(before, 1)
@@ -103,7 +103,7 @@ def test_resumed_config_rescales_from_the_first_session(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"config": sync(4).to_dict()}))
-    cli_cfg = Config(model="lr", resume=str(run))
+    cli_cfg = Config.of(model="lr", resume=str(run))
     same, none = resumed_config(cli_cfg, {"resume"}, 4)
     assert none is None and same.world_size == 4
     fewer, rescale = resumed_config(cli_cfg, {"resume"}, 3)

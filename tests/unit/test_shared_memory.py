@@ -53,7 +53,7 @@ def workers_on(*hosts):
 
 
 def config(**kw):
-    return resolve(Config(**kw), models.get("lr").defaults, 3)
+    return resolve(Config.of(**kw), models.get("lr").defaults, 3)
 
 
 @pytest.mark.parametrize("settings,hosts,shares", [
@@ -120,7 +120,7 @@ def test_async_shared_memory_on_with_a_worker_on_another_host_is_one_line():
     hosts = ["a", "a", "b"]
     comm = SimpleNamespace(size=3, hosts=hosts,
                            ranks_on_host=lambda h: [r for r, x in enumerate(hosts) if x == h])
-    ctx = SimpleNamespace(comm=comm, cfg=SimpleNamespace(shared_memory="on", servers=1))
+    ctx = SimpleNamespace(comm=comm, cfg=Config.of(shared_memory="on"))
     with pytest.raises(UsageError, match=r"--shared-memory on needs every worker on rank 0's "
                                          r"host \(a\); workers run on b: use --shared-memory "
                                          r"auto"):

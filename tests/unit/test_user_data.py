@@ -371,10 +371,10 @@ def test_data_conflicts_are_usage_errors(extra, message):
     from mpitrain.errors import UsageError
 
     with pytest.raises(UsageError, match=message):
-        resolve(Config(data="my.npz", **extra), models.get("lenet").defaults, 4)
-    cfg = resolve(Config(model="alexnet", data="my.npz", dataset="auto"),
+        resolve(Config.of(data="my.npz", **extra), models.get("lenet").defaults, 4)
+    cfg = resolve(Config.of(model="alexnet", data="my.npz", dataset="auto"),
                   models.get("alexnet").defaults, 4)
-    assert cfg.dataset == "file"  # alexnet's synthetic default does not apply
+    assert cfg.data.dataset == "file"  # alexnet's synthetic default does not apply
 
 
 def test_runs_csv_from_before_data_gains_the_columns(tmp_path):
@@ -387,7 +387,7 @@ def test_runs_csv_from_before_data_gains_the_columns(tmp_path):
     table.write_text("run,model,mode,np,dataset,status,test_accuracy\n"
                      "old-run,lr,sync,3,mnist,ok,0.92\n")
     ds = data.read_user_data(str(write_mnist_npz(tmp_path / "m.npz", 100, 50)), SERVER)
-    cfg = resolve(Config(data=str(tmp_path / "m.npz")), models.get("lr").defaults, 3)
+    cfg = resolve(Config.of(data=str(tmp_path / "m.npz")), models.get("lr").defaults, 3)
     results.append_run_row(table, {"run": "new-run", **session.run_row(cfg, ds, None)})
     old, new = results.read_csv(table)
     assert (old["run"], old["test_accuracy"], old["input_shape"], old["num_classes"]) == \

@@ -67,7 +67,7 @@ def train(ctx: Context) -> Summary:
     clock = Stopwatch()
     if ctx.role is Role.SERVER:
         return Server(ctx, clock).run()
-    comm, servers = ctx.comm, [s for s in range(ctx.cfg.servers) if s != ctx.comm.rank]
+    comm, servers = ctx.comm, [s for s in range(ctx.cfg.asynchronous.servers) if s != ctx.comm.rank]
     # under --enable-recovery a server's death does not end the job: a rank on its host
     # sees it directly and stops, instead of waiting out its reply bound
     peers = PeerProcesses(comm) if recovery_enabled() else None

@@ -48,7 +48,7 @@ SHARED = "shared"
 
 def pipelining_mode(cfg) -> str:
     """--pipeline as it applies: never under a staleness bound (one gradient per lease)."""
-    return "off" if cfg.staleness is not None else cfg.pipeline
+    return "off" if cfg.asynchronous.staleness is not None else cfg.asynchronous.pipeline
 
 
 def norm_slots(cfg) -> int:
@@ -56,7 +56,7 @@ def norm_slots(cfg) -> int:
     gradient's global L2 norm (each server holds a share of the gradient, and
     --clip-grad-norm clips by the whole's norm); with one server none (it has the whole
     gradient: the message is today's)."""
-    return 1 if cfg.servers > 1 else 0
+    return 1 if cfg.asynchronous.servers > 1 else 0
 
 
 class PushCodec:
@@ -100,7 +100,7 @@ class Layout(NamedTuple):
         replica, cfg = ctx.replica, ctx.cfg
         depth = 1 if pipelining_mode(cfg) == "off" else PIPELINE_DEPTH
         share = partition_of(ctx).size(server)
-        gradient = PushCodec(cfg.compression, share).slots
+        gradient = PushCodec(cfg.transport.compression, share).slots
         buffers = replica.n_buffers if server == 0 else 0
         return cls(SLOTS + gradient + norm_slots(cfg) + buffers, SLOTS + share + buffers, depth)
 
@@ -119,10 +119,10 @@ def share_mailboxes(ctx, lengths: List[int], server: int = 0) -> tuple:
     worker's by rank): :func:`mpitrain.comm.share_with_server` of slots of ``lengths``
     (:attr:`Layout.lengths`) for ``--shared-memory`` auto or on. Collective over the
     world; every rank calls it once per server, first, in server order."""
-    comm, mode = ctx.comm, ctx.cfg.shared_memory
+    comm, mode = ctx.comm, ctx.cfg.transport.shared_memory
     if mode == "off":
         return [], {}
-    workers = range(ctx.cfg.servers, comm.size)
+    workers = range(ctx.cfg.asynchronous.servers, comm.size)
     host = comm.hosts[server]
     if mode == "on" and any(comm.hosts[r] != host for r in workers):
         away = sorted({comm.hosts[r] for r in workers} - {host})
@@ -163,7 +163,7 @@ class Mailbox:
         memory where they can be. Collective with :meth:`ServerEnd.open_all` on the
         servers."""
         boxes = []
-        for server in range(ctx.cfg.servers):
+        for server in range(ctx.cfg.asynchronous.servers):
             layout = Layout.of(ctx, server)
             slots, _ = share_mailboxes(ctx, layout.lengths, server)
             if slots:
@@ -209,12 +209,12 @@ class ServerEnd:
         this host's memory. Collective with :meth:`Mailbox.open_all` on the workers (and
         this call on the other servers)."""
         me, ends = ctx.comm.rank, {}
-        for server in range(ctx.cfg.servers):
+        for server in range(ctx.cfg.asynchronous.servers):
             layout = Layout.of(ctx, server)
             _, shared = share_mailboxes(ctx, layout.lengths, server)
             if server == me:
                 ends = {r: cls(ctx.comm, r, layout, shared.get(r))
-                        for r in range(ctx.cfg.servers, ctx.comm.size)}
+                        for r in range(ctx.cfg.asynchronous.servers, ctx.comm.size)}
         return ends
 
     def _reply_op(self, i: int):

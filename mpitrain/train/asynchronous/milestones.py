@@ -28,9 +28,9 @@ class Milestones:
         #: an epoch of updates: every worker's pass over its shard
         self.updates_per_epoch = workers * ctx.steps_per_epoch
         self.eval_interval = ctx.cfg.eval_every * self.updates_per_epoch
-        self.checkpoint_interval = ctx.cfg.checkpoint_every * self.updates_per_epoch
+        self.checkpoint_interval = ctx.cfg.checkpoint.every * self.updates_per_epoch
         # --checkpoint-steps counts each worker's steps: N of theirs are N x workers updates
-        self.checkpoint_steps = (ctx.cfg.checkpoint_steps or 0) * workers
+        self.checkpoint_steps = (ctx.cfg.checkpoint.steps or 0) * workers
         self.losses: List[float] = []  # of the pushes applied since the last evaluation
         self.last_loss = float("nan")  # the latest push's, once its evaluation took them
         self.next_point = 0  # the next version to evaluate or save at (see start)

@@ -60,4 +60,4 @@ class Partition(NamedTuple):
 
 def partition_of(ctx) -> Partition:
     """The run's partition: its model's parameters over its ``--servers``."""
-    return Partition.even(ctx.replica.n_params, ctx.cfg.servers)
+    return Partition.even(ctx.replica.n_params, ctx.cfg.asynchronous.servers)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
-from ...comm import SERVING, WORKERS_TIMEOUT_FACTOR
+from ...bounds import Bounds
+from ...comm import SERVING
 from ...errors import CommTimeout
 from ..context import Context, Summary
 from ..evaluation import Stopwatch
@@ -45,12 +46,13 @@ class PartitionServer:
         self._write_lease = self.store.write_lease
         self.ends: Dict[int, ServerEnd] = ServerEnd.open_all(ctx)
         self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends)
-        self.bounded = ctx.cfg.staleness is not None
-        self.leases = Leases(ctx.cfg.staleness, [])  # (bounded: a worker waits once it asks)
+        self.bounded = ctx.cfg.asynchronous.staleness is not None
+        # (bounded: a worker waits once it asks)
+        self.leases = Leases(ctx.cfg.asynchronous.staleness, [])
         self.polling = PollPolicy()
         self.active = set(self.workers)  # workers that have not said farewell
         self.listening: set = set()  # workers whose next message a receive is posted for
-        self.bound = WORKERS_TIMEOUT_FACTOR * self.comm.timeout + 2.0
+        self.bound = Bounds(self.comm.timeout).workers  # rank 0, which names a rank, first
         self.control = control_message(self.comm)
         self.listen_to_rank0 = self.comm.recv_init(self.control, 0, TAG_CONTROL, "control",
                                                    "a word from rank 0")

@@ -103,7 +103,7 @@ class PartitionServers:
 
     def __init__(self, ctx):
         self.ctx, self.comm = ctx, ctx.comm
-        self.ranks = list(range(1, ctx.cfg.servers))
+        self.ranks = list(range(1, ctx.cfg.asynchronous.servers))
         self.enabled = bool(self.ranks)
         self.cuts = 0  # cuts made so far (their id)
         #: the cut being gathered: (id, rank 0's own state, what to do with the whole)

@@ -45,11 +45,12 @@ class Post:
         self.zero, self.others = self.boxes[0], self.boxes[1:]
         part = partition_of(ctx)
         self.shares = [part.share(s) for s in range(part.servers)]
-        self.codecs = [PushCodec(cfg.compression, part.size(s)) for s in range(part.servers)]
+        self.codecs = [PushCodec(cfg.transport.compression, part.size(s))
+                       for s in range(part.servers)]
         self.n = part.n
         self.norm_slots = norm_slots(cfg)  # (the gradient's norm after each share, K > 1)
         #: leases of the other servers are asked for, in server order (see the module)
-        self.asks = cfg.staleness is not None and bool(self.others)
+        self.asks = cfg.asynchronous.staleness is not None and bool(self.others)
         self.whole = np.empty(self.n, np.float32) if self.others else None
         self.assembled: Optional[int] = None  # the lease buffer ``whole`` holds
         #: each lease buffer's version from each server (what a push computed there says)

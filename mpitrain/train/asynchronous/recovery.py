@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from ...bounds import Bounds
 from ...comm import PeerProcesses, recovery_enabled
 from ...errors import MpitrainError
 from ..leases import Liveness
@@ -58,7 +59,7 @@ class Recovery:
     def __init__(self, ctx, clock, workers: int):
         self.ctx, self.comm, self.clock = ctx, ctx.comm, clock
         self.enabled = recovery_enabled() and workers > 1
-        self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.liveness_floor)
+        self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.faults.liveness_floor)
         self.processes = PeerProcesses(self.comm) if self.enabled else None
         #: how long the server may wait for a push before it looks again (None: timeout)
         self.wake_every = LIVENESS_CHECK_EVERY if self.enabled else None
@@ -66,7 +67,7 @@ class Recovery:
         self.fences: Dict[int, _Fence] = {}
         #: parked workers -> when their next PARKED reply is due
         self.parked: Dict[int, float] = {}
-        self.keepalive_every = self.comm.timeout / 2
+        self.keepalive_every = Bounds(self.comm.timeout).keepalive
 
     def due(self) -> bool:
         """Whether it is time to check the lease holders (once every

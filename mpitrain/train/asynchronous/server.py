@@ -96,7 +96,7 @@ class Server:
         self.diverged_at: List[str] = []
         self.ends: Dict[int, ServerEnd] = ServerEnd.open_all(ctx)
         self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends)
-        self.leases = Leases(ctx.cfg.staleness, self.workers)
+        self.leases = Leases(ctx.cfg.asynchronous.staleness, self.workers)
         #: workers told to stop whose FINAL push has not come yet (see _dismiss)
         self.dismissed: List[int] = []
         # a worker's silence starts when it is granted a lease (then it owes a push)

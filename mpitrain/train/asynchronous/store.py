@@ -33,9 +33,9 @@ class ParameterStore:
         self.weights = np.ascontiguousarray(replica.weights()[self.share])
         # the workers' mean at the last evaluation; only server 0 holds them
         self.buffers = replica.buffers() if server == 0 else np.zeros(0, np.float32)
-        self.optimizer = optim.make(cfg.optimizer, n, cfg.effective_lr, ctx.decay_steps,
-                                    cfg.clip_grad_norm)
-        self.codec = PushCodec(cfg.compression, n)
+        self.optimizer = optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.decay_steps,
+                                    cfg.optimizer.clip_grad_norm)
+        self.codec = PushCodec(cfg.transport.compression, n)
         self.norm_slots = norm_slots(cfg)
         self.gradient_end = SLOTS + self.codec.slots  # a push's gradient, its norm, buffers
         self.version = 0
@@ -102,8 +102,8 @@ def fresh_share_state(ctx, weights: np.ndarray, share: slice) -> Dict[str, np.nd
     initial model) before any update."""
     cfg = ctx.cfg
     n = share.stop - share.start
-    optimizer = optim.make(cfg.optimizer, n, cfg.effective_lr, ctx.decay_steps,
-                           cfg.clip_grad_norm)
+    optimizer = optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.decay_steps,
+                           cfg.optimizer.clip_grad_norm)
     return {"weights": np.ascontiguousarray(weights[share]), "version": np.array(0),
             **optimizer.state()}
 

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from ...bounds import Bounds
 from ...comm import HOT, IDLE, Backoff
 from ...errors import Divergence, Dropped, Interrupted
 from ..context import Context, Summary, worker_batches
@@ -46,7 +47,7 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
     pipelining = Pipelining(pipelining_mode(ctx.cfg))
     depth = pipelining.depth
     post = Post(ctx)  # the mailboxes with rank 0 and (--servers K) the other servers
-    reply_bound = 2 * comm.timeout
+    reply_bound = Bounds(comm.timeout).reply  # the server speaks first about a stall
     current, flight, timer = 0, collections.deque(), ctx.timer
     total_steps = ctx.total_steps  # (a property: read once, not per step)
     flight.append(post.initial())  # the initial weights
