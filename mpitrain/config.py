@@ -27,7 +27,6 @@ from .bounds import Bounds
 from .errors import UsageError
 from .settings import COUNT, MAX_SECONDS, SECONDS, Number, Setting, checked_value, option
 
-MODES = ("single", "sync", "async")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("auto", "mnist", "digits", "synthetic")
 LR_SCALINGS = ("linear", "none")
