@@ -168,7 +168,7 @@ class AsyncSettings:
         "async only: whether a worker computes its next gradient while its last push "
         "and the reply travel (hiding the round trip, but each gradient one of its own "
         "updates staler): auto (only where the wait for a reply is at least 0.3 "
-        "of a step's compute, measured over the first steps: LR yes, LeNet no), on, "
+        "of a step's compute, measured over the first steps), on, "
         "or off; a --staleness bound never pipelines", "auto", flag="--pipeline",
         choices=PIPELINES)
 
@@ -317,8 +317,8 @@ class Config:
         "but runs its own, not oneDNN's: slower for convolutional models on CPUs where "
         "oneDNN runs; a model it cannot compile falls back to graph), or "
         "auto (graph, but models of 10M parameters or more update a flat copy of their "
-        "weights in one fused pass in C, the async server's optimizer, and assign it: "
-        "their memory-bound update takes half the time of XLA's)", "auto",
+        "weights in one fused pass in C, the async server's optimizer, and assign it; "
+        "docs/benchmarks.md section 13)", "auto",
         flag="--compile", choices=COMPILERS)
     threads: int = option(
         "TensorFlow intra-op threads per rank; 0 = the host's cores divided among "
