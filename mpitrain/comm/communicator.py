@@ -37,6 +37,13 @@ class Comm(ObjectExchanges):
     ``None`` on the server. All views of a process share one :class:`Traffic`. The
     rare exchanges of pickled objects (``allgather_objects``, ``gather_objects``,
     ``agree``) come from :class:`~.objects.ObjectExchanges`.
+
+    Why one class of this size (over the ~250 lines we hold classes to): it is the
+    one boundary to MPI, and every primitive the protocols use is a method of it so
+    that each goes through the same three rules: a bounded wait (``_poll``), the
+    traffic count and the lost-peer handling of :mod:`.pending`. Split by primitive,
+    each part would repeat them; what needs none of them (pickled objects, the
+    reductions other than sums, shared memory) already lives in its own module.
     """
 
     def __init__(self, mpi_comm, timeout: float, traffic: Traffic, hosts: Sequence[str],

@@ -275,7 +275,7 @@ def test_a_name_that_is_no_regular_file_is_refused_never_read(tmp_path, make, er
 def test_the_launcher_never_waits_on_a_fifo_in_a_run_directory(tmp_path):
     """mpitrain launch reads the run's status.json (and config.json) once a second: a FIFO
     in their place is nothing said yet, not a read that never returns."""
-    from mpitrain.launch import read_json_object, restartable
+    from mpitrain.launch_watch import read_json_object, restartable
 
     run = tmp_path / "run"
     assert read_json_object(fifo(run / "status.json")) is None and restartable(run)
@@ -513,7 +513,7 @@ def test_a_killed_attempt_is_recorded_by_the_launcher(tmp_path):
     Whether the attempt has its row is runs.csv's to say, not status.json's: rank 0 can
     be killed before it wrote the attempt's first status (status.json is still the
     previous attempt's, ended and recorded) or after its row but before saying so."""
-    from mpitrain.launch import restartable
+    from mpitrain.launch_watch import restartable
     from mpitrain.results import append_run_row, record_lost_attempt, run_rows
 
     run = tmp_path / "20261126-lr-sync-np3"

@@ -14,8 +14,9 @@ import psutil
 import pytest
 
 from mpitrain import launch
-from mpitrain.launch import (Job, Launcher, RunWatch, describe, is_attempts, read_json_object,
-                             run_ended, teardown_overdue, writer_gone, writer_visible)
+from mpitrain.launch import Job, Launcher
+from mpitrain.launch_watch import (RunWatch, describe, is_attempts, read_json_object, run_ended,
+                                   teardown_overdue, writer_gone, writer_visible)
 from mpitrain.results import ATTEMPT_ENV, attempt_facts, process_identity
 
 def write_json(path: Path, obj) -> None:

@@ -86,6 +86,13 @@ class Server:
     is lost); every push has been matched by a receive and every reply received, so no
     request is pending at MPI_Finalize. Every wait is bounded: a lease holder silent
     for ``--timeout`` is named (or, under recovery, dropped at its liveness bound).
+
+    Why one class of this size (over the ~250 lines we hold classes to): it is the
+    server's event loop, and each method is one thing the loop does with a push
+    (apply, lease, cut for an evaluation or checkpoint, drop, finish). What has state
+    of its own already has its room (store, mailbox, accounts, leases, milestones,
+    recovery, and the partition servers of ``--servers``); the rest shares the loop's
+    order of events, which is clearer read in one place.
     """
 
     def __init__(self, ctx: Context, clock: Stopwatch):
