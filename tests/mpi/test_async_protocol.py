@@ -73,15 +73,18 @@ def run_protocol(ctx, delay=0.0):
     if ctx.role is Role.SERVER:
         server = asynchronous.Server(ctx, Stopwatch())
         return server, server.run()
-    if delay:
-        real = ctx.replica.grad_at
+    return None, asynchronous.train(slowed(ctx, delay) if delay else ctx)
 
-        def slow_grad_at(*args):
-            time.sleep(delay)
-            return real(*args)
 
-        ctx = dataclasses.replace(ctx, replica=_Wrapped(ctx.replica, grad_at=slow_grad_at))
-    return None, asynchronous.train(ctx)
+def slowed(ctx, delay: float):
+    """``ctx`` with its replica's gradients ``delay`` seconds slower (a slow worker)."""
+    real = ctx.replica.grad_at
+
+    def slow_grad_at(*args):
+        time.sleep(delay)
+        return real(*args)
+
+    return dataclasses.replace(ctx, replica=_Wrapped(ctx.replica, grad_at=slow_grad_at))
 
 
 class _Wrapped:
@@ -287,12 +290,7 @@ def test_each_server_holds_the_staleness_bound(comm, replica):
     delay = 0.03 if comm.rank == 2 else 0.0
     ctx = context(comm, replica, 10, staleness=1, servers=2)
     if delay:
-        real = ctx.replica.grad_at
-
-        def slow_grad_at(*args):
-            time.sleep(delay)
-            return real(*args)
-        ctx = dataclasses.replace(ctx, replica=_Wrapped(ctx.replica, grad_at=slow_grad_at))
+        ctx = slowed(ctx, delay)
     server, summary = run_sharded(ctx)
     seen = comm.allgather_objects(
         sorted({s for w in server.workers.values() for s in w.staleness}) if server else None)
