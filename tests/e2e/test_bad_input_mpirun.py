@@ -161,6 +161,7 @@ def test_bad_input_in_one_process(tmp_path, tmpfs, mnist):
     assert [p.name for p in empty.iterdir()] == ["filler"]  # no empty run directory left
 
 
+@pytest.mark.slow  # the quick tier keeps the same cases in one process
 def test_bad_input_under_mpirun(tmp_path):
     """-np 3: the defects that showed once per rank (tracebacks, raw SystemExit text,
     out-of-memory on every rank) or as a hang of the whole job are one line, printed once,

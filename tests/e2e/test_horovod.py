@@ -29,8 +29,8 @@ def python():
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.mark.parametrize("model,steps", [("lr", 20),
-                                         pytest.param("lenet", 10, marks=pytest.mark.slow)])
+@pytest.mark.slow  # Horovod's own environment: the whole suite's
+@pytest.mark.parametrize("model,steps", [("lr", 20), ("lenet", 10)])
 def test_engines_give_the_same_weights(mnist, tmp_path, python, model, steps):
     weights = {}
     # horovod-overlap: Horovod under --overlap (buckets from the background thread;

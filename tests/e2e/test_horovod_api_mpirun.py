@@ -27,7 +27,8 @@ def run_script(np_, script, *args, python=None, timeout=300, **env):
                        env=mpi_env(**env))
 
 
-@pytest.mark.parametrize("np_", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # two launches of TensorFlow 2.18 and Horovod: the whole suite's
+@pytest.mark.parametrize("np_", [2, 3])
 def test_the_same_numbers_as_horovod_and_keras_3_where_horovod_fails(tmp_path, np_):
     """A plain-tf.Variable model trained 20 steps (DistributedGradientTape, SGD in
     tf.function, the averaged loss each step) and the collectives on fixed values:
@@ -86,6 +87,7 @@ def test_ranks_that_disagree_inside_tf_function_stop_with_one_line():
     assert "was not stopped" not in result.stdout
 
 
+@pytest.mark.slow  # waits out a --timeout by design
 def test_a_stalled_rank_is_named_within_the_timeout():
     began = time.monotonic()
     result = run_script(2, "hvd_bad_use.py", "stalled", MPITRAIN_TIMEOUT="5")
