@@ -38,7 +38,6 @@ attempt has its row when the run has one more in runs.csv than when it began
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -47,7 +46,7 @@ from typing import List, Optional
 
 from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from .results import process_identity
-from .userfiles import read_bounded
+from .userfiles import read_json_object
 
 #: the exit code of a run whose status.json says it ended so (see RunResults.set_status)
 EXIT_CODE_OF_STATUS = {"ok": EXIT_OK, "failed": EXIT_FAILURE, "interrupted": EXIT_INTERRUPTED}
@@ -131,17 +130,6 @@ def writer_gone(status: Optional[dict], here: dict) -> bool:
         return False
     writer = status.get("writer")
     return writer_visible(writer, here) and not _is_running(writer["pid"])
-
-
-def read_json_object(path: Path) -> Optional[dict]:
-    """The JSON object in ``path`` (status.json, config.json), or None when there is none
-    to read (missing, unreadable, no regular file, not JSON, not an object): the run has
-    not said it yet. Never blocks (a FIFO in its place is no object)."""
-    try:
-        status = json.loads(read_bounded(path))
-    except (OSError, ValueError):  # ValueError: bad JSON, or bytes that are not UTF-8
-        return None
-    return status if isinstance(status, dict) else None
 
 
 def restartable(run_dir: Optional[Path]) -> bool:

@@ -29,7 +29,7 @@ from typing import Dict, Iterable, List, Optional
 from .atomic import atomic_file, write_json_atomic
 from .errors import ResultsError, WriteError
 from .schema import CURVE_COLUMNS
-from .userfiles import NotRegular, open_regular, read_bounded
+from .userfiles import NotRegular, open_regular, read_bounded, read_json_object
 
 #: bytes a run directory holds in reserve (``.reserve``) while its run writes: freed as
 #: soon as a write fails, so that the failure can still be recorded there (status.json,
@@ -321,11 +321,8 @@ def record_lost_attempt(run_dir: Path, reason: str, resumed: bool, token: str,
     try:
         if run_rows(run_dir) > rows_before or not (run_dir / "config.json").is_file():
             return False
-        try:
-            status = json.loads(read_bounded(run_dir / "status.json"))
-        except (OSError, ValueError):
-            status = None
-        if not (isinstance(status, dict) and status.get("launch_attempt") == token):
+        status = read_json_object(run_dir / "status.json")
+        if not (status and status.get("launch_attempt") == token):
             status = {"launch_attempt": token}  # an earlier attempt's, or none
         if status.get("status") not in ("ok", "failed", "interrupted"):
             status = {**status, "status": "failed", "reason": reason}

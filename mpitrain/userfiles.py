@@ -15,10 +15,11 @@ refuses one larger than its bound instead of reading without end.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Optional
 
 #: what the small text files mpitrain reads whole (config.json, status.json, a
 #: model's source, a sweep spec) may weigh at most
@@ -93,3 +94,14 @@ def stat_mode(path) -> int:
         return os.stat(Path(path)).st_mode
     except (OSError, ValueError):
         return 0
+
+
+def read_json_object(path: Path) -> Optional[dict]:
+    """The JSON object in ``path`` (status.json, config.json), or None when there is none
+    to read (missing, unreadable, no regular file, not JSON, not an object): the run has
+    not said it yet. Never blocks (a FIFO in its place is no object)."""
+    try:
+        status = json.loads(read_bounded(path))
+    except (OSError, ValueError):  # ValueError: bad JSON, or bytes that are not UTF-8
+        return None
+    return status if isinstance(status, dict) else None

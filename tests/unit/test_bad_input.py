@@ -275,7 +275,8 @@ def test_a_name_that_is_no_regular_file_is_refused_never_read(tmp_path, make, er
 def test_the_launcher_never_waits_on_a_fifo_in_a_run_directory(tmp_path):
     """mpitrain launch reads the run's status.json (and config.json) once a second: a FIFO
     in their place is nothing said yet, not a read that never returns."""
-    from mpitrain.launch_watch import read_json_object, restartable
+    from mpitrain.launch_watch import restartable
+    from mpitrain.userfiles import read_json_object
 
     run = tmp_path / "run"
     assert read_json_object(fifo(run / "status.json")) is None and restartable(run)

@@ -15,9 +15,10 @@ import pytest
 
 from mpitrain import launch
 from mpitrain.launch import Job, Launcher
-from mpitrain.launch_watch import (RunWatch, describe, is_attempts, read_json_object, run_ended,
-                                   teardown_overdue, writer_gone, writer_visible)
+from mpitrain.launch_watch import (RunWatch, describe, is_attempts, run_ended, teardown_overdue,
+                                   writer_gone, writer_visible)
 from mpitrain.results import ATTEMPT_ENV, attempt_facts, process_identity
+from mpitrain.userfiles import read_json_object
 
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
