@@ -358,7 +358,8 @@ LR_ACCURACY_RUNS = {
     1: [()],
     2: [()],
     3: [(), ("--async",), ("--async", "--staleness", "0"), ("--compression", "fp16"),
-        ("--async", "--compression", "fp16")],
+        ("--async", "--compression", "fp16"),
+        ("--async", "--staleness", "0", "--compression", "fp16")],
     4: [(), ("--async",), ("--async", "--servers", "2")],
 }
 

@@ -38,12 +38,17 @@ def test_fp16_halves_the_gradient_bytes(mode, shared_run):
 
 @pytest.mark.slow
 def test_fp16_accuracy_within_half_a_point(lr_accuracy):
-    """LR (LR_ACCURACY_EPOCHS) on the real MNIST at -np 3: fp16 within 0.5 pp of float32, sync and
-    async (the float32 runs are the ones the async accuracy test compares)."""
-    found = {}
-    for mode in ([], ["--async"]):
-        name = "async" if mode else "sync"
-        found[name] = lr_accuracy(3, *mode)
-        found[name + "_fp16"] = lr_accuracy(3, *mode, "--compression", "fp16")
-        assert abs(found[name + "_fp16"] - found[name]) <= 0.005, found
+    """LR (LR_ACCURACY_EPOCHS) on the real MNIST at -np 3: fp16 within 0.5 pp of float32
+    where the order of updates is fixed (sync; async at --staleness 0), and async fp16
+    within async's own 1 pp of sync where it is not: free-running async LR's accuracy
+    moves from run to run with the staleness it happened to see (by more than 0.5 pp
+    under load), so two such runs cannot judge the codec to 0.5 pp."""
+    found = {name: lr_accuracy(3, *options) for name, options in {
+        "sync": (), "sync_fp16": ("--compression", "fp16"),
+        "ssp0": ("--async", "--staleness", "0"),
+        "ssp0_fp16": ("--async", "--staleness", "0", "--compression", "fp16"),
+        "async_fp16": ("--async", "--compression", "fp16")}.items()}
     print("LR test accuracy:", found)
+    assert abs(found["sync_fp16"] - found["sync"]) <= 0.005, found
+    assert abs(found["ssp0_fp16"] - found["ssp0"]) <= 0.005, found
+    assert abs(found["async_fp16"] - found["sync"]) <= 0.01, found
