@@ -30,10 +30,12 @@ class Skipped(Exception):
 
 
 @contextlib.contextmanager
-def emulated_cluster(link: str) -> Iterator[dict]:
-    """The 3-node cluster2 up with links shaped to ``link`` (e.g. '1gbit'); yields the
-    ``train`` keywords that run on it (hostfile, mpirun arguments). Torn down after."""
-    up = subprocess.run([NETNS, "up", "--link", link], capture_output=True, text=True)
+def emulated_cluster(link: str, nodes: int = 3) -> Iterator[dict]:
+    """The emulated cluster of ``nodes`` nodes up with links shaped to ``link`` (e.g.
+    '1gbit'); yields the ``train`` keywords that run on it (cluster2's hostfile, mpirun
+    arguments). Torn down after."""
+    up = subprocess.run([NETNS, "up", "--link", link, "--nodes", str(nodes)],
+                        capture_output=True, text=True)
     if up.returncode == 77:
         raise Skipped((up.stdout + up.stderr).strip())
     if up.returncode != 0:
