@@ -119,6 +119,23 @@ def measured(row: dict, servers: int) -> dict:
             "compute_s": float(rows["compute_s"][steady].mean()) / steps}
 
 
+def cores_by_role(run_dir: str) -> Dict[str, float]:
+    """Cores each role kept busy on average over the run (telemetry.csv's samples of
+    each rank's CPU, summed over the role's ranks): on this machine every rank of every
+    node shares the same cores."""
+    import numpy as np
+
+    samples = run_table(run_dir, "telemetry")
+    cores = {}
+    for role in ("server", "worker"):
+        mine = samples["role"] == role
+        ranks = np.unique(samples["rank"][mine])
+        cores[f"{role}s_cores"] = round(sum(
+            float(np.nanmean(samples["cpu_percent"][mine & (samples["rank"] == r)]))
+            for r in ranks) / 100, 2)
+    return cores
+
+
 def run_case(model: str, options: List[str], servers: int, cluster: dict,
              tmp: Path) -> dict:
     """One run of ``model`` with ``servers`` servers: its row of servers.csv."""
@@ -135,7 +152,7 @@ def run_case(model: str, options: List[str], servers: int, cluster: dict,
             "push_mb": round(got["push_mb"], 2), "t_c_s": round(got["compute_s"], 4),
             "updates_per_s": round(got["updates_per_s"], 2),
             "predicted_per_s": round(rate, 2), "bound": bound,
-            "test_accuracy": float(row["test_accuracy"])}
+            **cores_by_role(row["run_dir"]), "test_accuracy": float(row["test_accuracy"])}
 
 
 def with_ratios(rows: List[dict]) -> List[dict]:

@@ -18,7 +18,7 @@ from conftest import REPO, mnist_dir, mpi_env, mpirun_cmd, netns_cluster_turn, r
 
 #: the benchmarks whose smoke brings the emulated cluster up (and down): they take turns
 #: with tests/e2e/test_netns.py
-ON_THE_EMULATED_CLUSTER = ("netns", "compression")
+ON_THE_EMULATED_CLUSTER = ("netns", "compression", "servers")
 #: benchmarks whose smoke another test file runs, beside what it checks of the same setup
 SMOKED_ELSEWHERE = {"mpis": "tests/e2e/test_mpis.py"}
 
@@ -100,6 +100,12 @@ def test_quick_benchmarks_on_the_emulated_cluster_run():
     assert {(r["model"], r["mode"], r["compression"])
             for r in rows_of(out / "compression.csv")} == {("lenet", "sync", "none"),
                                                           ("lenet", "sync", "fp16")}
+    # one server and two, each on a node of its own, the 3 workers on three others
+    servers = rows_of(out / "servers.csv")
+    assert [(r["model"], r["servers"], r["server_nodes"]) for r in servers] == [
+        ("lr", "1", "node0"), ("lr", "2", "node0 node1")]
+    assert all(r["worker_nodes"] == "node3 node4 node5" and float(r["updates_per_s"]) > 0
+               for r in servers)
 
 
 def test_the_other_smoke_runs_exist():
