@@ -7,11 +7,15 @@ as the model assumes; ranks 0..K-1 serve (hostfile order), ranks K..K+2 work: -n
 the same 3 workers at every K. The placement is read back from the run's comm.csv.
 All nodes still share this machine's cores.
 
-From each run's own files: updates/s in steady state (timing.csv: the workers' epochs
-between the first and the last), M (the bytes of one push, comm.csv), T_c (a worker's
-compute seconds per step in the same epochs: the cores' sharing included, so n / T_c
-is what the cores can compute here), and every server's count of applied updates
-(runs.csv's applied_by_server: each must equal the pushes). AlexNet 32x32 and
+The workers pipeline (--pipeline on, as the model assumes); rank 0 evaluates and
+checkpoints only at the end (each would drain the pipelines). From each run's own
+files: updates/s in steady state (timing.csv: the workers' epochs between the first
+and the last), M (the bytes of one push, comm.csv), T_c (a worker's compute seconds
+per step in the same epochs: the cores' sharing included, so n / T_c is what the
+cores can compute here), how busy the busiest server and worker link was (runs.csv's
+node counters over the wall time), the cores each role kept busy (telemetry.csv), and
+every server's count of applied updates (runs.csv's applied_by_server: each must
+equal the pushes). AlexNet 32x32 and
 ResNet-20 run on synthetic data (their accuracy is noise, reported only); LR on the
 real MNIST (test accuracy compared with K = 1); LeNet on synthetic data.
 
@@ -36,18 +40,21 @@ LINK = "1gbit"
 LINK_BYTES_PER_S = 1e9 / 8
 WORKERS = 3
 SERVER_NODES = 3  # node0..node2 serve; node3.. hold one worker each
+#: pipelined workers (the model's assumption: 'auto' decides only after 25 steps);
+#: rank 0 drains the pipelines before each evaluation and checkpoint: none mid-run
+COMMON = ["--pipeline", "on", "--eval-every", "100", "--checkpoint-every", "100"]
 SYNTHETIC = ["--dataset", "synthetic"]  # (LeNet: 28x28x1, 10 classes; ResNet: 32x32x3)
 
 
 class Case(NamedTuple):
-    options: List[str]  # 3-4 epochs, evaluated only at the end
+    options: List[str]  # 3-5 epochs: a steady state between the first and last
     pays: bool  # whether the model says the links bind at 1 GbE here
     accuracy: bool = False  # real data: test accuracy compared with one server's
 
 
 MODELS = {
     "alexnet": Case([*SYNTHETIC, "--image-size", "32", "--batch-size", "16",
-                     "--synthetic-size", str(WORKERS * 16 * 2), "--epochs", "4"], True),
+                     "--synthetic-size", str(WORKERS * 16 * 2), "--epochs", "5"], True),
     "resnet": Case([*SYNTHETIC, "--batch-size", "16", "--synthetic-size",
                     str(WORKERS * 16 * 4), "--epochs", "4"], True),
     "lr": Case(["--epochs", "3"], False, accuracy=True),
@@ -136,11 +143,20 @@ def cores_by_role(run_dir: str) -> Dict[str, float]:
     return cores
 
 
+def link_use(row: dict, hosts: List[str]) -> float:
+    """The busiest of ``hosts``' links over the run, as a share of the link's rate: its
+    bytes in the busier direction (runs.csv's per-node counters) / (wall time x B)."""
+    columns = [key[:-len("_host")] for key, value in row.items()
+               if key.endswith("_host") and value in hosts]
+    busiest = max(max(float(row[f"{c}_rx_mb"]), float(row[f"{c}_tx_mb"])) for c in columns)
+    return round(busiest * 1e6 / (float(row["wall_time_s"]) * LINK_BYTES_PER_S), 2)
+
+
 def run_case(model: str, options: List[str], servers: int, cluster: dict,
              tmp: Path) -> dict:
     """One run of ``model`` with ``servers`` servers: its row of servers.csv."""
     row = train(servers + WORKERS, [model, *options, "--async", "--servers", servers,
-                                    "--eval-every", "100", "--data-dir", mnist_dir()],
+                                    *COMMON, "--data-dir", mnist_dir()],
                 tmp / f"{model}-{servers}", **{**cluster, "hostfile": hostfile(tmp, servers)})
     where = placement(row["run_dir"], servers)
     got = measured(row, servers)
@@ -152,6 +168,8 @@ def run_case(model: str, options: List[str], servers: int, cluster: dict,
             "push_mb": round(got["push_mb"], 2), "t_c_s": round(got["compute_s"], 4),
             "updates_per_s": round(got["updates_per_s"], 2),
             "predicted_per_s": round(rate, 2), "bound": bound,
+            "server_link_use": link_use(row, where["servers"]),
+            "worker_link_use": link_use(row, where["workers"]),
             **cores_by_role(row["run_dir"]), "test_accuracy": float(row["test_accuracy"])}
 
 

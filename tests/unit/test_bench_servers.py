@@ -1,12 +1,13 @@
 """bench servers' pure parts: BytePS's bound on async updates/s, the hostfile that gives
-every rank a node of its own, the placement read back from comm.csv, and the checks."""
+every rank a node of its own, the placement read back from comm.csv, how busy a link
+was, and the checks."""
 
 import csv
 
 import pytest
 
-from bench.servers import (Case, checks_of, hostfile, placement, predicted_updates_per_s,
-                           with_ratios)
+from bench.servers import (Case, checks_of, hostfile, link_use, placement,
+                           predicted_updates_per_s, with_ratios)
 
 GBE = 1e9 / 8
 ALEXNET_32 = 110.19e6  # bytes of one push
@@ -74,3 +75,11 @@ def test_the_speed_up_is_judged_only_where_the_links_bind():
     assert checks["lr updates/s, 2 servers / 1"]["met"] is False  # 0.85 < 0.9
     accuracy = checks["lr test accuracy, 2 servers - 1 (pp)"]
     assert (accuracy["value"], accuracy["met"]) == (-1.4, False)
+
+
+def test_a_links_use_is_its_busier_direction_over_the_wall_time():
+    row = {"wall_time_s": "10", "node0_host": "node0", "node0_rx_mb": "625",
+           "node0_tx_mb": "500", "node1_host": "node3", "node1_rx_mb": "1250",
+           "node1_tx_mb": "0"}
+    assert link_use(row, ["node0"]) == 0.5  # 625 MB in 10 s of a 125 MB/s link
+    assert link_use(row, ["node0", "node3"]) == 1.0  # the busiest of them
