@@ -149,6 +149,49 @@ def test_async_run_survives_a_killed_server_under_recovery(mnist, tmp_path):
     assert leftovers(str(results)) == []
 
 
+@pytest.mark.slow
+def test_two_servers_lose_a_worker_then_a_share_server(mnist, tmp_path):
+    """Async with --servers 2 at -np 4 (2 workers) under the launcher (recovery on):
+    kill -9 worker 3 after the first evaluation, and both servers drop it while the
+    other worker trains on; then kill -9 rank 1, the server of the second share, after
+    a later checkpoint: one line names it, the launcher restarts from the one canonical
+    checkpoint, and the run finishes with every share applied as often as the other."""
+    results = tmp_path / "launched"
+    t0 = time.time()
+    proc = start_launch("-np", 4, "-hostfile", LOCAL_HOSTFILE, *TRAINING[:-3], "--epochs", "3",
+                        "--quiet", "--async", "--servers", 2, "--liveness-floor", 1,
+                        "--data-dir", mnist, "--results-dir", results,
+                        "--checkpoint-steps", 300)
+    run_dir = the_run_dir(results)
+    pids = rank_pids(run_dir, t0)
+    wait_for(lambda: (run_dir / "curve.csv").is_file()
+             and len(read_rows(run_dir / "curve.csv")) >= 2, 300, "the first evaluation")
+    os.kill(pids[3], signal.SIGKILL)
+    lost = wait_for(lambda: checkpoint_step(run_dir) and
+                    json.loads((run_dir / "status.json").read_text()).get("lost_workers"),
+                    300, "worker 3 to be dropped")
+    assert [w["rank"] for w in lost] == [3], lost
+    after = checkpoint_step(run_dir)
+    wait_for(lambda: checkpoint_step(run_dir) > after, 300, "a checkpoint without worker 3")
+    t1 = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    code, out, err = finish(proc, 600)
+
+    assert code == 0, err[-3000:]
+    assert "lost rank 3" in out and "training continues with 1 worker(s)" in out, out[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("mpitrain: error")]
+    assert len(errors) == 1 and "rank 1" in errors[0], err[-3000:]
+    assert err.count("the job failed") == 1 and "finished after 1 restart(s)" in err, err
+    assert rank_pids(run_dir, t1) != pids  # a new attempt, with its own ranks
+    rows = read_rows(results / "runs.csv")
+    assert [r["status"] for r in rows] == ["failed", "ok"], rows
+    last = rows[-1]
+    assert (last["servers"], float(last["epochs"])) == ("2", pytest.approx(3, abs=0.05)), last
+    applied = dict(pair.split(":") for pair in last["applied_by_server"].split())
+    assert set(applied) == {"0", "1"} and applied["0"] == applied["1"], last
+    assert leftovers(str(results)) == []
+
+
 def test_stop_signal_checkpoints_and_is_not_restarted(mnist, tmp_path):
     """SIGTERM to the launcher (what SLURM sends) becomes a graceful stop of every rank:
     exit 143, a checkpoint, no restart, no process left behind."""
