@@ -7,7 +7,9 @@ as the model assumes; ranks 0..K-1 serve (hostfile order), ranks K..K+2 work: -n
 the same 3 workers at every K. The placement is read back from the run's comm.csv.
 All nodes still share this machine's cores.
 
-The workers pipeline (--pipeline on, as the model assumes); rank 0 evaluates and
+The workers pipeline (--pipeline on, as the model assumes) and Open MPI's TCP
+transport runs its progress thread (else a push does not travel while the worker
+computes: the model's overlap needs both); rank 0 evaluates and
 checkpoints only at the end (each would drain the pipelines). From each run's own
 files: updates/s in steady state (timing.csv: the workers' epochs between the first
 and the last), M (the bytes of one push, comm.csv), T_c (a worker's compute seconds
@@ -43,6 +45,10 @@ SERVER_NODES = 3  # node0..node2 serve; node3.. hold one worker each
 #: pipelined workers (the model's assumption: 'auto' decides only after 25 steps);
 #: rank 0 drains the pipelines before each evaluation and checkpoint: none mid-run
 COMMON = ["--pipeline", "on", "--eval-every", "100", "--checkpoint-every", "100"]
+#: Open MPI 4.1's TCP transport moves a large message only while its rank is inside MPI
+#: unless this thread does it: without it a pipelined worker's push waits for its next
+#: compute to end (docs/benchmarks.md, section 19), and no pipeline hides a transfer
+PROGRESS_THREAD = ["--mca", "btl_tcp_progress_thread", "1"]
 SYNTHETIC = ["--dataset", "synthetic"]  # (LeNet: 28x28x1, 10 classes; ResNet: 32x32x3)
 
 
@@ -157,7 +163,8 @@ def run_case(model: str, options: List[str], servers: int, cluster: dict,
     """One run of ``model`` with ``servers`` servers: its row of servers.csv."""
     row = train(servers + WORKERS, [model, *options, "--async", "--servers", servers,
                                     *COMMON, "--data-dir", mnist_dir()],
-                tmp / f"{model}-{servers}", **{**cluster, "hostfile": hostfile(tmp, servers)})
+                tmp / f"{model}-{servers}", hostfile=hostfile(tmp, servers),
+                mpirun_args=[*cluster["mpirun_args"], *PROGRESS_THREAD])
     where = placement(row["run_dir"], servers)
     got = measured(row, servers)
     rate, bound = predicted_updates_per_s(WORKERS, servers, got["push_mb"] * 1e6,
