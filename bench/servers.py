@@ -54,7 +54,7 @@ SYNTHETIC = ["--dataset", "synthetic"]  # (LeNet: 28x28x1, 10 classes; ResNet: 3
 
 class Case(NamedTuple):
     options: List[str]  # 3-5 epochs: a steady state between the first and last
-    pays: bool  # whether the model says the links bind at 1 GbE here
+    pays: bool  # the issue expects a speed-up (judged where the model says links bind)
     accuracy: bool = False  # real data: test accuracy compared with one server's
 
 
