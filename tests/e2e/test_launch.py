@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (LOCAL_HOSTFILE, finish_bounded, mpirun, read_rows, run_bounded,
                       start_bounded)
+from mpitrain.userfiles import read_json_object
 
 # LR with small batches: ~1,300 steps per epoch per worker at -np 4, a few seconds
 # an epoch, so a kill lands mid-run, after the first checkpoint
@@ -153,9 +154,9 @@ def test_async_run_survives_a_killed_server_under_recovery(mnist, tmp_path):
 def test_two_servers_lose_a_worker_then_a_share_server(mnist, tmp_path):
     """Async with --servers 2 at -np 4 (2 workers) under the launcher (recovery on):
     kill -9 worker 3 after the first evaluation, and both servers drop it while the
-    other worker trains on; then kill -9 rank 1, the server of the second share, after
-    a later checkpoint: one line names it, the launcher restarts from the one canonical
-    checkpoint, and the run finishes with every share applied as often as the other."""
+    other worker trains on; then kill -9 rank 1, the server of the second share: one
+    line names it, the launcher restarts from the one canonical checkpoint, and the run
+    finishes with every share applied as often as the other."""
     results = tmp_path / "launched"
     t0 = time.time()
     proc = start_launch("-np", 4, "-hostfile", LOCAL_HOSTFILE, *TRAINING[:-3], "--epochs", "3",
@@ -168,11 +169,10 @@ def test_two_servers_lose_a_worker_then_a_share_server(mnist, tmp_path):
              and len(read_rows(run_dir / "curve.csv")) >= 2, 300, "the first evaluation")
     os.kill(pids[3], signal.SIGKILL)
     lost = wait_for(lambda: checkpoint_step(run_dir) and
-                    json.loads((run_dir / "status.json").read_text()).get("lost_workers"),
+                    (read_json_object(run_dir / "status.json") or {}).get("lost_workers"),
                     300, "worker 3 to be dropped")
     assert [w["rank"] for w in lost] == [3], lost
-    after = checkpoint_step(run_dir)
-    wait_for(lambda: checkpoint_step(run_dir) > after, 300, "a checkpoint without worker 3")
+    # at once: the run can end within a checkpoint interval of the loss on a loaded host
     t1 = time.time()
     os.kill(pids[1], signal.SIGKILL)
     code, out, err = finish(proc, 600)
