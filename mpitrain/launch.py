@@ -85,10 +85,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import dialect
 from .errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
                      MpitrainError, ResultsError, UsageError)
-from .launch_watch import (EXIT_CODE_OF_STATUS, RunWatch, describe, kill_tree, restartable,
-                           run_dirs)
+from .launch_watch import RunWatch, describe, kill_tree, restartable, run_dirs
 from .lifecycle import CHECKPOINT, STOP_SIGNALS
-from .results import ATTEMPT_ENV, record_lost_attempt, run_rows
+from .results import ATTEMPT_ENV, EXIT_CODE_OF_STATUS, record_lost_attempt, run_rows
 from .tools import hostfile
 
 PROG = "mpitrain launch"

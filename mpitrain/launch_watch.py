@@ -44,12 +44,9 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
-from .results import process_identity
+from .results import process_identity, run_ended
 from .userfiles import read_json_object
 
-#: the exit code of a run whose status.json says it ended so (see RunResults.set_status)
-EXIT_CODE_OF_STATUS = {"ok": EXIT_OK, "failed": EXIT_FAILURE, "interrupted": EXIT_INTERRUPTED}
 
 
 class RunWatch:
@@ -137,12 +134,6 @@ def restartable(run_dir: Optional[Path]) -> bool:
     results could not be written: see mpitrain.session.record_failure)."""
     status = read_json_object(run_dir / "status.json") if run_dir else None
     return not status or status.get("restartable") is not False
-
-
-def run_ended(status: Optional[dict]) -> bool:
-    """True if ``status`` (status.json's content) says the run has ended."""
-    value = status.get("status") if status else None
-    return isinstance(value, str) and value in EXIT_CODE_OF_STATUS
 
 
 def teardown_overdue(ended_at: Optional[float], now: float, grace: float) -> bool:

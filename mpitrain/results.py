@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 from .atomic import atomic_file, write_json_atomic
-from .errors import ResultsError, WriteError
+from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ResultsError, WriteError
 from .schema import CURVE_COLUMNS
 from .userfiles import NotRegular, open_regular, read_bounded, read_json_object
 
@@ -304,6 +304,16 @@ class RunResults:
             checkpoint.save(self.dir, meanwhile)
 
 
+#: the exit code of a run whose status.json says it ended so (see RunResults.set_status)
+EXIT_CODE_OF_STATUS = {"ok": EXIT_OK, "failed": EXIT_FAILURE, "interrupted": EXIT_INTERRUPTED}
+
+
+def run_ended(status: Optional[dict]) -> bool:
+    """True if ``status`` (status.json's content) says the run has ended."""
+    value = status.get("status") if status else None
+    return isinstance(value, str) and value in EXIT_CODE_OF_STATUS
+
+
 def record_lost_attempt(run_dir: Path, reason: str, resumed: bool, token: str,
                         rows_before: int) -> bool:
     """For ``mpitrain launch``: write the runs.csv row of an attempt whose rank 0 did not
@@ -324,7 +334,7 @@ def record_lost_attempt(run_dir: Path, reason: str, resumed: bool, token: str,
         status = read_json_object(run_dir / "status.json")
         if not (status and status.get("launch_attempt") == token):
             status = {"launch_attempt": token}  # an earlier attempt's, or none
-        if status.get("status") not in ("ok", "failed", "interrupted"):
+        if not run_ended(status):
             status = {**status, "status": "failed", "reason": reason}
         sessions = sorted(run_dir.glob("resumed-*.json")) if resumed else []
         meta = json.loads(read_bounded(sessions[-1] if sessions else run_dir / "config.json"))
