@@ -288,6 +288,8 @@ class Server:
         if all(v.lost for v in self.workers.values()):
             raise CommTimeout(f"every worker was lost (the last: {self.comm.name(rank)}, "
                               f"{why})")
+        if self.cut is not None:  # its lease may have been the last push the cut waited
+            self._cutting()       # for: made now, or no one would hold a lease to push
         self._grant_leases()  # its lease no longer holds the others back (--staleness)
 
     def _apply(self, w: WorkerAccount, end: ServerEnd) -> None:
