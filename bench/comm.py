@@ -4,7 +4,10 @@ gradient sizes, -np 2/3/4.
 For each size and process count, side by side in one job (5 interleaved rounds,
 the median of each): mpitrain's
 ``Comm.allreduce_sum_`` (the sync hot path: MPI's blocking allreduce under a
-watchdog where every rank has a core, else nonblocking with a yield-then-sleep wait),
+watchdog where every rank has a core, else nonblocking with a yield-then-sleep wait;
+the choice ``--allreduce-wait auto`` makes on an idle host, made here from the rank
+and core counts alone: the load average the previous benchmark leaves would make
+auto poll at -np 2, and this benchmark measures the hot path, not that choice),
 a raw mpi4py ``Allreduce(IN_PLACE)`` on the same buffer, and (one process) a
 memcpy of the same size. Bus bandwidth = 2 (N-1) / N x bytes / time, the
 standard measure (what each rank must move in a ring allreduce).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -69,8 +73,9 @@ def rank_side(seconds: float, sizes) -> None:
 
     from mpitrain.comm import Comm
 
-    comm = Comm.world(timeout=600)
     raw = MPI.COMM_WORLD
+    idle_host_choice = "spin" if raw.Get_size() <= (os.cpu_count() or 1) else "poll"
+    comm = Comm.world(timeout=600, allreduce_wait=idle_host_choice)
     out = {}
     for name in sizes:
         buf = np.ones(SIZES[name], np.float32)
