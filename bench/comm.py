@@ -5,9 +5,10 @@ For each size and process count, side by side in one job (5 interleaved rounds,
 the median of each): mpitrain's
 ``Comm.allreduce_sum_`` (the sync hot path: MPI's blocking allreduce under a
 watchdog where every rank has a core, else nonblocking with a yield-then-sleep wait;
-the choice ``--allreduce-wait auto`` makes on an idle host, made here from the rank
-and core counts alone: the load average the previous benchmark leaves would make
-auto poll at -np 2, and this benchmark measures the hot path, not that choice),
+the choice ``--allreduce-wait auto`` makes on an idle host, asked of
+``mpitrain.comm.spins`` without the load average: the load the previous benchmark
+leaves would make auto poll at -np 2, and this benchmark measures the hot path, not
+that choice),
 a raw mpi4py ``Allreduce(IN_PLACE)`` on the same buffer, and (one process) a
 memcpy of the same size. Bus bandwidth = 2 (N-1) / N x bytes / time, the
 standard measure (what each rank must move in a ring allreduce).
@@ -71,11 +72,14 @@ def _seconds_per_call(raw, fn, reps: int) -> float:
 def rank_side(seconds: float, sizes) -> None:
     from mpi4py import MPI
 
-    from mpitrain.comm import Comm
+    from mpitrain.comm import Comm, spins
 
     raw = MPI.COMM_WORLD
-    idle_host_choice = "spin" if raw.Get_size() <= (os.cpu_count() or 1) else "poll"
-    comm = Comm.world(timeout=600, allreduce_wait=idle_host_choice)
+    ranks = raw.Get_size()  # (all on this one host: the bench's hostfile)
+    idle_host_spins = spins("auto", [MPI.Get_processor_name()] * ranks,
+                            [os.cpu_count() or 1] * ranks,
+                            [MPI.Query_thread() == MPI.THREAD_MULTIPLE] * ranks)
+    comm = Comm.world(timeout=600, allreduce_wait="spin" if idle_host_spins else "poll")
     out = {}
     for name in sizes:
         buf = np.ones(SIZES[name], np.float32)
