@@ -48,7 +48,6 @@ from .results import process_identity, run_ended
 from .userfiles import read_json_object
 
 
-
 class RunWatch:
     """Follows the status.json of the run one attempt writes, so that the launcher knows
     when the run has ended, or its rank 0 is gone, while mpirun still runs.
