@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -66,6 +67,8 @@ CASES = {
 COMPUTE_STEPS = {"lenet": 100, "resnet": 20, "alexnet": 10}
 QUICK_STEPS = 3
 TARGET_EPOCH = 0.9
+#: runs of one DDP case before a worker's death by a signal ends the benchmark
+DDP_ATTEMPTS = 2
 TARGET_ACCURACY_PP = 0.5
 
 
@@ -98,7 +101,9 @@ def mpitrain_side(model: str, workers: int, quick: bool, results: Path) -> dict:
 
 def ddp_side(python: str, model: str, workers: int, quick: bool, compute_steps: int) -> dict:
     """One ``torchrun ... -m bench.torch_ddp`` run; the same numbers as mpitrain_side,
-    and its compute-only step (``compute_steps`` > 0)."""
+    and its compute-only step (``compute_steps`` > 0). A run whose worker died of a
+    signal (gloo's transport aborts the process when a connection breaks) is run once
+    more, its failure printed; any other failure, or a second, ends the benchmark."""
     threads = max(1, len(os.sched_getaffinity(0)) // workers)
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"
@@ -107,15 +112,22 @@ def ddp_side(python: str, model: str, workers: int, quick: bool, compute_steps: 
                str(EPOCHS), *CASES[model], "--data-dir", mnist_dir(), "--json-out",
                str(result_file), "--compute-steps", str(compute_steps),
                *(["--steps", str(QUICK_STEPS)] if quick else [])]
-        began = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800,
-                              env={**mpi_env(), "OMP_NUM_THREADS": str(threads),
-                                   "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY",
-                                                                     "PASSIVE")})
-        launch = time.perf_counter() - began
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n"
-                               f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        for attempt in range(1, DDP_ATTEMPTS + 1):
+            began = time.perf_counter()
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800,
+                                  env={**mpi_env(), "OMP_NUM_THREADS": str(threads),
+                                       "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY",
+                                                                         "PASSIVE")})
+            launch = time.perf_counter() - began
+            if done.returncode == 0:
+                break
+            signal = killed_by(done)
+            failure = "\n".join([f"{' '.join(cmd)} failed (exit {done.returncode}"
+                                  + (f", a worker killed by signal {signal})" if signal else ")"),
+                                  *error_lines(done.stdout + done.stderr)])
+            if not signal or attempt == DDP_ATTEMPTS:
+                raise RuntimeError(failure)
+            print(f"ddp: {failure}\nddp: running it once more", flush=True)
         r = json.loads(result_file.read_text())
     epochs = r["epochs"]
     middle = r["epoch_s"][1:-1]
@@ -124,6 +136,23 @@ def ddp_side(python: str, model: str, workers: int, quick: bool, compute_steps: 
             "after_last_step_s": r["eval_s"], "test_accuracy": r["test_accuracy"],
             "epochs": epochs, "steps_per_epoch": r["steps_per_epoch"],
             "compute_step_s": r.get("compute_step_s"), "parameters": r["parameters"]}
+
+
+def killed_by(done: subprocess.CompletedProcess) -> int:
+    """The signal that killed a torchrun worker, or 0: its report's last ``exitcode :
+    -N``, the root cause's (the workers it then terminated are listed before it)."""
+    found = re.findall(r"exitcode\s*:\s*-(\d+)", done.stderr)
+    return int(found[-1]) if found else 0
+
+
+def error_lines(output: str, most: int = 25) -> list:
+    """The lines of a failed torchrun's output that say what failed (the workers'
+    errors and aborts, torchrun's report of them), without Python's traceback frames
+    and matplotlib's font noise."""
+    keep = re.compile(r"terminate called|what\(\)|Error|error|Abort|exitcode|Signal|rank")
+    lines = [line for line in output.splitlines()
+             if keep.search(line) and not line.lstrip().startswith(("File ", "findfont"))]
+    return lines[-most:]
 
 
 def same_work(model: str, workers: int, ours: dict, theirs: dict) -> None:
