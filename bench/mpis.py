@@ -8,12 +8,16 @@ mpirun starting its own environment's Python (.venv with the system's Open MPI,
 - LR and LeNet sync and async seconds per epoch at -np 3 on this machine (sync: with
   the wait --allreduce-wait auto picks there);
 - the wait policy: sync LR and LeNet with --allreduce-wait spin and poll at -np 3 (two
-  workers and the server on this machine's cores) and -np 4 (oversubscribed), the two
-  alternating in one launch (spin first in odd rounds, poll first in even ones), so that
-  the host's load falls on both alike; and which one auto picks.
+  workers and the server on this machine's cores), and LR at -np 4 (oversubscribed), the
+  two alternating in one launch (spin first for LR and poll first for LeNet in odd
+  rounds, the other way in even ones), so that the host's load falls on both alike; and
+  which one auto picks. LeNet is left out at -np 4: what oversubscription does to the
+  two waits is the same question LR answers there (poll much faster than spin on both
+  Open MPIs, the two alike on MPICH), at a third of a round's time.
 
 Each round runs every implementation in turn, so that a change of the host's load falls
-on all of them; a figure is the median over the rounds. The host's load average is
+on all of them; a figure is the median over the rounds (one round by default, to keep
+``bench all`` short: ``--rounds 3`` for a median). The host's load average is
 recorded before each launch. Every figure is also given as a ratio to the best
 implementation's; the target is that none is more than 10% slower than the best (each
 ratio <= 1.10), and that the wait auto picks is within 10% of the faster one.
@@ -141,6 +145,11 @@ def auto_wait(np_: int, load: float) -> str:
                            [True] * np_, [load] * np_) else "poll"
 
 
+def models(np_: int, quick: bool) -> Tuple[str, ...]:
+    """The models whose sync runs compare the waits at -np ``np_`` (see the docstring)."""
+    return ("lr",) if quick or np_ == 4 else ("lr", "lenet")
+
+
 def round_of(runner, python: Path, round_: int, quick: bool, out: Path, load: list) -> dict:
     """One implementation's launches of one round: the allreduce at -np 2, then the
     training runs at -np 3 (and, unless ``quick``, 4); seconds by measure."""
@@ -151,10 +160,11 @@ def round_of(runner, python: Path, round_: int, quick: bool, out: Path, load: li
     figures["rank sessions"] = raw.pop("sessions")
     figures.update({f"allreduce {k} us": v * 1e6 for k, v in raw.items()})
     size = ["--steps", "20"] if quick else ["--epochs", "2"]
-    waits = WAITS if round_ % 2 else WAITS[::-1]  # spin first, then poll first: ABBA
     for np_ in (3,) if quick else (3, 4):
         runs = []
-        for model in ("lr",) if quick else ("lr", "lenet"):
+        for i, model in enumerate(models(np_, quick)):
+            # spin first, then poll first, by model and by round: ABBA
+            waits = WAITS if (round_ + i) % 2 else WAITS[::-1]
             runs += [(f"{model} sync {wait} np{np_}", [model, *size, "--allreduce-wait", wait])
                      for wait in waits]
             if np_ == 3:
@@ -169,10 +179,10 @@ def round_of(runner, python: Path, round_: int, quick: bool, out: Path, load: li
 def main(argv=None, out: Path = None) -> dict:
     parser = bench_parser("mpis", __doc__, "LR only, 20 steps a run, -np 3 only, one round")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds over the implementations (default 2; --quick: 1)")
+                        help="rounds over the implementations (default 1)")
     args = parser.parse_args(argv or [])
     out = out or Path(".")
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or 1
     found: Dict[str, List[dict]] = {}
     implementations = list(available())
     load: Dict[str, list] = {key: [] for key, _, _ in implementations}
@@ -192,6 +202,8 @@ def main(argv=None, out: Path = None) -> dict:
             row[f"{model} sync s/epoch"] = round(median[f"{model} sync {auto3} np3"], 3)
             row[f"{model} async s/epoch"] = round(median[f"{model} async"], 3)
             for np_ in (3,) if args.quick else (3, 4):
+                if model not in models(np_, args.quick):
+                    continue
                 spin, poll = (median[f"{model} sync {w} np{np_}"] for w in WAITS)
                 waits.append({"mpi": runner.impl.name, "np": np_, "model": model,
                               "spin s/epoch": round(spin, 3), "poll s/epoch": round(poll, 3),

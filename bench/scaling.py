@@ -15,7 +15,7 @@ steady state, epoch 2 (timing.csv), as throughput benchmarks drop their warm-up:
 a one-epoch run of the 20,000-image MNIST is 157 steps a worker, about 3 s,
 against fixed costs of 1-2 s (the first step's tracing, rank 0's evaluation of
 the initial model beside the workers' first steps, the final evaluation). The
-whole-run ratio is printed beside it. Otherwise LeNet runs one epoch, LR ten,
+whole-run ratio is printed beside it. Otherwise LeNet runs one epoch, LR five,
 AlexNet one of 640 synthetic images.
 
 Memory: peak RSS of the parameter server and of a worker in each run, against the
@@ -37,7 +37,7 @@ from .common import (bench_parser, mnist_dir, out_dir, run_table, steady_epoch_s
                      train, write_csv)
 
 MODELS = {
-    "lr": ["--epochs", "10"],
+    "lr": ["--epochs", "5"],
     "lenet": ["--epochs", "1"],
     "alexnet": ["--epochs", "1", "--batch-size", "32", "--image-size", "32",
                 "--synthetic-size", "640"],

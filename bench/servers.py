@@ -19,7 +19,9 @@ node counters over the wall time), the cores each role kept busy (telemetry.csv)
 every server's count of applied updates (runs.csv's applied_by_server: each must
 equal the pushes). AlexNet 32x32 and
 ResNet-20 run on synthetic data (their accuracy is noise, reported only); LR on the
-real MNIST (test accuracy compared with K = 1); LeNet on synthetic data.
+real MNIST (test accuracy compared with K = 1); LeNet on synthetic data. AlexNet and
+ResNet-20 run at K = 1, 2, 3; LR and LeNet, where sharding is not expected to pay, at
+K = 1 and 3 (the most shards and messages a push: where a slowdown would show).
 
 Checks: K servers / one server's updates/s >= 0.8·K where the model says the links
 bind at K and at 1, else reported as compute-bound; LR and LeNet no slower than one
@@ -56,20 +58,23 @@ class Case(NamedTuple):
     options: List[str]  # 3-5 epochs: a steady state between the first and last
     pays: bool  # the issue expects a speed-up (judged where the model says links bind)
     accuracy: bool = False  # real data: test accuracy compared with one server's
+    servers: Tuple[int, ...] = (1, 2, 3)  # the K measured (--quick: SERVERS_QUICK)
 
 
 MODELS = {
     "alexnet": Case([*SYNTHETIC, "--image-size", "32", "--batch-size", "16",
-                     "--synthetic-size", str(WORKERS * 16 * 2), "--epochs", "5"], True),
+                     "--synthetic-size", str(WORKERS * 16 * 2), "--epochs", "4"], True),
     "resnet": Case([*SYNTHETIC, "--batch-size", "16", "--synthetic-size",
                     str(WORKERS * 16 * 4), "--epochs", "4"], True),
-    "lr": Case(["--epochs", "3"], False, accuracy=True),
+    # LR and LeNet: "no slower than one server" at K = 3 only: the most shards, the most
+    # messages a push, the K where LR fell short before; K = 2 lies between the two
+    "lr": Case(["--epochs", "3"], False, accuracy=True, servers=(1, 3)),
     "lenet": Case([*SYNTHETIC, "--batch-size", "32", "--synthetic-size",
-                   str(WORKERS * 32 * 8), "--epochs", "4"], False),
+                   str(WORKERS * 32 * 8), "--epochs", "4"], False, servers=(1, 3)),
 }
 QUICK = {"lr": Case([*SYNTHETIC, "--batch-size", "16", "--synthetic-size",
                      str(WORKERS * 16 * 2), "--epochs", "3"], False)}
-SERVERS = {False: (1, 2, 3), True: (1, 2)}  # by --quick
+SERVERS_QUICK = (1, 2)
 SPEEDUP_SHARE = 0.8  # of K, the issue's target where the links bind
 NO_SLOWER = 0.9  # K / one server where sharding does not pay: equal within the noise
 ACCURACY_PP = 1.0
@@ -224,7 +229,7 @@ def main(argv=None, out=None) -> dict:
         try:
             with emulated_cluster(LINK, nodes=SERVER_NODES + WORKERS) as cluster:
                 for model, case in models.items():
-                    for servers in SERVERS[args.quick]:
+                    for servers in SERVERS_QUICK if args.quick else case.servers:
                         rows.append(run_case(model, case.options, servers, cluster, Path(tmp)))
         except Skipped as why:
             return skipped("servers", why)
