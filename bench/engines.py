@@ -54,8 +54,8 @@ CASES = {
 }
 QUICK = {"lr": ["--steps", "20"], "lenet": ["--steps", "10"], "alexnet": ["--steps", "2"]}
 #: interleaved rounds per model (every side once a round), each side's median kept
-#: (the lower one of an even count): AlexNet's 1-epoch runs moved between single rounds within an hour as much as the
-#: gap to its target (docs/benchmarks.md); two rounds, each side's faster kept
+#: (the lower of an even count): AlexNet's 1-epoch runs moved between single rounds
+#: within an hour as much as the gap to its target (docs/benchmarks.md)
 ROUNDS = {"lr": 1, "lenet": 1, "alexnet": 2}
 TARGET_HOROVOD = 0.6
 TARGET_MWMS = 0.9
