@@ -18,6 +18,8 @@ exchange that cost nothing would give with the same kernels.
 LR runs 5 epochs, LeNet 2, AlexNet one of 640 synthetic images. AlexNet runs
 ``ROUNDS`` (2) interleaved rounds, every side once a round, and each side keeps its
 faster run (the median of two taken low: ``rounds_s`` lists every round's epoch time).
+A round runs mpitrain's runs of its models in one launch and its Horovod engine's in
+another (start-up paid once; each run timed from its first step), then MWMS's.
 
 mpitrain runs TensorFlow with oneDNN's kernels (TF_ENABLE_ONEDNN_OPTS=1; its wheels
 turn them on only on AVX-512 VNNI/AMX CPUs), and so does its Horovod engine. MWMS
@@ -34,9 +36,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Dict, List
 
 from .common import (REPO, bench_parser, horovod_python, mnist_dir, mpi_env, out_dir,
-                     print_checks, table, timing, train, write_csv)
+                     print_checks, table, timing, train_many, write_csv)
 
 WORKERS = 2
 # model: (mpitrain options, tf_baselines options); the learning rate given to MWMS
@@ -89,16 +92,25 @@ def tf_baseline(strategy: str, model: str, args, quick: bool, onednn: bool = Fal
         return json.loads(out.read_text())
 
 
-def mpitrain_run(model: str, args, quick: bool, results: Path, *extra,
-                 python: str = sys.executable) -> dict:
-    """One mpitrain run with two workers. It evaluates once, at the end, like the
-    TensorFlow baselines (by default it would evaluate every epoch); its wall time,
-    like theirs, runs to the last update, and ``after_last_step_s`` is the rest (our
-    final evaluation and checkpoint: runs.csv's ``finish_s``; theirs: evaluation)."""
-    epochs = args[args.index("--epochs") + 1]
-    row = train(WORKERS + 1, [model, *args, *(QUICK[model] if quick else []), "--data-dir",
-                              mnist_dir(), "--eval-every", epochs, *extra], results,
-                python=python)
+def mpitrain_runs(cases: Dict[str, List[str]], quick: bool, results: Path, *extra,
+                  python: str = sys.executable) -> Dict[str, dict]:
+    """One mpitrain run with two workers of each model in ``cases`` ({model: its
+    options}), in one launch (start-up
+    paid once; each run is timed from its first step), by model. Each evaluates once,
+    at the end, like the TensorFlow baselines (by default it would evaluate every
+    epoch); its wall time, like theirs, runs to the last update, and
+    ``after_last_step_s`` is the rest (our final evaluation and checkpoint: runs.csv's
+    ``finish_s``; theirs: evaluation)."""
+    runs = {}
+    for model, args in cases.items():
+        runs[model] = [model, *args, *(QUICK[model] if quick else []), "--data-dir",
+                       mnist_dir(), "--eval-every", args[args.index("--epochs") + 1], *extra]
+    found = train_many(WORKERS + 1, runs, results, python=python)
+    return {model: measured_run(row) for model, row in found.items()}
+
+
+def measured_run(row: Dict[str, str]) -> dict:
+    """An mpitrain run's figures from its runs.csv row and files."""
     epochs = float(row["epochs"])
     ranks = json.loads((Path(row["run_dir"]) / "config.json").read_text())["ranks"]
     return {"wall_time_s": float(row["wall_time_s"]),
@@ -161,24 +173,33 @@ def main(argv=None, out=None) -> dict:
     args = parser.parse_args(argv)
     out = out or out_dir()
     rows, checks = [], []
+    models = (args.models or ("lr" if args.quick else "lr,lenet,alexnet")).split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        for model in (args.models or ("lr" if args.quick else "lr,lenet,alexnet")).split(","):
-            ours, theirs = CASES[model]
-            rounds = [{
-                "mpi": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-mpi"),
-                # in setup.sh's Horovod environment (TensorFlow 2.18): Horovod builds
-                # against nothing newer
-                "horovod": mpitrain_run(model, ours, args.quick, Path(tmp) / f"{model}-hvd",
-                                        "--allreduce", "horovod", python=horovod_python()),
-                "mwms": tf_baseline("mwms", model, theirs, args.quick),
-                "mwms-onednn": tf_baseline("mwms", model, theirs, args.quick, onednn=True),
-            } for _ in range(1 if args.quick else ROUNDS[model])]
-            measured = {engine: median_round([r[engine] for r in rounds])
-                        for engine in rounds[0]}
+        rounds = {model: [] for model in models}
+        for r in range(1 if args.quick else max(ROUNDS[m] for m in models)):
+            here = [m for m in models if args.quick or r < ROUNDS[m]]
+            # each mpitrain engine's runs of the round share a launch
+            ours = {model: CASES[model][0] for model in here}
+            mine = mpitrain_runs(ours, args.quick, Path(tmp) / f"mpi-{r}")
+            # in setup.sh's Horovod environment (TensorFlow 2.18): Horovod builds
+            # against nothing newer
+            horovod = mpitrain_runs(ours, args.quick, Path(tmp) / f"hvd-{r}",
+                                    "--allreduce", "horovod", python=horovod_python())
+            for model in here:
+                theirs = CASES[model][1]
+                rounds[model].append({
+                    "mpi": mine[model], "horovod": horovod[model],
+                    "mwms": tf_baseline("mwms", model, theirs, args.quick),
+                    "mwms-onednn": tf_baseline("mwms", model, theirs, args.quick,
+                                               onednn=True)})
+        for model in models:
+            measured = {engine: median_round([r[engine] for r in rounds[model]])
+                        for engine in rounds[model][0]}
             if args.xla and not args.quick:  # a few steps say nothing of XLA, and its
                 # compilation would double the smoke run's mpitrain time
-                measured["mpi-xla"] = mpitrain_run(model, ours, False, Path(tmp) / f"{model}-xla",
-                                                   "--compile", "xla")
+                measured["mpi-xla"] = mpitrain_runs({model: CASES[model][0]}, False,
+                                                    Path(tmp) / f"{model}-xla", "--compile",
+                                                    "xla")[model]
             rows += [engine_row(model, engine, m, workers=WORKERS)
                      for engine, m in measured.items()]
             for ours_as in [e for e in ("mpi", "mpi-xla") if e in measured]:

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from .common import LOCAL_HOSTFILE, REPO, bench_parser, last_json_line, mnist_dir, mpi_env, \
-    on_every_rank, table, timing, write_csv
+from .common import (LOCAL_HOSTFILE, REPO, RUNS_IN_ONE_LAUNCH, bench_parser, last_json_line,
+                     mnist_dir, mpi_env, on_every_rank, table, timing, write_csv)
 
 #: implementation key -> its Python (the system's Open MPI runs under this one's)
 ENVIRONMENTS = {"openmpi4": Path(sys.executable), "openmpi5": REPO / ".venv-openmpi5/bin/python",
@@ -46,8 +46,6 @@ ENVIRONMENTS = {"openmpi4": Path(sys.executable), "openmpi5": REPO / ".venv-open
 SIZES = {"lr": 7850, "lenet": 61706}
 TARGET = 1.10
 WAITS = ("spin", "poll")
-#: several mpitrain runs in one launch (one TensorFlow import per rank)
-RUNS_IN_ONE_LAUNCH = REPO / "tests" / "helpers" / "cli_runs.py"
 
 
 def rank_side(iterations: int) -> None:

@@ -6,7 +6,7 @@ and on the emulated 3-node cluster2 with 1 GbE links (skipped where it cannot be
 Steady-state seconds per step: the workers' time in the middle epochs of a run of
 640 images, ``--batches-per-epoch 3 --epochs 4`` (batches of 107 images a worker;
 the first epoch traces and calibrates, the last one writes the final checkpoint);
-one run of each setting per place, on then off.
+one run of each setting per place, on then off, both in one launch.
 
     python -m bench overlap [--quick]
 """
@@ -17,20 +17,24 @@ import contextlib
 import tempfile
 from pathlib import Path
 
-from .common import bench_parser, out_dir, steady_epoch_seconds, table, train, write_csv
+from .common import bench_parser, out_dir, steady_epoch_seconds, table, train_many, write_csv
 from .netns import Skipped, emulated_cluster
 
 STEPS_PER_EPOCH, EPOCHS = 3, 4
 
 
-def steady_step_seconds(overlap: str, results: Path, epochs: int = EPOCHS,
-                        steps_per_epoch: int = STEPS_PER_EPOCH, **cluster) -> float:
-    """Seconds per step of the workers in the epochs after the first and before the last."""
-    row = train(3, ["alexnet", "--image-size", "32", "--synthetic-size", "640",
-                    "--batches-per-epoch", steps_per_epoch,
-                    "--epochs", epochs, "--eval-every", "1000", "--checkpoint-every", "1000",
-                    "--sample-interval", "0", "--overlap", overlap], results, **cluster)
-    return steady_epoch_seconds(row["run_dir"]) / steps_per_epoch
+def steady_step_seconds(results: Path, epochs: int = EPOCHS,
+                        steps_per_epoch: int = STEPS_PER_EPOCH, **cluster) -> dict:
+    """Seconds per step of the workers in the epochs after the first and before the
+    last, with --overlap on and off (on first; one launch: start-up paid once), by
+    setting."""
+    found = train_many(3, {overlap: [
+        "alexnet", "--image-size", "32", "--synthetic-size", "640", "--batches-per-epoch",
+        steps_per_epoch, "--epochs", epochs, "--eval-every", "1000", "--checkpoint-every",
+        "1000", "--sample-interval", "0", "--overlap", overlap] for overlap in ("on", "off")},
+        results, **cluster)
+    return {overlap: steady_epoch_seconds(row["run_dir"]) / steps_per_epoch
+            for overlap, row in found.items()}
 
 
 def main(argv=None, out=None) -> dict:
@@ -46,9 +50,8 @@ def main(argv=None, out=None) -> dict:
                 else contextlib.nullcontext({})
             try:
                 with cluster as launch:
-                    seconds = {overlap: steady_step_seconds(
-                        overlap, Path(tmp) / f"{len(rows)}-{overlap}", epochs, steps, **launch)
-                        for overlap in ("on", "off")}
+                    seconds = steady_step_seconds(Path(tmp) / str(len(rows)), epochs, steps,
+                                                  **launch)
             except Skipped as why:
                 print(f"{where}: skipped: {why}")
                 continue

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple, Tuple
 
 from .common import (bench_parser, mnist_dir, out_dir, print_checks, run_table,
-                     steady_epoch_seconds, table, timing, train, write_csv)
+                     steady_epoch_seconds, table, timing, train_many, write_csv)
 from .netns import Skipped, emulated_cluster, skipped
 
 LINK = "1gbit"
@@ -58,7 +58,7 @@ class Case(NamedTuple):
     options: List[str]  # 3-5 epochs: a steady state between the first and last
     pays: bool  # the issue expects a speed-up (judged where the model says links bind)
     accuracy: bool = False  # real data: test accuracy compared with one server's
-    servers: Tuple[int, ...] = (1, 2, 3)  # the K measured (--quick: SERVERS_QUICK)
+    servers: Tuple[int, ...] = (1, 2, 3)  # the K measured
 
 
 MODELS = {
@@ -73,8 +73,7 @@ MODELS = {
                    str(WORKERS * 32 * 8), "--epochs", "4"], False, servers=(1, 3)),
 }
 QUICK = {"lr": Case([*SYNTHETIC, "--batch-size", "16", "--synthetic-size",
-                     str(WORKERS * 16 * 2), "--epochs", "3"], False)}
-SERVERS_QUICK = (1, 2)
+                     str(WORKERS * 16 * 2), "--epochs", "3"], False, servers=(1, 2))}
 SPEEDUP_SHARE = 0.8  # of K, the issue's target where the links bind
 NO_SLOWER = 0.9  # K / one server where sharding does not pay: equal within the noise
 ACCURACY_PP = 1.0
@@ -163,13 +162,19 @@ def link_use(row: dict, hosts: List[str]) -> float:
     return round(busiest * 1e6 / (float(row["wall_time_s"]) * LINK_BYTES_PER_S), 2)
 
 
-def run_case(model: str, options: List[str], servers: int, cluster: dict,
-             tmp: Path) -> dict:
-    """One run of ``model`` with ``servers`` servers: its row of servers.csv."""
-    row = train(servers + WORKERS, [model, *options, "--async", "--servers", servers,
-                                    *COMMON, "--data-dir", mnist_dir()],
-                tmp / f"{model}-{servers}", hostfile=hostfile(tmp, servers),
-                mpirun_args=[*cluster["mpirun_args"], *PROGRESS_THREAD])
+def runs_at(servers: int, models: Dict[str, "Case"], cluster: dict, tmp: Path) -> List[dict]:
+    """Every model's run with ``servers`` servers, in one launch (one placement per K:
+    start-up paid once): their rows of servers.csv."""
+    runs = {model: [model, *case.options, "--async", "--servers", servers, *COMMON,
+                    "--data-dir", mnist_dir()] for model, case in models.items()}
+    found = train_many(servers + WORKERS, runs, tmp / f"servers-{servers}",
+                       hostfile=hostfile(tmp, servers),
+                       mpirun_args=[*cluster["mpirun_args"], *PROGRESS_THREAD])
+    return [row_of(model, servers, found[model]) for model in runs]
+
+
+def row_of(model: str, servers: int, row: Dict[str, str]) -> dict:
+    """One run's row of servers.csv from its runs.csv row and files."""
     where = placement(row["run_dir"], servers)
     got = measured(row, servers)
     rate, bound = predicted_updates_per_s(WORKERS, servers, got["push_mb"] * 1e6,
@@ -228,12 +233,13 @@ def main(argv=None, out=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             with emulated_cluster(LINK, nodes=SERVER_NODES + WORKERS) as cluster:
-                for model, case in models.items():
-                    for servers in SERVERS_QUICK if args.quick else case.servers:
-                        rows.append(run_case(model, case.options, servers, cluster, Path(tmp)))
+                for servers in sorted({k for case in models.values() for k in case.servers}):
+                    rows += runs_at(servers, {m: c for m, c in models.items()
+                                              if servers in c.servers}, cluster, Path(tmp))
         except Skipped as why:
             return skipped("servers", why)
-    rows = with_ratios(rows)
+    rows = with_ratios(sorted(rows, key=lambda r: (list(models).index(r["model"]),
+                                                   r["servers"])))
     write_csv(out / "servers.csv", rows)
     print(table(rows, list(rows[0])))
     checks = checks_of(rows, models)
