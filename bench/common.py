@@ -15,6 +15,8 @@ from typing import Callable, Dict, List
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
 DEFAULT_MNIST = REPO.parent / "shared" / "data" / "mnist"
+#: runs several mpitrain command lines in one launch (the suite's own helper)
+RUNS_IN_ONE_LAUNCH = REPO / "tests" / "helpers" / "cli_runs.py"
 
 
 def bench_parser(name: str, doc: str, quick_help: str = "a few steps each (smoke)"):
@@ -89,14 +91,42 @@ def train(np_: int, args: List[str], results: Path, timeout: float = 3600,
     """One real ``mpirun ... python -m mpitrain ARGS`` run; returns its runs.csv row
     (plus ``run_dir``). Raises if the run fails."""
     results.mkdir(parents=True, exist_ok=True)
+    launch_mpitrain(np_, ["-m", "mpitrain", *map(str, args), "--results-dir", str(results),
+                          "--quiet"], timeout, hostfile, mpirun_args, python)
+    return last_run(results)
+
+
+def train_many(np_: int, runs: Dict[str, List[str]], results: Path, timeout: float = 3600,
+               hostfile: Path = LOCAL_HOSTFILE, mpirun_args: List[str] = (),
+               python: str = sys.executable) -> Dict[str, Dict[str, str]]:
+    """Real ``python -m mpitrain ARGS`` runs ({name: ARGS}) in order in one ``mpirun``
+    launch (one MPI job, one TensorFlow import per rank: start-up is paid once, not per
+    run; a run's own timings start at its first step as always), each writing to
+    ``results/name``; ``timeout`` is per run. Returns each run's runs.csv row (plus
+    ``run_dir``) by name; raises if a run fails."""
+    results.mkdir(parents=True, exist_ok=True)
+    spec = [[*map(str, args), "--results-dir", str(results / name), "--quiet"]
+            for name, args in runs.items()]
+    (results / "runs.json").write_text(json.dumps(spec))
+    launch_mpitrain(np_, [str(RUNS_IN_ONE_LAUNCH), str(results / "runs.json")],
+                    timeout * len(runs), hostfile, mpirun_args, python)
+    return {name: last_run(results / name) for name in runs}
+
+
+def launch_mpitrain(np_: int, program: List[str], timeout: float, hostfile: Path,
+                    mpirun_args: List[str], python: str) -> None:
+    """``mpirun ... python PROGRAM`` on ``np_`` ranks; raise with its error if it fails."""
     cmd = ["mpirun", "-q", *mpirun_args, "-np", str(np_), "-hostfile", str(hostfile),
-           python, "-m", "mpitrain", *map(str, args), "--results-dir", str(results),
-           "--quiet"]
+           python, *program]
     result = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), cwd=REPO,
                             timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n"
                            f"{result.stderr[-2000:]}")
+
+
+def last_run(results: Path) -> Dict[str, str]:
+    """The last row of ``results``/runs.csv, with its ``run_dir``."""
     with open(results / "runs.csv", newline="") as f:
         row = list(csv.DictReader(f))[-1]
     return {**row, "run_dir": str(results / row["run"])}
