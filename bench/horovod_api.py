@@ -22,18 +22,21 @@ The order: for each rank count, ``--rounds`` rounds (default 1); a round runs th
 sides one after another in the order above (never two at once), and each side's launch
 times the models in ``--models`` order (LeNet, ResNet-20, AlexNet), so every side's
 figure of a model follows the same models in its process. A model's four figures are
-therefore a few minutes apart (one side's launch of every model between two sides),
-not back to back; with several rounds each model keeps its median round per side.
+therefore not back to back: a whole launch of every model (about 50 s at -np 2)
+separates two sides' figures of it. With several rounds each model keeps its median
+round per side. (Until 2026-11-27 each model and side was its own launch, the sides of
+one model back to back: 12 launches at -np 2 instead of 4, each ~7-8 s of start-up.)
 
 The first three run bench/horovod_step.py, Horovod's tensorflow2_synthetic_benchmark.py
 in shape: one fixed batch of 64 per rank, a ``tf.function`` step with a
 DistributedGradientTape and the model's optimizer (mpitrain's per-model default), the
 variables broadcast after the first step, warm-up steps, then timed iterations of a
-few steps each (each model from its own first step: its docstring says what the models
-of one process share); rank 0 reports the mean images/s of a rank and x ranks in total. Every
-side runs oneDNN's kernels (TF_ENABLE_ONEDNN_OPTS=1), ``mpirun --bind-to none``, and
-TensorFlow's threads as mpitrain.horovod's init sets them (the host's cores shared
-among its ranks, one inter-op thread; the Horovod side sets the same itself).
+few steps each (each model from its own first step: its docstring says what the
+models of one process share); rank 0 reports the mean images/s of a rank and x ranks
+in total. Every side runs oneDNN's kernels (TF_ENABLE_ONEDNN_OPTS=1), ``mpirun
+--bind-to none``, and TensorFlow's threads as mpitrain.horovod's init sets them (the
+host's cores shared among its ranks, one inter-op thread; the Horovod side sets the
+same itself).
 
 Targets (issue 42): mpitrain.horovod's total images/s >= 1.5x Horovod's on LeNet and
 ResNet-20 and >= 1.0x on AlexNet (the same environment, TensorFlow 2.18), and within
@@ -75,8 +78,8 @@ def step_side(side: str, models: List[str], np_: int, quick: bool) -> Dict[str, 
     python = sys.executable if side == "mpitrain.horovod" else horovod_python()
     api = "horovod" if side == "horovod" else "mpitrain"
     cmd = ["mpirun", "-q", "--bind-to", "none", "-np", str(np_), "-hostfile",
-           str(LOCAL_HOSTFILE), python, str(REPO / "bench" / "horovod_step.py"), "--api", api,
-           "--model", ",".join(models), "--batch-size", str(BATCH),
+           str(LOCAL_HOSTFILE), python, str(REPO / "bench" / "horovod_step.py"),
+           "--api", api, "--model", ",".join(models), "--batch-size", str(BATCH),
            "--image-size", listed(image), "--warmup", listed(c[0] for c in counts),
            "--iters", listed(c[1] for c in counts),
            "--batches-per-iter", listed(c[2] for c in counts)]
@@ -173,8 +176,9 @@ def main(argv=None, out=None) -> dict:
                                  "conf_95": (None if m.get("img_sec_conf") is None
                                              else round(m["img_sec_conf"], 1)),
                                  "tensorflow": m.get("tensorflow", ""),
-                                 "rounds": " ".join(f"{r[side][model]['img_sec_total']:.1f}"
-                                                    for r in rounds)})
+                                 "rounds": " ".join(
+                                     f"{r[side][model]['img_sec_total']:.1f}"
+                                     for r in rounds)})
                 checks_by[model, np_] = checks_of(model, np_, got, args.quick)
     # by model, then rank count (the table's order since before the launches were shared)
     order = [(model, np_) for model in models for np_ in counts]

@@ -56,7 +56,8 @@ def per_model(option: str) -> list:
     if len(values) == 1:
         values *= len(MODELS)
     if len(values) != len(MODELS):
-        p.error(f"--{option.replace('_', '-')}: {len(values)} values for {len(MODELS)} models")
+        p.error(f"--{option.replace('_', '-')}: {len(values)} values for "
+                f"{len(MODELS)} models")
     return values
 
 
@@ -79,7 +80,8 @@ def main() -> None:
     hvd.init()
     if args.api == "horovod":  # the threads mpitrain.horovod's init gives a rank
         cpus = len(os.sched_getaffinity(0))
-        tf.config.threading.set_intra_op_parallelism_threads(max(1, cpus // hvd.local_size()))
+        tf.config.threading.set_intra_op_parallelism_threads(
+            max(1, cpus // hvd.local_size()))
         tf.config.threading.set_inter_op_parallelism_threads(1)
 
     for i, case in enumerate(CASES):
