@@ -6,7 +6,8 @@ one parameter server and two workers over gRPC on localhost), the same model,
 data, per-worker batch, number of applied updates and (unscaled) learning rate.
 Epoch time excludes process start-up on both sides. Target: mpitrain <= 0.5x
 PSS's epoch time at equal accuracy (within 1 pp). PSS runs as TensorFlow ships
-and with oneDNN's kernels, which mpitrain uses (see ``bench engines``). LR runs 5
+and with oneDNN's kernels, which mpitrain uses (once where they are one configuration:
+see ``bench engines``). LR runs 5
 epochs, LeNet 2; mpitrain's runs share one launch.
 
     python -m bench async_engines [--quick]
@@ -18,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from .common import bench_parser, out_dir, print_checks, table, write_csv
-from .engines import comparison, engine_row, mpitrain_runs, tf_baseline
+from .engines import as_shipped_and_onednn, comparison, engine_row, mpitrain_runs
 
 CASES = {
     "lr": (["--epochs", "5", "--batch-size", "100"],
@@ -44,9 +45,8 @@ def main(argv=None, out=None) -> dict:
         for model in models:
             mine, theirs = ours[model], CASES[model][1]
             rows.append(engine_row(model, "mpitrain-async", mine))
-            for name, onednn in (("ParameterServerStrategy", False),
-                                 ("ParameterServerStrategy-onednn", True)):
-                pss = tf_baseline("ps", model, theirs, args.quick, onednn=onednn)
+            for name, pss in as_shipped_and_onednn("ParameterServerStrategy", "ps", model,
+                                                   theirs, args.quick).items():
                 rows.append(engine_row(model, name, pss))
                 checks += comparison("async_engines", f"{model}: mpitrain async / {name}",
                                      mine, pss, TARGET, 1, args.quick)

@@ -149,7 +149,7 @@ def main(argv=None, out=None) -> dict:
         print(f"-np {row['np']}: mpitrain server / raw MPI bound = {row['ratio']:.2f} "
               f"(target >= {TARGET}: {verdict})")
 
-    epochs = 3 if args.quick else 30
+    epochs = 3 if args.quick else 15
     launches = (3,) if args.quick else (3, 4)
     timing = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -59,7 +59,7 @@ def measure(how: str) -> dict:
 
 def main(argv=None, out=None) -> dict:
     parser = bench_parser("startup", __doc__, "1 repeat (smoke)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
     found = {name: [] for name in IMPORTS}
