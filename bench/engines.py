@@ -113,12 +113,11 @@ def as_shipped_and_onednn(name: str, strategy: str, model: str, options: List[st
 def mpitrain_runs(cases: Dict[str, List[str]], quick: bool, results: Path, *extra,
                   python: str = sys.executable) -> Dict[str, dict]:
     """One mpitrain run with two workers of each model in ``cases`` ({model: its
-    options}), in one launch (start-up
-    paid once; each run is timed from its first step), by model. Each evaluates once,
-    at the end, like the TensorFlow baselines (by default it would evaluate every
-    epoch); its wall time, like theirs, runs to the last update, and
-    ``after_last_step_s`` is the rest (our final evaluation and checkpoint: runs.csv's
-    ``finish_s``; theirs: evaluation)."""
+    options}), all in one launch (start-up paid once; each run is timed from its first
+    step), by model. Each evaluates once, at the end, like the TensorFlow baselines (by
+    default it would evaluate every epoch); its wall time, like theirs, runs to the
+    last update, and ``after_last_step_s`` is the rest (our final evaluation and
+    checkpoint: runs.csv's ``finish_s``; theirs: evaluation)."""
     runs = {}
     for model, args in cases.items():
         runs[model] = [model, *args, *(QUICK[model] if quick else []), "--data-dir",

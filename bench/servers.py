@@ -162,7 +162,7 @@ def link_use(row: dict, hosts: List[str]) -> float:
     return round(busiest * 1e6 / (float(row["wall_time_s"]) * LINK_BYTES_PER_S), 2)
 
 
-def runs_at(servers: int, models: Dict[str, "Case"], cluster: dict, tmp: Path) -> List[dict]:
+def runs_at(servers: int, models: Dict[str, Case], cluster: dict, tmp: Path) -> List[dict]:
     """Every model's run with ``servers`` servers, in one launch (one placement per K:
     start-up paid once): their rows of servers.csv."""
     runs = {model: [model, *case.options, "--async", "--servers", servers, *COMMON,
