@@ -104,13 +104,20 @@ def train_many(np_: int, runs: Dict[str, List[str]], results: Path, timeout: flo
     run; a run's own timings start at its first step as always), each writing to
     ``results/name``; ``timeout`` is per run. Returns each run's runs.csv row (plus
     ``run_dir``) by name; raises if a run fails."""
+    launch_mpitrain(np_, runs_in_one_launch(runs, results), timeout * len(runs), hostfile,
+                    mpirun_args, python)
+    return {name: last_run(results / name) for name in runs}
+
+
+def runs_in_one_launch(runs: Dict[str, List[str]], results: Path) -> List[str]:
+    """The program (after ``python``) that runs ``runs`` ({name: ``mpitrain`` ARGS}) in
+    order in one launch, each with ``--results-dir results/name --quiet``: the suite's
+    cli_runs helper and the RUNS.json it reads, written into ``results``."""
     results.mkdir(parents=True, exist_ok=True)
     spec = [[*map(str, args), "--results-dir", str(results / name), "--quiet"]
             for name, args in runs.items()]
     (results / "runs.json").write_text(json.dumps(spec))
-    launch_mpitrain(np_, [str(RUNS_IN_ONE_LAUNCH), str(results / "runs.json")],
-                    timeout * len(runs), hostfile, mpirun_args, python)
-    return {name: last_run(results / name) for name in runs}
+    return [str(RUNS_IN_ONE_LAUNCH), str(results / "runs.json")]
 
 
 def launch_mpitrain(np_: int, program: List[str], timeout: float, hostfile: Path,

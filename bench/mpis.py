@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from .common import (LOCAL_HOSTFILE, REPO, RUNS_IN_ONE_LAUNCH, bench_parser, last_json_line,
-                     mnist_dir, mpi_env, on_every_rank, table, timing, write_csv)
+from .common import (LOCAL_HOSTFILE, REPO, bench_parser, last_json_line, mnist_dir,
+                     mpi_env, on_every_rank, runs_in_one_launch, table, timing, write_csv)
 
 #: implementation key -> its Python (the system's Open MPI runs under this one's)
 ENVIRONMENTS = {"openmpi4": Path(sys.executable), "openmpi5": REPO / ".venv-openmpi5/bin/python",
@@ -126,11 +126,8 @@ def train_in_one_launch(runner, python: Path, np_: int, runs: List[Tuple[str, Li
                         where: Path) -> Dict[str, float]:
     """Run each (name, mpitrain arguments) of ``runs`` in order in one launch of ``np_``
     ranks; seconds per epoch of each, by name."""
-    where.mkdir(parents=True, exist_ok=True)
-    spec = [[*argv, "--quiet", "--data-dir", mnist_dir(), "--results-dir", str(where / name)]
-            for name, argv in runs]
-    (where / "runs.json").write_text(json.dumps(spec))
-    launch(runner, np_, python, [RUNS_IN_ONE_LAUNCH, where / "runs.json"])
+    launch(runner, np_, python, runs_in_one_launch(
+        {name: [*argv, "--data-dir", mnist_dir()] for name, argv in runs}, where))
     return {name: epoch_seconds(where / name) for name, _ in runs}
 
 
