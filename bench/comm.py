@@ -4,11 +4,8 @@ gradient sizes, -np 2/3/4.
 For each size and process count, side by side in one job (5 interleaved rounds,
 the median of each): mpitrain's
 ``Comm.allreduce_sum_`` (the sync hot path: MPI's blocking allreduce under a
-watchdog where every rank has a core, else nonblocking with a yield-then-sleep wait;
-the choice ``--allreduce-wait auto`` makes on an idle host, asked of
-``mpitrain.comm.spins`` without the load average: the load the previous benchmark
-leaves would make auto poll at -np 2, and this benchmark measures the hot path, not
-that choice),
+watchdog where every rank has a core, else nonblocking with a yield-then-sleep wait:
+the choice ``--allreduce-wait auto`` makes, other processes' load counted),
 a raw mpi4py ``Allreduce(IN_PLACE)`` on the same buffer, and (one process) a
 memcpy of the same size. Bus bandwidth = 2 (N-1) / N x bytes / time, the
 standard measure (what each rank must move in a ring allreduce).
@@ -72,14 +69,10 @@ def _seconds_per_call(raw, fn, reps: int) -> float:
 def rank_side(seconds: float, sizes) -> None:
     from mpi4py import MPI
 
-    from mpitrain.comm import Comm, spins
+    from mpitrain.comm import Comm
 
     raw = MPI.COMM_WORLD
-    ranks = raw.Get_size()  # (all on this one host: the bench's hostfile)
-    idle_host_spins = spins("auto", [MPI.Get_processor_name()] * ranks,
-                            [os.cpu_count() or 1] * ranks,
-                            [MPI.Query_thread() == MPI.THREAD_MULTIPLE] * ranks)
-    comm = Comm.world(timeout=600, allreduce_wait="spin" if idle_host_spins else "poll")
+    comm = Comm.world(timeout=600)  # as a sync worker: --allreduce-wait auto
     out = {}
     for name in sizes:
         buf = np.ones(SIZES[name], np.float32)

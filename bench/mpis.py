@@ -17,8 +17,9 @@ mpirun starting its own environment's Python (.venv with the system's Open MPI,
 
 Each round runs every implementation in turn, so that a change of the host's load falls
 on all of them; a figure is the median over the rounds (one round by default, to keep
-``bench all`` short: ``--rounds 3`` for a median). The host's load average is
-recorded before each launch. Every figure is also given as a ratio to the best
+``bench all`` short: ``--rounds 3`` for a median). The cores other processes kept busy
+as each -np 3 launch started (what auto counts: its async run's config.json) are
+recorded. Every figure is also given as a ratio to the best
 implementation's; the target is that none is more than 10% slower than the best (each
 ratio <= 1.10), and that the wait auto picks is within 10% of the faster one.
 
@@ -131,13 +132,21 @@ def train_in_one_launch(runner, python: Path, np_: int, runs: List[Tuple[str, Li
     return {name: epoch_seconds(where / name) for name, _ in runs}
 
 
-def auto_wait(np_: int, load: float) -> str:
-    """The wait --allreduce-wait auto picks for a job of ``np_`` ranks on this host under
-    a load average of ``load``."""
+def auto_wait(np_: int, others_busy: float) -> str:
+    """The wait --allreduce-wait auto picks for the sync workers of a job of ``np_``
+    ranks on this host while other processes keep ``others_busy`` cores busy."""
     from mpitrain.comm import spins
 
-    return "spin" if spins("auto", ["here"] * np_, [os.cpu_count() or 1] * np_,
-                           [True] * np_, [load] * np_) else "poll"
+    workers = np_ - 1  # the server does not join the allreduce (Comm._decide_waits)
+    return "spin" if spins("auto", ["here"] * workers, [os.cpu_count() or 1] * workers,
+                           [True] * workers, [others_busy] * workers) else "poll"
+
+
+def others_busy(run_dir: Path) -> float:
+    """The most cores other processes kept busy on a rank's host as the run in
+    ``run_dir`` started (its config.json; 0 where none was measured)."""
+    config = json.loads(next(run_dir.glob("*/config.json")).read_text())
+    return max(rank.get("others_busy_cores") or 0.0 for rank in config["ranks"])
 
 
 def models(np_: int, quick: bool) -> Tuple[str, ...]:
@@ -147,9 +156,9 @@ def models(np_: int, quick: bool) -> Tuple[str, ...]:
 
 def round_of(runner, python: Path, round_: int, quick: bool, out: Path, load: list) -> dict:
     """One implementation's launches of one round: the allreduce at -np 2, then the
-    training runs at -np 3 (and, unless ``quick``, 4); seconds by measure."""
+    training runs at -np 3 (and, unless ``quick``, 4); seconds by measure. Appends to
+    ``load`` the cores others kept busy as the -np 3 launch's async run started."""
     figures = {}
-    load.append(os.getloadavg()[0])
     raw = last_json_line(launch(runner, 2, python, ["-m", "bench.mpis", "--rank-side",
                                                     "50" if quick else "500"]))
     figures["rank sessions"] = raw.pop("sessions")
@@ -164,10 +173,10 @@ def round_of(runner, python: Path, round_: int, quick: bool, out: Path, load: li
                      for wait in waits]
             if np_ == 3:
                 runs.append((f"{model} async", [model, *size, "--async"]))
-        load.append(os.getloadavg()[0])
-        figures.update(train_in_one_launch(runner, python, np_, runs,
-                                           out / "mpis-runs" / f"{runner.impl.key}-r{round_}"
-                                           / f"np{np_}"))
+        where = out / "mpis-runs" / f"{runner.impl.key}-r{round_}" / f"np{np_}"
+        figures.update(train_in_one_launch(runner, python, np_, runs, where))
+        if np_ == 3:
+            load.append(others_busy(where / runs[-1][0]))
     return figures
 
 
@@ -204,7 +213,7 @@ def main(argv=None, out: Path = None) -> dict:
                               "spin s/epoch": round(spin, 3), "poll s/epoch": round(poll, 3),
                               "poll / spin": round(poll / spin, 2),
                               "auto picks": auto_wait(np_, statistics.median(load[key])),
-                              "load average": f"{min(load[key]):.1f}-{max(load[key]):.1f}"})
+                              "others' busy cores": f"{min(load[key]):.2f}-{max(load[key]):.2f}"})
         rows.append(row)
     checks = ratio_checks(rows) + wait_checks(waits)
     write_csv(out / "mpis.csv", rows)

@@ -120,7 +120,7 @@ class SyncSettings:
         "allreduce, the fastest when every rank has a core; a watchdog thread holds "
         "--timeout), poll (test, yield the core, then sleep: for hosts with more ranks "
         "than cores), or auto (spin only where every host has a core to spare for each "
-        "of its ranks, its load average counted)",
+        "of its workers, the cores other processes keep busy counted)",
         "auto", flag="--allreduce-wait", choices=ALLREDUCE_WAITS)
     overlap: str = option(
         "sync only: allreduce the gradient in buckets of --bucket-mb, each one started "

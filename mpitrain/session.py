@@ -86,7 +86,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
         console.note(f"--outputs probabilities, but the outputs of {cfg.model} are not "
                      "probabilities (rows that sum to 1): they are taken as probabilities as "
                      "they are (end it with a softmax, or pass --outputs logits)")
-    ranks = comm.allgather_objects(rank_facts(threads))
+    ranks = comm.allgather_objects(rank_facts(threads, comm))
     hint = onednn_hint(ranks)
     if hint:
         console.note(hint)
@@ -397,15 +397,20 @@ def place_on_cpus(cfg: Config, comm: Comm) -> int:
     return max(1, cpus // max(1, len(comm.workers_on_host())))
 
 
-def rank_facts(threads: int) -> dict:
-    """What each rank reports about itself for config.json (and version checks)."""
+def rank_facts(threads: int, comm: Comm) -> dict:
+    """What each rank reports about itself for config.json (and version checks); among
+    it how a trainer waits in the workers' allreduce (``allreduce_wait``: spin or poll,
+    None on a server) and the others' load that decided it (``others_busy_cores``)."""
     import numpy
     import tensorflow as tf
 
+    workers = comm.workers
     facts = {"host": platform.node(), "pid": os.getpid(), "threads": threads,
              "python": platform.python_version(), "tensorflow": tf.__version__,
              "numpy": numpy.__version__, "mpitrain": __version__,
-             "onednn": onednn_enabled()}
+             "onednn": onednn_enabled(),
+             "allreduce_wait": None if workers is None else
+             "spin" if workers.spinning else "poll", "others_busy_cores": comm.others_busy}
     facts.update(library_versions())
     return facts
 

@@ -16,6 +16,7 @@ from ..bounds import Bounds
 from ..errors import CommTimeout, MpitrainError
 from ..half import mean_rows_, widen_
 from .failures import FailureListener
+from .load import others_busy_cores
 from .objects import ObjectExchanges
 from .runtime import Role, _load_mpi
 from .traffic import Traffic
@@ -72,6 +73,9 @@ class Comm(ObjectExchanges):
         self.pids: List[int] = []
         #: the run's parameter servers, ranks 0..servers-1 (async --servers; see role)
         self.servers = 1
+        #: cores other processes kept busy on this rank's host as the job started
+        #: (world only; None where it was not measured: see _decide_waits)
+        self.others_busy: Optional[float] = None
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -89,19 +93,34 @@ class Comm(ObjectExchanges):
         # names and what decides how ranks wait (see spins), by a bounded allgather.
         bootstrap = cls(c, timeout, Traffic(), [MPI.Get_processor_name()] * c.Get_size(),
                         range(c.Get_size()))
-        names, nodes, pids, cpus, thread_multiple, loads = zip(*bootstrap.allgather_objects(
+        names, nodes, pids, cpus, thread_multiple = zip(*bootstrap.allgather_objects(
             (MPI.Get_processor_name(), bootstrap._node_leader(), os.getpid(),
-             os.cpu_count() or 1, MPI.Query_thread() == MPI.THREAD_MULTIPLE,
-             os.getloadavg()[0]), kind="control"))
+             os.cpu_count() or 1, MPI.Query_thread() == MPI.THREAD_MULTIPLE), kind="control"))
         hosts = node_names(names, nodes)
         world = cls(c, timeout, bootstrap.traffic, hosts, range(c.Get_size()))
         world.pids = list(pids)
         world._workers = world._split_workers()
-        if spins(allreduce_wait, hosts, cpus, thread_multiple, loads):
-            for comm in (world, world._workers):  # (the same object at -np 1)
-                if comm is not None:
-                    comm._spin = spin_watch(comm.name(comm.rank))
+        world._decide_waits(allreduce_wait, cpus, thread_multiple)
         return world
+
+    def _decide_waits(self, allreduce_wait: str, cpus: Sequence[int],
+                      thread_multiple: Sequence[bool]) -> None:
+        """Which of the world's and the workers' communicators spin in the allreduce
+        (:func:`spins`). The workers' counts the workers alone: the sync
+        server does not join their allreduce and, while they train, runs at the lowest
+        priority (:mod:`mpitrain.train.priority`). Other processes' load is measured
+        only where it can change the answer, every rank sleeping at once for it
+        (:func:`.load.others_busy_cores`). Collective over the world: every rank
+        computes both answers from the same gathered values."""
+        ranks = {"world": slice(None), "workers": slice(1 if self.size > 1 else 0, None)}
+        args = {name: (self.hosts[r], cpus[r], thread_multiple[r]) for name, r in ranks.items()}
+        loads = [0.0] * self.size
+        if allreduce_wait == "auto" and any(spins("auto", *a) for a in args.values()):
+            self.others_busy = others_busy_cores()
+            loads = self.allgather_objects(self.others_busy, kind="control")
+        for comm, name in ((self, "world"), (self._workers, "workers")):
+            if comm is not None and spins(allreduce_wait, *args[name], loads[ranks[name]]):
+                comm._spin = spin_watch(comm.name(comm.rank))
 
     def _node_leader(self) -> int:
         """The lowest rank of this rank's node: of MPI_Comm_split_type(SHARED), the ranks
@@ -142,6 +161,12 @@ class Comm(ObjectExchanges):
     def workers(self) -> Optional["Comm"]:
         """The training ranks' communicator; None on the parameter server."""
         return self._workers
+
+    @property
+    def spinning(self) -> bool:
+        """Whether this rank waits inside MPI's blocking allreduce on this communicator
+        (see :func:`spins`) rather than polling."""
+        return self._spin is not None
 
     @property
     def mpi4py_comm(self):
@@ -449,22 +474,22 @@ def spins(allreduce_wait: str, hosts: Sequence[str], cpus: Sequence[int],
           thread_multiple: Sequence[bool], loads: Optional[Sequence[float]] = None) -> bool:
     """Whether the ranks wait in the allreduce inside MPI's blocking call (``spin``) rather
     than polling, from every rank's host, its host's CPU count, its MPI thread level and
-    its host's load average (1 minute, read as the job starts; None: not known, taken as
-    0): mpitrain's one wait-policy decision (the exchange planning calls it; so may anyone).
+    the cores its host's other processes keep busy (:func:`.load.others_busy_cores`,
+    measured as the job starts; None: taken as 0): mpitrain's one wait-policy decision
+    (``Comm.world`` makes it for its communicators; so may anyone).
 
-    'auto' spins only where every host has a core to spare for every rank of the job on
-    it: its ranks plus its load average fit in its cores. A spinning rank keeps a core
-    busy for the whole wait (the blocking waits of Open MPI 4.1, Open MPI 5 and MPICH
-    all busy-poll), the core that the rank it waits for, or another busy process,
-    needs when they outnumber the cores; a polling rank yields it. Spinning saves
-    microseconds an allreduce where every rank has a core of its own, and costs whole
-    scheduler time slices where it has not (``python -m bench mpis``, docs/benchmarks.md
-    sections 1 and 16: the same on the three implementations). The load average counts
-    this job's own ranks only in part as it starts, and counting them twice errs
-    towards polling, the cheaper mistake. 'poll' never spins; neither does any choice
-    without MPI_THREAD_MULTIPLE on every rank (the watchdog's heartbeats and failure
-    report are MPI calls from a second thread). The same answer on every rank, as the
-    ranks of one allreduce must all make the same call.
+    'auto' spins only where every host has a core to spare for every rank of the
+    communicator on it: its ranks plus the others' busy cores fit in its cores. A
+    spinning rank keeps a core busy for the whole wait (the blocking waits of Open MPI
+    4.1, Open MPI 5 and MPICH all busy-poll), the core that the rank it waits for, or
+    another busy process, needs when they outnumber the cores; a polling rank yields
+    it. Spinning saves microseconds an allreduce where every rank has a core of its
+    own, and costs whole scheduler time slices where it has not (``python -m bench
+    mpis``, docs/benchmarks.md sections 1 and 16: the same on the three
+    implementations). 'poll' never spins; neither does any choice without
+    MPI_THREAD_MULTIPLE on every rank (the watchdog's heartbeats and failure report are
+    MPI calls from a second thread). The same answer on every rank, as the ranks of one
+    allreduce must all make the same call.
     """
     if allreduce_wait == "poll" or not all(thread_multiple):
         return False

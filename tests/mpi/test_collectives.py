@@ -102,6 +102,27 @@ def test_allreduce_sum_is_the_exact_sum_on_every_rank_however_ranks_wait(comm, w
     assert sum(t.name == "mpitrain blocking-call watchdog" for t in threading.enumerate()) <= 1
 
 
+def test_auto_waits_count_the_workers_and_the_load_measured_as_the_job_starts(comm):
+    """--allreduce-wait auto: the workers' communicator spins exactly where the workers
+    alone (rank 0, the sync server, does not join their allreduce) plus the load every
+    rank measured fit in their hosts' cores; the world's counts every rank."""
+    import os
+
+    from mpitrain.comm import spins
+
+    world = Comm.world(timeout=TIMEOUT)
+    facts = world.allgather_objects((os.cpu_count() or 1, world.others_busy,
+                                     world.workers is not None and world.workers.spinning))
+    cpus, loads = [f[0] for f in facts], [f[1] or 0.0 for f in facts]
+    first = 1 if world.size > 1 else 0
+    expected = spins("auto", world.hosts[first:], cpus[first:], [True] * len(cpus[first:]),
+                     loads[first:])
+    assert [f[2] for f in facts[first:]] == [expected] * (world.size - first)
+    assert world.spinning == spins("auto", world.hosts, cpus, [True] * world.size, loads)
+    if world.size == 3 and len(set(world.hosts)) == 1 and cpus[0] == 2 and not any(loads):
+        assert expected and not world.spinning  # -np 3 on 2 idle cores: 2 workers fit
+
+
 def test_a_rank_spinning_in_the_allreduce_keeps_calling_while_waiting(comm):
     """A late rank: the others wait inside MPI's blocking allreduce, and the watchdog
     calls their while_waiting about once a second meanwhile (the sync workers'

@@ -125,7 +125,7 @@ def test_a_beat_given_late_is_not_followed_by_another_at_once():
     ("auto", ["a", "a", "a"], [2, 2, 2], [True] * 3, None, False),  # -np 3 on 2 cores
     ("auto", ["a", "a", "b", "b"], [2, 2, 2, 2], [True] * 4, None, True),
     ("auto", ["a", "b", "b", "b"], [4, 2, 2, 2], [True] * 4, None, False),  # one host short
-    # the host's load average: other busy processes need the cores too
+    # the cores other processes keep busy: they need the cores too
     ("auto", ["a", "a"], [2, 2], [True, True], [0.4, 0.4], False),
     ("auto", ["a"] * 3, [8] * 3, [True] * 3, [1.5] * 3, True),  # 3 + 1.5 <= 8
     ("auto", ["a"] * 3, [8] * 3, [True] * 3, [12.0] * 3, False),  # a host busy with others
