@@ -98,7 +98,9 @@ def mpitrain_side(model: str, workers: int, quick: bool, results: Path) -> dict:
             "test_accuracy": float(row["test_accuracy"]), "epochs": epochs,
             "steps_per_epoch": -(-config["dataset"]["train_size"] // workers
                                  // config["config"]["batch_size"]),
-            "parameters": config["model"]["parameters"]}
+            "parameters": config["model"]["parameters"],
+            # how the workers waited in the allreduce (--allreduce-wait auto's pick)
+            "allreduce_wait": config["ranks"][-1].get("allreduce_wait") if workers > 1 else ""}
 
 
 def ddp_side(python: str, model: str, workers: int, quick: bool, compute_steps: int) -> dict:
@@ -174,7 +176,7 @@ def row(model: str, side: str, workers: int, m: dict, **extra) -> dict:
             "wall_s": rounded("wall_s", 2), "after_last_step_s": rounded("after_last_step_s"),
             "test_accuracy": rounded("test_accuracy", 4), "epochs": rounded("epochs"),
             "steps_per_epoch": rounded("steps_per_epoch", 1), "rounds_s": m.get("rounds_s", ""),
-            **extra}
+            "allreduce_wait": m.get("allreduce_wait") or "", **extra}
 
 
 def checks_of(model: str, ours: dict, theirs: dict, quick: bool) -> list:
