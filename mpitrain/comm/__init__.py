@@ -43,6 +43,7 @@ The parts, one concern each:
 * ``reductions``: buffer collectives beyond the gradient sum (min/max/product, gathers
   of parts of different lengths, broadcasts of any dtype), for :mod:`mpitrain.horovod`;
 * ``processes``: the other ranks' processes on this host (alive, kill, watch);
+* ``load``: the cores other processes keep busy on this host, for the wait policy;
 * ``shared``: memory ranks of one host share: the workers' sum, and the async
   messages' payloads;
 * ``communicator``: :class:`Comm`, which puts them together.
