@@ -109,13 +109,15 @@ class Comm(ObjectExchanges):
         (:func:`spins`). The workers' counts the workers alone: the sync
         server does not join their allreduce and, while they train, runs at the lowest
         priority (:mod:`mpitrain.train.priority`). Other processes' load is measured
-        only where it can change the answer, every rank sleeping at once for it
-        (:func:`.load.others_busy_cores`). Collective over the world: every rank
-        computes both answers from the same gathered values."""
+        only where it can change the answer for a communicator that allreduces (two ranks
+        or more), every rank sleeping at once for it (:func:`.load.others_busy_cores`).
+        Collective over the world: every rank computes both answers from the same
+        gathered values."""
         ranks = {"world": slice(None), "workers": slice(1 if self.size > 1 else 0, None)}
         args = {name: (self.hosts[r], cpus[r], thread_multiple[r]) for name, r in ranks.items()}
         loads = [0.0] * self.size
-        if allreduce_wait == "auto" and any(spins("auto", *a) for a in args.values()):
+        if allreduce_wait == "auto" and any(len(a[0]) > 1 and spins("auto", *a)
+                                            for a in args.values()):
             self.others_busy = others_busy_cores()
             loads = self.allgather_objects(self.others_busy, kind="control")
         for comm, name in ((self, "world"), (self._workers, "workers")):
