@@ -316,8 +316,8 @@ class Config:
         "XLA fuses each step's kernels, after a compilation of seconds per batch shape, "
         "but runs its own, not oneDNN's: slower for convolutional models on CPUs where "
         "oneDNN runs; a model it cannot compile falls back to graph), or "
-        "auto (graph, but models of 10M parameters or more update a flat copy of their "
-        "weights in one fused pass in C, the async server's optimizer, and assign it; "
+        "auto (graph, but the update is one fused pass in C over a flat copy of the "
+        "weights, the async server's optimizer, assigned in the next gradient step; "
         "docs/benchmarks.md section 13)", "auto",
         flag="--compile", choices=COMPILERS)
     threads: int = option(

@@ -43,7 +43,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 #: settings a resumed run may change; every other one must match the saved run
 RESUMABLE_CHANGES = ("epochs", "eval_every", "checkpoint_every", "checkpoint_steps",
-                     "quiet", "timeout", "start_timeout", "servers",
+                     "quiet", "timeout", "start_timeout", "servers", "compiler",
                      "liveness_floor",
                      "sample_interval", "threads", "keep_cpu_binding", "data_dir", "resume",
                      "steps", "dry_run")
@@ -157,18 +157,19 @@ def optimizer_mismatch(saved: Dict[str, np.ndarray], layout: Dict[str, tuple],
                        run_dir, everywhere: bool = True) -> Optional[UsageError]:
     """The error to raise when a checkpoint's optimizer state (``saved``) does not fit the
     optimizer it is resumed into (``layout``: {name: (shape, dtype)}), else None. It
-    happens to checkpoints of an mpitrain that kept the optimizer another way (Keras'
-    variables, one per weight, before the flat update of large models). ``everywhere``:
-    False where one rank alone reads the checkpoint (see :class:`MpitrainError`)."""
+    is not Keras' layout nor the flat optimizer's, which a resume converts between
+    (:meth:`mpitrain.models.replica.Replica.adapt_optimizer_state`): an edited checkpoint,
+    or one of another optimizer. ``everywhere``: False where one rank alone reads the
+    checkpoint (see :class:`MpitrainError`)."""
     have = {name: int(np.size(value)) for name, value in saved.items()}
     want = {name: int(np.prod(shape, dtype=np.int64)) for name, (shape, _) in layout.items()}
     if have == want:
         return None
     return UsageError(f"--resume {run_dir}: its checkpoint's optimizer state ({len(have)} "
                       f"variable(s), {sum(have.values()):,} values) does not fit this run's "
-                      f"optimizer ({len(want)}, {sum(want.values()):,} values): it was saved "
-                      "by a version of mpitrain that kept the optimizer another way; resume "
-                      "it with that version, or start a new run", everywhere=everywhere)
+                      f"optimizer ({len(want)}, {sum(want.values()):,} values): it was edited "
+                      "or saved for another optimizer; resume a run of this model and "
+                      "optimizer, or start a new one", everywhere=everywhere)
 
 
 def saved_config(run_dir: Path) -> dict:

@@ -1,5 +1,5 @@
 """Optimizers on one flat float32 vector: the async parameter server's update, and the
-sync workers' for large models (:data:`mpitrain.models.replica.FLAT_UPDATE_MIN`).
+sync workers' under ``--compile auto`` (:class:`mpitrain.models.replica.Replica`).
 
 The server applies every worker's gradient the moment it arrives. A Keras
 ``apply_gradients`` call costs a fixed TensorFlow dispatch whatever the model
@@ -25,7 +25,7 @@ numpy's time (docs/benchmarks.md section 17).
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
@@ -184,6 +184,74 @@ class Adam(FlatOptimizer):
 
     def slots(self):
         return {"m": self.m, "v": self.v}
+
+
+#: per-parameter slots of each optimizer (Keras keeps them per variable, in this order)
+SLOTS_PER_WEIGHT = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+def adapt_state(saved: Dict[str, np.ndarray], layout: Dict[str, tuple], name: str,
+                sizes: Sequence[int], lr: float) -> Dict[str, np.ndarray]:
+    """A checkpoint's optimizer state (``saved``: {"o0": ..., "o1": ...}, as
+    :meth:`mpitrain.models.replica.Replica.optimizer_state` names it) in ``layout``'s
+    form ({name: (shape, dtype)}) for optimizer ``name`` over variables of ``sizes``.
+
+    The two forms hold the same numbers. Keras' (``--compile graph`` and ``xla``, and
+    every model but the largest before the flat update became the default): the update
+    count, the learning rate if it is constant, then each variable's slots in turn
+    (Adam: its m, then its v). The flat optimizer's: the update count, then each slot
+    over all parameters. A Keras learning rate the flat form lacks is ``lr``, the
+    run's. ``saved`` comes back as it is if it fits ``layout`` already or is in neither
+    form (:func:`mpitrain.lifecycle.optimizer_mismatch` then says so)."""
+    per_weight = SLOTS_PER_WEIGHT[name]
+    names = [f"o{i}" for i in range(max(len(layout), len(saved)))]
+    if set(layout) | set(saved) != set(names) or [np.size(saved[n]) for n in names[:len(
+            saved)]] == [int(np.prod(layout[n][0], dtype=np.int64)) for n in names[:len(layout)]]:
+        return saved  # not o0, o1...; or it fits
+    want = [layout[n] for n in names[:len(layout)]]
+    have = [saved[n] for n in names[:len(saved)]]
+    parts = _slot_vectors(have, per_weight, sizes)
+    if parts is None:
+        return saved
+    count, rate, slots = parts
+    values = _in_form(len(want), count, lr if rate is None else rate, slots, per_weight, sizes)
+    if values is None:
+        return saved
+    return {f"o{i}": np.asarray(value, dtype).reshape(shape)
+            for i, (value, (shape, dtype)) in enumerate(zip(values, want))}
+
+
+def _slot_vectors(values: list, per_weight: int, sizes: Sequence[int]):
+    """(update count, Keras' learning rate or None, [each slot over all parameters]) of
+    a state in either form, or None if it is in neither."""
+    n_params = sum(sizes)
+    if len(values) == 1 + per_weight and all(np.size(v) == n_params for v in values[1:]):
+        return values[0], None, [np.asarray(v).reshape(-1) for v in values[1:]]
+    lead = len(values) - per_weight * len(sizes)  # the count, and the rate if constant
+    if lead not in (1, 2):
+        return None
+    body = values[lead:]
+    if any(np.size(body[i * per_weight + j]) != size
+           for i, size in enumerate(sizes) for j in range(per_weight)):
+        return None
+    slots = [np.concatenate([np.asarray(body[i * per_weight + j]).reshape(-1)
+                             for i in range(len(sizes))]) for j in range(per_weight)]
+    return values[0], values[1] if lead == 2 else None, slots
+
+
+def _in_form(length: int, count, rate, slots: list, per_weight: int,
+             sizes: Sequence[int]) -> Optional[list]:
+    """The values of a state of ``length`` entries: the flat form if that is its length,
+    else Keras' (with the rate if it has room for it); None if neither fits."""
+    if length == 1 + per_weight:
+        return [count, *slots]
+    lead = length - per_weight * len(sizes)
+    if lead not in (1, 2):
+        return None
+    offsets = np.cumsum([0, *sizes])
+    return [count, *([rate] if lead == 2 else []),
+            *(slots[j][offsets[i]:offsets[i + 1]]
+              for i in range(len(sizes)) for j in range(per_weight))]
 
 
 def make(name: str, n_params: int, lr: float, decay_steps: Optional[int] = None,

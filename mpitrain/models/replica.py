@@ -22,9 +22,11 @@ evaluated, checkpointed and compared with.
 Only ranks that apply updates (sync workers, the single rank) build the
 optimizer and its slots (``applies=True``); the sync server and every async rank
 (the async server updates with :mod:`mpitrain.models.optim`) never do. The
-optimizer is Keras', except for large models under ``compiler='auto'``
-(:data:`FLAT_UPDATE_MIN`), which update a flat copy of the weights with
-:mod:`mpitrain.models.optim`'s fused C pass and assign it to the variables.
+optimizer is Keras' under ``compiler='graph'`` and ``'xla'``; under ``'auto'`` (the
+default) it is :mod:`mpitrain.models.optim`'s fused C pass over a flat copy of the
+weights, assigned to the variables at the start of the next gradient call (see
+:meth:`Replica.apply`). Both keep the same formulas, and a checkpoint's optimizer
+state converts between their layouts (:func:`mpitrain.models.optim.adapt_state`).
 """
 
 from __future__ import annotations
@@ -159,15 +161,6 @@ def bucket_bounds(sizes, bucket_bytes: float) -> List[Tuple[int, int]]:
     return bounds
 
 
-#: parameters from which ``compiler='auto'`` updates the weights with the flat optimizer
-#: (:mod:`.optim`: one fused pass in C over a flat copy of the weights, then one
-#: assignment of every variable from it) instead of Keras' (in graph mode a temporary
-#: per operation; XLA fuses them, but still slices and splits the gradient first). The
-#: update is elementwise and memory-bound; docs/benchmarks.md section 2 has the times.
-#: Small models keep Keras' update: its one dispatch costs less than the assignment.
-FLAT_UPDATE_MIN = 10_000_000
-
-
 class Replica:
     """A model, its optimizer, and compiled step functions over flat float32 vectors.
 
@@ -198,12 +191,17 @@ class Replica:
         # workers, the single rank): the sync server and every async rank would hold
         # them for nothing (AlexNet's momentum: 244 MB per rank).
         self.applies = applies
-        flat = applies and compiler == "auto" and self.n_params >= FLAT_UPDATE_MIN
-        #: the flat optimizer of a large model (see FLAT_UPDATE_MIN), else None
+        self._optimizer_name, self._lr = optimizer, lr  # (for adapt_optimizer_state)
+        # --compile auto: the flat optimizer (one fused pass in C; Keras' update is a
+        # dispatch and a temporary per operation, in graph mode; docs/benchmarks.md
+        # section 2). XLA fuses Keras' update itself, so --compile xla keeps it.
+        flat = applies and compiler == "auto"
+        #: the flat optimizer (--compile auto), else None: Keras' optimizer updates
         self.flat_optimizer = optim.make(optimizer, self.n_params, lr, decay_steps,
                                          clip_norm) if flat else None
         self._flat_weights: Optional[np.ndarray] = None  # its copy of the weights, if current
         self._flat_tensor = None  # TensorFlow's view of that copy
+        self._assign_pending = False  # the variables lag the copy by its last update
         self.optimizer = make_optimizer(optimizer, lr, decay_steps) \
             if applies and not flat else None
         if self.optimizer is not None:
@@ -254,11 +252,12 @@ class Replica:
         def grad(x, y, tail, scale):
             return flat_grad_and_loss(x, y, scale, tail)
 
-        @step(input_signature=flat_spec + batch_spec)
-        def grad_at(flat_weights, x, y):
+        @step(input_signature=flat_spec + batch_spec + [tf.TensorSpec((None,), tf.float32),
+                                                        tf.TensorSpec((), tf.float32)])
+        def grad_at(flat_weights, x, y, tail, scale):
             for v, part in zip(variables, unflatten(flat_weights)):
                 v.assign(part)
-            return flat_grad_and_loss(x, y)
+            return flat_grad_and_loss(x, y, scale, tail)
 
         n_params = self.n_params
 
@@ -323,8 +322,14 @@ class Replica:
         The zeros give the caller room for a few status values that travel in
         the same allreduce as the gradient, at no extra message. ``scale`` (a sync
         worker's 1 / workers) is applied to the loss before differentiation: free,
-        where scaling the gradient after it is a pass over every parameter."""
-        flat, loss, norm = self._grad(x, y, self._zeros(tail), np.float32(scale))
+        where scaling the gradient after it is a pass over every parameter. After a
+        flat update (:meth:`apply`), the same call assigns the updated weights first."""
+        tail, scale = self._zeros(tail), np.float32(scale)
+        if self._assign_pending:
+            self._assign_pending = False
+            flat, loss, norm = self._grad_at(self._flat_tensor, x, y, tail, scale)
+        else:
+            flat, loss, norm = self._grad(x, y, tail, scale)
         return self._keep(flat), float(loss), float(norm)
 
     def gradient_buckets(self, bucket_bytes: float) -> List[Tuple[int, int]]:
@@ -372,6 +377,7 @@ class Replica:
         self.compiled["grad_in_buckets"] = "graph"
 
         def grad(x: np.ndarray, y: np.ndarray, scale: float) -> Tuple[np.ndarray, float, float]:
+            self._assign_updated_weights()
             view[self.n_params:] = 0.0
             loss, norm = fn(x, y, np.float32(scale))
             self._fused, self._fused_view = fused, view
@@ -401,7 +407,8 @@ class Replica:
         The async worker's step: weights arrive from the server every step, and
         assigning them inside the same compiled call saves a TensorFlow dispatch.
         """
-        flat, loss, norm = self._grad_at(flat_weights, x, y)
+        self._flat_weights, self._assign_pending = None, False  # superseded
+        flat, loss, norm = self._grad_at(flat_weights, x, y, self._zeros(0), np.float32(1))
         return self._keep(flat), float(loss), float(norm)
 
     def apply(self, flat_grad: np.ndarray) -> None:
@@ -409,8 +416,11 @@ class Replica:
 
         ``flat_grad`` may be the array :meth:`grad` returned, or its first
         ``n_params`` values, changed in place (the allreduce sums into it): that
-        buffer goes to TensorFlow without a copy. The flat optimizer (a large model,
-        see :data:`FLAT_UPDATE_MIN`) clips ``flat_grad`` in place."""
+        buffer goes to TensorFlow without a copy. The flat optimizer (``compiler=
+        'auto'``) clips ``flat_grad`` in place and updates its copy of the weights
+        only: the variables get it at the start of the next :meth:`grad`, inside that
+        call (a separate assignment would cost a dispatch per step, more than LeNet's
+        whole update), or before anything else reads them."""
         self._applying()
         if self.flat_optimizer is not None:
             self._apply_flat(flat_grad[:self.n_params])
@@ -423,13 +433,20 @@ class Replica:
             self._apply(flat_grad)
 
     def _apply_flat(self, grad: np.ndarray) -> None:
-        """The flat optimizer's update of its copy of the weights, then every variable
-        assigned from that copy (handed to TensorFlow through DLPack: no conversion)."""
+        """The flat optimizer's update of its copy of the weights; the variables are
+        assigned from that copy later (handed to TensorFlow through DLPack: no
+        conversion), see :meth:`apply`."""
         if self._flat_weights is None:  # first update, or the weights were set since
             self._flat_weights = self.weights(out=_aligned_empty(self.n_params))
             self._flat_tensor = _as_tensor(self._flat_weights)
         self.flat_optimizer.step(self._flat_weights, grad)
-        self._set_weights(self._flat_tensor)
+        self._assign_pending = True
+
+    def _assign_updated_weights(self) -> None:
+        """The variables brought up to the flat copy, if an update is not in them yet."""
+        if self._assign_pending:
+            self._assign_pending = False
+            self._set_weights(self._flat_tensor)
 
     def _applying(self) -> None:
         if not self.applies:
@@ -471,6 +488,15 @@ class Replica:
             return
         for i, v in enumerate(self.optimizer.variables):
             v.assign(state[f"o{i}"])
+
+    def adapt_optimizer_state(self, saved: Dict[str, np.ndarray],
+                              layout: Dict[str, Tuple[Tuple[int, ...], str]]
+                              ) -> Dict[str, np.ndarray]:
+        """A checkpoint's optimizer state (``saved``) in the form of ``layout`` (an
+        :meth:`optimizer_layout`, of this replica or of a rank that applies updates):
+        Keras' and the flat optimizer's hold the same numbers in different layouts
+        (:func:`mpitrain.models.optim.adapt_state`). Any rank can call it."""
+        return optim.adapt_state(saved, layout, self._optimizer_name, self.sizes, self._lr)
 
     def _state_values(self, copy: bool = True) -> list:
         """The optimizer's state in its order: Keras' variables, or the flat optimizer's
@@ -530,6 +556,11 @@ class Replica:
     def weights(self, out: Optional[np.ndarray] = None) -> np.ndarray:
         """A flat float32 copy of the trainable weights, in the fixed variable order
         (written into ``out`` if given)."""
+        if self._flat_weights is not None:  # the flat optimizer's copy is current
+            if out is None:
+                return self._flat_weights.copy()
+            np.copyto(out, self._flat_weights)
+            return out
         return np.concatenate([v.numpy().reshape(-1) for v in self.variables], out=out)
 
     def set_weights(self, flat: np.ndarray) -> None:
@@ -537,11 +568,12 @@ class Replica:
         if flat.shape != (self.n_params,):
             raise ValueError(f"expected {self.n_params} weights, got {flat.shape}")
         self._set_weights(flat)
-        self._flat_weights = None  # the flat optimizer's copy is stale
+        self._flat_weights, self._assign_pending = None, False  # the flat copy is stale
 
     # ---- evaluation -----------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> Tuple[float, float]:
         """(mean loss, accuracy) over ``x, y``."""
+        self._assign_updated_weights()
         loss_sum, correct = 0.0, 0
         for start in range(0, len(y), EVAL_BATCH):
             batch_loss, batch_correct = self._eval_batch(x[start:start + EVAL_BATCH],

@@ -109,9 +109,9 @@ def _start(ctx: Context):
     layout = mine if comm.size == 1 else next(
         found for found in comm.allgather_objects(mine) if found is not None)
     if position[0] > 0:  # resuming: the optimizer and generators continue too
-        comm.agree(optimizer_mismatch(ckpt.optimizer, layout, ctx.cfg.resume) if ckpt else None)
-        state = pack_state(ckpt.optimizer, layout) if ckpt else np.empty(packed_size(layout),
-                                                                        np.uint8)
+        saved = replica.adapt_optimizer_state(ckpt.optimizer, layout) if ckpt else None
+        comm.agree(optimizer_mismatch(saved, layout, ctx.cfg.resume) if ckpt else None)
+        state = pack_state(saved, layout) if ckpt else np.empty(packed_size(layout), np.uint8)
         comm.bcast_(state)
         if replica.applies:
             replica.set_optimizer_state(unpack_state(state, layout))

@@ -263,20 +263,31 @@ def test_resume_refuses_incompatible_settings(mnist, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_resume_refuses_an_optimizer_state_that_does_not_fit(mnist, tmp_path, mode):
-    """A checkpoint whose optimizer state is laid out otherwise (as an older mpitrain's
-    Keras variables were) is refused with one line, not a traceback."""
+def test_resume_converts_keras_optimizer_state_and_refuses_one_that_does_not_fit(
+        mnist, tmp_path, mode):
+    """Sync: a checkpoint of Keras' optimizer (--compile graph, and every mpitrain
+    before the flat update became the default) resumes under --compile auto, its state
+    converted to the flat optimizer's layout. Either mode: an optimizer state in
+    neither layout is refused with one line, not a traceback."""
     from mpitrain.lifecycle import Checkpoint
 
-    extra = ["--async"] if mode == "async" else []
+    extra = ["--async"] if mode == "async" else ["--compile", "graph"]
     first = mpirun(2, "lr", *extra, "--optimizer", "momentum", "--steps", "3", "--data-dir",
                    mnist, "--results-dir", tmp_path, "--quiet")
     assert first.returncode == 0, first.stderr[-2000:]
     run_dir = next(d for d in tmp_path.iterdir() if d.is_dir())
+    if mode == "sync":
+        keras = Checkpoint.load(run_dir).optimizer  # count, rate, one velocity per variable
+        assert [np.shape(v) for v in keras.values()] == [(), (), (784, 10), (10,)]
+        flat = mpirun(2, "lr", "--resume", run_dir, "--compile", "auto", "--steps", "6",
+                      "--quiet", timeout=120)
+        assert flat.returncode == 0, flat.stderr[-2000:]
+        state = Checkpoint.load(run_dir).optimizer
+        assert [np.shape(v) for v in state.values()] == [(), (7850,)] and state["o0"] == 6
     ckpt = Checkpoint.load(run_dir)
     ckpt.optimizer["o_kernel_momentum"] = np.zeros((784, 10), np.float32)
     ckpt.save(run_dir)
-    bad = mpirun(2, "lr", "--resume", run_dir, "--steps", "6", timeout=120)
+    bad = mpirun(2, "lr", "--resume", run_dir, "--steps", "9", timeout=120)
     assert bad.returncode == 2, bad.stderr[-2000:]
     lines = [l for l in bad.stderr.splitlines() if l.startswith("mpitrain: error")]
     assert len(lines) == 1 and "optimizer state" in lines[0] and "does not fit" in lines[0] \

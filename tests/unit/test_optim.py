@@ -31,6 +31,33 @@ def test_flat_optimizer_matches_keras(name, lr, decay, clip):
         flat.step(weights, grad)
         np.testing.assert_allclose(weights, keras_side.weights(), rtol=2e-5, atol=2e-7)
     assert flat.iterations == 5
+    # a checkpoint's optimizer state goes from either layout to the other (resuming a
+    # run saved under another --compile, or by an mpitrain that kept Keras' optimizer)
+    keras_state, keras_layout = keras_side.optimizer_state(), keras_side.optimizer_layout()
+    flat_state = {f"o{i}": np.asarray(v) for i, v in enumerate(flat.state().values())}
+    flat_layout = {f"o{i}": (np.shape(v), np.asarray(v).dtype.name)
+                   for i, v in enumerate(flat.state().values())}
+    assert len(keras_layout) > len(flat_layout)  # Keras': per variable
+    for saved, layout, want in ((keras_state, flat_layout, flat_state),
+                                (flat_state, keras_layout, keras_state)):
+        got = keras_side.adapt_optimizer_state(saved, layout)
+        assert list(got) == list(want)
+        for key, value in want.items():
+            assert got[key].shape == value.shape and got[key].dtype == value.dtype, key
+            np.testing.assert_allclose(got[key], value, rtol=2e-5, atol=1e-8)
+        back = keras_side.adapt_optimizer_state(got, {k: (np.shape(v), v.dtype.name)
+                                                      for k, v in saved.items()})
+        assert all(np.array_equal(back[k], saved[k]) for k in saved)  # the same numbers
+
+
+def test_a_state_in_neither_layout_is_left_for_the_mismatch_check():
+    init_tensorflow(1, 0)
+    replica = Replica(models.get("lr"), (28, 28, 1), 10, "adam", 0.01)
+    layout = replica.optimizer_layout()
+    other = {"o0": np.array(3), "o1": np.zeros(5, np.float32), "o2": np.zeros(5, np.float32)}
+    assert replica.adapt_optimizer_state(other, layout) is other
+    mine = replica.optimizer_state()
+    assert replica.adapt_optimizer_state(mine, layout) is mine  # it fits already
 
 
 def test_state_round_trip():

@@ -211,39 +211,46 @@ def test_a_model_xla_cannot_compile_falls_back_to_graph_mode():
     assert replica.compiled["apply"] == "xla"  # the update (optimizer only) still compiles
 
 
-def test_auto_updates_a_large_model_with_the_flat_optimizer(monkeypatch):
-    """--compile auto: a large model updates a flat copy of its weights in C and assigns
-    it (no Keras optimizer, no slots of its own); the update is Keras' (the same
-    formulas as the async server's), and its state round-trips through checkpoints."""
-    import mpitrain.models.replica as replica_module
-
+def test_auto_updates_with_the_flat_optimizer_and_assigns_in_the_next_gradient_call():
+    """--compile auto: the update is the flat optimizer's, on a flat copy of the weights
+    (no Keras optimizer, no slots of its own); the variables get the copy at the start
+    of the next gradient call, or when anything reads them first. It trains as Keras'
+    update does (--compile graph), and its state round-trips through checkpoints."""
     init_tensorflow(1, 0)
-    small = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="auto")
-    assert small.compiled == {"grad": "graph", "grad_at": "graph", "apply": "graph",
-                              "train_step": "graph"}
-    monkeypatch.setattr(replica_module, "FLAT_UPDATE_MIN", small.n_params)  # LeNet is large
-    large = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="auto")
-    assert large.compiled["apply"] == "flat" and large.compiled["grad"] == "graph"
-    assert large.optimizer is None and large.flat_optimizer is not None
-    large.set_weights(small.weights())
+    keras_side = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05,
+                         compiler="graph")
+    assert keras_side.compiled == {"grad": "graph", "grad_at": "graph", "apply": "graph",
+                                   "train_step": "graph"}
+    flat = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="auto")
+    assert flat.compiled["apply"] == "flat" and flat.compiled["grad"] == "graph"
+    assert flat.optimizer is None and flat.flat_optimizer is not None
+    flat.set_weights(keras_side.weights())
     rng = np.random.default_rng(6)
     for _ in range(3):
-        grad = (rng.standard_normal(small.n_params) * 1e-2).astype(np.float32)
-        for replica in (small, large):
-            replica.apply(grad.copy())
-    np.testing.assert_allclose(large.weights(), small.weights(), rtol=2e-5, atol=2e-7)
-    x, y = rng.random((8, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, 8).astype(np.int32)
-    assert np.isfinite(large.train_step(x, y)[0])  # one worker: gradient, then the update
-    layout, state = large.optimizer_layout(), large.optimizer_state()
-    assert layout == {"o0": ((), "int64"), "o1": ((small.n_params,), "float32")}
+        x = rng.random((8, 28, 28, 1), dtype=np.float32)
+        y = rng.integers(0, 10, 8).astype(np.int32)
+        grads = []
+        for replica in (keras_side, flat):
+            grad, _, _ = replica.grad(x, y, tail=2, scale=0.5)
+            grads.append(grad.copy())
+            replica.apply(grad[:replica.n_params])
+        # the gradient was taken at the weights of the update before (assigned in the call)
+        np.testing.assert_allclose(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(flat.weights(), keras_side.weights(), rtol=2e-5, atol=2e-7)
+    kernel = flat.variables[0].numpy().ravel()
+    assert not np.array_equal(kernel, flat.weights()[:kernel.size])  # the update is pending
+    assert flat.evaluate(x, y) == pytest.approx(keras_side.evaluate(x, y), rel=1e-4)
+    assert np.array_equal(flat.variables[0].numpy().ravel(), flat.weights()[:kernel.size])
+    assert np.isfinite(flat.train_step(x, y)[0])  # one worker: gradient, then the update
+    layout, state = flat.optimizer_layout(), flat.optimizer_state()
+    assert layout == {"o0": ((), "int64"), "o1": ((flat.n_params,), "float32")}
     assert int(state["o0"]) == 4
     again = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="auto")
-    again.set_weights(large.weights())
+    again.set_weights(flat.weights())
     again.set_optimizer_state(state)  # a resumed run continues the same updates
-    grad = (rng.standard_normal(small.n_params) * 1e-2).astype(np.float32)
-    large.apply(grad.copy())
-    again.apply(grad.copy())
-    assert large.weights().tobytes() == again.weights().tobytes()
+    for replica in (flat, again):
+        replica.train_step(x, y)
+    assert flat.weights().tobytes() == again.weights().tobytes()
     with pytest.raises(ValueError, match="optimizer state has 1 variables, expected 2"):
         again.set_optimizer_state({"o0": state["o0"]})
 
