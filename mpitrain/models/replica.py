@@ -325,11 +325,11 @@ class Replica:
         where scaling the gradient after it is a pass over every parameter. After a
         flat update (:meth:`apply`), the same call assigns the updated weights first."""
         tail, scale = self._zeros(tail), np.float32(scale)
-        if self._assign_pending:
-            self._assign_pending = False
-            flat, loss, norm = self._grad_at(self._flat_tensor, x, y, tail, scale)
-        else:
+        if self.flat_optimizer is None:
             flat, loss, norm = self._grad(x, y, tail, scale)
+        else:  # always the one function (a second would be traced too: seconds, once)
+            self._assign_pending = False
+            flat, loss, norm = self._grad_at(self._flat_copy(), x, y, tail, scale)
         return self._keep(flat), float(loss), float(norm)
 
     def gradient_buckets(self, bucket_bytes: float) -> List[Tuple[int, int]]:
@@ -436,11 +436,17 @@ class Replica:
         """The flat optimizer's update of its copy of the weights; the variables are
         assigned from that copy later (handed to TensorFlow through DLPack: no
         conversion), see :meth:`apply`."""
-        if self._flat_weights is None:  # first update, or the weights were set since
-            self._flat_weights = self.weights(out=_aligned_empty(self.n_params))
-            self._flat_tensor = _as_tensor(self._flat_weights)
+        self._flat_copy()
         self.flat_optimizer.step(self._flat_weights, grad)
         self._assign_pending = True
+
+    def _flat_copy(self):
+        """TensorFlow's view of the flat optimizer's copy of the weights, made from the
+        variables if there is none (the first step, or the weights were set since)."""
+        if self._flat_weights is None:
+            self._flat_weights = self.weights(out=_aligned_empty(self.n_params))
+            self._flat_tensor = _as_tensor(self._flat_weights)
+        return self._flat_tensor
 
     def _assign_updated_weights(self) -> None:
         """The variables brought up to the flat copy, if an update is not in them yet."""
