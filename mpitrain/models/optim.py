@@ -204,12 +204,10 @@ def adapt_state(saved: Dict[str, np.ndarray], layout: Dict[str, tuple], name: st
     run's. ``saved`` comes back as it is if it fits ``layout`` already or is in neither
     form (:func:`mpitrain.lifecycle.optimizer_mismatch` then says so)."""
     per_weight = SLOTS_PER_WEIGHT[name]
-    names = [f"o{i}" for i in range(max(len(layout), len(saved)))]
-    if set(layout) | set(saved) != set(names) or [np.size(saved[n]) for n in names[:len(
-            saved)]] == [int(np.prod(layout[n][0], dtype=np.int64)) for n in names[:len(layout)]]:
-        return saved  # not o0, o1...; or it fits
-    want = [layout[n] for n in names[:len(layout)]]
-    have = [saved[n] for n in names[:len(saved)]]
+    have, want = _in_order(saved), _in_order(layout)
+    if have is None or want is None or [np.size(v) for v in have] == \
+            [int(np.prod(shape, dtype=np.int64)) for shape, _ in want]:
+        return saved  # not named o0, o1...; or it fits
     parts = _slot_vectors(have, per_weight, sizes)
     if parts is None:
         return saved
@@ -219,6 +217,13 @@ def adapt_state(saved: Dict[str, np.ndarray], layout: Dict[str, tuple], name: st
         return saved
     return {f"o{i}": np.asarray(value, dtype).reshape(shape)
             for i, (value, (shape, dtype)) in enumerate(zip(values, want))}
+
+
+def _in_order(named: Dict[str, object]) -> Optional[list]:
+    """The values of ``named`` in the order of their names o0, o1...; None if those are
+    not exactly its names."""
+    names = [f"o{i}" for i in range(len(named))]
+    return [named[n] for n in names] if set(named) == set(names) else None
 
 
 def _slot_vectors(values: list, per_weight: int, sizes: Sequence[int]):

@@ -56,6 +56,8 @@ def test_a_state_in_neither_layout_is_left_for_the_mismatch_check():
     layout = replica.optimizer_layout()
     other = {"o0": np.array(3), "o1": np.zeros(5, np.float32), "o2": np.zeros(5, np.float32)}
     assert replica.adapt_optimizer_state(other, layout) is other
+    gap = {"o0": np.array(3), "o2": np.zeros(5, np.float32)}  # o1 missing: edited
+    assert replica.adapt_optimizer_state(gap, layout) is gap
     mine = replica.optimizer_state()
     assert replica.adapt_optimizer_state(mine, layout) is mine  # it fits already
 
