@@ -172,6 +172,14 @@ def steady_epoch_seconds(run_dir, roles=("worker",)) -> float:
     return float(middle.mean())
 
 
+def first_epoch_seconds(run_dir, roles=("worker",)) -> float:
+    """Mean wall seconds of a run's first epoch, over the ranks whose role is in
+    ``roles`` (timing.csv): with :func:`steady_epoch_seconds`, what the warm-up (the
+    step's tracing, the first evaluation) adds to one epoch."""
+    rows = timing(run_dir, roles)
+    return float(rows["wall_s"][rows["epoch"] == 1].mean())
+
+
 def last_json_line(text: str) -> dict:
     """The last line of ``text`` that is a JSON object (what a rank-side script prints)."""
     for line in reversed(text.splitlines()):

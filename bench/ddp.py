@@ -19,8 +19,10 @@ test set once, after the last update (mpitrain also checkpoints only then);
 
 Per model and worker count: epoch time = training time / epochs (from the first
 step, tracing included, to the last update; the slowest worker), the steady-state
-epoch (the epochs between the first and the last), the whole launch's wall time
-(process start-up to exit: imports, data, training, evaluation), test accuracy;
+epoch (the epochs between the first and the last) and how much longer the first
+one is (the warm-up: TensorFlow's trace of the step, PyTorch's first iterations),
+the whole launch's wall time (process start-up to exit: imports, data, training,
+evaluation), test accuracy;
 scaling = epoch time at 1 worker / at 2. And the compute-only step of each, both
 workers computing at once with no exchange (mpitrain: ``bench lower_bound``'s hot
 path; PyTorch: DDP's ``no_sync``), which shows how much of a gap is the kernels.
@@ -48,8 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import (REPO, bench_parser, mnist_dir, mpi_env, out_dir, print_checks,
-                     steady_epoch_seconds, table, train, write_csv)
+from .common import (REPO, bench_parser, first_epoch_seconds, mnist_dir, mpi_env, out_dir,
+                     print_checks, steady_epoch_seconds, table, train, write_csv)
 from .engines import median_round
 from .lower_bound import hot_path
 from .netns import skipped
@@ -90,10 +92,11 @@ def mpitrain_side(model: str, workers: int, quick: bool, results: Path) -> dict:
                  "--eval-every", EPOCHS, "--checkpoint-every", EPOCHS, *extra], results)
     launch = time.perf_counter() - began
     epochs = float(row["epochs"])
-    steady = None if quick else steady_epoch_seconds(
-        row["run_dir"], ("single",) if workers == 1 else ("worker",))
+    roles = ("single",) if workers == 1 else ("worker",)
+    steady = None if quick else steady_epoch_seconds(row["run_dir"], roles)
     config = json.loads((Path(row["run_dir"]) / "config.json").read_text())
     return {"epoch_time_s": float(row["wall_time_s"]) / epochs, "steady_epoch_s": steady,
+            "first_epoch_s": None if quick else first_epoch_seconds(row["run_dir"], roles),
             "wall_s": launch, "after_last_step_s": float(row["finish_s"]),
             "test_accuracy": float(row["test_accuracy"]), "epochs": epochs,
             "steps_per_epoch": -(-config["dataset"]["train_size"] // workers
@@ -137,6 +140,7 @@ def ddp_side(python: str, model: str, workers: int, quick: bool, compute_steps: 
     middle = r["epoch_s"][1:-1]
     return {"epoch_time_s": r["train_s"] / epochs, "wall_s": launch,
             "steady_epoch_s": sum(middle) / len(middle) if middle and not quick else None,
+            "first_epoch_s": None if quick else r["epoch_s"][0],
             "after_last_step_s": r["eval_s"], "test_accuracy": r["test_accuracy"],
             "epochs": epochs, "steps_per_epoch": r["steps_per_epoch"],
             "compute_step_s": r.get("compute_step_s"), "parameters": r["parameters"]}
@@ -173,6 +177,7 @@ def row(model: str, side: str, workers: int, m: dict, **extra) -> dict:
         return None if m.get(key) is None else round(m[key], digits)
     return {"model": model, "side": side, "workers": workers,
             "epoch_time_s": rounded("epoch_time_s"), "steady_epoch_s": rounded("steady_epoch_s"),
+            "first_epoch_s": rounded("first_epoch_s"),
             "wall_s": rounded("wall_s", 2), "after_last_step_s": rounded("after_last_step_s"),
             "test_accuracy": rounded("test_accuracy", 4), "epochs": rounded("epochs"),
             "steps_per_epoch": rounded("steps_per_epoch", 1), "rounds_s": m.get("rounds_s", ""),
@@ -216,6 +221,10 @@ def checks_of(model: str, ours: dict, theirs: dict, quick: bool) -> list:
             step = m["steady_epoch_s"] / m["steps_per_epoch"]
             out.append(check(f"{side} steady sync step / its compute-only step, 2 workers",
                              round(step / m["compute_step_s"], 3)))
+            # what the whole run's epoch carries beyond the steady state: the warm-up
+            # (TensorFlow's trace of the step; PyTorch's first iterations)
+            out.append(check(f"{side} first epoch - steady epoch, 2 workers (s)",
+                             round(m["first_epoch_s"] - m["steady_epoch_s"], 3)))
     return out
 
 

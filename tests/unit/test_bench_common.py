@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import markdown_table, steady_epoch_seconds
+from bench.common import first_epoch_seconds, markdown_table, steady_epoch_seconds
 from bench.compression import spread
 from bench.ddp import checks_of
 from bench.engines import compute_seconds, median_round
@@ -40,6 +40,7 @@ def test_the_steady_state_is_the_epochs_between_the_first_and_the_last(tmp_path)
     ])
     assert steady_epoch_seconds(tmp_path) == pytest.approx(3.0)
     assert steady_epoch_seconds(tmp_path, ("server",)) == pytest.approx(9.0)
+    assert first_epoch_seconds(tmp_path) == pytest.approx(4.1)  # what the warm-up adds: 1.1
     # the workers' compute over the whole run: the floor of an engine's epoch time
     assert compute_seconds(tmp_path) == pytest.approx((3.8 + 2.7 + 2.8 + 2.8 + 3.9 + 2.8
                                                        + 2.8 + 2.8) / 2)
@@ -91,12 +92,14 @@ def test_repeated_accuracies_print_their_mean_and_range():
 def test_the_ddp_comparison_judges_two_workers_scaling_and_lenet_accuracy():
     ours = {1: {"epoch_time_s": 6.0, "steady_epoch_s": 5.0, "wall_s": 20.0,
                 "test_accuracy": 0.981},
-            2: {"epoch_time_s": 3.6, "steady_epoch_s": 3.2, "wall_s": 18.0,
-                "test_accuracy": 0.982, "steps_per_epoch": 160, "compute_step_s": 0.016}}
+            2: {"epoch_time_s": 3.6, "steady_epoch_s": 3.2, "first_epoch_s": 4.4,
+                "wall_s": 18.0, "test_accuracy": 0.982, "steps_per_epoch": 160,
+                "compute_step_s": 0.016}}
     theirs = {1: {"epoch_time_s": 5.0, "steady_epoch_s": 4.5, "wall_s": 12.0,
                   "test_accuracy": 0.986},
-              2: {"epoch_time_s": 4.0, "steady_epoch_s": 3.6, "wall_s": 10.0,
-                  "test_accuracy": 0.979, "steps_per_epoch": 160, "compute_step_s": 0.02}}
+              2: {"epoch_time_s": 4.0, "steady_epoch_s": 3.6, "first_epoch_s": 4.8,
+                  "wall_s": 10.0, "test_accuracy": 0.979, "steps_per_epoch": 160,
+                  "compute_step_s": 0.02}}
     checks = {c["ratio"]: c for c in checks_of("lenet", ours, theirs, quick=False)}
     whole = checks["lenet: mpitrain / DDP epoch time, 2 workers, whole run"]
     assert whole["value"] == 0.9 and whole["met"]  # <= 0.9
@@ -116,6 +119,9 @@ def test_the_ddp_comparison_judges_two_workers_scaling_and_lenet_accuracy():
     # the exchange's share: a steady step (3.2 s / 160 = 20 ms) over the compute alone
     assert checks["lenet: mpitrain steady sync step / its compute-only step, 2 workers"][
         "value"] == 1.25
+    # the warm-up each side's first epoch carries
+    assert checks["lenet: mpitrain first epoch - steady epoch, 2 workers (s)"]["value"] == 1.2
+    assert checks["lenet: DDP first epoch - steady epoch, 2 workers (s)"]["value"] == 1.2
     # slower than 0.9x: short; synthetic labels' accuracy is not judged
     ours[2]["epoch_time_s"] = 3.7
     checks = {c["ratio"]: c for c in checks_of("resnet", ours, theirs, quick=False)}
