@@ -211,7 +211,7 @@ def run_check(args) -> int:
         return 0
     import subprocess
 
-    from . import launch
+    from . import dialect, launch
     from .tools import hostfile
 
     runner = launch.launcher_for_this_python()
@@ -225,7 +225,7 @@ def run_check(args) -> int:
     cmd += [sys.executable, "-m", "mpitrain", "check", "--in-job", *training]
     bound = cfg.faults.bounds.check_job
     try:
-        return subprocess.run(cmd, timeout=bound).returncode
+        return subprocess.run(cmd, timeout=bound, env=dialect.launch_environment()).returncode
     except subprocess.TimeoutExpired:
         raise UsageError(f"the check job did not finish in {bound:g} s; a host "
                          "is unreachable or a rank is stuck starting") from None

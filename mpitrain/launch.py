@@ -289,11 +289,7 @@ def _probe(names: Sequence[str], mpirun_args: Sequence[str],
     probes = {name: subprocess.Popen(
         runner.probe(name, mpirun_args),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        stdin=subprocess.DEVNULL,
-        # Python's view of the environment: a process that initialised MPI itself (a test
-        # runner, a user's script) has a singleton job's variables in its C environment,
-        # and an mpirun started with those fails at once (exit 1, nothing said)
-        env=dict(os.environ))
+        stdin=subprocess.DEVNULL, env=dialect.launch_environment())
         for name in names}
     deadline, gone = time.monotonic() + PROBE_TIMEOUT, {}
     for name, probe in probes.items():
@@ -432,10 +428,9 @@ class Launcher:
         command = self.job.command() + list(argv)
         say("$ " + " ".join(command))
         watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
-        # a session of its own: one killpg reaches mpirun and every local rank. Python's
-        # view of the environment, as for the probes (see _probe), plus the token
+        # a session of its own: one killpg reaches mpirun and every local rank
         self.proc = subprocess.Popen(command, start_new_session=True,
-                                     env={**os.environ, ATTEMPT_ENV: token})
+                                     env=dialect.launch_environment(**{ATTEMPT_ENV: token}))
         code = self._watch_job(watch)
         watch.poll()  # (a run that ended between two looks)
         return code, watch.run_dir

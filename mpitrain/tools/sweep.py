@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -243,9 +242,7 @@ class Sweep:
                                keep_binding=bool(self.options.get("keep_cpu_binding"))),
                self.python, "-m", "mpitrain", *run.args(self.options),
                "--results-dir", str(self.results_dir), "--quiet"]
-        env = dict(os.environ)
-        if os.geteuid() == 0:
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        env = dialect.launch_environment()
         t0 = time.monotonic()
         log = self.logs / f"{run.key}.log"
         with open(log, "w") as out:
