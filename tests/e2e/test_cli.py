@@ -48,12 +48,17 @@ def test_console_script_and_steps(mnist, tmp_path):
 
 
 # ---- bad input: one line, non-zero exit, never a hang --------------------------------
+# the quick tier: argparse's refusal and the config's; the config's others under mpirun
+# in the slow tier (in process: tests/unit/test_config.py, test_bad_input.py)
 @pytest.mark.parametrize("args,pattern", [
     (["nosuchmodel"], "invalid choice: 'nosuchmodel'"),
     (["lr", "--batch-size", "0"], "--batch-size must be a positive integer"),
-    (["lr", "--batch-size", "-5"], "--batch-size must be a positive integer"),
-    (["lr", "--epochs", "0"], "--epochs must be a positive integer"),
-    (["lr", "--epochs", "-1"], "--epochs must be a positive integer"),
+    pytest.param(["lr", "--batch-size", "-5"], "--batch-size must be a positive integer",
+                 marks=pytest.mark.slow),
+    pytest.param(["lr", "--epochs", "0"], "--epochs must be a positive integer",
+                 marks=pytest.mark.slow),
+    pytest.param(["lr", "--epochs", "-1"], "--epochs must be a positive integer",
+                 marks=pytest.mark.slow),
 ])
 def test_usage_errors_print_once_exit_2(args, pattern):
     result = mpirun(4, *args, timeout=60)

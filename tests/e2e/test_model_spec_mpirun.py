@@ -103,11 +103,17 @@ def write_bad_files(directory):
         (directory / name).write_text(text)
 
 
+# the quick tier: one error every rank finds before TensorFlow starts, and one rank's
+# own; the other kinds under mpirun in the slow tier (each message: tests/unit)
 @pytest.mark.parametrize("spec,message", [
     ("{tmp}/absent.py:build", "model {tmp}/absent.py:build: no such file {tmp}/absent.py"),
-    ("{tmp}/syntax.py:build", "syntax error in {tmp}/syntax.py line 3"),
-    ("{tmp}/nofunc.py:build", "{tmp}/nofunc.py has no function 'build' (it defines make)"),
-    ("no_such_module_q7:build", "model no_such_module_q7:build: no module named"),
+    pytest.param("{tmp}/syntax.py:build", "syntax error in {tmp}/syntax.py line 3",
+                 marks=pytest.mark.slow),
+    pytest.param("{tmp}/nofunc.py:build",
+                 "{tmp}/nofunc.py has no function 'build' (it defines make)",
+                 marks=pytest.mark.slow),
+    pytest.param("no_such_module_q7:build", "model no_such_module_q7:build: no module named",
+                 marks=pytest.mark.slow),
     ("{tmp}/rank2.py:build", "rank 2 on"),  # fails on one rank only: agreed on, rank named
 ])
 def test_bad_spec_is_one_line_exit_2(spec, message, tmp_path, mnist):
