@@ -153,7 +153,8 @@ def test_as_root_the_mpirun_mpitrain_starts_is_allowed_to_run_as_root(monkeypatc
     """What ``mpitrain launch``, ``check`` and ``sweep`` start mpirun with: Python's view
     of the environment, plus Open MPI's consent to run as root when root (whose refusal
     is otherwise a page of text and a failed launch; tests/e2e/test_launch.py runs a job
-    so); a user's other variables pass through, and nothing is added for other users."""
+    so); a user's own values and other variables pass through, and nothing is added for
+    other users."""
     consent = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
     for name in consent:
         monkeypatch.delenv(name, raising=False)
@@ -162,6 +163,9 @@ def test_as_root_the_mpirun_mpitrain_starts_is_allowed_to_run_as_root(monkeypatc
     env = dialect.launch_environment(MPITRAIN_LAUNCH_ATTEMPT="token")
     assert [env[name] for name in consent] == ["1", "1"]
     assert env["MPITRAIN_TEST_VARIABLE"] == "kept" and env["MPITRAIN_LAUNCH_ATTEMPT"] == "token"
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "0")  # the user's own value wins
+    assert dialect.launch_environment()["OMPI_ALLOW_RUN_AS_ROOT"] == "0"
+    monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT")
     monkeypatch.setattr(dialect.os, "geteuid", lambda: 1000)
     env = dialect.launch_environment()
     assert not any(name in env for name in consent)
