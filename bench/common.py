@@ -55,9 +55,9 @@ def mnist_dir() -> str:
 
 
 def mpi_env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    from mpitrain.dialect import launch_environment
+
+    env = launch_environment()
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env

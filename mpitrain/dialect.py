@@ -176,18 +176,23 @@ class Mpirun:
         return [self.program, *self.quiet(), "-np", "1", *self.hosts([host]), *extra, "true"]
 
 
+#: Open MPI's consent to start as root (its refusal otherwise: a page of text, exit 1)
+RUN_AS_ROOT_CONSENT = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+
+
 def launch_environment(**extra: str) -> Dict[str, str]:
     """The environment for an mpirun that mpitrain starts (``mpitrain launch``, ``check``,
-    ``sweep``): Python's view of it (a process that initialised MPI itself has a
-    singleton job's variables in its C environment, and an mpirun started with those
-    fails at once, exit 1, nothing said), plus ``extra``. As root, Open MPI's consent to run as root:
-    the user asked mpitrain to start the job (containers, CI run as root), and Open
-    MPI's refusal is a page of text after which a launcher would only retry; Horovod's
-    launcher passes ``--allow-run-as-root`` likewise. A value the user set wins; a plain
-    ``mpirun`` typed by the user still needs the two variables (README)."""
+    ``sweep``, the benchmarks): Python's view of it (a process that initialised MPI
+    itself has a singleton job's variables in its C environment, and an mpirun started
+    with those fails at once, exit 1, nothing said), plus ``extra``. As root, Open MPI's
+    consent to run as root: the user asked mpitrain to start the job (containers, CI run
+    as root), and Open MPI's refusal is a page of text after which a launcher would only
+    retry; Horovod's launcher passes ``--allow-run-as-root`` likewise. A value the user
+    set wins; a plain ``mpirun`` typed by the user still needs the two variables
+    (README)."""
     env = {**os.environ, **extra}
     if os.geteuid() == 0:
-        for name in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
+        for name in RUN_AS_ROOT_CONSENT:
             env.setdefault(name, "1")
     return env
 

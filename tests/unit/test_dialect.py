@@ -148,14 +148,13 @@ def test_the_launcher_of_this_pythons_environment_comes_first(tmp_path, monkeypa
     assert dialect.find_mpirun({"PATH": ""}) == str(tmp_path / "mpirun")
 
 
-# ---- hostfiles in both formats ----------------------------------------------------------
 def test_as_root_the_mpirun_mpitrain_starts_is_allowed_to_run_as_root(monkeypatch):
     """What ``mpitrain launch``, ``check`` and ``sweep`` start mpirun with: Python's view
     of the environment, plus Open MPI's consent to run as root when root (whose refusal
     is otherwise a page of text and a failed launch; tests/e2e/test_launch.py runs a job
     so); a user's own values and other variables pass through, and nothing is added for
     other users."""
-    consent = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+    consent = dialect.RUN_AS_ROOT_CONSENT
     for name in consent:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MPITRAIN_TEST_VARIABLE", "kept")
@@ -172,6 +171,7 @@ def test_as_root_the_mpirun_mpitrain_starts_is_allowed_to_run_as_root(monkeypatc
     assert env["MPITRAIN_TEST_VARIABLE"] == "kept"
 
 
+# ---- hostfiles in both formats ----------------------------------------------------------
 def test_both_hostfile_formats_and_comments_are_read():
     text = "# a cluster\nnode0:2   # the server's host\nnode1 slots=3 max_slots=4\nnode2\n"
     assert hostfile.parse(text) == [hostfile.Host("node0", 2), hostfile.Host("node1", 3, 4),
