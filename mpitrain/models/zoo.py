@@ -115,13 +115,15 @@ def resnet(input_shape, num_classes):
     0.99, so the moving statistics evaluation uses settle within ~50 steps."""
     import keras
 
+    from .layers import FusedBatchNormalization
+
     L = keras.layers
     _image_input("resnet", input_shape)
 
     def conv_bn(x, filters, strides=1, relu=True, kernel=3):
         x = L.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False,
                      kernel_initializer="he_normal")(x)
-        x = L.BatchNormalization(momentum=0.9)(x)  # statistics settle in short runs too
+        x = FusedBatchNormalization(momentum=0.9)(x)  # statistics settle in short runs too
         return L.ReLU()(x) if relu else x
 
     inputs = keras.Input(input_shape)
