@@ -23,7 +23,8 @@ result that is not a Keras model, the wrong output shape) is one UsageError
 naming the spec. Specs take :data:`USER_DEFAULTS`.
 
 The package: :mod:`.registry` (the named models), :mod:`.zoo` (the built-in ones:
-LR, LeNet, AlexNet, ResNet-20), :mod:`.user` (a user's spec), :mod:`.keras_import`
+LR, LeNet, AlexNet, ResNet-20; :mod:`.layers`, their fused BatchNorm), :mod:`.user`
+(a user's spec), :mod:`.keras_import`
 (TensorFlow and Keras imported the quick way), :mod:`.replica` (a
 built model as flat weight and buffer vectors, what the trainers hold) and
 :mod:`.optim` (updates on a flat vector, fused in C: the async server's, and the sync
