@@ -6,7 +6,7 @@ import pytest
 from mpitrain.models.replica import init_tensorflow
 
 
-def twin_layers(shape, **options):
+def twin_layers(shape):
     """Keras' BatchNormalization and the fused one, built for ``shape``, with the same
     (non-trivial) scale, offset and moving statistics."""
     init_tensorflow(1, 0)
@@ -14,8 +14,8 @@ def twin_layers(shape, **options):
 
     from mpitrain.models.layers import FusedBatchNormalization
 
-    keras_bn = keras.layers.BatchNormalization(momentum=0.9, **options)
-    fused_bn = FusedBatchNormalization(momentum=0.9, **options)
+    keras_bn = keras.layers.BatchNormalization(momentum=0.9)
+    fused_bn = FusedBatchNormalization(momentum=0.9)
     rng = np.random.default_rng(0)
     for layer in (keras_bn, fused_bn):
         layer.build(shape)
