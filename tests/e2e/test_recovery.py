@@ -162,9 +162,13 @@ def test_a_worker_stopped_for_good_after_the_others_finished(tmp_path, mnist, re
     their own steps (a liveness floor of 20 s; they need about a second here, a few
     under load): they stayed, parked, and take its remaining steps, so the run makes
     its planned updates (#39: it ended short with exit 0). A stopped worker never woken
-    would keep mpirun waiting: the server kills it 5 s after dropping it."""
+    would keep mpirun waiting: the server kills it 5 s after dropping it. The workers do
+    not pipeline (as under --staleness, or when their steps are long): such a worker
+    takes the reply to its FINAL push in its step loop, and once took PARKED there for
+    its end and left (then "every worker was lost" when the steps came to it)."""
     done, directory, victim = fault_after_epoch(tmp_path, mnist, 1, signal.SIGSTOP, epoch=3,
-                                                training=("--liveness-floor", "20"))
+                                                training=("--liveness-floor", "20",
+                                                          "--pipeline", "off"))
     assert done.returncode == 0, done.stderr
     assert "killed lost rank 1 on" in done.stdout and "still alive 5 s after" in done.stdout
     assert "2 of them had finished their own steps and waited" in done.stdout, done.stdout

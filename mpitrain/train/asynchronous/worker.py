@@ -100,7 +100,11 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
             if flags & FINAL or lease.flags:
                 break
         timer.lap()
-        ending, resumed = _last_replies(post, flight, flags, lease.flags, reply_bound)
+        if lease.flags & PARKED:  # the reply to its FINAL push, taken above (a worker that
+            # waits for each reply): it is parked, so it listens on, as a pipelined one does
+            flight.append(post.again(current))
+        ending, resumed = _last_replies(post, flight, flags, lease.flags & ~PARKED,
+                                        reply_bound)
         timer.lap("wait")
         if resumed is None:
             break
