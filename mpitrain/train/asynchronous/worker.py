@@ -90,7 +90,7 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
             timer.lap()
             flight.append(post.send(slot, target))
             timer.lap("comm")
-            if depth == 1:
+            if depth == 1 and not flags & FINAL:  # (a FINAL push's reply: _last_replies)
                 waited = time.perf_counter()
                 with timer("wait"):
                     current, lease = _take_reply(post, flight, HOT, reply_bound)
@@ -100,11 +100,7 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
             if flags & FINAL or lease.flags:
                 break
         timer.lap()
-        if lease.flags & PARKED:  # the reply to its FINAL push, taken above (a worker that
-            # waits for each reply): it is parked, so it listens on, as a pipelined one does
-            flight.append(post.again(current))
-        ending, resumed = _last_replies(post, flight, flags, lease.flags & ~PARKED,
-                                        reply_bound)
+        ending, resumed = _last_replies(post, flight, flags, lease.flags, reply_bound)
         timer.lap("wait")
         if resumed is None:
             break
