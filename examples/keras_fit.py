@@ -16,9 +16,11 @@ from MNIST with ``python examples/make_npz.py ../shared/data/mnist mnist.npz``.
 
 import argparse
 import re
+import zipfile
 from pathlib import Path
 
 import mpitrain.horovod.keras as hvd  # first: TensorFlow then loads with oneDNN's kernels
+from mpitrain.horovod import broadcast_object  # (Horovod's is horovod.tensorflow's too)
 
 import keras
 import numpy as np
@@ -50,10 +52,16 @@ def images(x):
 
 
 def latest_checkpoint(directory):
-    """(path, epoch) of the newest checkpoint in ``directory``, or (None, 0)."""
-    found = sorted((int(m.group(1)), p) for p in Path(directory).glob("epoch-*.keras")
-                   if (m := re.fullmatch(r"epoch-(\d+)\.keras", p.name)))
-    return (found[-1][1], found[-1][0]) if found else (None, 0)
+    """(path, epoch) of the newest whole checkpoint in ``directory``, or (None, 0),
+    as rank 0 sees it: the other ranks take rank 0's answer, since a file rank 0 is
+    still writing (or was killed writing) may already be there, half a zip."""
+    found = []
+    if hvd.rank() == 0:
+        found = sorted((int(m.group(1)), str(p)) for p in Path(directory).glob("epoch-*.keras")
+                       if (m := re.fullmatch(r"epoch-(\d+)\.keras", p.name))
+                       and zipfile.is_zipfile(p))
+    epoch, path = broadcast_object(found[-1] if found else (0, None), root_rank=0)
+    return path, epoch
 
 
 def main():
