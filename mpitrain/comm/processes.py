@@ -49,6 +49,18 @@ class PeerProcesses:
         except self._psutil.Error:
             return False
 
+    def stopped(self, rank: int) -> bool:
+        """Whether ``rank`` is a process on this host that is stopped (SIGSTOP, SIGTSTP or
+        a debugger): it runs none of its own bounded waits until it is continued."""
+        proc = self.local.get(rank)
+        if proc is None:
+            return False
+        try:
+            return proc.status() in (self._psutil.STATUS_STOPPED,
+                                     self._psutil.STATUS_TRACING_STOP)
+        except self._psutil.Error:
+            return False
+
     def kill(self, rank: int) -> bool:
         """SIGKILL ``rank`` if it is a live process on this host and wait (bounded) until
         its parent, Open MPI's daemon, has reaped it; True if it was alive.

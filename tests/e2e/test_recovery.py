@@ -179,3 +179,42 @@ def test_a_worker_stopped_for_good_after_the_others_finished(tmp_path, mnist, re
     assert "rank 1" in row["lost_workers"] and int(row["steps"]) == int(reference["steps"])
     assert abs(float(row["test_accuracy"]) - float(reference["test_accuracy"])) <= ACCURACY_SPREAD
     assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == "zombie"
+
+
+def test_a_parked_worker_stopped_at_the_end_is_fenced(tmp_path, mnist, reference):
+    """A worker that finished its own shard waits, parked, for the others (no lease, so
+    no liveness check covers it); SIGSTOPped there, it could neither take its last
+    reply nor leave, and the telemetry's gather waited for it (before: for --timeout,
+    then the finished run failed, "rank 1 ... is stalled or dead"). The server, at the run's end,
+    finds it stopped, waits 5 s, and counts it lost and kills it: the run is whole.
+    Made so: ranks 2 and 3 are stopped after epoch 1 (a liveness floor of 60 s keeps
+    them), rank 1 trains its shard alone and parks (its CPU goes quiet); then rank 1 is
+    stopped and the others continued."""
+    proc = start(tmp_path, mnist, "--enable-recovery",
+                 training=("--liveness-floor", "60", "--timeout", "90", "--pipeline", "off"))
+    directory = run_dir(tmp_path)
+    wait_for_epoch(directory, 1)
+    victim, others = rank_pid(directory, 1), [rank_pid(directory, r) for r in (2, 3)]
+    for pid in others:
+        os.kill(pid, signal.SIGSTOP)
+    victim_process, deadline = psutil.Process(victim), time.monotonic() + 60
+    busy = sum(victim_process.cpu_times()[:2])
+    while True:  # until rank 1 is parked: idle, waiting for the server's word
+        assert time.monotonic() < deadline, "rank 1 never parked"
+        time.sleep(0.5)
+        now = sum(victim_process.cpu_times()[:2])
+        if now - busy < 0.05:
+            break
+        busy = now
+    os.kill(victim, signal.SIGSTOP)
+    for pid in others:
+        os.kill(pid, signal.SIGCONT)
+    done = finish_bounded(proc, 300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lost rank 1 on" in done.stdout and "stopped as the run ended" in done.stdout
+    assert "killed lost rank 1 on" in done.stdout, done.stdout
+    row = last_run(tmp_path)
+    assert row["status"] == "ok" and row["updates_short"] == "0", row
+    assert "rank 1" in row["lost_workers"] and int(row["steps"]) == int(reference["steps"])
+    assert abs(float(row["test_accuracy"]) - float(reference["test_accuracy"])) <= ACCURACY_SPREAD
+    assert alive(rank_pid(directory, r) for r in range(4)) == []

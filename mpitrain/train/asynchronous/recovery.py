@@ -21,7 +21,10 @@ push is answered with PARKED (a header alone) and again every half ``--timeout``
 ends (a FINAL reply) or a worker is lost: then it takes a share of the lost steps
 (its reply is a lease carrying them). So a loss after the others finished their
 shards still ends with the planned updates. A run that ends short anyway (nobody
-was left to take the steps) fails with a line saying by how much.
+was left to take the steps) fails with a line saying by how much. No liveness check
+covers a parked worker (it holds no lease): one stopped (SIGSTOP) on the server's
+host as the run ends, and still stopped FENCE_GRACE later, is counted lost and
+killed, since it could neither take its last reply nor leave.
 """
 
 from __future__ import annotations
@@ -110,6 +113,22 @@ class Recovery:
         ranks, self.parked = list(self.parked), {}
         return ranks
 
+    def stopped_at_end(self, ranks) -> List[Tuple[int, str]]:
+        """(rank, why) of the workers of ``ranks`` on this host that are stopped (SIGSTOP)
+        as the run ends and still are FENCE_GRACE later. Every wait of a running worker
+        is bounded, but a stopped one can neither take its last reply nor leave: it
+        would keep mpirun (and the telemetry's gather) waiting for ever. Waits only
+        when one is stopped."""
+        if not self.enabled:
+            return []
+        stopped = [rank for rank in ranks if self.processes.stopped(rank)]
+        deadline = time.monotonic() + FENCE_GRACE
+        while stopped and time.monotonic() < deadline:
+            time.sleep(0.2)
+            stopped = [rank for rank in stopped if self.processes.stopped(rank)]
+        return [(rank, f"stopped as the run ended, still stopped {FENCE_GRACE:g} s later")
+                for rank in stopped]
+
     def record(self, rank: int, update: int, step: int, why: str, gained: Dict[int, int],
                short: int, active: int, woken: int) -> None:
         """Note the loss of ``rank`` at ``update`` (its step ``step``) in the run's records
@@ -120,7 +139,8 @@ class Recovery:
                          "step": step, "wall_time_s": round(self.clock(), 3), "reason": why})
         moved = (f"its {sum(gained.values())} remaining steps go to "
                  + ", ".join(f"rank {r}" for r in gained) if gained else
-                 f"{short} planned updates will not be made")
+                 f"{short} planned updates will not be made" if short else
+                 "it had made its steps")
         going_on = (f"training continues with {active} worker(s)" if active else
                     "the other workers have finished")
         if woken:

@@ -206,6 +206,7 @@ class Server:
                 milestones.progress(version)
         for rank in self.recovery.release():  # the run is over: no more steps to give
             self._reply(self.workers[rank])
+        self._fence_stopped()
         for rank, w in self.workers.items():
             # a lost worker's last reply may never be taken; Open MPI finalizes with it
             # pending
@@ -291,6 +292,18 @@ class Server:
         if self.cut is not None:  # its lease may have been the last push the cut waited
             self._cutting()       # for: made now, or no one would hold a lease to push
         self._grant_leases()  # its lease no longer holds the others back (--staleness)
+
+    def _fence_stopped(self) -> None:
+        """The run is over: a worker stopped on this host (e.g. parked, then SIGSTOPped:
+        no liveness check covers a worker without a lease) counts as lost and is killed,
+        so that neither the telemetry's gather nor mpirun waits for it."""
+        finished = [rank for rank, w in self.workers.items() if not w.lost]
+        for rank, why in self.recovery.stopped_at_end(finished):
+            w = self.workers[rank]
+            w.lost = why
+            self.recovery.drop(self.ends[rank])
+            self.peers.drop(rank)
+            self.recovery.record(rank, self.version, w.steps, why, {}, 0, 0, 0)
 
     def _apply(self, w: WorkerAccount, end: ServerEnd) -> None:
         header = Header.read(end.recv)  # (the push's header is always there)
