@@ -52,6 +52,8 @@ class _Fence:
     at: float  # when the server kills it if it is still alive (its host only)
     dismissal: object = None  # the pending FINAL|DROPPED reply (its buffer kept with it)
     done: bool = False
+    #: why it is killed then, for the console
+    why: str = f"it was still alive {FENCE_GRACE:g} s after it was dropped"
 
 
 class Recovery:
@@ -86,9 +88,12 @@ class Recovery:
         self.fence()
         return silence.lost(posted, self.liveness, self.processes.alive)
 
-    def drop(self, end) -> None:
-        """Hang up on ``end``'s worker (its :class:`.mailbox.ServerEnd`) and fence it."""
+    def drop(self, end, why_kill: Optional[str] = None) -> None:
+        """Hang up on ``end``'s worker (its :class:`.mailbox.ServerEnd`) and fence it
+        (``why_kill``: what the console says if it is killed)."""
         fence = self.fences[end.rank] = _Fence(time.monotonic() + FENCE_GRACE)
+        if why_kill:
+            fence.why = why_kill
         fence.dismissal = end.hang_up(tell=self.processes.alive(end.rank))
 
     def park(self, rank: int) -> None:
@@ -162,8 +167,7 @@ class Recovery:
                 continue
             name, pid = self.comm.name(rank), self.comm.pids[rank]
             if self.processes.kill(rank):
-                self.ctx.console.note(f"killed lost {name} (pid {pid}): it was still alive "
-                                      f"{FENCE_GRACE:g} s after it was dropped")
+                self.ctx.console.note(f"killed lost {name} (pid {pid}): {fence.why}")
             else:
                 self.ctx.console.note(f"lost {name} may still be alive (pid {pid} there): "
                                       f"if the job does not end, kill it")

@@ -301,7 +301,7 @@ class Server:
         for rank, why in self.recovery.stopped_at_end(finished):
             w = self.workers[rank]
             w.lost = why
-            self.recovery.drop(self.ends[rank])
+            self.recovery.drop(self.ends[rank], why_kill=why)
             self.peers.drop(rank)
             self.recovery.record(rank, self.version, w.steps, why, {}, 0, 0, 0)
 
