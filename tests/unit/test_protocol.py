@@ -11,7 +11,8 @@ import pytest
 from mpitrain.errors import CommTimeout
 from mpitrain.train.leases import Liveness
 from mpitrain.train.protocol import (AUX, SLOTS, VERSION, Header, PhaseTimer, SilentPeers,
-                                     new_message, sentinel, slots_of, slots_word, stalled)
+                                     new_message, sentinel, slots_of, slots_word, stalled,
+                                     write_version)
 
 
 def test_a_header_round_trips_every_slot_bit_exact():
@@ -44,6 +45,17 @@ def test_the_header_leaves_the_payload_alone():
     Header(step=4, aux=1).write(msg)
     assert list(msg[SLOTS:]) == [1.0, 2.0, 3.0] and Header.read(msg).aux == 1
     assert msg[AUX].view(np.int32) == 1
+
+
+def test_a_header_to_several_servers_changes_only_its_version():
+    header = Header(version=5, step=9, flags=256, loss=0.5, elapsed=2.0, think=1e-3, extra=3,
+                    aux=slots_word(1, 2))
+    msg = new_message(2)
+    msg[SLOTS:] = [7.0, 8.0]
+    write_version(header.write(msg), 2**31 - 1)
+    assert Header.read(msg) == Header.read(header._replace(version=2**31 - 1)
+                                           .write(new_message()))
+    assert list(msg[SLOTS:]) == [7.0, 8.0]
 
 
 def test_a_push_names_its_shared_slots_in_its_aux_slot():

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...comm import Backoff
 from ..protocol import (DROPPED, FAREWELL, FINAL, PARKED, REQUEST, SLOTS, TAG_GRADIENT,
-                        TAG_WEIGHTS, Header, new_message, slots_word)
+                        TAG_WEIGHTS, Header, new_message, slots_word, write_version)
 from .mailbox import PIPELINE_DEPTH, SHARED, Mailbox, PushCodec, norm_slots
 from .partition import partition_of
 
@@ -57,13 +57,18 @@ class Post:
         self.versions = [[0] * len(self.boxes) for _ in range(PIPELINE_DEPTH + 1)]
         self.ask = new_message()  # a REQUEST (a header alone)
         self.sharing = [box for box in self.boxes if box.shared_push]
+        # (with one server the weights are rank 0's lease buffers themselves: their views
+        # made once, not per step; with no compute a worker steps tens of thousands of
+        # times a second, docs/benchmarks.md section 7)
+        self._views = None if self.others else [lease[SLOTS:SLOTS + self.n]
+                                                for lease in self.zero.leases]
 
     # ---- what the worker computes with ------------------------------------------------
     def weights(self, lease: int) -> np.ndarray:
         """The weights in lease buffer ``lease``: rank 0's buffer itself with one server,
         else every server's share copied into one vector (once per lease taken)."""
-        if self.whole is None:
-            return self.zero.leases[lease][SLOTS:SLOTS + self.n]
+        if self._views is not None:
+            return self._views[lease]
         if self.assembled != lease:
             for box, share in zip(self.boxes, self.shares):
                 self.whole[share] = box.leases[lease][SLOTS:SLOTS + share.stop - share.start]
@@ -91,7 +96,7 @@ class Post:
         """``header`` in front of every server's push ``slot``, with the version of that
         server's weights in lease buffer ``lease`` (those the gradient was computed at)."""
         for box, version in zip(self.boxes, self.versions[lease]):
-            header._replace(version=version).write(box.pushes[slot])
+            write_version(header.write(box.pushes[slot]), version)
 
     def send(self, slot: int, target: int) -> InFlight:
         """Start push ``slot`` to every server, and the receives of their replies into lease
@@ -99,7 +104,8 @@ class Post:
         comm, zero = self.comm, self.zero
         reply = comm.start(zero.replies[target])
         others = tuple((None if self.asks else comm.start(box.replies[target]),
-                        comm.start(box.sends[slot])) for box in self.others)
+                        comm.start(box.sends[slot])) for box in self.others) \
+            if self.others else ()
         flight = InFlight(reply, comm.start(zero.sends[slot]), target, others)
         for box in self.sharing:  # (one message each, as through MPI)
             comm.traffic.add_sent(SHARED, box.shared_push)
