@@ -286,10 +286,13 @@ class ServerLink:
         self._send_header(Header(step=self.step, loss=self.loss))
 
     def report(self, step: int, train_loss: float, flags: int) -> None:
-        replica = self.ctx.replica
+        # the step's time is now, before its state is read out and summed: as the single
+        # rank's report, the training clock stops at the last update (what follows it is
+        # the evaluation's and checkpoint's: the summary's finish_s)
+        elapsed, replica = self.clock(), self.ctx.replica
         weights = replica.state()  # buffers averaged at every report point: identical too
         self._send_header(Header(step=step, flags=flags | REPORT, loss=train_loss,
-                                 aux=checksum(weights)))
+                                 aux=checksum(weights)), elapsed)
         payloads = []
         if self.sends_weights:
             payloads.append((TAG_WEIGHTS, "pull", weights))
@@ -304,8 +307,9 @@ class ServerLink:
             self.sends.append((self.comm.isend(buf, 0, tag, kind, f"rank 0 to take {kind}"),
                                buf))
 
-    def _send_header(self, header: Header) -> None:
-        header = header._replace(elapsed=self.clock()).write(new_message())
+    def _send_header(self, header: Header, elapsed: Optional[float] = None) -> None:
+        header = header._replace(elapsed=self.clock() if elapsed is None else elapsed
+                                 ).write(new_message())
         self._prune()
         self.sends.append((self.comm.isend(header, 0, TAG_REPORT, "control",
                                            "rank 0 to take a report"), header))
