@@ -78,8 +78,12 @@ def test_check_and_training_exit_cleanly(mpi, tmp_path):
     assert check.returncode == 0, check.stderr[-3000:]
     assert "preflight ok: 4 rank(s)" in check.stdout and runner.impl.name in check.stdout
 
-    runs = [["lr", "--epochs", "1", "--quiet", "--data-dir", mnist_dir(), "--results-dir",
-             tmp_path / mode, *extra] for mode, extra in (("sync", ()), ("async", ("--async",)))]
+    # async trains two epochs: under load a worker whose first step is late pushes a
+    # gradient of the initial weights dozens of updates stale (68 in one CI run, test
+    # accuracy 63% after one epoch); the second epoch's updates make up for it
+    runs = [["lr", "--epochs", epochs, "--quiet", "--data-dir", mnist_dir(), "--results-dir",
+             tmp_path / mode, *extra]
+            for mode, epochs, extra in (("sync", "1", ()), ("async", "2", ("--async",)))]
     spec = tmp_path / "runs.json"
     spec.write_text(json.dumps([[str(a) for a in run] for run in runs]))
     hosts = hostfile.for_launcher(str(LOCAL_HOSTFILE), runner.hostfile_format)
@@ -88,7 +92,7 @@ def test_check_and_training_exit_cleanly(mpi, tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     for mode in ("sync", "async"):
         row = read_rows(tmp_path / mode / "runs.csv")[-1]
-        # one epoch: sync ~89%, async (~200 updates at batch 100) 76-88%
+        # sync, one epoch: ~89%; async, two (~400 updates at batch 100): above 80%
         assert row["status"] == "ok" and float(row["test_accuracy"]) > 0.7, row
         config = json.loads((tmp_path / mode / row["run"] / "config.json").read_text())
         assert all(runner.impl.name == r["mpi"] for r in config["ranks"]), config["ranks"]
