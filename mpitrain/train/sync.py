@@ -282,8 +282,9 @@ class ServerLink:
             self._beat()
 
     def _beat(self) -> None:
-        self.next_beat = self.clock() + HEARTBEAT_SECONDS
-        self._send_header(Header(step=self.step, loss=self.loss))
+        now = self.clock()
+        self.next_beat = now + HEARTBEAT_SECONDS
+        self._send_header(Header(step=self.step, loss=self.loss, elapsed=now))
 
     def report(self, step: int, train_loss: float, flags: int) -> None:
         # the step's time is now, before its state is read out and summed: as the single
@@ -292,7 +293,7 @@ class ServerLink:
         elapsed, replica = self.clock(), self.ctx.replica
         weights = replica.state()  # buffers averaged at every report point: identical too
         self._send_header(Header(step=step, flags=flags | REPORT, loss=train_loss,
-                                 aux=checksum(weights)), elapsed)
+                                 elapsed=elapsed, aux=checksum(weights)))
         payloads = []
         if self.sends_weights:
             payloads.append((TAG_WEIGHTS, "pull", weights))
@@ -307,12 +308,11 @@ class ServerLink:
             self.sends.append((self.comm.isend(buf, 0, tag, kind, f"rank 0 to take {kind}"),
                                buf))
 
-    def _send_header(self, header: Header, elapsed: Optional[float] = None) -> None:
-        header = header._replace(elapsed=self.clock() if elapsed is None else elapsed
-                                 ).write(new_message())
+    def _send_header(self, header: Header) -> None:
+        message = header.write(new_message())
         self._prune()
-        self.sends.append((self.comm.isend(header, 0, TAG_REPORT, "control",
-                                           "rank 0 to take a report"), header))
+        self.sends.append((self.comm.isend(message, 0, TAG_REPORT, "control",
+                                           "rank 0 to take a report"), message))
 
     def _prune(self) -> None:
         self.sends = [(p, b) for p, b in self.sends if not p.test()]
