@@ -143,14 +143,18 @@ def node_summary(merged: Dict[str, list], hosts: List[str]) -> Dict[str, object]
     run), plus mpi_bytes (payload bytes sent through mpitrain's layer, all ranks).
     """
     nodes = list(dict.fromkeys(hosts))
+    # one pass over the samples, grouped by host (a pass per host was quadratic in the
+    # hosts: 3.5 s at 257 hosts of 600 samples each, against 0.03 s)
+    rss: Dict[str, Dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    leaders: Dict[str, list] = defaultdict(list)
+    for r in merged["telemetry"]:
+        rss[r["host"]][r["rank"]].append(r["rss_mb"])
+        if r.get("host_cpu_percent") is not None:
+            leaders[r["host"]].append(r)
     out: Dict[str, object] = {}
     for i, host in enumerate(nodes):
-        samples = [r for r in merged["telemetry"] if r["host"] == host]
-        leader = [r for r in samples if r.get("host_cpu_percent") is not None]
+        leader, by_rank = leaders[host], rss[host]
         cpu = [r["host_cpu_percent"] for r in leader]
-        by_rank = defaultdict(list)
-        for r in samples:
-            by_rank[r["rank"]].append(r["rss_mb"])
         out[f"node{i}_host"] = host
         out[f"node{i}_cpu_avg"] = round(sum(cpu) / len(cpu), 1) if cpu else ""
         out[f"node{i}_cpu_max"] = round(max(cpu), 1) if cpu else ""
