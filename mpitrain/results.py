@@ -6,9 +6,10 @@ same methods on every rank without asking who it is.
 
 Nothing is ever half-written: JSON files are replaced atomically
 (:mod:`mpitrain.atomic`); CSV files are append-only, whole lines at a time (a write a
-full disk cuts short is undone); ``runs.csv`` is appended under an exclusive lock and,
-when a newer mpitrain adds columns, rewritten (atomically) with the union of the
-columns. A write that fails is one line (:func:`cannot_write`), and the run is recorded
+full disk cuts short is undone), but for a table of the whole run that each session
+writes whole (staleness.csv), replaced atomically; ``runs.csv`` is appended under an
+exclusive lock and, when a newer mpitrain adds columns, rewritten (atomically) with
+the union of the columns. A write that fails is one line (:func:`cannot_write`), and the run is recorded
 as failed where there is room (see :class:`RunResults`).
 """
 
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
-from .atomic import atomic_file, write_json_atomic
+from .atomic import atomic_file, write_json_atomic, write_text_atomic
 from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ResultsError, WriteError
 from .schema import CURVE_COLUMNS
 from .userfiles import NotRegular, open_regular, read_bounded, read_json_object
@@ -292,6 +293,16 @@ class RunResults:
         with self._writing(self.dir / name):
             CsvLog(self.dir / name, columns).extend(rows)
 
+    def replace_csv(self, name: str, columns: List[str], rows: Iterable[Dict]) -> None:
+        """Replace ``name`` (atomically) with ``rows``: a table of the whole run that
+        each session writes whole, such as the async server's staleness counts (which a
+        resumed run carries on from its checkpoint), where appending would count a
+        resumed run's earlier sessions twice."""
+        text = _csv_line(columns) + "".join(_csv_line(_fmt(r.get(c)) for c in columns)
+                                            for r in rows)
+        with self._writing(self.dir / name):
+            write_text_atomic(self.dir / name, text)
+
     def add_run_row(self, row: Dict) -> None:
         path = self.results_dir / "runs.csv"
         with self._writing(path):
@@ -373,6 +384,9 @@ class NullResults:
         pass
 
     def write_csv(self, name, columns, rows):
+        pass
+
+    def replace_csv(self, name, columns, rows):
         pass
 
     def add_run_row(self, row):

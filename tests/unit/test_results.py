@@ -67,3 +67,33 @@ def test_null_results_do_nothing(tmp_path):
     null.write_json("config.json", {})
     null.add_run_row({})
     assert null.path is None and list(tmp_path.iterdir()) == []
+
+
+def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
+    """staleness.csv holds the whole run's counts, which a resumed run carries on from
+    its checkpoint: each session's report replaces the file (it used to append, so a
+    resumed run's file held its first session's histogram and then the whole run's:
+    the first session's updates counted twice)."""
+    import collections
+    from types import SimpleNamespace
+
+    from mpitrain.console import NullConsole
+    from mpitrain.train.asynchronous.accounts import WorkerAccount, report
+
+    results = RunResults(tmp_path, "lr-async-np3")
+    ctx = SimpleNamespace(results=results, console=NullConsole(), lost=[])
+    share = {"server_cpu_share": 0.1, "server_loop_cpu_share": 0.05, "server_nice": 0}
+
+    def session(counts):  # {worker: {staleness: count}}, cumulative as restored
+        workers = {r: WorkerAccount(r, steps=sum(c.values()), elapsed=1.0,
+                                    staleness=collections.Counter(c))
+                   for r, c in counts.items()}
+        report(ctx, workers, sum(w.steps for w in workers.values()), 1.0, None, share, 0)
+        return [(int(r["worker"]), int(r["staleness"]), int(r["count"]))
+                for r in rows(results.dir / "staleness.csv")]
+
+    assert session({1: {0: 3, 1: 2}, 2: {1: 5}}) == [(1, 0, 3), (1, 1, 2), (2, 1, 5)]
+    # the resumed session: its counts include the first session's
+    assert session({1: {0: 4, 1: 6}, 2: {1: 5, 2: 1}}) == [(1, 0, 4), (1, 1, 6), (2, 1, 5),
+                                                           (2, 2, 1)]
+    assert not list(results.dir.glob("*.tmp"))

@@ -104,7 +104,8 @@ def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
             all_staleness.update(staleness)
             rows += [{"worker": rank, "staleness": s, "count": c, "server": server}
                      for s, c in sorted(staleness.items())]
-    ctx.results.write_csv("staleness.csv", list(STALENESS_COLUMNS), rows)
+    # the counts are the whole run's (a resumed run goes on from its checkpoint's)
+    ctx.results.replace_csv("staleness.csv", list(STALENESS_COLUMNS), rows)
     total = sum(all_staleness.values())
     mean = sum(s * c for s, c in all_staleness.items()) / max(1, total)
     extra = {
