@@ -1,7 +1,7 @@
-"""``python -m mpitrain``: see :mod:`mpitrain.cli`."""
-
-import sys
+"""``python -m mpitrain``: see :mod:`mpitrain.cli`; the process ends through
+:func:`mpitrain.exits.leave`."""
 
 from .cli import main
+from .exits import leave
 
-sys.exit(main())
+leave(main())

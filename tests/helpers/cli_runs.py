@@ -22,6 +22,7 @@ from pathlib import Path
 
 from mpitrain import cli
 from mpitrain.comm import world_rank_if_running
+from mpitrain.exits import leave
 
 
 def _resolved(arg: str) -> str:
@@ -48,4 +49,4 @@ def main(path: str, codes: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], "--codes" in sys.argv[2:]))
+    leave(main(sys.argv[1], "--codes" in sys.argv[2:]))  # as python -m mpitrain ends
