@@ -32,7 +32,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 
 from .atomic import atomic_file
-from .config import SETTINGS, Config
+from .config import SETTINGS, Config, scaled
 from .errors import ResultsError, UsageError
 from .data.shards import batches_per_epoch
 from .model_names import same_model
@@ -258,10 +258,10 @@ class Rescale:
 
     Sync keeps the global batch (workers x per-worker batch) by changing the
     per-worker batch: exactly where it divides, else to the nearest batch, and
-    the learning rate then follows the linear scaling rule (global batch ratio;
-    unchanged under ``--lr-scaling none``). With ``--batches-per-epoch`` the
-    steps per epoch are kept instead (the batch follows the shard) and so is the
-    learning rate. Async keeps batch and learning rate (every update is one
+    the learning rate then follows the run's scaling rule (the global batch's ratio,
+    or its square root; unchanged under ``--lr-scaling none``). With
+    ``--batches-per-epoch`` the steps per epoch are kept instead (the batch follows
+    the shard) and so is the learning rate. Async keeps batch and learning rate (every update is one
     worker's batch either way); the remaining updates are shared by the workers
     there are. Always relative to the run's first session, so rescaling twice
     does not compound roundings. :func:`remap_position` moves a checkpoint's position.
@@ -298,7 +298,7 @@ class Rescale:
         batch = max(1, round(target / moved.workers))
         moved = moved.replace(batch_size=batch)
         ratio = moved.global_batch / target
-        lr = original.effective_lr * (ratio if original.optimizer.scaling == "linear" else 1.0)
+        lr = original.effective_lr * scaled(original.lr_scaling, ratio)
         moved = cls._with_effective_lr(moved, lr)
         if ratio == 1:
             rule = f"global batch {target} kept (per-worker batch {original.batch_size} -> " \
@@ -307,7 +307,7 @@ class Rescale:
             rule = f"global batch {target} does not divide by {moved.workers}: per-worker " \
                    f"batch {original.batch_size} -> {batch}, global batch " \
                    f"{moved.global_batch}, lr {original.effective_lr:g} -> {lr:g} " + \
-                   ("(linear scaling)" if original.optimizer.scaling == "linear"
+                   (f"({original.lr_scaling} scaling)" if original.lr_scaling != "none"
                     else "kept (--lr-scaling none)")
         return cls(original, moved, f"{how}: {rule}")
 

@@ -32,8 +32,21 @@ from .models.keras_import import onednn_enabled, onednn_hint
 from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from .settings import MAX_COUNT
 from .results import NullResults, RunResults, attempt_facts, run_identity
-from .train import Context, Summary, decay_steps, trainer
+from .train import Context, Summary, lr_schedule, trainer
 from .userfiles import read_bounded
+
+
+def describe_lr(cfg) -> str:
+    """The learning rate as the console's run line gives it: how it was scaled and
+    warmed up (sync), or how stale gradients are damped (async)."""
+    lr = f"lr {cfg.effective_lr:g}"
+    if cfg.lr_scale > 1:
+        lr += f" ({cfg.lr_scaling} scaling of {cfg.optimizer.lr:g})"
+    if cfg.warmup:
+        lr += f", warm-up {cfg.warmup:g} epoch(s)"
+    if cfg.mode == "async":
+        lr += f", staleness compensation {cfg.asynchronous.compensates}"
+    return lr
 
 
 def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = False, *,
@@ -77,7 +90,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
     replica = collectively(comm, lambda: Replica(
         spec, dataset.input_shape, dataset.num_classes, cfg.optimizer.name, cfg.effective_lr,
-        cfg.optimizer.clip_grad_norm, decay_steps(cfg, shard_size),
+        cfg.optimizer.clip_grad_norm, lr_schedule(cfg, shard_size),
         from_logits=cfg.outputs == "logits",
         applies=role.trains and not cfg.async_mode,  # the ranks that run Keras' optimizer
         compiler=cfg.compiler), spec)
@@ -94,7 +107,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
                            f"resumed-{time.strftime('%Y%m%d-%H%M%S')}.json",
                            run_metadata(cfg, dataset, replica, ranks, rescale))
     console.info(f"{cfg.model} {cfg.mode} on {comm.size} rank(s) ({cfg.workers} worker(s)), "
-                 f"batch {cfg.batch_size}/worker, lr {cfg.effective_lr:g}, "
+                 f"batch {cfg.batch_size}/worker, {describe_lr(cfg)}, "
                  f"{cfg.epochs} epoch(s); results in {results.path}"
                  + (f" (resuming at step {checkpoint.step})" if checkpoint else ""))
 

@@ -25,6 +25,7 @@ numpy's time (docs/benchmarks.md section 17).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
 import numpy as np
@@ -55,14 +56,47 @@ def cosine_factor(step: int, decay_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(step, decay_steps) / decay_steps))
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """The learning rate's course over a run's updates, as a factor of the peak rate.
+
+    Gradual warm-up (Goyal et al. 2017, "Accurate, Large Minibatch SGD"): over the
+    first ``warmup_steps`` updates the factor rises linearly from ``start`` (one
+    worker's rate over the scaled one: 1/k for a k-fold scaled rate) to 1, so a
+    large global batch does not begin with a step its initial weights cannot take.
+    Then constant, or (``decay_steps``) cosine decay to 0 over the remaining
+    ``decay_steps - warmup_steps`` updates. Without warm-up the cosine is Keras'
+    CosineDecay over ``decay_steps``. The same arithmetic runs in the flat optimizers
+    (:meth:`factor`) and in Keras' (:func:`mpitrain.models.replica.make_optimizer`).
+    """
+
+    warmup_steps: int = 0
+    start: float = 1.0
+    decay_steps: Optional[int] = None
+
+    @property
+    def constant(self) -> bool:
+        return not self.warmup_steps and not self.decay_steps
+
+    def factor(self, step: int) -> float:
+        """The factor of the peak learning rate at update ``step`` (0-based)."""
+        warm = self.warmup_steps
+        if step < warm:
+            return self.start + (1.0 - self.start) * step / warm
+        if not self.decay_steps:
+            return 1.0
+        return cosine_factor(step - warm, max(1, self.decay_steps - warm))
+
+
 class FlatOptimizer:
     """Base: in-place update of a flat weight vector from a flat gradient."""
 
-    def __init__(self, n_params: int, lr: float, decay_steps: Optional[int] = None,
+    def __init__(self, n_params: int, lr: float, schedule: Optional[Schedule] = None,
                  clip_norm: Optional[float] = None):
         self.base_lr = lr
         self._constant_lr = np.float32(lr)  # (made once, not per update)
-        self.decay_steps = decay_steps  # cosine schedule over this many updates, or None
+        #: warm-up and decay over the updates (:class:`Schedule`), or None: constant
+        self.schedule = None if schedule is None or schedule.constant else schedule
         self.clip_norm = clip_norm  # --clip-grad-norm, applied before every update
         self.iterations = 0
         self.n_params = n_params
@@ -78,20 +112,23 @@ class FlatOptimizer:
     @property
     def lr(self) -> np.float32:
         """The learning rate of the next update (Keras evaluates it before counting it)."""
-        if self.decay_steps:
-            return np.float32(self.base_lr * cosine_factor(self.iterations, self.decay_steps))
+        if self.schedule is not None:
+            return np.float32(self.base_lr * self.schedule.factor(self.iterations))
         return self._constant_lr
 
-    def step(self, weights: np.ndarray, grad: np.ndarray,
-             norm: Optional[float] = None) -> None:
+    def step(self, weights: np.ndarray, grad: np.ndarray, norm: Optional[float] = None,
+             lr_factor: float = 1.0) -> None:
         """One update of ``weights`` from ``grad`` (clipped in place first, if configured,
         by its global norm: ``norm`` when given, the norm of a whole of which ``grad`` is a
-        part)."""
+        part), at the scheduled learning rate times ``lr_factor`` (the async servers'
+        staleness compensation, :mod:`mpitrain.train.asynchronous.compensation`)."""
         if self.clip_norm:
             clip_by_global_norm_(grad, self.clip_norm, norm)
-        self.update(weights, grad)
+        lr = self.lr
+        self.update(weights, grad, lr if lr_factor == 1.0 else np.float32(lr * lr_factor))
 
-    def update(self, weights: np.ndarray, grad: np.ndarray) -> None:
+    def update(self, weights: np.ndarray, grad: np.ndarray, lr: np.float32) -> None:
+        """One update at learning rate ``lr``; counts it."""
         raise NotImplementedError
 
     def slots(self) -> Dict[str, np.ndarray]:
@@ -117,12 +154,12 @@ class FlatOptimizer:
 class SGD(FlatOptimizer):
     """w -= lr * g"""
 
-    def update(self, weights, grad):
+    def update(self, weights, grad, lr):
         if FUSED:
-            _optim.sgd(weights, grad, self.lr)
+            _optim.sgd(weights, grad, lr)
         else:
             scratch = self._scratch()
-            np.multiply(grad, self.lr, out=scratch)
+            np.multiply(grad, lr, out=scratch)
             weights -= scratch
         self.iterations += 1
 
@@ -130,18 +167,18 @@ class SGD(FlatOptimizer):
 class Momentum(FlatOptimizer):
     """Keras SGD(momentum=m): v = m * v - lr * g; w += v"""
 
-    def __init__(self, n_params, lr, decay_steps=None, clip_norm=None, momentum=0.9):
-        super().__init__(n_params, lr, decay_steps, clip_norm)
+    def __init__(self, n_params, lr, schedule=None, clip_norm=None, momentum=0.9):
+        super().__init__(n_params, lr, schedule, clip_norm)
         self.momentum = np.float32(momentum)
         self.velocity = np.zeros(n_params, np.float32)
 
-    def update(self, weights, grad):
+    def update(self, weights, grad, lr):
         if FUSED:
-            _optim.momentum(weights, grad, self.velocity, self.lr, self.momentum)
+            _optim.momentum(weights, grad, self.velocity, lr, self.momentum)
         else:
             scratch = self._scratch()
             self.velocity *= self.momentum
-            np.multiply(grad, self.lr, out=scratch)
+            np.multiply(grad, lr, out=scratch)
             self.velocity -= scratch
             weights += self.velocity
         self.iterations += 1
@@ -153,9 +190,9 @@ class Momentum(FlatOptimizer):
 class Adam(FlatOptimizer):
     """Keras Adam: bias-corrected step size, epsilon outside the square root."""
 
-    def __init__(self, n_params, lr, decay_steps=None, clip_norm=None, beta_1=0.9,
+    def __init__(self, n_params, lr, schedule=None, clip_norm=None, beta_1=0.9,
                  beta_2=0.999, epsilon=1e-7):
-        super().__init__(n_params, lr, decay_steps, clip_norm)
+        super().__init__(n_params, lr, schedule, clip_norm)
         self.beta_1, self.beta_2 = np.float32(beta_1), np.float32(beta_2)
         self.epsilon = np.float32(epsilon)
         # 1 - beta, made once (float32, as numpy computes them), for every update
@@ -163,8 +200,7 @@ class Adam(FlatOptimizer):
         self.m = np.zeros(n_params, np.float32)
         self.v = np.zeros(n_params, np.float32)
 
-    def update(self, weights, grad):
-        lr = self.lr
+    def update(self, weights, grad, lr):
         self.iterations += 1
         t = self.iterations
         alpha = np.float32(lr * np.sqrt(1 - self.beta_2 ** t) / (1 - self.beta_1 ** t))
@@ -259,9 +295,9 @@ def _in_form(length: int, count, rate, slots: list, per_weight: int,
               for i in range(len(sizes)) for j in range(per_weight))]
 
 
-def make(name: str, n_params: int, lr: float, decay_steps: Optional[int] = None,
+def make(name: str, n_params: int, lr: float, schedule: Optional[Schedule] = None,
          clip_norm: Optional[float] = None) -> FlatOptimizer:
-    """The flat optimizer for ``--optimizer name`` (cosine-decayed over ``decay_steps``,
-    gradients clipped to ``clip_norm``)."""
-    return {"sgd": SGD, "momentum": Momentum, "adam": Adam}[name](n_params, lr, decay_steps,
+    """The flat optimizer for ``--optimizer name`` (its learning rate ``lr`` following
+    ``schedule``, gradients clipped to ``clip_norm``)."""
+    return {"sgd": SGD, "momentum": Momentum, "adam": Adam}[name](n_params, lr, schedule,
                                                                   clip_norm)

@@ -31,7 +31,9 @@ state converts between their layouts (:func:`mpitrain.models.optim.adapt_state`)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import zlib
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -86,12 +88,12 @@ def check_outputs(model, name: str, from_logits: bool, input_shape) -> None:
                          "outputs are probabilities (every row sums to 1)")
 
 
-def make_optimizer(name: str, lr: float, decay_steps: Optional[int] = None):
-    """A Keras optimizer; with ``decay_steps``, its learning rate follows cosine decay."""
+def make_optimizer(name: str, lr: float, schedule: Optional[optim.Schedule] = None):
+    """A Keras optimizer; with ``schedule``, its learning rate follows it."""
     import keras
 
-    if decay_steps:
-        lr = keras.optimizers.schedules.CosineDecay(lr, decay_steps)
+    if schedule is not None and not schedule.constant:
+        lr = keras_schedule(lr, schedule)
     if name == "sgd":
         return keras.optimizers.SGD(lr)
     if name == "momentum":
@@ -99,6 +101,33 @@ def make_optimizer(name: str, lr: float, decay_steps: Optional[int] = None):
     if name == "adam":
         return keras.optimizers.Adam(lr)
     raise ValueError(f"unknown optimizer {name}")
+
+
+def keras_schedule(lr: float, schedule: optim.Schedule):
+    """``schedule`` (:class:`mpitrain.models.optim.Schedule`) from peak rate ``lr`` as a
+    Keras learning-rate schedule: Keras' own CosineDecay where there is no warm-up (the
+    same bits as before warm-up existed), else the same formulas in Keras ops."""
+    import keras
+
+    if not schedule.warmup_steps:
+        return keras.optimizers.schedules.CosineDecay(lr, schedule.decay_steps)
+
+    class WarmUp(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            ops = keras.ops
+            step = ops.cast(step, "float32")
+            warm = float(schedule.warmup_steps)
+            rising = lr * (schedule.start + (1.0 - schedule.start) * step / warm)
+            after = lr
+            if schedule.decay_steps:
+                span = float(max(1, schedule.decay_steps - schedule.warmup_steps))
+                done = ops.minimum(ops.maximum(step - warm, 0.0), span) / span
+                after = lr * 0.5 * (1.0 + ops.cos(math.pi * done))
+            return ops.where(step < warm, rising, after)
+
+        def get_config(self):
+            return {"lr": lr, **dataclasses.asdict(schedule)}
+    return WarmUp()
 
 
 def step_function(input_signature, xla: bool, modes: Dict[str, str]):
@@ -174,7 +203,7 @@ class Replica:
     """
 
     def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float,
-                 clip_norm: Optional[float] = None, decay_steps: Optional[int] = None,
+                 clip_norm: Optional[float] = None, schedule: Optional[optim.Schedule] = None,
                  from_logits: bool = True, applies: bool = True, compiler: str = "graph"):
         import tensorflow as tf
         import keras
@@ -197,12 +226,12 @@ class Replica:
         # section 2). XLA fuses Keras' update itself, so --compile xla keeps it.
         flat = applies and compiler == "auto"
         #: the flat optimizer (--compile auto), else None: Keras' optimizer updates
-        self.flat_optimizer = optim.make(optimizer, self.n_params, lr, decay_steps,
+        self.flat_optimizer = optim.make(optimizer, self.n_params, lr, schedule,
                                          clip_norm) if flat else None
         self._flat_weights: Optional[np.ndarray] = None  # its copy of the weights, if current
         self._flat_tensor = None  # TensorFlow's view of that copy
         self._assign_pending = False  # the variables lag the copy by its last update
-        self.optimizer = make_optimizer(optimizer, lr, decay_steps) \
+        self.optimizer = make_optimizer(optimizer, lr, schedule) \
             if applies and not flat else None
         if self.optimizer is not None:
             self.optimizer.build(self.variables)

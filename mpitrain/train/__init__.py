@@ -18,7 +18,7 @@ imports MPI itself.
 
 from __future__ import annotations
 
-from .context import Context, Summary, decay_steps
+from .context import Context, Summary, lr_schedule
 
 
 def trainer(async_mode: bool):
@@ -28,4 +28,4 @@ def trainer(async_mode: bool):
     return asynchronous.train if async_mode else sync.train
 
 
-__all__ = ["Context", "Summary", "decay_steps", "trainer"]
+__all__ = ["Context", "Summary", "lr_schedule", "trainer"]

@@ -20,6 +20,7 @@ from ..config import Config
 from ..data.shards import Dataset, batches_per_epoch, epoch_batches
 from ..errors import Divergence, Interrupted
 from ..lifecycle import Checkpoint, StopRequest, geometry
+from ..models.optim import Schedule
 from ..models.replica import Replica
 from .protocol import PhaseTimer
 
@@ -64,8 +65,8 @@ class Context:
         return self.cfg.workers
 
     @property
-    def decay_steps(self) -> Optional[int]:
-        return decay_steps(self.cfg, self.shard_size)
+    def lr_schedule(self) -> Optional[Schedule]:
+        return lr_schedule(self.cfg, self.shard_size)
 
     @property
     def total_steps(self) -> int:
@@ -74,12 +75,18 @@ class Context:
         return total if self.cfg.max_steps is None else min(total, self.cfg.max_steps)
 
 
-def decay_steps(cfg: Config, shard_size: int) -> Optional[int]:
-    """Updates over which a cosine schedule decays (all the run's updates), or None."""
-    if cfg.optimizer.schedule != "cosine":
+def lr_schedule(cfg: Config, shard_size: int) -> Optional[Schedule]:
+    """The learning rate's course over the run's updates (every worker's step in sync
+    mode, every push applied in async): gradual warm-up over ``cfg.warmup`` epochs from
+    one worker's rate to the scaled one (from 0 where the rate is not scaled), then
+    constant or cosine decay to 0 at the last update; None: constant throughout."""
+    updates_per_epoch = batches_per_epoch(shard_size, cfg.batch_size) * (
+        cfg.workers if cfg.mode == "async" else 1)
+    warmup = round(cfg.warmup * updates_per_epoch)
+    decay = updates_per_epoch * cfg.epochs if cfg.optimizer.schedule == "cosine" else None
+    if not warmup and decay is None:
         return None
-    updates_per_step = cfg.workers if cfg.mode == "async" else 1
-    return batches_per_epoch(shard_size, cfg.batch_size) * cfg.epochs * updates_per_step
+    return Schedule(warmup, 1.0 / cfg.lr_scale if cfg.lr_scale > 1 else 0.0, decay)
 
 
 @dataclass

@@ -8,19 +8,27 @@ from mpitrain.models import optim
 from mpitrain.models.replica import Replica, init_tensorflow
 
 
-@pytest.mark.parametrize("name,lr,decay,clip", [
+COSINE_4, COSINE_3 = optim.Schedule(decay_steps=4), optim.Schedule(decay_steps=3)
+#: gradual warm-up over 3 of the 5 updates from a quarter of the peak, then constant or
+#: cosine over the rest (the sync large-batch recipe)
+WARM, WARM_COSINE = optim.Schedule(3, 0.25), optim.Schedule(3, 0.25, 5)
+
+
+@pytest.mark.parametrize("name,lr,schedule,clip", [
     ("sgd", 0.5, None, None), ("momentum", 0.1, None, None), ("adam", 0.01, None, None),
-    ("momentum", 0.1, 4, None), ("adam", 0.01, 3, None),
+    ("momentum", 0.1, COSINE_4, None), ("adam", 0.01, COSINE_3, None),
+    ("sgd", 0.5, WARM, None), ("momentum", 0.1, WARM_COSINE, None),
+    ("adam", 0.01, WARM_COSINE, None),
     # --clip-grad-norm: the same clip-then-update chain on both paths (LR's gradient
     # norms here are ~0.5-2, so both clips below bind)
-    ("sgd", 0.5, None, 0.05), ("momentum", 0.1, 4, 0.05), ("adam", 0.01, 3, 0.1),
+    ("sgd", 0.5, None, 0.05), ("momentum", 0.1, COSINE_4, 0.05), ("adam", 0.01, COSINE_3, 0.1),
     ("adam", 0.01, None, 1e-6)])
-def test_flat_optimizer_matches_keras(name, lr, decay, clip):
+def test_flat_optimizer_matches_keras(name, lr, schedule, clip):
     init_tensorflow(1, 0)
     keras_side = Replica(models.get("lr"), (28, 28, 1), 10, name, lr, clip_norm=clip,
-                         decay_steps=decay)
+                         schedule=schedule)
     weights = keras_side.weights()
-    flat = optim.make(name, keras_side.n_params, lr, decay, clip)
+    flat = optim.make(name, keras_side.n_params, lr, schedule, clip)
     rng = np.random.default_rng(3)
     for _ in range(5):
         x = rng.random((16, 28, 28, 1), dtype=np.float32)
@@ -37,7 +45,8 @@ def test_flat_optimizer_matches_keras(name, lr, decay, clip):
     flat_state = {f"o{i}": np.asarray(v) for i, v in enumerate(flat.state().values())}
     flat_layout = {f"o{i}": (np.shape(v), np.asarray(v).dtype.name)
                    for i, v in enumerate(flat.state().values())}
-    assert len(keras_layout) > len(flat_layout)  # Keras': per variable
+    # Keras': per variable (plain SGD has no slot: with a schedule, both hold the count)
+    assert len(keras_layout) > len(flat_layout) or name == "sgd" and schedule
     for saved, layout, want in ((keras_state, flat_layout, flat_state),
                                 (flat_state, keras_layout, keras_state)):
         got = keras_side.adapt_optimizer_state(saved, layout)
@@ -111,10 +120,11 @@ def test_shares_clipped_by_the_whole_norm_update_as_the_whole(name):
 
 @pytest.mark.skipif(not optim.FUSED, reason="the compiled updates (mpitrain/models/_optim.c) "
                                             "are not built: no compiler at install time")
-@pytest.mark.parametrize("name,decay,clip", [
+@pytest.mark.parametrize("name,schedule,clip", [
     ("sgd", None, None), ("momentum", None, None), ("adam", None, None),
-    ("momentum", 5, None), ("adam", 7, 0.5)])
-def test_fused_updates_give_numpys_bits(name, decay, clip, monkeypatch):
+    ("momentum", optim.Schedule(decay_steps=5), None),
+    ("adam", optim.Schedule(2, 0.5, 7), 0.5)])
+def test_fused_updates_give_numpys_bits(name, schedule, clip, monkeypatch):
     rng = np.random.default_rng(7)
     n = 10_001  # not a multiple of any vector width: the loops' tails too
     start = rng.standard_normal(n).astype(np.float32)
@@ -123,7 +133,7 @@ def test_fused_updates_give_numpys_bits(name, decay, clip, monkeypatch):
 
     def trained(fused: bool):
         monkeypatch.setattr(optim, "FUSED", fused)
-        opt = optim.make(name, n, 0.01, decay, clip)
+        opt = optim.make(name, n, 0.01, schedule, clip)
         weights = start.copy()
         for grad in grads:
             opt.step(weights, grad.copy())
@@ -149,3 +159,30 @@ def test_fused_updates_refuse_vectors_that_do_not_match():
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         optim._optim.adam(read_only, w, w.copy(), w.copy(), 0.1, 0.001, 1e-7, 0.01)
+
+
+def test_the_schedule_warms_up_linearly_then_decays_by_the_cosine():
+    """Goyal et al.'s gradual warm-up from one worker's rate (1/k of the peak) to the peak,
+    then cosine to 0 over the rest: values computed by hand."""
+    k, warm, total = 8, 4, 12
+    schedule = optim.Schedule(warm, 1 / k, total)
+    assert [schedule.factor(t) for t in range(warm)] == pytest.approx(
+        [0.125, 0.125 + 0.875 / 4, 0.125 + 0.875 / 2, 0.125 + 0.875 * 3 / 4])
+    assert schedule.factor(warm) == 1.0  # the peak, where the decay begins
+    assert schedule.factor(warm + 4) == pytest.approx(0.5)  # half way through 8 steps
+    assert schedule.factor(total) == pytest.approx(0.0, abs=1e-12)
+    assert optim.Schedule(warm, 1 / k).factor(100) == 1.0  # constant after it
+    assert optim.Schedule(decay_steps=total).factor(3) == optim.cosine_factor(3, total)
+    assert optim.Schedule().constant and not optim.Schedule(1).constant
+
+
+def test_an_update_takes_its_lr_factor_and_the_schedule_goes_on():
+    """The async servers' staleness compensation scales one update's rate (lr_factor);
+    the schedule counts that update like any other."""
+    opt = optim.make("sgd", 3, 0.5, optim.Schedule(2, 0.5))
+    w, g = np.zeros(3, np.float32), np.ones(3, np.float32)
+    opt.step(w, g.copy(), lr_factor=0.25)  # 0.5 x 0.5 (warm-up) x 0.25
+    np.testing.assert_array_equal(w, [-0.0625] * 3)
+    opt.step(w, g.copy())  # 0.5 x 0.75
+    np.testing.assert_array_equal(w, [-0.4375] * 3)
+    assert opt.iterations == 2

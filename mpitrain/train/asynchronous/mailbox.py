@@ -42,13 +42,22 @@ from .partition import partition_of
 
 #: pushes a worker may have in flight under unbounded staleness (see .worker)
 PIPELINE_DEPTH = 2
+#: --pipeline auto pipelines with at most this many workers: a pipelined gradient is
+#: older by one update of every other worker, which doubles a staleness of N-1, and
+#: past two workers that cost more accuracy than the round trip it hides saved time
+#: (bench scale)
+AUTO_PIPELINE_WORKERS = 2
 #: the traffic table's kind for payload bytes that moved through shared memory
 SHARED = "shared"
 
 
 def pipelining_mode(cfg) -> str:
-    """--pipeline as it applies: never under a staleness bound (one gradient per lease)."""
-    return "off" if cfg.asynchronous.staleness is not None else cfg.asynchronous.pipeline
+    """--pipeline as it applies: never under a staleness bound (one gradient per lease),
+    and 'auto' never with more than AUTO_PIPELINE_WORKERS workers."""
+    if cfg.asynchronous.staleness is not None:
+        return "off"
+    mode = cfg.asynchronous.pipeline
+    return "off" if mode == "auto" and cfg.workers > AUTO_PIPELINE_WORKERS else mode
 
 
 def norm_slots(cfg) -> int:

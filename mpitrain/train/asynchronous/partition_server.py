@@ -149,7 +149,7 @@ class PartitionServer:
         payload = end.payload(header)  # (shared memory: says where the reply goes)
         if not header.flags & DIVERGED and math.isfinite(header.loss):
             w.staleness[self.store.version - header.version] += 1
-            self.store.apply(payload)
+            self.store.apply(payload, header.version)
             w.applied += 1
         self.polling.observe(header.think)
         if not self.bounded:

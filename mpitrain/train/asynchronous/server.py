@@ -324,7 +324,7 @@ class Server:
             return
         self.ending |= flags & INTERRUPTED
         w.staleness[self.store.version - header.version] += 1
-        buffers = self.store.apply(end.payload(header))
+        buffers = self.store.apply(end.payload(header), header.version)
         if buffers is not None:
             w.buffers = buffers
         w.applied += 1

@@ -9,6 +9,7 @@ import numpy as np
 from ...lifecycle import Checkpoint, optimizer_mismatch
 from ...models import optim
 from ..protocol import SLOTS
+from .compensation import Compensation
 from .mailbox import PushCodec, norm_slots
 from .partition import partition_of
 
@@ -33,19 +34,27 @@ class ParameterStore:
         self.weights = np.ascontiguousarray(replica.weights()[self.share])
         # the workers' mean at the last evaluation; only server 0 holds them
         self.buffers = replica.buffers() if server == 0 else np.zeros(0, np.float32)
-        self.optimizer = optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.decay_steps,
+        self.optimizer = optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.lr_schedule,
                                     cfg.optimizer.clip_grad_norm)
         self.codec = PushCodec(cfg.transport.compression, n)
         self.norm_slots = norm_slots(cfg)
         self.gradient_end = SLOTS + self.codec.slots  # a push's gradient, its norm, buffers
         self.version = 0
+        self.compensation = Compensation(cfg.asynchronous.compensates, n,
+                                         cfg.asynchronous.dc_lambda)
+        self._factor = self.compensation.factor  # (bound once: it runs once per update)
+        self._keeps_weights = self.compensation.keeps_weights
 
-    def apply(self, push: np.ndarray) -> Optional[np.ndarray]:
-        """Apply the gradient of ``push`` (a message; clipped first if configured);
+    def apply(self, push: np.ndarray, version: int) -> Optional[np.ndarray]:
+        """Apply the gradient of ``push`` (a message), computed at ``version`` (its
+        staleness is compensated: :mod:`.compensation`; clipped first if configured);
         returns a copy of the BatchNorm statistics it carries, or None."""
         end = self.gradient_end
         norm = float(push[end]) if self.norm_slots else None  # (one server: its own)
-        self.optimizer.step(self.weights, self.codec.decode(push[SLOTS:end]), norm)
+        grad = self.codec.decode(push[SLOTS:end])
+        if self._keeps_weights:
+            self.compensation.apply_to(grad, version, self.weights)
+        self.optimizer.step(self.weights, grad, norm, self._factor(self.version - version))
         self.version += 1
         end += self.norm_slots
         return push[end:].copy() if push.size > end else None
@@ -56,6 +65,8 @@ class ParameterStore:
         lease[SLOTS:SLOTS + n] = self.weights
         if self.buffers.size:
             lease[SLOTS + n:] = self.buffers
+        if self._keeps_weights:
+            self.compensation.lent(self.version, self.weights)
 
     def average_buffers(self, latest: List[np.ndarray]) -> np.ndarray:
         """The mean of the workers' ``latest`` BatchNorm statistics (each worker's follow
@@ -102,7 +113,7 @@ def fresh_share_state(ctx, weights: np.ndarray, share: slice) -> Dict[str, np.nd
     initial model) before any update."""
     cfg = ctx.cfg
     n = share.stop - share.start
-    optimizer = optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.decay_steps,
+    optimizer = optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.lr_schedule,
                            cfg.optimizer.clip_grad_norm)
     return {"weights": np.ascontiguousarray(weights[share]), "version": np.array(0),
             **optimizer.state()}

@@ -1,0 +1,298 @@
+"""The sections of a run's :class:`mpitrain.config.Config`, one dataclass per concern,
+and the values their choices take. Each setting carries its help text and flag
+(:func:`mpitrain.settings.option`); a section's ``check`` holds its rules between
+settings, called by :meth:`mpitrain.config.Config.validate`. A leaf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..bounds import Bounds
+from ..errors import UsageError
+from ..settings import COUNT, MAX_SECONDS, SECONDS, Number, option
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+DATASETS = ("auto", "mnist", "digits", "synthetic")
+LR_SCALINGS = ("auto", "linear", "sqrt", "none")
+#: values of --staleness-compensation (see mpitrain.train.asynchronous.compensation)
+COMPENSATIONS = ("auto", "none", "inverse", "sqrt", "dc")
+#: the warm-up of a scaled learning rate by default: this fraction of the run's epochs...
+WARMUP_FRACTION = 0.2
+#: ...and at most this many epochs (Goyal et al.'s five)
+WARMUP_MAX_EPOCHS = 5.0
+LR_SCHEDULES = ("constant", "cosine")
+ENGINES = ("mpi", "horovod")
+#: values of --compression (see mpitrain.exchange.half)
+COMPRESSIONS = ("none", "fp16")
+OUTPUTS = ("logits", "probabilities")
+#: values of --allreduce-wait (see mpitrain.comm.spins)
+ALLREDUCE_WAITS = ("auto", "spin", "poll")
+#: values of --compile (see mpitrain.models.replica.step_function)
+COMPILERS = ("auto", "graph", "xla")
+#: values of --overlap (see mpitrain.exchange.overlap)
+OVERLAPS = ("auto", "on", "off")
+#: values of --shared-memory (see mpitrain.comm.shared)
+SHARED_MEMORY = ("auto", "on", "off")
+#: values of --pipeline (see mpitrain.train.leases.Pipelining)
+PIPELINES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Where the examples come from (:mod:`mpitrain.data`)."""
+
+    dataset: Optional[str] = option(
+        "auto: MNIST if it can be found or downloaded, else scikit-learn's bundled "
+        "8x8 digits upscaled to 28x28 (says so); mnist: MNIST or fail; digits: the "
+        "bundled digits; synthetic: random ImageNet-shaped data",
+        flag="--dataset", choices=DATASETS, accepts=("file",))
+    path: Optional[str] = option(
+        "your own data: an .npz with x_train, y_train, x_test, y_test; a directory of class "
+        "sub-folders of PNG/JPEG images (train/ and test/ inside, or 10%% of each class held "
+        "out); or CIFAR-10's python batches. Input shape and classes are inferred",
+        flag="--data", key="data", metavar="PATH")
+    data_dir: Optional[str] = option(
+        "directory with MNIST (IDX files, gzipped or raw, or mnist.npz); "
+        "default: $MPITRAIN_DATA_DIR, then the Keras cache, then download",
+        flag="--data-dir", metavar="DIR")
+    image_size: Optional[int] = option(
+        "synthetic data and --data image folders: image height and width (AlexNet's is 224; "
+        "32 or 64 for quick runs); images are resized to it",
+        flag="--image-size", type=int, metavar="PX", number=Number(True, 8))
+    synthetic_size: int = option(
+        "synthetic data: training examples in an epoch (drawn from a pool of 64 random "
+        "images per worker)", 1280, flag="--synthetic-size", type=int, metavar="N",
+        number=COUNT)
+
+    def check(self, run) -> None:  # run: the whole Config
+        if self.path and self.dataset != "file":  # resolve() makes it file
+            raise UsageError(f"--data gives the dataset: drop --dataset {self.dataset}")
+        if self.path and self.data_dir:
+            raise UsageError("--data-dir tells where MNIST is and --data gives your own "
+                             "data: drop one of them")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """How the gradient becomes an update."""
+
+    name: Optional[str] = option(
+        "optimizer: sgd, momentum (SGD with momentum 0.9) or adam",
+        flag="--optimizer", key="optimizer", choices=OPTIMIZERS)
+    lr: Optional[float] = option(
+        "learning rate for one worker (its batch is the reference batch); sync mode "
+        "scales it as the global batch grows with the workers (--lr-scaling)",
+        flag="--lr", type=float, number=Number(False, 0, math.inf, above_low=True))
+    scaling: str = option(
+        "how sync mode scales --lr for a global batch k times one worker's (k = the "
+        "workers): linear (x k, Goyal et al.), sqrt (x sqrt(k)), none, or auto (linear "
+        "for sgd and momentum, sqrt for adam, whose step does not grow with the "
+        "gradient's size)", "auto", flag="--lr-scaling", key="lr_scaling",
+        choices=LR_SCALINGS)
+    warmup_epochs: Optional[float] = option(
+        "sync: epochs over which a scaled learning rate rises linearly from one "
+        "worker's (--lr) to the scaled one (gradual warm-up, Goyal et al. 2017); default: "
+        "a fifth of the run's epochs, at most 5, whenever the rate is scaled up; 0 = none",
+        flag="--warmup-epochs", type=float, metavar="E",
+        number=Number(False, 0, 1_000_000))
+    schedule: Optional[str] = option(
+        "constant, or cosine: decay the learning rate to 0 over the run's updates",
+        flag="--lr-schedule", key="lr_schedule", choices=LR_SCHEDULES)
+    clip_grad_norm: Optional[float] = option(
+        "clip each update's gradient to this global L2 norm", flag="--clip-grad-norm",
+        type=float, metavar="NORM", number=Number(False, 0, math.inf, above_low=True))
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """How sync workers average their gradients (:mod:`mpitrain.exchange`)."""
+
+    allreduce: str = option(
+        "sync gradient averaging engine: mpi (mpi4py, one fused in-place allreduce) or "
+        "horovod (Horovod's allreduce over the workers, same fused buffer)", "mpi",
+        flag="--allreduce", choices=ENGINES)
+    horovod_timeline: bool = option(
+        "with --allreduce horovod: write Horovod's timeline (Chrome trace JSON) to the "
+        "run directory", False, flag="--horovod-timeline", action="store_true")
+    allreduce_wait: str = option(
+        "how a sync worker waits in the mpi allreduce: spin (inside MPI's blocking "
+        "allreduce, the fastest when every rank has a core; a watchdog thread holds "
+        "--timeout), poll (test, yield the core, then sleep: for hosts with more ranks "
+        "than cores), or auto (spin only where every host has a core to spare for each "
+        "of its workers, the cores other processes keep busy counted)",
+        "auto", flag="--allreduce-wait", choices=ALLREDUCE_WAITS)
+    overlap: str = option(
+        "sync only: allreduce the gradient in buckets of --bucket-mb, each one started "
+        "while back-propagation still computes the layers before it (as Horovod and "
+        "PyTorch DDP do): on, off, or auto (on for the mpi engine when the gradient "
+        "fills two buckets or more, without --compile xla)",
+        "auto", flag="--overlap", choices=OVERLAPS)
+    bucket_mb: float = option(
+        "with --overlap: megabytes of gradient per allreduce bucket (PyTorch DDP's "
+        "default, 25)", 25.0, flag="--bucket-mb", type=float, metavar="MB",
+        number=Number(False, 0, 2**20, above_low=True))
+
+    def check(self, run) -> None:  # run: the whole Config
+        if self.allreduce == "horovod" and run.async_mode:
+            raise UsageError("--allreduce horovod is for sync training: Horovod has no "
+                             "parameter-server mode (drop --async or use --allreduce mpi)")
+        if self.horovod_timeline and self.allreduce != "horovod":
+            raise UsageError("--horovod-timeline needs --allreduce horovod")
+        if self.overlap == "on" and run.async_mode:
+            raise UsageError("--overlap on overlaps the sync allreduce: drop --async "
+                             "(async workers push whole gradients)")
+        if self.overlap == "on" and run.compiler == "xla":
+            raise UsageError("--overlap on hands each bucket to MPI from inside the "
+                             "gradient step, which XLA cannot compile: use --compile "
+                             "auto or graph, or --overlap off")
+
+
+@dataclass(frozen=True)
+class AsyncSettings:
+    """The async parameter server's options (:mod:`mpitrain.train.asynchronous`)."""
+
+    staleness: Optional[int] = option(
+        "async only: bound on staleness (server updates between the version a gradient "
+        "was computed at and its application). 0 = one worker computes at a time on the "
+        "current weights (synchronous, one worker applied at a time); K = fast workers "
+        "wait so no gradient is more than K updates old; default: unbounded",
+        flag="--staleness", type=int, metavar="K", number=Number(True, 0))
+    servers: int = option(
+        "async only: parameter servers. Ranks 0..K-1 each own one contiguous share of the "
+        "parameters (balanced by size), apply its updates and answer each worker's push "
+        "with its weights; rank 0 also evaluates, checkpoints and writes. The workers are "
+        "ranks K..N-1 (docs/architecture.md)", 1, flag="--servers", type=int, metavar="K",
+        number=COUNT)
+    pipeline: str = option(
+        "async only: whether a worker computes its next gradient while its last push "
+        "and the reply travel (hiding the round trip, but each gradient one of its own "
+        "updates staler): auto (only with at most 2 workers, where the wait for a "
+        "reply is at least 0.3 of a step's compute, measured over the first steps: "
+        "with more, the staleness it adds costs more than the wait it hides), on, "
+        "or off; a --staleness bound never pipelines", "auto", flag="--pipeline",
+        choices=PIPELINES)
+    compensation: str = option(
+        "async only: how the server damps a stale gradient (one computed at weights "
+        "`staleness` updates old): inverse (its learning rate divided by its staleness, "
+        "Zhang et al. 2016), sqrt (divided by the square root), dc (delay compensation, "
+        "DC-ASGD-a, Zheng et al. 2017: g + lambda g*g*(w_now - w_read), lambda adapted "
+        "per parameter; the server keeps a copy of the weights of every lease in "
+        "flight), none, or auto (sqrt)", "auto", flag="--staleness-compensation",
+        key="staleness_compensation", choices=COMPENSATIONS)
+    dc_lambda: float = option(
+        "with --staleness-compensation dc: the variance control lambda_0 (the paper's 2)",
+        2.0, flag="--dc-lambda", type=float, metavar="L",
+        number=Number(False, 0, 1_000_000))
+
+    @property
+    def compensates(self) -> str:
+        """--staleness-compensation as it applies (auto resolved)."""
+        return "sqrt" if self.compensation == "auto" else self.compensation
+
+    def check(self, run) -> None:  # run: the whole Config
+        if self.compensation not in ("auto", "none") and not run.async_mode:
+            raise UsageError(f"--staleness-compensation {self.compensation} is for the "
+                             "async parameter server: add --async")
+        if self.dc_lambda != 2.0 and self.compensation != "dc":
+            raise UsageError("--dc-lambda sets delay compensation: add "
+                             "--staleness-compensation dc")
+        if self.staleness is not None and not run.async_mode:
+            raise UsageError("--staleness bounds the async parameter server: add --async")
+        if self.staleness is not None and self.pipeline == "on":
+            raise UsageError("--pipeline on keeps two pushes in flight, which a "
+                             "--staleness bound does not allow: drop one of them")
+        if self.pipeline != "auto" and not run.async_mode:
+            raise UsageError(f"--pipeline {self.pipeline} is for the async workers: add "
+                             "--async")
+        if self.servers > 1 and not run.async_mode:
+            raise UsageError(f"--servers {self.servers} shards the async parameter "
+                             "server; sync training has none (its workers allreduce): "
+                             "add --async or drop --servers")
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """How gradients and weights travel between ranks, in either mode."""
+
+    compression: str = option(
+        "gradients on the wire: none (float32) or fp16 (half the bytes, with error "
+        "feedback: what a cast rounds away is added to the worker's next gradient); the "
+        "sync allreduce and the async pushes", "none", flag="--compression",
+        choices=COMPRESSIONS)
+    shared_memory: str = option(
+        "memory that ranks of one host share, instead of MPI messages. Sync, mpi engine, "
+        "every worker on one host: the workers sum the gradient in it (each its chunk of "
+        "every worker's buffer, bit-identical everywhere); auto: for overlapped buckets "
+        "of 1 MB or more, without --compression; on: every bucket, overlapping as with "
+        "--overlap on. Async: the workers on rank 0's host leave their gradients there "
+        "and take their weights from there, only headers go through MPI; auto: where it "
+        "can be mapped; on: every worker, which must share rank 0's host. off: always MPI",
+        "auto", flag="--shared-memory", choices=SHARED_MEMORY)
+
+    def check(self, run) -> None:  # run: the whole Config
+        if self.shared_memory != "on" or run.async_mode:
+            return
+        for clash, fix in (
+                (run.sync.allreduce == "horovod",
+                 "Horovod moves its own bytes: use --allreduce mpi"),
+                (self.compression != "none", "it sums float32: drop --compression fp16"),
+                (run.sync.overlap == "off", "it sums the overlapped buckets: drop --overlap off"),
+                (run.compiler == "xla", "it sums the overlapped buckets, which XLA cannot "
+                                        "compile: use --compile auto or graph")):
+            if clash:
+                raise UsageError(f"--shared-memory on is for the sync mpi engine's float32 "
+                                 f"buckets; {fix}")
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """When rank 0 saves the run (:class:`mpitrain.lifecycle.Checkpoint`)."""
+
+    every: int = option(
+        "rank 0 saves a checkpoint (weights, optimizer state, position) every N epochs "
+        "and at the end, into the run directory", 1, flag="--checkpoint-every",
+        key="checkpoint_every", type=int, metavar="N", number=COUNT)
+    steps: Optional[int] = option(
+        "also save a checkpoint every N steps (each worker's steps; async: every N x "
+        "workers server updates), so a restart loses at most N steps", None,
+        flag="--checkpoint-steps", key="checkpoint_steps", type=int, metavar="N",
+        number=COUNT)
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """How long ranks wait for each other (:mod:`mpitrain.bounds`)."""
+
+    timeout: float = option(
+        "seconds any rank waits for another before the job is aborted with the "
+        "stalled rank named", 300.0, flag="--timeout", type=float, metavar="S",
+        number=SECONDS)
+    start_timeout: float = option(
+        "seconds a rank waits for every rank of the job to start MPI: a rank that never "
+        "does (it exited before, e.g. under a wrapper script, or is stuck before it) "
+        "ends the job with an error naming this", 120.0,
+        flag="--start-timeout", type=float, metavar="S", number=SECONDS)
+    liveness_floor: float = option(
+        "the least time a silent worker gets before rank 0 counts it as lost: async "
+        "under mpirun --enable-recovery drops it and goes on, sync names it and ends "
+        "the job (its bound is 20x its measured interval between messages, at least "
+        "this, at most --timeout)", 10.0,
+        flag="--liveness-floor", type=float, metavar="S", number=SECONDS)
+
+    @property
+    def bounds(self) -> Bounds:
+        """Every wait derived from these (see :mod:`mpitrain.bounds`)."""
+        return Bounds(self.timeout, self.start_timeout)
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """What every rank samples about its host (:mod:`mpitrain.telemetry`)."""
+
+    sample_interval: float = option(
+        "seconds between telemetry samples (CPU, memory, network) on every rank; 0 = off",
+        1.0, flag="--sample-interval", type=float, metavar="S",
+        number=Number(False, 0.01, MAX_SECONDS, off=0, unit="of seconds"))

@@ -1,0 +1,121 @@
+"""Staleness compensation (``--staleness-compensation``): how an async server damps a
+gradient computed at weights ``staleness`` updates older than the ones it updates.
+
+With N workers and no bound, a gradient is typically N-1 updates stale (2N-1 when
+workers pipeline), so the effective step on the current weights grows with the
+cluster until plain async SGD stops converging. The remedies:
+
+* ``inverse``: the learning rate of that update divided by its staleness (Zhang,
+  Gupta, Lian and Liu, IJCAI 2016, "Staleness-aware async-SGD");
+* ``sqrt``: divided by its square root, a milder damping that keeps a round of N
+  updates worth more than one worker's step (the default: it holds accuracy from 2
+  to 16 workers where ``inverse`` damps a round of N updates to one worker's step);
+* ``dc``: delay compensation, DC-ASGD-a (Zheng et al., ICML 2017): the gradient
+  corrected to the current weights by a first-order Taylor term with the diagonal
+  of the outer product of gradients for the Hessian,
+  ``g + lambda_t * g * g * (w_now - w_read)``, ``lambda_t = lambda_0 / sqrt(ms)`` per
+  parameter with ``ms`` the moving mean square of the gradients (0.95). It needs
+  the weights each gradient was computed at: the server keeps a copy of the weights
+  of every version still leased (one model per lease in flight).
+
+Contract: a server calls :meth:`Compensation.lent` for every lease it writes (with
+the version it carries) and :meth:`Compensation.apply_to` for every gradient it
+applies (with the version it was computed at); the factor multiplies that
+update's scheduled learning rate. Pure numpy; one per server (its share of the
+parameters under ``--servers K``). The mean square of ``dc`` starts again at zero
+in a resumed run (it follows the last few dozen gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import numpy as np
+
+#: DC-ASGD-a's moving average of the squared gradient (the paper's m)
+MEAN_SQUARE_MOMENTUM = 0.95
+#: added to the mean square before its square root
+EPSILON = 1e-7
+#: staleness whose damping factor is tabulated (beyond it, computed per update)
+TABLE = 4096
+
+
+class Compensation:
+    """One server's staleness compensation over its ``n`` parameters."""
+
+    def __init__(self, kind: str, n: int, dc_lambda: float = 2.0):
+        self.kind = kind
+        self.dc_lambda = np.float32(dc_lambda)
+        self._table: Optional[List[float]] = None
+        if kind in ("inverse", "sqrt"):
+            self._table = [self.damping(s) for s in range(TABLE)]
+        #: dc: the weights of each version still leased, and its leases not yet returned
+        self._read: Dict[int, List] = {}
+        self._mean_square = np.zeros(n if kind == "dc" else 0, np.float32)
+        self._started = False
+
+    @property
+    def keeps_weights(self) -> bool:
+        """Whether the server must report its leases (:meth:`lent`)."""
+        return self.kind == "dc"
+
+    def damping(self, staleness: int) -> float:
+        """The factor of an update's learning rate for a gradient ``staleness`` updates
+        old: 1 for a fresh one (0 or 1)."""
+        if staleness <= 1 or self.kind not in ("inverse", "sqrt"):
+            return 1.0
+        return 1.0 / staleness if self.kind == "inverse" else 1.0 / math.sqrt(staleness)
+
+    def factor(self, staleness: int) -> float:
+        """:meth:`damping`, from its table where it has one (once per update)."""
+        table = self._table
+        if table is None:
+            return 1.0
+        return table[staleness] if staleness < TABLE else self.damping(staleness)
+
+    def lent(self, version: int, weights: np.ndarray) -> None:
+        """A lease of ``weights`` at ``version`` went out (dc: keep them until its
+        gradient comes back)."""
+        read = self._read.get(version)
+        if read is None:
+            self._read[version] = [weights.copy(), 1]
+        else:
+            read[1] += 1
+
+    def apply_to(self, grad: np.ndarray, version: int, weights: np.ndarray) -> np.ndarray:
+        """``grad``, computed at ``version``, corrected to ``weights`` (the current ones):
+        in place, and returned. Only dc corrects; a gradient whose weights are not kept
+        (its lease predates this server, e.g. a resumed run's first) is taken as it is."""
+        if self.kind != "dc":
+            return grad
+        self._update_mean_square(grad)
+        read = self._read.get(version)
+        if read is None:
+            return grad
+        w_read = read[0]
+        read[1] -= 1
+        if read[1] == 0:
+            del self._read[version]
+        # g + lambda_0 / sqrt(ms) * g * g * (w_now - w_read), in float32
+        term = np.subtract(weights, w_read)
+        term *= grad
+        term *= grad
+        term *= self.dc_lambda
+        term /= np.sqrt(self._mean_square + np.float32(EPSILON))
+        grad += term
+        return grad
+
+    def _update_mean_square(self, grad: np.ndarray) -> None:
+        ms = self._mean_square
+        if not self._started:  # the first gradient is the mean so far
+            np.square(grad, out=ms)
+            self._started = True
+            return
+        ms *= np.float32(MEAN_SQUARE_MOMENTUM)
+        ms += np.float32(1 - MEAN_SQUARE_MOMENTUM) * np.square(grad)
+
+    @property
+    def kept(self) -> int:
+        """Versions whose weights are kept (dc): the leases in flight, at most."""
+        return len(self._read)
