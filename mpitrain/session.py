@@ -33,6 +33,7 @@ from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensor
 from .settings import MAX_COUNT
 from .results import NullResults, RunResults, attempt_facts, run_identity
 from .train import Context, Summary, lr_schedule, trainer
+from .train.asynchronous.recovery import lost_in_this_job
 from .userfiles import read_bounded
 
 
@@ -140,7 +141,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
         comm.free_requests()
     try:
         gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results,
-                                     lost=[w["rank"] for w in ctx.lost])
+                                     lost=lost_in_this_job(ctx.lost, comm.pids))
         results.add_run_row({**run_row(cfg, dataset, summary, rescaled=ctx.rescaled),
                              **telemetry.node_summary(gathered, comm.hosts)})
         results.set_status("ok")
@@ -361,7 +362,8 @@ def record_failure(ctx: Context, error: MpitrainError, sampler,
     try:
         if error.everywhere:
             gathered = telemetry.collect(ctx.comm, ctx.role.value, sampler, ctx.timer,
-                                         ctx.results, lost=[w["rank"] for w in ctx.lost])
+                                         ctx.results,
+                                         lost=lost_in_this_job(ctx.lost, ctx.comm.pids))
             row.update(telemetry.node_summary(gathered, ctx.comm.hosts))
         elif not unwritable:
             gathered = telemetry.write_local(ctx.comm, ctx.role.value, sampler, ctx.timer,

@@ -60,3 +60,17 @@ def test_node_summary_reads_the_samples_once_whatever_the_hosts():
         out = telemetry.node_summary({"telemetry": rows, "timing": [], "comm": []}, names)
         assert out[f"node{hosts - 1}_rss_mb_avg"] == 100.0
         assert CountedRows.passes <= 2, (hosts, CountedRows.passes)
+
+
+def test_only_the_workers_lost_in_this_job_are_left_out_of_the_gather():
+    """A run's lost workers include its earlier sessions' (for runs.csv), but a resumed
+    run's ranks are new processes: the gather skips only the ranks whose lost process
+    is this job's (rank 5, lost at -np 17, is a live worker of the -np 9 job resuming
+    it; before, its telemetry was missing there)."""
+    from mpitrain.train.asynchronous.recovery import lost_in_this_job
+
+    pids = [100 + r for r in range(9)]  # this job's
+    earlier = [{"rank": 5, "pid": 7005}, {"rank": 12, "pid": 7012},  # an -np 17 session's
+               {"rank": 3}]  # recorded before losses carried their pid
+    assert lost_in_this_job(earlier, pids) == []
+    assert lost_in_this_job([*earlier, {"rank": 2, "pid": 102}], pids) == [2]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...bounds import Bounds
 from ...comm import PeerProcesses, recovery_enabled
@@ -141,7 +141,8 @@ class Recovery:
         workers were parked), or how short the run is."""
         ctx = self.ctx
         ctx.lost.append({"rank": rank, "host": self.comm.hosts[rank], "update": update,
-                         "step": step, "wall_time_s": round(self.clock(), 3), "reason": why})
+                         "step": step, "wall_time_s": round(self.clock(), 3), "reason": why,
+                         "pid": self.comm.pids[rank]})
         moved = (f"its {sum(gained.values())} remaining steps go to "
                  + ", ".join(f"rank {r}" for r in gained) if gained else
                  f"{short} planned updates will not be made" if short else
@@ -171,6 +172,16 @@ class Recovery:
             else:
                 self.ctx.console.note(f"lost {name} may still be alive (pid {pid} there): "
                                       f"if the job does not end, kill it")
+
+
+def lost_in_this_job(lost: List[dict], pids: Sequence[int]) -> List[int]:
+    """The ranks of ``lost`` (a run's lost workers, those of its earlier sessions too:
+    ``Context.lost``) that were lost in this job: whose process (``pid``) is this job's
+    at that rank. A resumed run's ranks are new processes, and a rank lost in an earlier
+    session is a live worker now, whose part of the telemetry must be gathered (skipped
+    like a lost one, it was missing, and its report was left unreceived)."""
+    return [w["rank"] for w in lost
+            if w["rank"] < len(pids) and w.get("pid") == pids[w["rank"]]]
 
 
 def short_of_plan(short: int, lost: List[dict], summary) -> MpitrainError:
