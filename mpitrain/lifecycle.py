@@ -298,7 +298,7 @@ class Rescale:
         batch = max(1, round(target / moved.workers))
         moved = moved.replace(batch_size=batch)
         ratio = moved.global_batch / target
-        lr = original.effective_lr * scaled(original.lr_scaling, ratio)
+        lr = original.effective_lr * scaled(original.optimizer.scaling, ratio)
         moved = cls._with_effective_lr(moved, lr)
         if ratio == 1:
             rule = f"global batch {target} kept (per-worker batch {original.batch_size} -> " \
@@ -307,7 +307,7 @@ class Rescale:
             rule = f"global batch {target} does not divide by {moved.workers}: per-worker " \
                    f"batch {original.batch_size} -> {batch}, global batch " \
                    f"{moved.global_batch}, lr {original.effective_lr:g} -> {lr:g} " + \
-                   (f"({original.lr_scaling} scaling)" if original.lr_scaling != "none"
+                   (f"({original.optimizer.scaling} scaling)" if original.optimizer.scaling != "none"
                     else "kept (--lr-scaling none)")
         return cls(original, moved, f"{how}: {rule}")
 

@@ -33,20 +33,22 @@ from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensor
 from .settings import MAX_COUNT
 from .results import NullResults, RunResults, attempt_facts, run_identity
 from .train import Context, Summary, lr_schedule, trainer
+from .train.asynchronous.compensation import chosen as compensation_of
 from .train.asynchronous.recovery import lost_in_this_job
 from .userfiles import read_bounded
 
 
-def describe_lr(cfg) -> str:
+def describe_lr(cfg, n_params: int) -> str:
     """The learning rate as the console's run line gives it: how it was scaled and
     warmed up (sync), or how stale gradients are damped (async)."""
     lr = f"lr {cfg.effective_lr:g}"
     if cfg.lr_scale > 1:
-        lr += f" ({cfg.lr_scaling} scaling of {cfg.optimizer.lr:g})"
+        lr += f" ({cfg.optimizer.scaling} scaling of {cfg.optimizer.lr:g})"
     if cfg.warmup:
         lr += f", warm-up {cfg.warmup:g} epoch(s)"
     if cfg.mode == "async":
-        lr += f", staleness compensation {cfg.asynchronous.compensates}"
+        lr += ", staleness compensation " + compensation_of(
+            cfg.asynchronous.compensation, n_params, cfg.workers)
     return lr
 
 
@@ -108,7 +110,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
                            f"resumed-{time.strftime('%Y%m%d-%H%M%S')}.json",
                            run_metadata(cfg, dataset, replica, ranks, rescale))
     console.info(f"{cfg.model} {cfg.mode} on {comm.size} rank(s) ({cfg.workers} worker(s)), "
-                 f"batch {cfg.batch_size}/worker, {describe_lr(cfg)}, "
+                 f"batch {cfg.batch_size}/worker, {describe_lr(cfg, replica.n_params)}, "
                  f"{cfg.epochs} epoch(s); results in {results.path}"
                  + (f" (resuming at step {checkpoint.step})" if checkpoint else ""))
 

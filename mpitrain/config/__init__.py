@@ -172,18 +172,10 @@ class Config:
         return self.steps
 
     @property
-    def lr_scaling(self) -> str:
-        """--lr-scaling as it applies: auto resolved by the optimizer."""
-        scaling = self.optimizer.scaling
-        if scaling == "auto":
-            return "sqrt" if self.optimizer.name == "adam" else "linear"
-        return scaling
-
-    @property
     def lr_scale(self) -> float:
         """The factor sync mode scales --lr by: the global batch over one worker's batch
         (the workers), as --lr-scaling says; 1 in the other modes."""
-        return scaled(self.lr_scaling, self.workers) if self.mode == "sync" else 1.0
+        return scaled(self.optimizer.scaling, self.workers) if self.mode == "sync" else 1.0
 
     @property
     def effective_lr(self) -> float:
@@ -260,7 +252,7 @@ SETTINGS: Dict[str, Setting] = {
 
 def scaled(rule: str, ratio: float) -> float:
     """The learning rate's factor for a global batch ``ratio`` times the reference batch,
-    by --lr-scaling ``rule`` (linear, sqrt or none; auto resolved already)."""
+    by --lr-scaling ``rule`` (linear, sqrt or none)."""
     return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
 

@@ -16,7 +16,7 @@ from ..settings import COUNT, MAX_SECONDS, SECONDS, Number, option
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("auto", "mnist", "digits", "synthetic")
-LR_SCALINGS = ("auto", "linear", "sqrt", "none")
+LR_SCALINGS = ("linear", "sqrt", "none")
 #: values of --staleness-compensation (see mpitrain.train.asynchronous.compensation)
 COMPENSATIONS = ("auto", "none", "inverse", "sqrt", "dc")
 #: the warm-up of a scaled learning rate by default: this fraction of the run's epochs...
@@ -88,10 +88,8 @@ class OptimizerSettings:
         flag="--lr", type=float, number=Number(False, 0, math.inf, above_low=True))
     scaling: str = option(
         "how sync mode scales --lr for a global batch k times one worker's (k = the "
-        "workers): linear (x k, Goyal et al.), sqrt (x sqrt(k)), none, or auto (linear "
-        "for sgd and momentum, sqrt for adam, whose step does not grow with the "
-        "gradient's size)", "auto", flag="--lr-scaling", key="lr_scaling",
-        choices=LR_SCALINGS)
+        "workers): linear (x k, Goyal et al.), sqrt (x sqrt(k)) or none", "linear",
+        flag="--lr-scaling", key="lr_scaling", choices=LR_SCALINGS)
     warmup_epochs: Optional[float] = option(
         "sync: epochs over which a scaled learning rate rises linearly from one "
         "worker's (--lr) to the scaled one (gradual warm-up, Goyal et al. 2017); default: "
@@ -176,29 +174,25 @@ class AsyncSettings:
         choices=PIPELINES)
     compensation: str = option(
         "async only: how the server damps a stale gradient (one computed at weights "
-        "`staleness` updates old): inverse (its learning rate divided by its staleness, "
-        "Zhang et al. 2016), sqrt (divided by the square root), dc (delay compensation, "
-        "DC-ASGD-a, Zheng et al. 2017: g + lambda g*g*(w_now - w_read), lambda adapted "
-        "per parameter; the server keeps a copy of the weights of every lease in "
-        "flight), none, or auto (sqrt)", "auto", flag="--staleness-compensation",
-        key="staleness_compensation", choices=COMPENSATIONS)
+        "`staleness` updates old): dc (delay compensation, DC-ASGD-a, Zheng et al. 2017: "
+        "g + lambda g*g*(w_now - w_read), lambda adapted per parameter; the server keeps "
+        "the weights of every lease in flight), inverse (its learning rate divided by its "
+        "staleness, Zhang et al. 2016), sqrt (by the square root), none, or auto (dc "
+        "where the weights kept for every worker fit in 256 MB, else sqrt)", "auto",
+        flag="--staleness-compensation", key="staleness_compensation",
+        choices=COMPENSATIONS)
     dc_lambda: float = option(
         "with --staleness-compensation dc: the variance control lambda_0 (the paper's 2)",
         2.0, flag="--dc-lambda", type=float, metavar="L",
         number=Number(False, 0, 1_000_000))
 
-    @property
-    def compensates(self) -> str:
-        """--staleness-compensation as it applies (auto resolved)."""
-        return "sqrt" if self.compensation == "auto" else self.compensation
-
     def check(self, run) -> None:  # run: the whole Config
         if self.compensation not in ("auto", "none") and not run.async_mode:
             raise UsageError(f"--staleness-compensation {self.compensation} is for the "
                              "async parameter server: add --async")
-        if self.dc_lambda != 2.0 and self.compensation != "dc":
-            raise UsageError("--dc-lambda sets delay compensation: add "
-                             "--staleness-compensation dc")
+        if self.dc_lambda != 2.0 and self.compensation not in ("dc", "auto"):
+            raise UsageError(f"--dc-lambda sets delay compensation, not "
+                             f"--staleness-compensation {self.compensation}: use dc")
         if self.staleness is not None and not run.async_mode:
             raise UsageError("--staleness bounds the async parameter server: add --async")
         if self.staleness is not None and self.pipeline == "on":

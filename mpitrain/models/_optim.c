@@ -2,7 +2,8 @@
  * over the flat vectors. numpy makes a pass per operation and allocates temporaries
  * (SGD 2 passes, momentum 4, Adam 9 and two 4-byte-per-value temporaries), and each
  * numpy call costs a fixed dispatch, which dominates at LR's size; AlexNet's Adam
- * streams its 110 MB vectors a dozen times (docs/benchmarks.md section 17).
+ * streams its 110 MB vectors a dozen times (docs/benchmarks.md section 17). The same
+ * for the delay compensation of a stale gradient (--staleness-compensation dc).
  *
  * Same bits as the numpy code: each value goes through exactly its float32 operations,
  * in its order (every product, sum, quotient and square root rounded to float32 as
@@ -47,6 +48,19 @@ WIDE static void adam(float *restrict w, const float *restrict g, float *restric
         m[i] = mi;
         v[i] = vi;
         w[i] = w[i] - (mi / (sqrtf(vi) + eps)) * alpha;
+    }
+}
+
+/* DC-ASGD-a's correction of a stale gradient (mpitrain/train/asynchronous/compensation.py):
+ * ms = ms * m + (g * g) * c; g += (w - w_read) * g * g * lam / sqrt(ms + eps) */
+WIDE static void delay_compensate(float *restrict g, float *restrict ms,
+                                  const float *restrict w, const float *restrict wr,
+                                  float m, float c, float lam, float eps, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float gi = g[i];
+        float msi = ms[i] * m + (gi * gi) * c;
+        ms[i] = msi;
+        g[i] = gi + (((w[i] - wr[i]) * gi) * gi) * lam / sqrtf(msi + eps);
     }
 }
 
@@ -127,6 +141,21 @@ static PyObject *py_adam(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_delay_compensate(PyObject *self, PyObject *args) {
+    PyObject *objs[4];  /* grad, mean square, weights, weights read */
+    float m, c, lam, eps;
+    Py_buffer b[4];
+    if (!PyArg_ParseTuple(args, "OOOOffff", &objs[0], &objs[1], &objs[2], &objs[3], &m, &c,
+                          &lam, &eps)
+            || float_buffers(objs, b, 4, 2, "delay_compensate") < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    delay_compensate(b[0].buf, b[1].buf, b[2].buf, b[3].buf, m, c, lam, eps, b[0].len / 4);
+    Py_END_ALLOW_THREADS
+    release(b, 4);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, "sgd(weights, grad, lr): weights -= grad * lr"},
     {"momentum", py_momentum, METH_VARARGS,
@@ -135,6 +164,9 @@ static PyMethodDef methods[] = {
     {"adam", py_adam, METH_VARARGS,
      "adam(weights, grad, m, v, 1 - beta_1, 1 - beta_2, epsilon, alpha): Keras' Adam step "
      "with alpha the bias-corrected step size"},
+    {"delay_compensate", py_delay_compensate, METH_VARARGS,
+     "delay_compensate(grad, ms, w, w_read, m, 1 - m, lambda, eps): ms = ms * m + grad^2 "
+     "(1 - m); grad += (w - w_read) grad^2 lambda / sqrt(ms + eps) (DC-ASGD-a)"},
     {NULL, NULL, 0, NULL},
 };
 

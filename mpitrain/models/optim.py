@@ -39,6 +39,11 @@ except ImportError:  # not built (no compiler at install time): numpy does the u
 FUSED = _optim is not None
 
 
+def delay_compensate(grad, ms, weights, w_read, m, c, lam, eps) -> None:
+    """The compiled pass of :mod:`mpitrain.train.asynchronous.compensation` (FUSED only)."""
+    _optim.delay_compensate(grad, ms, weights, w_read, m, c, lam, eps)
+
+
 def clip_by_global_norm_(grad: np.ndarray, clip_norm: float,
                          norm: Optional[float] = None) -> np.ndarray:
     """Scale ``grad`` in place to at most ``clip_norm`` in L2 norm, as the Keras path does:

@@ -80,3 +80,34 @@ def test_only_dc_keeps_weights():
     assert not any(Compensation(kind, 1).keeps_weights for kind in ("none", "sqrt", "inverse"))
     g = np.ones(2, np.float32)
     assert Compensation("sqrt", 2).apply_to(g, 0, g) is g  # nothing to correct
+
+
+@pytest.mark.skipif(not optim.FUSED, reason="the compiled updates are not built")
+def test_the_fused_delay_compensation_gives_numpys_bits(monkeypatch):
+    rng = np.random.default_rng(5)
+    n = 10_001  # not a multiple of any vector width: the loops' tails too
+    grads = [(rng.standard_normal(n) * 10.0 ** rng.integers(-4, 1)).astype(np.float32)
+             for _ in range(4)]
+    w_read, w_now = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+
+    def corrected(fused: bool):
+        monkeypatch.setattr(optim, "FUSED", fused)
+        c = Compensation("dc", n)
+        out = []
+        for version, g in enumerate(grads):
+            c.lent(version, w_read)
+            out.append(c.apply_to(g.copy(), version, w_now).tobytes())
+        return out + [c._mean_square.tobytes()]
+
+    fused, numpy_side = corrected(True), corrected(False)
+    assert fused[0] != grads[0].tobytes()  # it corrected
+    assert fused == numpy_side
+
+
+def test_auto_is_dc_where_the_weights_kept_fit_the_budget():
+    from mpitrain.train.asynchronous.compensation import DC_BUDGET, chosen
+    assert chosen("auto", 61_706, 64) == "dc"  # LeNet at 64 workers: 16 MB
+    assert chosen("auto", 61_100_840, 2) == "sqrt"  # AlexNet: 244 MB a copy
+    assert chosen("auto", DC_BUDGET // 4 // 16, 16) == "dc"  # exactly the budget
+    assert chosen("auto", DC_BUDGET // 4 // 16 + 1, 16) == "sqrt"
+    assert chosen("inverse", 10, 2) == "inverse"  # a setting given is taken as it is

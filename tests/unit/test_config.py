@@ -237,36 +237,30 @@ def test_the_command_line_gives_the_configs_and_errors_it_gave_before_sections()
 
 def since_large_batch_defaults(case: dict) -> dict:
     """A saved case as the large-batch defaults changed it, and nothing else: the new
-    settings at their defaults, --lr-scaling auto (sqrt for adam), lr's cosine schedule,
-    and the derived warm-up (its rule: test_the_warm_up_and_the_scaling_follow_the_rule)."""
+    settings at their defaults, lr's cosine schedule, and the derived warm-up (its rule:
+    test_the_warm_up_and_the_scaling_follow_the_rule)."""
     case = json.loads(json.dumps(case))
     kind = "config" if "config" in case else "settings" if "settings" in case else None
     if kind is None:
         return case
     values, argv = case[kind], case["argv"]
     values.update(warmup_epochs=None, staleness_compensation="auto", dc_lambda=2.0)
-    if "--lr-scaling" not in argv:
-        values["lr_scaling"] = "auto"
     if argv[0] == "lr" and "--lr-schedule" not in argv:
         values["lr_schedule"] = "cosine"
     if kind == "config":
-        if values["mode"] == "sync" and values["optimizer"] == "adam" and \
-                values["lr_scaling"] == "auto":
-            values["effective_lr"] = values["lr"] * math.sqrt(values["workers"])
-        cfg = parse_config(argv, world_size=case["world_size"])
-        values["warmup"] = cfg.warmup
+        values["warmup"] = parse_config(argv, world_size=case["world_size"]).warmup
     return case
 
 
 @pytest.mark.parametrize("np_,optimizer,scaling,epochs,given,lr,warmup", [
-    (1, "sgd", "auto", 10, None, 0.5, 0.0),  # one worker: nothing scaled, no warm-up
-    (3, "sgd", "auto", 10, None, 1.0, 2.0),  # linear x2; a fifth of the epochs
-    (17, "sgd", "auto", 30, None, 8.0, 5.0),  # x16; at most 5 epochs (Goyal et al.)
-    (17, "adam", "auto", 3, None, 0.004, 0.6),  # adam: x sqrt(16)
-    (17, "sgd", "sqrt", 3, None, 2.0, 0.6),
+    (1, "sgd", "linear", 10, None, 0.5, 0.0),  # one worker: nothing scaled, no warm-up
+    (3, "sgd", "linear", 10, None, 1.0, 2.0),  # x2; a fifth of the epochs
+    (17, "sgd", "linear", 30, None, 8.0, 5.0),  # x16; at most 5 epochs (Goyal et al.)
+    (17, "adam", "linear", 3, None, 0.016, 0.6),
+    (17, "sgd", "sqrt", 3, None, 2.0, 0.6),  # x sqrt(16)
     (17, "sgd", "none", 3, None, 0.5, 0.0),  # nothing scaled up: no warm-up
     (17, "sgd", "linear", 3, 0.0, 8.0, 0.0),  # --warmup-epochs 0: none
-    (5, "momentum", "auto", 3, 2.5, 2.0, 2.5)])
+    (5, "momentum", "linear", 3, 2.5, 2.0, 2.5)])
 def test_the_warm_up_and_the_scaling_follow_the_rule(np_, optimizer, scaling, epochs, given,
                                                      lr, warmup):
     base = 0.001 if optimizer == "adam" else 0.5
@@ -282,12 +276,13 @@ def test_the_warm_up_and_the_scaling_follow_the_rule(np_, optimizer, scaling, ep
 def test_async_options_are_refused_in_sync_mode():
     with pytest.raises(UsageError, match="--staleness-compensation dc is for the async"):
         parse_config(["lr", "--staleness-compensation", "dc"], world_size=3)
-    with pytest.raises(UsageError, match="--dc-lambda sets delay compensation"):
-        parse_config(["lr", "--async", "--dc-lambda", "1"], world_size=3)
+    with pytest.raises(UsageError, match="--dc-lambda sets delay compensation, not "
+                                         "--staleness-compensation sqrt: use dc"):
+        parse_config(["lr", "--async", "--staleness-compensation", "sqrt", "--dc-lambda",
+                      "1"], world_size=3)
     cfg = parse_config(["lr", "--async", "--staleness-compensation", "dc", "--dc-lambda",
                         "0.5"], world_size=3)
-    assert (cfg.asynchronous.compensates, cfg.asynchronous.dc_lambda) == ("dc", 0.5)
-    assert parse_config(["lr", "--async"], world_size=3).asynchronous.compensates == "sqrt"
+    assert (cfg.asynchronous.compensation, cfg.asynchronous.dc_lambda) == ("dc", 0.5)
 
 
 def test_a_value_typed_with_resume_is_checked_as_typed():

@@ -8,9 +8,10 @@ cluster until plain async SGD stops converging. The remedies:
 * ``inverse``: the learning rate of that update divided by its staleness (Zhang,
   Gupta, Lian and Liu, IJCAI 2016, "Staleness-aware async-SGD");
 * ``sqrt``: divided by its square root, a milder damping that keeps a round of N
-  updates worth more than one worker's step (the default: it holds accuracy from 2
-  to 16 workers where ``inverse`` damps a round of N updates to one worker's step);
-* ``dc``: delay compensation, DC-ASGD-a (Zheng et al., ICML 2017): the gradient
+  updates worth more than one worker's step (``inverse`` damps a round of N updates
+  to one worker's step);
+* ``dc`` (the default where its copies of the weights fit :data:`DC_BUDGET`, else
+  ``sqrt``): delay compensation, DC-ASGD-a (Zheng et al., ICML 2017): the gradient
   corrected to the current weights by a first-order Taylor term with the diagonal
   of the outer product of gradients for the Hessian,
   ``g + lambda_t * g * g * (w_now - w_read)``, ``lambda_t = lambda_0 / sqrt(ms)`` per
@@ -33,12 +34,25 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ...models import optim
+
 #: DC-ASGD-a's moving average of the squared gradient (the paper's m)
-MEAN_SQUARE_MOMENTUM = 0.95
+MEAN_SQUARE_MOMENTUM = np.float32(0.95)
 #: added to the mean square before its square root
-EPSILON = 1e-7
+EPSILON = np.float32(1e-7)
 #: staleness whose damping factor is tabulated (beyond it, computed per update)
 TABLE = 4096
+#: --staleness-compensation auto is dc where a copy of the weights for every worker
+#: fits in this many bytes (LR, LeNet, ResNet-20 at any cluster size), else sqrt
+DC_BUDGET = 256 * 2**20
+
+
+def chosen(setting: str, n_params: int, workers: int) -> str:
+    """--staleness-compensation as it applies to a server of ``n_params`` parameters and
+    ``workers`` workers: auto resolved (dc within DC_BUDGET, else sqrt)."""
+    if setting != "auto":
+        return setting
+    return "dc" if 4 * n_params * workers <= DC_BUDGET else "sqrt"
 
 
 class Compensation:
@@ -89,31 +103,41 @@ class Compensation:
         (its lease predates this server, e.g. a resumed run's first) is taken as it is."""
         if self.kind != "dc":
             return grad
-        self._update_mean_square(grad)
         read = self._read.get(version)
-        if read is None:
+        if read is None:  # (its gradient still counts in the mean square)
+            self._correct(grad, weights, weights)
             return grad
         w_read = read[0]
         read[1] -= 1
         if read[1] == 0:
             del self._read[version]
-        # g + lambda_0 / sqrt(ms) * g * g * (w_now - w_read), in float32
+        self._correct(grad, w_read, weights)
+        return grad
+
+    def _correct(self, grad: np.ndarray, w_read: np.ndarray, weights: np.ndarray) -> None:
+        """ms = m ms + (1 - m) g^2 (ms = g^2 for the first gradient); then, in place,
+        g += (w_now - w_read) g g lambda_0 / sqrt(ms + eps): one fused pass in C where it
+        was built, else numpy with the same float32 operations in the same order."""
+        ms = self._mean_square
+        m, c = (MEAN_SQUARE_MOMENTUM, np.float32(1 - MEAN_SQUARE_MOMENTUM)) \
+            if self._started else (np.float32(1.0), np.float32(0.0))
+        if not self._started:  # the first gradient's square is the mean so far
+            np.square(grad, out=ms)
+            self._started = True
+        if optim.FUSED:
+            optim.delay_compensate(grad, ms, weights, w_read, m, c, self.dc_lambda,
+                                   EPSILON)
+            return
+        ms *= m
+        square = np.square(grad)
+        square *= c
+        ms += square
         term = np.subtract(weights, w_read)
         term *= grad
         term *= grad
         term *= self.dc_lambda
-        term /= np.sqrt(self._mean_square + np.float32(EPSILON))
+        term /= np.sqrt(ms + EPSILON)
         grad += term
-        return grad
-
-    def _update_mean_square(self, grad: np.ndarray) -> None:
-        ms = self._mean_square
-        if not self._started:  # the first gradient is the mean so far
-            np.square(grad, out=ms)
-            self._started = True
-            return
-        ms *= np.float32(MEAN_SQUARE_MOMENTUM)
-        ms += np.float32(1 - MEAN_SQUARE_MOMENTUM) * np.square(grad)
 
     @property
     def kept(self) -> int:

@@ -9,7 +9,7 @@ import numpy as np
 from ...lifecycle import Checkpoint, optimizer_mismatch
 from ...models import optim
 from ..protocol import SLOTS
-from .compensation import Compensation
+from .compensation import Compensation, chosen
 from .mailbox import PushCodec, norm_slots
 from .partition import partition_of
 
@@ -40,8 +40,9 @@ class ParameterStore:
         self.norm_slots = norm_slots(cfg)
         self.gradient_end = SLOTS + self.codec.slots  # a push's gradient, its norm, buffers
         self.version = 0
-        self.compensation = Compensation(cfg.asynchronous.compensates, n,
-                                         cfg.asynchronous.dc_lambda)
+        self.compensation = Compensation(
+            chosen(cfg.asynchronous.compensation, self.n_params, cfg.workers), n,
+            cfg.asynchronous.dc_lambda)
         self._factor = self.compensation.factor  # (bound once: it runs once per update)
         self._keeps_weights = self.compensation.keeps_weights
 
