@@ -40,8 +40,9 @@ def main(argv=None, out=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         models = (args.models or ("lr" if args.quick else "lr,lenet")).split(",")
         # mpitrain's runs share a launch (start-up paid once; each timed from its first step)
+        # (plain async SGD, as ParameterServerStrategy's: no staleness compensation)
         ours = mpitrain_runs({model: CASES[model][0] for model in models}, args.quick,
-                             Path(tmp), "--async")
+                             Path(tmp), "--async", "--staleness-compensation", "none")
         for model in models:
             mine, theirs = ours[model], CASES[model][1]
             rows.append(engine_row(model, "mpitrain-async", mine))

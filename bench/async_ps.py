@@ -5,7 +5,7 @@
    weights out, blocking Recv from any source / Send), run twice: busy-polling
    (Open MPI's default) and with ``mpi_yield_when_idle`` (Open MPI's remedy for
    more ranks than cores); the faster is the bound. mpitrain's server (real
-   protocol code, numpy optimizer, its defaults: on this one host the payloads
+   protocol code, numpy optimizer, its defaults but one, below: on this host the payloads
    stay in shared memory and only headers go through MPI) is measured the same
    way. Each is the best of ``--rounds`` (2) interleaved rounds: one sample is
    bimodal here (some rounds of mpitrain's server make ~1.6k updates/s, 5-10x
@@ -19,7 +19,10 @@
    evaluator's first and last evaluations, the first 25 steps before a worker
    pipelines) were a fifth of it (docs/benchmarks.md, the Summary's async_ps
    row; the raw echo's rate is the same at both). Ratio mpitrain / bound
-   (target >= 0.5).
+   (target >= 0.5). mpitrain runs without staleness compensation, as the echo
+   applies nothing; ``mpitrain_default_per_s`` is the same with the default
+   (delay compensation for LR: one more fused pass and a copy of the weights per
+   update), so the compensation's cost is the difference.
 2. **Async vs sync epoch time** on LR at -np 3 (and 4), real CLI runs, same epochs
    (sync then async in one launch per -np).
 
@@ -83,8 +86,11 @@ def rank_side(mode: str, updates: int) -> None:
     else:
         init_tensorflow(1, 0)
         replica = Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
+        # "mpitrain": the protocol alone, no staleness compensation (the echo server
+        # applies nothing either); "mpitrain-default": with the default (dc for LR)
+        plain = {} if mode == "mpitrain-default" else {"staleness_compensation": "none"}
         cfg = resolve(Config.of(model="lr", async_mode=True, epochs=10**6, batch_size=1,
-                                steps=per_worker, eval_every=10**6),
+                                steps=per_worker, eval_every=10**6, **plain),
                       models.get("lr").defaults, comm.size)
         data = Dataset("synthetic", "bench", 10, (28, 28, 1), 10**6 * n_workers,
                        x_train=np.zeros((10**6, 1, 1, 1), np.float32)[:, :0],
@@ -113,7 +119,8 @@ def rank_side(mode: str, updates: int) -> None:
 
 def main(argv=None, out=None) -> dict:
     parser = bench_parser("async_ps", __doc__, "small runs, -np 2 and 3 (smoke)")
-    parser.add_argument("--rank-side", choices=["raw", "mpitrain"], help=argparse.SUPPRESS)
+    parser.add_argument("--rank-side", choices=["raw", "mpitrain", "mpitrain-default"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--updates", type=int, default=100000)
     parser.add_argument("--rounds", type=int, default=2,
                         help="no-compute rates: the best of this many interleaved rounds "
@@ -136,11 +143,14 @@ def main(argv=None, out=None) -> dict:
             spin = rate(np_, "raw", n=min(updates // 10, OVERSUBSCRIBED_SPIN_UPDATES))
         samples = [((rate(np_, "raw") if np_ <= os.cpu_count() else spin),
                     rate(np_, "raw", {"OMPI_MCA_mpi_yield_when_idle": "1"}),
-                    rate(np_, "mpitrain")) for _ in range(rounds)]
-        spin, yielding, ours = (max(column) for column in zip(*samples))
+                    rate(np_, "mpitrain"), rate(np_, "mpitrain-default"))
+                   for _ in range(rounds)]
+        spin, yielding, ours, default = (max(column) for column in zip(*samples))
         bound = max(spin, yielding)
         rows.append({"np": np_, "raw_spin_per_s": round(spin), "raw_yield_per_s": round(yielding),
-                     "mpitrain_per_s": round(ours), "ratio": round(ours / bound, 3)})
+                     "mpitrain_per_s": round(ours), "ratio": round(ours / bound, 3),
+                     "mpitrain_default_per_s": round(default),
+                     "default_ratio": round(default / bound, 3)})
     write_csv(out / "async_no_compute.csv", rows)
     print("No-compute update rate (workers push zeros; LR-sized messages):")
     print(table(rows, list(rows[0])))

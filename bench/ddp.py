@@ -52,7 +52,7 @@ from pathlib import Path
 
 from .common import (REPO, bench_parser, first_epoch_seconds, mnist_dir, mpi_env, out_dir,
                      print_checks, steady_epoch_seconds, table, train, write_csv)
-from .engines import median_round
+from .engines import LIKE_THE_BASELINES, median_round
 from .lower_bound import hot_path
 from .netns import skipped
 
@@ -89,7 +89,8 @@ def mpitrain_side(model: str, workers: int, quick: bool, results: Path) -> dict:
     began = time.perf_counter()
     row = train(1 if workers == 1 else workers + 1,
                 [model, "--epochs", EPOCHS, *CASES[model], "--data-dir", mnist_dir(),
-                 "--eval-every", EPOCHS, "--checkpoint-every", EPOCHS, *extra], results)
+                 "--eval-every", EPOCHS, "--checkpoint-every", EPOCHS, *LIKE_THE_BASELINES,
+                 *extra], results)
     launch = time.perf_counter() - began
     epochs = float(row["epochs"])
     roles = ("single",) if workers == 1 else ("worker",)

@@ -110,6 +110,11 @@ def as_shipped_and_onednn(name: str, strategy: str, model: str, options: List[st
     return found
 
 
+#: mpitrain's options that make it run the baselines' algorithm: no warm-up of the sync
+#: rate (the TensorFlow, Horovod and PyTorch baselines scale it without one)
+LIKE_THE_BASELINES = ["--warmup-epochs", "0"]
+
+
 def mpitrain_runs(cases: Dict[str, List[str]], quick: bool, results: Path, *extra,
                   python: str = sys.executable) -> Dict[str, dict]:
     """One mpitrain run with two workers of each model in ``cases`` ({model: its
@@ -121,7 +126,8 @@ def mpitrain_runs(cases: Dict[str, List[str]], quick: bool, results: Path, *extr
     runs = {}
     for model, args in cases.items():
         runs[model] = [model, *args, *(QUICK[model] if quick else []), "--data-dir",
-                       mnist_dir(), "--eval-every", args[args.index("--epochs") + 1], *extra]
+                       mnist_dir(), "--eval-every", args[args.index("--epochs") + 1],
+                       *LIKE_THE_BASELINES, *extra]
     found = train_many(WORKERS + 1, runs, results, python=python)
     return {model: measured_run(row) for model, row in found.items()}
 

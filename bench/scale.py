@@ -22,7 +22,8 @@ update); past ``n* = k B (c + 2 M/B + 2 alpha) / (2 M)`` workers the server is t
 bottleneck and async stops scaling.
 
 Async runs with each ``--staleness-compensation``: auto (the default: dc for these
-models), sqrt and none.
+models), sqrt and none; and, marked "(before)", sync and async with the defaults
+before these rules, given as options (``BEFORE``).
 
     python -m bench scale [--quick] [--workers 2,4,8,16] [--models lr,lenet] [--write-docs]
 """
@@ -40,6 +41,15 @@ from .common import bench_parser, out_dir, run_table, table, train_many, write_c
 MODELS = {
     "lr": {"epochs": 3, "target": 0.91, "compensations": ["auto", "sqrt", "none"]},
     "lenet": {"epochs": 2, "target": 0.97, "compensations": ["auto", "sqrt", "none"]},
+}
+#: the defaults before the large-batch rules, as options: sync without warm-up (and
+#: LR's constant rate), async uncompensated and (LR) pipelined, as 'auto' then chose
+BEFORE = {
+    "lr": {"sync": ["--warmup-epochs", "0", "--lr-schedule", "constant"],
+           "async": ["--staleness-compensation", "none", "--pipeline", "on",
+                     "--lr-schedule", "constant"]},
+    "lenet": {"sync": ["--warmup-epochs", "0"],
+              "async": ["--staleness-compensation", "none", "--pipeline", "off"]},
 }
 #: docs/scaling.md's generated block (``--write-docs``) lies between these lines
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
@@ -71,6 +81,10 @@ def main(argv=None, out=None) -> dict:
             for comp in spec["compensations"][:1] if args.quick else spec["compensations"]:
                 runs[f"{model}-async-{comp}"] = [model, *epochs, "--async",
                                                  "--staleness-compensation", comp]
+            if not args.quick:  # the same runs with the defaults before these rules
+                runs[f"{model}-sync-before"] = [model, *epochs, *BEFORE[model]["sync"]]
+                runs[f"{model}-async-before"] = [model, *epochs, "--async",
+                                                 *BEFORE[model]["async"]]
         done = train_many(n + 1, runs, out / f"np{n + 1}", hostfile=slots_file(out, n + 1))
         rows += [point(name, n, row) for name, row in done.items()]
     relate(rows)
@@ -106,6 +120,8 @@ def slots_file(out: Path, np_: int) -> Path:
 def point(name: str, workers: int, row: Dict[str, str]) -> Dict:
     """One run's row: accuracy, when it reached the target, staleness, rank 0's memory."""
     model, mode, *comp = name.split("-")
+    if comp == ["before"]:
+        mode, comp = f"{mode} (before)", []
     target = MODELS[model]["target"]
     reached = first_reached(Path(row["run_dir"]) / "curve.csv", target)
     telemetry = run_table(row["run_dir"], "telemetry")
