@@ -21,8 +21,8 @@ from .objects import ObjectExchanges
 from .runtime import Role, _load_mpi
 from .traffic import Traffic
 from .tuning import allreduce_algorithm
-from .pending import (FAILED_RANKS, Pending, Persistent, free_persistent, is_process_failure,
-                      note_process_failure)
+from .pending import (FAILED_RANKS, Matched, Pending, Persistent, free_persistent,
+                      is_process_failure, note_process_failure)
 from .waiting import (HOT, IDLE, Backoff, SpinWatch, blocking_call_bound, poll, spin_watch,
                       timeout_error)
 
@@ -400,6 +400,14 @@ class Comm(ObjectExchanges):
         return Persistent(self._c.Recv_init(buf, source=source, tag=tag), what, source, kind,
                           traffic=self.traffic)
 
+    def matched_recv(self, source: int, tag: int, kind: str, what: str,
+                     take: Callable[[int], Optional[np.ndarray]]) -> Matched:
+        """A receive of the next message from ``source`` with ``tag`` into the buffer
+        ``take(nbytes)`` lends once that message is there (None: none yet; asked again at
+        each test): no buffer is held for a message that has not come (a matched probe,
+        :class:`~.pending.Matched`). Waited on, tested and cancelled like :meth:`irecv`'s."""
+        return Matched(self._c, source, tag, what, kind, take, self.traffic)
+
     def start(self, op: Persistent) -> Persistent:
         """Start ``op`` (completed or never started) again; returns it, to wait on."""
         op.request.Start()
@@ -422,7 +430,12 @@ class Comm(ObjectExchanges):
         if pending.failed:  # MPI ended it when its peer died: nothing left to cancel
             pending.done = True
             return
-        pending.request.Cancel()
+        if isinstance(pending, Matched):  # a matched message is received, not cancelled
+            if not pending.drop_match():  # nothing matched: nothing to cancel
+                pending.done = True
+                return
+        else:
+            pending.request.Cancel()
         bound = LOST_PEER_CANCEL_BOUND if peer_lost else CANCEL_BOUND
         self._poll(lambda: bool(pending.request.Test()), [pending], IDLE, timeout=bound,
                    raise_on_timeout=not peer_lost, timeout_for_message=bound)

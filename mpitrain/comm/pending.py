@@ -76,17 +76,80 @@ class Pending:
             if not self.request.Test(self._status):
                 return False
         except Exception as error:  # noqa: BLE001 - MPI.Exception, read below
-            if not is_process_failure(error):
-                raise
-            note_process_failure()
-            # a receive from any source stays posted (it matches the live ranks);
-            # anything else that involved the dead rank will never complete
-            pending = getattr(_load_mpi(), "ERR_PROC_FAILED_PENDING", None)
-            self.failed = error.Get_error_class() != pending
+            self._failure(error)
             return False
         self.done = True
         if self._traffic is not None:
             self._traffic.add_recv(self.kind, self._status.Get_count())  # (in bytes)
+        return True
+
+    def _failure(self, error: Exception) -> None:
+        """``error`` came out of a test: a peer's death MPI reports (ULFM) is noted,
+        anything else raised."""
+        if not is_process_failure(error):
+            raise error
+        note_process_failure()
+        # a receive from any source stays posted (it matches the live ranks);
+        # anything else that involved the dead rank will never complete
+        pending = getattr(_load_mpi(), "ERR_PROC_FAILED_PENDING", None)
+        self.failed = error.Get_error_class() != pending
+
+
+class Matched(Pending):
+    """A receive whose buffer is chosen once its message is there, not before: a
+    matched probe (MPI_Improbe) finds the message from ``peer`` with ``tag`` and takes
+    it out of matching, then ``take(nbytes)`` lends the buffer it is received into
+    (MPI_Imrecv; ``buffer`` once lent). ``take`` may say None (no buffer free yet): the
+    message stays matched, its bytes in its sender's buffer (a large message travels
+    by rendezvous), and the next test asks again. So a server need not hold a posted
+    receive buffer for every peer that may send: only for the messages that came. One
+    message; completed like any :class:`Pending`."""
+
+    __slots__ = ("_comm", "tag", "take", "message", "nbytes", "buffer")
+
+    def __init__(self, mpi_comm, source: int, tag: int, what: str, kind: str,
+                 take: Callable[[int], Optional[object]], traffic: Traffic):
+        super().__init__(None, what, source, kind, traffic)
+        self._comm, self.tag, self.take = mpi_comm, tag, take
+        self.message = None  # matched, not received yet
+        self.nbytes = 0  # its size
+        self.buffer = None  # the buffer it is (being) received into
+
+    def test(self) -> bool:
+        if self.request is None and not (self.done or self.failed):
+            try:
+                if not self._receive():
+                    return False
+            except Exception as error:  # noqa: BLE001 - MPI.Exception, read in _failure
+                self._failure(error)
+                return False
+        return super().test()
+
+    def _receive(self) -> bool:
+        """Start the receive once the message is matched and a buffer lent; whether it
+        started."""
+        if self.message is None:
+            self.message = self._comm.Improbe(self.peer, self.tag, self._status)
+            if self.message is None:
+                return False
+            self.nbytes = self._status.Get_count()
+        buffer = self.take(self.nbytes)
+        if buffer is None:
+            return False
+        self.buffer, message, self.message = buffer, self.message, None
+        self.request = message.Irecv(buffer)
+        return True
+
+    def drop_match(self) -> bool:
+        """For a cancel: False if nothing is matched (nothing to cancel); else the receive
+        is started (into a buffer of its own if none was lent: a matched message cannot
+        be cancelled, only received), to be completed or abandoned like a posted one."""
+        if self.request is not None:
+            return True
+        if self.message is None:
+            return False
+        self.buffer, message, self.message = bytearray(self.nbytes), self.message, None
+        self.request = message.Irecv(self.buffer)
         return True
 
 

@@ -7,7 +7,9 @@ behind, even by a killed run):
   on one host; below.
 * **The async messages' payloads** (:func:`share_with_server`): each worker on
   rank 0's host keeps its pushes and leases in slots rank 0 maps too, so only
-  their headers go through MPI (:class:`mpitrain.train.asynchronous.Mailbox`).
+  their headers go through MPI (:class:`mpitrain.train.asynchronous.Mailbox`); a
+  server of a large model keeps them out of its own resident memory
+  (:class:`PeerSlots`).
 
 Open MPI's shared-memory transport moves an allreduce's bytes through its own
 buffers: each rank copies its half in, the other copies it out, sums it, and the
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -164,8 +167,9 @@ def share_with_server(comm, lengths: Sequence[int], server: int = 0,
 
     Returns (this worker's slots, or [] when its messages keep going through MPI:
     on another host, or when either side could not map the segment; on the server,
-    the slots of every worker that shares them, by rank; on every rank, the ranks
-    that share). Collective over ``comm`` (the world), bounded.
+    the slots of every worker that shares them, by rank, each worker's a
+    :class:`PeerSlots`; on every rank, the ranks that share). Collective over ``comm``
+    (the world), bounded.
     """
     if sharers is None:
         sharers = [r for r in comm.ranks_on_host(comm.hosts[server]) if r != server]
@@ -184,15 +188,73 @@ def share_with_server(comm, lengths: Sequence[int], server: int = 0,
         for rank, where in enumerate(wheres):
             if rank != server and where is not None:
                 peer_fd, peer_segment = open_memory_file(*where, sum(sizes))
-                if peer_segment is not None:
-                    os.close(peer_fd)  # (the mapping keeps the file)
-                    theirs[rank] = _slots(peer_segment, lengths, sizes)
+                if peer_segment is not None:  # (its descriptor kept: see PeerSlots)
+                    theirs[rank] = PeerSlots(peer_fd, peer_segment, lengths, sizes)
                     mapped[rank] = 1
     comm.bcast_(mapped, server, "control", IDLE)
     if fd >= 0:  # rank 0 has opened it (or given up): the mappings keep it
         os.close(fd)
     mine = _slots(segment, lengths, sizes) if mapped[comm.rank] else []
     return mine, theirs, [int(r) for r in np.flatnonzero(mapped)]
+
+
+class PeerSlots(list):
+    """A sharing worker's slots as its server maps them (a list of float32 arrays), with
+    the two ways the server keeps them out of its own resident memory, for a large
+    model's messages (:mod:`mpitrain.train.asynchronous.pool`):
+
+    * :meth:`forget`: a slot's pages leave the server's page tables (MADV_DONTNEED),
+      not the file: the worker's data stays, and the server's next access maps them
+      again;
+    * :meth:`window`: a slot written through the file (pwrite), never mapped by the
+      server at all.
+
+    Pages of the file count in the resident memory of each process that maps them
+    while it maps them: kept mapped, every worker's slots would count in the server's.
+    The memory file stays open while this object lives (its descriptor, for
+    :meth:`window`)."""
+
+    def __init__(self, fd: int, segment: mmap.mmap, lengths: Sequence[int],
+                 sizes: Sequence[int]):
+        super().__init__(_slots(segment, lengths, sizes))
+        self.offsets = [int(o) for o in np.cumsum([0, *sizes[:-1]])]
+        self.sizes = list(sizes)
+        self._segment = segment
+        self._fd = fd
+        weakref.finalize(self, os.close, fd)
+
+    def forget(self, i: int) -> None:
+        """Slot ``i``'s pages out of this process's page tables (and resident memory);
+        its contents stay in the file."""
+        self._segment.madvise(mmap.MADV_DONTNEED, self.offsets[i], self.sizes[i])
+
+    def window(self, i: int) -> "FileWindow":
+        """Slot ``i``, written through the file (see :class:`FileWindow`)."""
+        return FileWindow(self._fd, self.offsets[i], self[i].size)
+
+
+class FileWindow:
+    """A float32 slot of a memory file that this process writes through the file
+    (``pwrite``) without mapping it: what it writes never enters its resident memory,
+    and costs no page faults (a mapping it unmapped after each write would fault every
+    page in again). Write-only: ``window[start:stop] = values`` (a slice of step 1 and
+    as many float32 values); :attr:`nbytes` and :attr:`size` as an array's."""
+
+    __slots__ = ("fd", "offset", "size", "nbytes")
+
+    def __init__(self, fd: int, offset: int, size: int):
+        self.fd, self.offset, self.size, self.nbytes = fd, offset, size, 4 * size
+
+    def __setitem__(self, index: slice, values: np.ndarray) -> None:
+        start, stop, step = index.indices(self.size)
+        values = np.ascontiguousarray(values, np.float32)
+        if step != 1 or values.size != stop - start:
+            raise ValueError(f"a file window takes a slice of step 1 and as many values, "
+                             f"not [{start}:{stop}:{step}] = {values.size}")
+        data, at = memoryview(values).cast("B"), self.offset + 4 * start
+        done = 0
+        while done < len(data):  # (one call writes at most ~2 GiB)
+            done += os.pwrite(self.fd, data[done:], at + done)
 
 
 def shares_with_server(comm) -> List[int]:

@@ -213,6 +213,34 @@ def test_persistent_ring_carries_each_start_and_counts_it(comm):
     assert after["sent_msgs"] - start.get("sent_msgs", 0) == 3
 
 
+def test_a_matched_receive_takes_its_buffer_once_the_message_is_there(comm):
+    """Comm.matched_recv (the pooled async server's receive): no buffer until the message
+    came; then the size it asks a buffer for is the message's, and a lender that says
+    None (every buffer lent) leaves the message matched, received at a later test.
+    Counted like any receive; one with nothing matched cancels at once."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    out = np.full(10, comm.rank, np.float32)
+    asked, spare = [], np.empty(16, np.float32)
+
+    def lend(nbytes):
+        asked.append(nbytes)
+        return spare if len(asked) > 2 else None  # (twice none free)
+
+    before = comm.traffic.rows()
+    got = comm.matched_recv(left, 9, "control", "the ring message", lend)
+    assert got.buffer is None
+    comm.wait_all([got, comm.isend(out, right, 9, "control", "the ring message")])
+    assert asked == [40, 40, 40] and got.buffer is spare and (spare[:10] == left).all()
+    after = {r["kind"]: r for r in comm.traffic.rows()}["control"]
+    start = {r["kind"]: r for r in before}.get("control", {})
+    assert after["recv_bytes"] - start.get("recv_bytes", 0) == 40
+    never = comm.matched_recv(left, 99, "control", "a message nobody sends", lend)
+    assert not never.test()
+    comm.cancel(never)
+    assert never.done and never.buffer is None
+    comm.barrier()
+
+
 def test_a_memory_file_is_shared_with_rank_0_by_the_workers_on_its_host(comm):
     """share_with_server: every worker here runs on rank 0's host, so rank 0 maps every
     worker's slots and sees what the worker wrote into them, and the other way round."""

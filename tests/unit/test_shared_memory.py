@@ -125,3 +125,62 @@ def test_async_shared_memory_on_with_a_worker_on_another_host_is_one_line():
                                          r"host \(a\); workers run on b: use --shared-memory "
                                          r"auto"):
         mailbox.share_mailboxes(ctx, [])
+
+
+def resident_pages(segment: mmap.mmap, nbytes: int) -> int:
+    """Pages of ``segment``'s first ``nbytes`` in this process's page tables (its resident
+    memory), from /proc/self/pagemap (bit 63: present)."""
+    import ctypes
+    import struct
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(segment))
+    pages = -(-nbytes // shared.PAGE)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(address // shared.PAGE * 8)
+        entries = struct.unpack(f"{pages}Q", f.read(8 * pages))
+    return sum(e >> 63 for e in entries)
+
+
+def test_a_server_forgets_a_slots_pages_and_the_worker_keeps_its_data():
+    """A pooled server (mpitrain/train/asynchronous/pool.py) drops a push's pages from its
+    page tables once applied: the worker's data stays in the file, and reads alike."""
+    lengths = [5 * shared.PAGE // 4, 3]  # a push of 5 pages, a small lease
+    sizes = [shared.slot_stride(n) for n in lengths]
+    fd, worker = shared.new_memory_file("mpitrain-test", sum(sizes))
+    other_fd, mapping = shared.open_memory_file(os.getpid(), fd, sum(sizes))
+    try:
+        theirs = shared.PeerSlots(other_fd, mapping, lengths, sizes)
+        mine = shared._slots(worker, lengths, sizes)
+        mine[0][:] = np.arange(lengths[0])
+        assert theirs[0].sum() == np.arange(lengths[0], dtype=np.float32).sum()
+        touched = resident_pages(mapping, sizes[0])
+        theirs.forget(0)
+        assert touched == 5 and resident_pages(mapping, sizes[0]) == 0
+        np.testing.assert_array_equal(mine[0], np.arange(lengths[0], dtype=np.float32))
+        np.testing.assert_array_equal(theirs[0], mine[0])  # mapped again on reading
+    finally:
+        os.close(fd)
+
+
+def test_a_server_writes_a_lease_through_the_file_without_mapping_it():
+    lengths = [3, 8 + 2 * shared.PAGE // 4]  # a push, a lease of a header and two pages
+    sizes = [shared.slot_stride(n) for n in lengths]
+    fd, worker = shared.new_memory_file("mpitrain-test", sum(sizes))
+    other_fd, mapping = shared.open_memory_file(os.getpid(), fd, sum(sizes))
+    try:
+        theirs = shared.PeerSlots(other_fd, mapping, lengths, sizes)
+        window, lease = theirs.window(1), shared._slots(worker, lengths, sizes)[1]
+        assert (window.size, window.nbytes) == (lease.size, lease.nbytes)
+        weights = np.arange(lengths[1] - 10, dtype=np.float32)
+        window[8:lengths[1] - 2] = weights  # as the store writes a lease: weights...
+        window[lengths[1] - 2:] = np.array([-1, -2], np.float32)  # ...then buffers
+        np.testing.assert_array_equal(lease[8:-2], weights)  # the worker sees them
+        np.testing.assert_array_equal(lease[-2:], [-1, -2])
+        assert lease[:8].sum() == 0  # (its header: MPI's)
+        assert resident_pages(mapping, sum(sizes)) == 0  # never mapped by the writer
+        with pytest.raises(ValueError, match="step 1 and as many values"):
+            window[8:10] = np.zeros(3, np.float32)
+        with pytest.raises(ValueError, match="step 1"):
+            window[0:4:2] = np.zeros(2, np.float32)
+    finally:
+        os.close(fd)
