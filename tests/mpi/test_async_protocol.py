@@ -24,6 +24,7 @@ from mpitrain.errors import Interrupted, UsageError
 from mpitrain.models.replica import Replica, init_tensorflow
 from mpitrain.results import NullResults
 from mpitrain.train import Context, asynchronous
+from mpitrain.train.asynchronous import pool
 from mpitrain.train.protocol import SLOTS
 from mpitrain.train.evaluation import Stopwatch
 
@@ -105,12 +106,36 @@ def test_async_needs_a_server_and_a_worker():
         resolve(Config.of(model="lr", async_mode=True), models.get("lr").defaults, 1)
 
 
-@pytest.mark.parametrize("shared_memory", ["on", "off"])
-def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica, shared_memory):
+def pool_everything(monkeypatch):
+    """Make the server pool its message memory even for LR (:mod:`.pool`), with the
+    fewest buffers: two reply buffers for all workers, so that it also waits for one."""
+    monkeypatch.setattr(pool, "RESIDENT_BUDGET", 0)
+    monkeypatch.setattr(pool, "REPLY_BUDGET", 0)
+
+
+def assert_pooled(server, pooled: bool, shared: bool) -> None:
+    """The server's ends pooled (or not) as asked: in shared memory they release their
+    slots; through MPI their pools never grow past their bounds."""
+    for end in server.ends.values():
+        assert (end.release is not None) == (pooled and shared)
+        assert (end.pools is not None) == (pooled and not shared)
+        if end.pools is not None:
+            assert end.pools.receives.made <= pool.RECEIVE_BUFFERS
+            assert len(end.pools.replies.buffers) <= 2  # (REPLY_BUDGET 0: two at most)
+            assert end.recv is end.head  # every lent buffer given back
+
+
+@pytest.mark.parametrize("shared_memory,pooled", [("on", False), ("off", False),
+                                                  ("on", True), ("off", True)])
+def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica, shared_memory,
+                                                               pooled, monkeypatch):
     """Whether the pushes and leases lie in memory the server shares (only headers go
-    through MPI) or travel whole: the same updates, and traffic that adds up."""
+    through MPI) or travel whole, and whether the server pools their memory: the same
+    updates, and traffic that adds up."""
     if comm.size == 1:
         pytest.skip(NEEDS_WORKER)
+    if pooled:
+        pool_everything(monkeypatch)
     steps = 5 + 3 * comm.rank  # workers run different numbers of batches
     written = _RecordingResults()
     before = comm.traffic.rows()
@@ -137,6 +162,7 @@ def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica, sha
             assert ledger.done and sum(ledger.staleness.values()) == worker_steps
             # (every rank runs on this host)
             assert (server.ends[rank].pushes is not None) == shared
+        assert_pooled(server, pooled, shared)
         assert server.version == sum(s for _, s in filter(None, reports))
         assert summary.extra["pushes"] == summary.extra["applied"] == server.version
         # the server writes staleness.csv with the columns mpitrain report reads
@@ -201,15 +227,20 @@ def stopping_server(ctx, version: int):
     return server
 
 
-@pytest.mark.parametrize("staleness", [None, 1])
-def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replica, staleness):
+@pytest.mark.parametrize("staleness,pooled", [(None, False), (1, False), (None, True)])
+def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replica, staleness,
+                                                                    pooled, monkeypatch):
     """The server stops the run (as on SIGTERM) at its 6th update: every worker is
     dismissed, sends the pushes it had in flight and then its FAREWELL, and every
     push that reached the server is applied once; nothing is left pending (the
-    barrier after it and the next test's exchanges would hang or mismatch)."""
+    barrier after it and the next test's exchanges would hang or mismatch). Pooled:
+    the farewells (headers alone) come into no buffer of the pool."""
     if comm.size == 1:
         pytest.skip(NEEDS_WORKER)
-    ctx = context(comm, replica, 200, staleness=staleness)
+    if pooled:
+        pool_everything(monkeypatch)
+    ctx = context(comm, replica, 200, staleness=staleness,
+                  shared_memory="off" if pooled else "auto")
     if ctx.role is Role.SERVER:
         server = stopping_server(ctx, 6)
         with pytest.raises(Interrupted, match="stopped by SIGTERM after"):
@@ -220,6 +251,8 @@ def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replic
         assert all(w.applied == w.steps for w in server.workers.values())
         assert 6 <= server.version <= 6 + 2 * (comm.size - 1)  # in flight: two a worker
         assert all(len(end.sends) <= asynchronous.PIPELINE_DEPTH for end in server.ends.values())
+        if pooled:
+            assert_pooled(server, True, False)
         comm.allgather_objects(server.version)
     else:
         with pytest.raises(Interrupted, match="stopped"):
@@ -248,15 +281,19 @@ def run_sharded(ctx):
         ctx.comm.servers = 1
 
 
-@pytest.mark.parametrize("shared_memory", ["on", "off"])
-def test_two_servers_apply_every_push_once_to_each_share(comm, replica, shared_memory):
+@pytest.mark.parametrize("shared_memory,pooled", [("on", False), ("off", False),
+                                                  ("on", True), ("off", True)])
+def test_two_servers_apply_every_push_once_to_each_share(comm, replica, shared_memory, pooled,
+                                                         monkeypatch):
     """--servers 2: every push reaches both servers and each applies it once to its
     share; an evaluation point mid-run (a cut) and the final state put the shares
     together into the model that a single server would hold (same updates: LR's SGD
     with one worker is order-free here, so the weights are checked against a run with
-    one server)."""
+    one server). Pooled: a cut leaves the pushes past it with their workers."""
     if comm.size < 3:
         pytest.skip(NEEDS_TWO_SERVERS)
+    if pooled:
+        pool_everything(monkeypatch)
     steps = 4 + 3 * comm.rank if comm.rank >= 2 else 40  # (the servers' plan: 40 each)
     written = _RecordingResults()
     ctx = context(comm, replica, steps, results=written, shared_memory=shared_memory,
@@ -279,6 +316,8 @@ def test_two_servers_apply_every_push_once_to_each_share(comm, replica, shared_m
         assert server.peers.cuts == server.version // (8 * (comm.size - 2))
     if isinstance(server, asynchronous.PartitionServer):
         assert (server.ends[2].pushes is not None) == (shared_memory == "on")
+    if server is not None:
+        assert_pooled(server, pooled, shared_memory == "on")
     comm.barrier()
 
 

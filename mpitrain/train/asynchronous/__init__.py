@@ -37,6 +37,8 @@ The rooms:
 
 * :mod:`.mailbox`: the message buffers of a worker and its server, and how they
   travel (whole through MPI, or in memory both map with only headers through MPI);
+* :mod:`.pool`: the server's side of them pooled above a memory budget (its memory
+  flat in the number of workers);
 * :mod:`.worker`: the worker loop;
 * :mod:`.server`: the server loop: applies pushes, grants leases, dismisses;
 * :mod:`.store`: the parameters the server owns, their optimizer and version;

@@ -24,6 +24,11 @@ comes.
 A :class:`Layout` sizes both ends from the payload the server owns (its share of
 the parameters, :mod:`.partition`): with ``--servers K`` a worker has K mailboxes, one
 with each server, each the length of that server's share.
+
+The server's side of every mailbox together stays within a memory budget whatever the
+number of workers (:mod:`.pool`): above it, the messages through MPI land in and leave
+from pools of buffers shared by all workers, and those in shared memory stay out of
+the server's resident memory. The workers' side, and the wire, are the same either way.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ...half import widen_
 from ..protocol import (DROPPED, FINAL, SLOTS, TAG_GRADIENT, TAG_WEIGHTS, Header, new_message,
                         slots_of)
 from .partition import partition_of
+from .pool import Pools
 
 #: pushes a worker may have in flight under unbounded staleness (see .worker)
 PIPELINE_DEPTH = 2
@@ -188,42 +194,68 @@ class Mailbox:
 class ServerEnd:
     """The server's end of one worker's mailbox: where the worker's pushes land, the
     replies it is sent, and the requests that move them. Transport only: what the
-    server counts about the worker is its :class:`.accounts.WorkerAccount`."""
+    server counts about the worker is its :class:`.accounts.WorkerAccount`.
+
+    Its memory (:mod:`.pool`): below the budget, the worker's own buffers, a persistent
+    receive into its push buffer and persistent sends from one or two reply buffers;
+    above it (``pools``), through MPI, each push received into a buffer the server's
+    receive pool lends once the push is there (a matched probe) and each lease sent
+    from its reply pool, headers alone from small buffers of its own. In shared memory
+    only headers travel, into and from its own small buffers; above the budget the
+    server drops a push's pages once it applied them (:meth:`taken`) and writes leases
+    through the worker's file (:attr:`release`)."""
 
     def __init__(self, comm, rank: int, layout: Layout,
-                 slots: Optional[List[np.ndarray]] = None):
+                 slots: Optional[List[np.ndarray]] = None, pools: Optional[Pools] = None):
         self.comm, self.rank = comm, rank
         whole = slots is None
+        #: pooled through MPI: the pools its pushes land in and its leases leave from
+        self.pools = pools if whole else None
+        #: pooled in shared memory: its slots (a PeerSlots), the pages of a push dropped
+        #: once applied, leases written through the file
+        self.release = slots if pools is not None and not whole else None
         #: its push and lease slots when it shares this host's memory (headers travel)
         self.pushes, self.leases = (None, None) if whole else layout.split(slots)
-        #: [header | gradient | buffers] receive buffer (the header alone, shared)
-        self.recv = new_message(layout.push - SLOTS if whole else 0)
-        #: [header | weights | buffers] reply buffers (the headers, shared): one, or two
-        #: for a pipelined worker that pushes again before it took the last reply
-        self.sends = [new_message(layout.lease - SLOTS if whole else 0)]
+        if self.release is not None:
+            self.leases = [slots.window(i) for i in range(layout.depth, len(slots))]
+        own = whole and self.pools is None  # its whole messages in buffers of its own
+        self.head = new_message()  # a header alone (pooled: a message without payload)
+        #: the message that arrived: [header | gradient | buffers], its header alone
+        #: (shared), or (pooled) in whichever buffer the pool lent it
+        self.recv = new_message(layout.push - SLOTS) if own else self.head
+        #: [header | weights | buffers] reply buffers (the headers alone, shared or
+        #: pooled): one, or two for a pipelined worker that pushes again before it took
+        #: the last reply
+        self.sends = [new_message(layout.lease - SLOTS if own else 0)]
         #: what a reply waits for, in a timeout message (made once: the server replies
         #: thousands of times a second)
         self.takes_weights = f"{comm.name(rank)} to take its weights"
         self.takes_last_reply = f"{comm.name(rank)} to take its last reply"
-        self.receive = comm.recv_init(self.recv, rank, TAG_GRADIENT, "push", "a gradient")
+        self.what = "a gradient"  # what its next message is, in a timeout message
+        self.receive = None if self.pools else comm.recv_init(self.recv, rank, TAG_GRADIENT,
+                                                                "push", self.what)
         self.replying = [self._reply_op(0)]  # the persistent send of each of ``sends``
         self.sending: List[object] = [None]  # the pending send from each of ``sends``
         self.last_reply = 0  # which of ``sends`` went last
         self.posted = None  # the started receive of its next push
         self.reply_to = 0  # the lease slot its next reply goes to (its last push said)
+        self.reading: Optional[int] = None  # the push slot being applied (release)
+        #: pooled: its pushes are left with it, not received, for now (see pause)
+        self.paused = False
 
     @classmethod
     def open_all(cls, ctx) -> Dict[int, "ServerEnd"]:
         """Every worker's end with this server, by rank, shared where the worker shares
-        this host's memory. Collective with :meth:`Mailbox.open_all` on the workers (and
-        this call on the other servers)."""
-        me, ends = ctx.comm.rank, {}
+        this host's memory, pooled above the budget (:func:`.pool.pooled`). Collective with
+        :meth:`Mailbox.open_all` on the workers (and this call on the other servers)."""
+        comm, me, ends = ctx.comm, ctx.comm.rank, {}
+        workers = range(ctx.cfg.asynchronous.servers, comm.size)
         for server in range(ctx.cfg.asynchronous.servers):
             layout = Layout.of(ctx, server)
             _, shared = share_mailboxes(ctx, layout.lengths, server)
             if server == me:
-                ends = {r: cls(ctx.comm, r, layout, shared.get(r))
-                        for r in range(ctx.cfg.asynchronous.servers, ctx.comm.size)}
+                pools = Pools.of(comm, layout.push, layout.lease, len(workers))
+                ends = {r: cls(comm, r, layout, shared.get(r), pools) for r in workers}
         return ends
 
     def _reply_op(self, i: int):
@@ -235,9 +267,32 @@ class ServerEnd:
         """Start the receive of the worker's next push (``what`` it is, if not a gradient),
         unless it is started already (a cut listens early: see .server._Cut)."""
         if what:
-            self.receive.what = what
+            self.what = what
+            if self.receive is not None:
+                self.receive.what = what
         if self.posted is None or self.posted.done or self.posted.failed:
-            self.posted = self.comm.start(self.receive)
+            self.posted = self.comm.start(self.receive) if self.pools is None else \
+                self.comm.matched_recv(self.rank, TAG_GRADIENT, "push", self.what, self._lend)
+
+    def _lend(self, nbytes: int) -> Optional[np.ndarray]:
+        """Pooled: the buffer a message of ``nbytes`` that came is received into (None:
+        none yet)."""
+        if nbytes <= self.head.nbytes:  # a header alone (a farewell, a lease request)
+            buffer = self.head
+        elif self.paused:
+            return None
+        else:
+            buffer = self.pools.receives.lend()
+            if buffer is None:
+                return None
+        self.recv = buffer
+        return buffer
+
+    def pause(self, paused: bool) -> None:
+        """Pooled: leave the worker's pushes with it (a header alone is still received)
+        while ``paused``: a push held for later would hold a pool buffer (see
+        .partition_server's cuts). Elsewhere a push lands in memory of its own anyway."""
+        self.paused = paused
 
     def payload(self, header: Header) -> np.ndarray:
         """The message of the push that arrived (``header``'s): where its worker wrote
@@ -246,12 +301,30 @@ class ServerEnd:
             return self.recv
         slot, self.reply_to = slots_of(header.aux)
         push = self.pushes[slot]
+        self.reading = slot
         self.comm.traffic.add_recv(SHARED, push.nbytes - SLOTS * 4)
         return push
+
+    def taken(self) -> None:
+        """The push that arrived is applied (or will never be): pooled, its buffer goes
+        back to the pool, or its shared pages out of this process's memory."""
+        if self.release is not None:
+            if self.reading is not None:
+                self.release.forget(self.reading)
+                self.reading = None
+        elif self.pools is not None and self.recv is not self.head:
+            self.pools.receives.give_back(self.recv)
+            self.recv = self.head
 
     def reply(self, header: Header, lease_writer=None) -> None:
         """Send ``header`` to the worker: with the weights ``lease_writer(lease)`` writes
         (a lease), or alone (a final reply, a dismissal)."""
+        if lease_writer is not None and self.pools is not None:
+            def write(lease: np.ndarray) -> None:
+                header.write(lease)
+                lease_writer(lease)
+            self.pools.replies.send(self.rank, self.takes_weights, write)
+            return
         i = self.last_reply = self._free_reply_buffer()
         send = self.sends[i]
         header.write(send)
@@ -287,14 +360,25 @@ class ServerEnd:
 
     def drain(self) -> None:
         """Wait until the worker took every reply sent to it."""
-        self.comm.wait_all([p for p in self.sending if p is not None], IDLE)
+        pending = [p for p in self.sending if p is not None]
+        if self.pools is not None:
+            pending += self.pools.replies.pending_to(self.rank)
+        self.comm.wait_all(pending, IDLE)
 
     def hang_up(self, tell: bool):
-        """The worker is lost: its pending receive is cancelled and, if ``tell`` (its
-        process is still there), a FINAL|DROPPED reply sent in case it comes back (it
-        then leaves). Returns that reply's send, or None."""
+        """The worker is lost: its pending receive is cancelled (pooled: a buffer lent to
+        it leaves the pool, as do those of its replies still pending) and, if ``tell``
+        (its process is still there), a FINAL|DROPPED reply sent in case it comes back
+        (it then leaves). Returns that reply's send, or None."""
         self.comm.cancel(self.posted, peer_lost=True)
         self.posted = None
+        if self.pools is not None:
+            if self.recv is not self.head:  # (MPI may still write into it)
+                self.pools.receives.lose(self.recv)
+                self.recv = self.head
+            self.pools.replies.forget(self.rank)
+        else:
+            self.taken()  # (shared: the pages of a push being read)
         if not tell:
             return None
         dismissal = Header(flags=FINAL | DROPPED).write(new_message())

@@ -121,6 +121,8 @@ class PartitionServer:
             pairs = self.control[2:].reshape(-1, 2)
             self.positions = {int(r): int(p) for r, p in pairs if r > 0 and p != GONE}
             self.cut = argument
+            for rank in self.active:  # (those with every push of the cut in)
+                self._pause_past_cut(rank)
             ack = control_message(self.comm)
             ack[:2] = ACK, argument
             self.comm.wait(self.comm.isend(ack, 0, TAG_CONTROL, "control",
@@ -141,11 +143,15 @@ class PartitionServer:
             self._grant_leases()
         elif self.positions is not None and header.step > self.positions.get(rank, header.step):
             self.held.append(rank)  # past the cut: applied once the cut is made
+            return  # (its message stays where it landed until then)
         else:
             self._apply(w, end, header)
+        end.taken()  # (its memory: see .pool)
 
     def _apply(self, w: WorkerAccount, end: ServerEnd, header: Header) -> None:
         w.steps, w.elapsed = header.step, header.elapsed
+        if self.positions is not None:
+            self._pause_past_cut(w.rank)
         payload = end.payload(header)  # (shared memory: says where the reply goes)
         if not header.flags & DIVERGED and math.isfinite(header.loss):
             w.staleness[self.store.version - header.version] += 1
@@ -201,6 +207,14 @@ class PartitionServer:
         self._grant_leases()
 
     # ---- cuts and the end -------------------------------------------------------------
+    def _pause_past_cut(self, rank: int) -> None:
+        """While a cut is made: a worker with every push of the cut applied sends only
+        pushes past it next, held until the cut is made; pooled, they are left with it
+        until then (:meth:`.mailbox.ServerEnd.pause`), so that held pushes cannot take
+        every buffer of the pool from the pushes the cut still waits for."""
+        if self.workers[rank].steps >= self.positions.get(rank, float("inf")):
+            self.ends[rank].pause(True)
+
     def _reached(self) -> bool:
         """Whether every worker still here has every push of the cut applied."""
         return all(self.workers[r].steps >= p for r, p in self.positions.items()
@@ -212,6 +226,8 @@ class PartitionServer:
         self.outgoing.append(ObjectOut(self.comm, self._state(), 0,
                                        "rank 0 to take this server's share at a cut"))
         self.positions = None
+        for end in self.ends.values():
+            end.pause(False)
         held, self.held = self.held, []
         for rank in held:
             self._take(rank)

@@ -177,6 +177,8 @@ class Server:
             self.peers.start(self._start_states())
         cpu = accounts.CpuShare()
         timer = self.ctx.timer
+        pooled = any(end.pools is not None or end.release is not None
+                     for end in self.ends.values())
         self._grant_leases()
         timer.restart()
         # (the phases marked with timer.lap, not `with timer(...)`: the loop runs tens of
@@ -191,7 +193,10 @@ class Server:
             timer.lap("wait")
             if rank is None:  # a worker was dropped instead
                 continue
-            self._apply(self.workers[rank], self.ends[rank])
+            end = self.ends[rank]
+            self._apply(self.workers[rank], end)
+            if pooled:  # (its memory: see .pool)
+                end.taken()
             timer.lap()
             self._grant_leases()
             timer.lap("comm")
