@@ -5,6 +5,8 @@ import json
 import multiprocessing
 
 
+import numpy as np
+
 from mpitrain.results import CsvLog, NullResults, RunResults, append_run_row, new_run_dir
 
 
@@ -81,7 +83,12 @@ def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
     from mpitrain.train.asynchronous.accounts import WorkerAccount, report
 
     results = RunResults(tmp_path, "lr-async-np3")
-    ctx = SimpleNamespace(results=results, console=NullConsole(), lost=[])
+    from mpitrain.config import Config
+    from mpitrain.lifecycle import Checkpoint
+
+    results = RunResults(tmp_path, "lr-async-np3")
+    ctx = SimpleNamespace(results=results, console=NullConsole(), lost=[], resume_from=None,
+                          cfg=Config.of(async_mode=True, world_size=3))
     share = {"server_cpu_share": 0.1, "server_loop_cpu_share": 0.05, "server_nice": 0}
 
     def session(counts):  # {worker: {staleness: count}}, cumulative as restored
@@ -89,11 +96,20 @@ def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
                                     staleness=collections.Counter(c))
                    for r, c in counts.items()}
         report(ctx, workers, sum(w.steps for w in workers.values()), 1.0, None, share, 0)
-        return [(int(r["worker"]), int(r["staleness"]), int(r["count"]))
+        return [(int(r["server"]), int(r["worker"]), int(r["staleness"]), int(r["count"]))
                 for r in rows(results.dir / "staleness.csv")]
 
-    assert session({1: {0: 3, 1: 2}, 2: {1: 5}}) == [(1, 0, 3), (1, 1, 2), (2, 1, 5)]
+    assert session({1: {0: 3, 1: 2}, 2: {1: 5}}) == [(0, 1, 0, 3), (0, 1, 1, 2), (0, 2, 1, 5)]
     # the resumed session: its counts include the first session's
-    assert session({1: {0: 4, 1: 6}, 2: {1: 5, 2: 1}}) == [(1, 0, 4), (1, 1, 6), (2, 1, 5),
-                                                           (2, 2, 1)]
+    assert session({1: {0: 4, 1: 6}, 2: {1: 5, 2: 1}}) == [
+        (0, 1, 0, 4), (0, 1, 1, 6), (0, 2, 1, 5), (0, 2, 2, 1)]
     assert not list(results.dir.glob("*.tmp"))
+    # resumed from --servers 2 onto one server: the other server's counts, which no
+    # server of this session goes on with, stay in the file (and in its checkpoints)
+    saved = {"1": {"2": {"0": 7}}}
+    ctx.resume_from = Checkpoint(np.zeros(1, np.float32), {}, 0, 0.0, {}, {
+        "partition_staleness": saved})
+    assert session({2: {0: 9}}) == [(0, 2, 0, 9), (1, 2, 0, 7)]
+    ctx.resume_from = Checkpoint(np.zeros(1, np.float32), {}, 0, 0.0, {}, {
+        "retired_staleness": saved})  # a checkpoint of that resumed session
+    assert session({2: {0: 9}}) == [(0, 2, 0, 9), (1, 2, 0, 7)]

@@ -54,6 +54,20 @@ def restore(workers: Dict[int, WorkerAccount], quotas: Quotas, ckpt: Checkpoint)
     return list(ckpt.extra.get("lost_workers", []))
 
 
+def retired_staleness(ctx) -> Dict[str, dict]:
+    """The staleness counts of the servers an earlier session had and this one has not
+    (resumed onto fewer ``--servers``), by server: its checkpoint's, kept in every
+    checkpoint after, so that staleness.csv, which each session writes whole, still
+    counts every update each server applied."""
+    ckpt = ctx.resume_from
+    if ckpt is None:
+        return {}
+    servers = ctx.cfg.asynchronous.servers
+    saved = {**ckpt.extra.get("retired_staleness", {}),
+             **ckpt.extra.get("partition_staleness", {})}
+    return {s: counts for s, counts in saved.items() if int(s) >= servers}
+
+
 def latest_buffers(workers: Dict[int, WorkerAccount]) -> List[np.ndarray]:
     """The workers' latest BatchNorm statistics (of those that sent any)."""
     return [w.buffers for w in workers.values() if w.buffers is not None]
@@ -64,6 +78,7 @@ def checkpoint(store, workers: Dict[int, WorkerAccount], quotas: Quotas, total_s
     """The server's checkpoint: its ``store``'s parameters and optimizer state, and the
     counts :func:`restore` reads back."""
     extra = {"staleness": {str(w.rank): dict(w.staleness) for w in workers.values()},
+             "retired_staleness": retired_staleness(ctx),
              "extra_steps": {str(r): q - total_steps for r, q in quotas.of.items()},
              "updates_short": quotas.short,
              "lost_workers": list(ctx.lost),
@@ -95,6 +110,9 @@ def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
     runs.csv."""
     rows, all_staleness = [], collections.Counter()
     by_server = {0: {w.rank: w.staleness for w in workers.values()}}
+    by_server.update({int(server): {int(w): {int(k): c for k, c in counts.items()}
+                                    for w, counts in histograms.items()}
+                      for server, histograms in retired_staleness(ctx).items()})
     applied = {0: sum(w.applied for w in workers.values())}
     for server, final in sorted((others or {}).items()):  # --servers K: the others' own
         by_server[server] = final["staleness"]
@@ -121,7 +139,7 @@ def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
         "lost_workers": "; ".join(f"rank {w['rank']} on {w['host']} at update "
                                   f"{w['update']} ({w['reason']})" for w in ctx.lost),
         "updates_short": short,
-        "servers": len(by_server),
+        "servers": ctx.cfg.asynchronous.servers,
         # each server's updates (with --servers K, each push updates every share once)
         "applied_by_server": " ".join(f"{s}:{n}" for s, n in applied.items()),
     }
