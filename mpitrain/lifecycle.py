@@ -189,6 +189,11 @@ def saved_config(run_dir: Path) -> dict:
     return saved
 
 
+#: settings added since a run's config.json may have been written, as such a run trained
+#: (their defaults differ): no warm-up, no staleness compensation
+TRAINED_BEFORE = {"warmup_epochs": 0.0, "staleness_compensation": "none"}
+
+
 def resumed_config(cli: Config, explicit: set, world_size: int
                    ) -> Tuple[Config, Optional["Rescale"]]:
     """The configuration to resume ``cli.resume`` with, and how it was rescaled.
@@ -200,7 +205,8 @@ def resumed_config(cli: Config, explicit: set, world_size: int
     (returned, else None).
     """
     saved = saved_config(Path(cli.resume))
-    base = {k: v for k, v in saved.items() if k in SETTINGS}  # older files: fewer keys
+    # older files: fewer keys; a setting added since takes what such a run trained with
+    base = {**TRAINED_BEFORE, **{k: v for k, v in saved.items() if k in SETTINGS}}
     if not same_model(cli.model, str(base.get("model"))):
         raise UsageError(f"--resume {cli.resume}: that run trained {base.get('model')}, "
                          f"not {cli.model}")  # a user's model: the saved absolute spec loads

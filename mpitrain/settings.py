@@ -87,9 +87,12 @@ def _as_number(value, integral: bool):
     if isinstance(value, numbers.Integral) and integral:
         return int(value)
     try:
-        value = float(value)
+        number = float(value)
     except OverflowError:  # an int beyond any float
         return None
+    if isinstance(value, numbers.Integral) and number != value:
+        return None  # an int a float cannot hold exactly: taken, it would not be the value given
+    value = number
     if not math.isfinite(value):
         return None
     if integral:

@@ -213,6 +213,8 @@ def test_a_config_json_of_the_layout_before_sections_resumes(tmp_path):
             {k: v for k, v in expect.items() if k != "resume"}
         assert cfg.asynchronous.staleness == 2 and cfg.faults.timeout == 200.0
         assert cfg.faults.liveness_floor == (10.0 if missing else 12.0)
+        # settings added since, whose defaults changed the training: as it trained
+        assert (cfg.optimizer.warmup_epochs, cfg.asynchronous.compensation) == (0.0, "none")
 
 
 def test_the_command_line_gives_the_configs_and_errors_it_gave_before_sections():
