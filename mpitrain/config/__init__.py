@@ -266,7 +266,8 @@ def resolve(cfg: Config, defaults: dict, world_size: int) -> Config:
     build of a run's config from what was given (the command line, ``mpitrain.fit``).
 
     ``defaults`` maps keys (epochs, batch_size, lr, optimizer, dataset...) to the
-    model's choices. The result is the same on every rank.
+    model's choices; --warmup-epochs left to its default becomes the epochs it gives.
+    The result is the same on every rank.
     """
     cfg = cfg.checked()
     filled = {key: value for key, value in defaults.items() if cfg.setting(key) is None}
@@ -276,4 +277,8 @@ def resolve(cfg: Config, defaults: dict, world_size: int) -> Config:
         if cfg.batch_size is not None:
             raise UsageError("give --batch-size or --batches-per-epoch, not both")
         filled.pop("batch_size", None)  # derived from the data size by the session
-    return cfg.replace(world_size=world_size, **filled).validate()
+    cfg = cfg.replace(world_size=world_size, **filled).validate()
+    # the default warm-up, fixed in the run's config: a resumed run (which may be given
+    # more --epochs) goes on with the warm-up it started with
+    return cfg if cfg.optimizer.warmup_epochs is not None else \
+        cfg.replace(warmup_epochs=cfg.warmup)

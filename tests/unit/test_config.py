@@ -246,11 +246,13 @@ def since_large_batch_defaults(case: dict) -> dict:
     if kind is None:
         return case
     values, argv = case[kind], case["argv"]
-    values.update(warmup_epochs=None, staleness_compensation="auto", dc_lambda=2.0)
+    values.update(staleness_compensation="auto", dc_lambda=2.0)
     if argv[0] == "lr" and "--lr-schedule" not in argv:
         values["lr_schedule"] = "cosine"
+    # the default warm-up is fixed in the config as it is built
+    values["warmup_epochs"] = parse_config(argv, world_size=case["world_size"]).warmup
     if kind == "config":
-        values["warmup"] = parse_config(argv, world_size=case["world_size"]).warmup
+        values["warmup"] = values["warmup_epochs"]
     return case
 
 
