@@ -271,6 +271,18 @@ def describe_tree(pid: int) -> str:
     return "\n".join(lines)
 
 
+def wait_for(predicate, timeout: float, what: str):
+    """``predicate()``'s first true value, polled every 0.2 s for at most ``timeout``
+    seconds; the test fails naming ``what`` after that."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 def run_bounded(cmd, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group; kill the whole group and fail if it hangs."""
     return finish_bounded(start_bounded(cmd, env, cwd), timeout)

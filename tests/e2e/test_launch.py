@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import (LOCAL_HOSTFILE, finish_bounded, mpi_env, mpirun, read_rows, run_bounded,
-                      start_bounded)
+                      start_bounded, wait_for)
 from mpitrain.dialect import RUN_AS_ROOT_CONSENT
 from mpitrain.userfiles import read_json_object
 
@@ -33,16 +33,6 @@ def start_launch(*args, env=None) -> subprocess.Popen:
 def finish(proc: subprocess.Popen, timeout: float):
     done = finish_bounded(proc, timeout)
     return done.returncode, done.stdout, done.stderr
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 def the_run_dir(results: Path) -> Path:

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from conftest import (REPO, finish_bounded, mnist_dir, mnist_shard, mpirun_cmd, read_rows,
-                      start_bounded)
+                      start_bounded, wait_for)
 from mpitrain.data.shards import batches_per_epoch
 
 pytestmark = pytest.mark.slow
@@ -56,15 +56,6 @@ def spec(out: Path, runs: dict) -> Path:
 def launch(np_: int, runs: Path, *flags):
     return start_bounded(mpirun_cmd(np_, REPO / "tests" / "helpers" / "cli_runs.py", runs,
                                     "--codes", module=None, flags=("--oversubscribe", *flags)))
-
-
-def wait_for(predicate, deadline: float, what: str):
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def the_run(results: Path) -> Path:
@@ -118,8 +109,10 @@ def first(tmp_path_factory):
                  "--checkpoint-steps", "1000", "--sample-interval", "0.5"]})
     deadline = time.monotonic() + FIRST_LAUNCH_BOUND
     proc = launch(BIG, runs, "--enable-recovery")
-    lost = wait_for(lambda: the_run(out / "lost"), deadline, "the async run to start")
-    wait_for(lambda: evaluated(lost, 1), deadline, "the async run's first epoch")
+    lost = wait_for(lambda: the_run(out / "lost"), deadline - time.monotonic(),
+                    "the async run to start")
+    wait_for(lambda: evaluated(lost, 1), deadline - time.monotonic(),
+             "the async run's first epoch")
     victim = pids(lost)[VICTIM]
     os.kill(victim, signal.SIGKILL)
     done = finish_bounded(proc, max(1.0, deadline - time.monotonic()))
