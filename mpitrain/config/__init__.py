@@ -147,7 +147,6 @@ class Config:
         run directory of any mpitrain resumes whatever section a setting moves to."""
         return {**self.settings(), "mode": self.mode, "workers": self.workers,
                 "effective_lr": self.effective_lr, "global_batch": self.global_batch,
-                "warmup": self.warmup,
                 "max_steps": self.max_steps}
 
     # ---- derived ----------------------------------------------------------------------

@@ -251,8 +251,6 @@ def since_large_batch_defaults(case: dict) -> dict:
         values["lr_schedule"] = "cosine"
     # the default warm-up is fixed in the config as it is built
     values["warmup_epochs"] = parse_config(argv, world_size=case["world_size"]).warmup
-    if kind == "config":
-        values["warmup"] = values["warmup_epochs"]
     return case
 
 

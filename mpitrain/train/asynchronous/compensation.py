@@ -35,6 +35,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ...models import optim
+from .pool import RESIDENT_BUDGET
 
 #: DC-ASGD-a's moving average of the squared gradient (the paper's m)
 MEAN_SQUARE_MOMENTUM = np.float32(0.95)
@@ -43,8 +44,9 @@ EPSILON = np.float32(1e-7)
 #: staleness whose damping factor is tabulated (beyond it, computed per update)
 TABLE = 4096
 #: --staleness-compensation auto is dc where a copy of the weights for every worker
-#: fits in this many bytes (LR, LeNet, ResNet-20 at any cluster size), else sqrt
-DC_BUDGET = 256 * 2**20
+#: fits in this many bytes (LR, LeNet, ResNet-20 at any cluster size), else sqrt: the
+#: budget a server's per-worker message memory keeps to (.pool)
+DC_BUDGET = RESIDENT_BUDGET
 
 
 def chosen(setting: str, n_params: int, workers: int) -> str:
