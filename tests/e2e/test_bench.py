@@ -53,8 +53,10 @@ def test_every_quick_benchmark_runs():
         assert f"| {name} |" in summary, f"{name}: no check in summary.md"
     # each baseline runs as TensorFlow ships and, where that is not already oneDNN's
     # kernels (as mpitrain runs), with them
-    for csv_name, ours, baseline in (("engines.csv", ("mpi", "horovod"), "mwms"),
-                                     ("async_engines.csv", ("mpitrain-async",),
+    for csv_name, ours, baseline in (("engines.csv", ("mpi", "mpi-horovod-env", "horovod"),
+                                      "mwms"),
+                                     ("async_engines.csv",
+                                      ("mpitrain-async", "mpitrain-async-defaults"),
                                       "ParameterServerStrategy")):
         rows = {row["engine"]: row for row in rows_of(out / csv_name)}
         assert all(rows[engine]["onednn"] == "True" for engine in ours)
@@ -65,6 +67,15 @@ def test_every_quick_benchmark_runs():
         assert (out / csv_name).with_suffix(".png").stat().st_size > 0
     # every ratio's floor (our compute alone) beside it, and the CSVs as tables
     assert "lr: mpi / horovod epoch time's floor" in summary
+    # judged on one TensorFlow; each engine on its own stack only reported, labelled
+    tf = {row["engine"]: row["tensorflow"] for row in rows_of(out / "engines.csv")}
+    assert tf["mpi-horovod-env"] == tf["horovod"] and tf["mpi"] == tf["mwms"], tf
+    assert f"lr: mpi / horovod epoch time (same TensorFlow, {tf['horovod']}) | " in summary
+    if tf["mpi"] != tf["horovod"]:
+        assert f"lr: mpi / horovod epoch time (each on its own stack: TensorFlow " \
+               f"{tf['mpi']} / {tf['horovod']}) | <= " not in summary  # reported, not judged
+        assert f"lr: mpi / horovod epoch time (each on its own stack: TensorFlow " \
+               f"{tf['mpi']} / {tf['horovod']}) | " in summary
     assert "## engines.csv" in summary and "| lr | mpi | 2 |" in summary
     assert [r["where"] for r in rows_of(out / "overlap.csv")] == ["shared memory"]
     check_ddp(out, summary)
