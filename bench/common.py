@@ -232,15 +232,16 @@ def markdown_table(path: Path) -> List[str]:
 def write_summary(out: Path, checks: List[Dict], argv: List[str], seconds: float,
                   minutes: Dict[str, float] = None) -> Path:
     """summary.md: every ratio with its target and whether it is met, the minutes each
-    benchmark took, then every CSV the run wrote, as a table (docs/benchmarks.md is
-    written from these)."""
+    benchmark took, then every CSV the run wrote, as a table (``python -m bench.docs``
+    writes docs/benchmarks.md's results table from these)."""
     import os
     import platform
 
     lines = [f"# Benchmark summary ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"Command: `python -m bench {' '.join(argv)}`  ",
              f"Machine: {platform.node()}, {os.cpu_count()} cores, "
-             f"Python {platform.python_version()}; took {seconds / 60:.1f} min.", "",
+             f"Python {platform.python_version()}; took {seconds / 60:.1f} min.  ",
+             f"Commit: {commit_line()}", "",
              "| benchmark | ratio | value | target | |", "| --- | --- | --- | --- | --- |"]
     for c in checks:
         value = c["value"]
@@ -256,3 +257,33 @@ def write_summary(out: Path, checks: List[Dict], argv: List[str], seconds: float
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def commit_line() -> str:
+    """The checkout's commit, as summary.md records it: `abc1234`, with "and uncommitted
+    changes" when the tree differs from it, or "unknown" outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True, timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, text=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    changed = " and uncommitted changes" if dirty.stdout.strip() else ""
+    return f"`{head.stdout.strip()}`{changed}"
+
+
+def write_block(path: Path, block: str, name: str) -> None:
+    """Replace what lies between the lines ``<!-- bench NAME: begin -->`` and
+    ``<!-- bench NAME: end -->`` in ``path`` with ``block``: a document's generated part
+    (docs/scaling.md's ``scale``, docs/benchmarks.md's ``results``). ValueError if the
+    document lacks either line."""
+    begin, end = f"<!-- bench {name}: begin -->", f"<!-- bench {name}: end -->"
+    text = path.read_text()
+    if begin not in text or end not in text.split(begin, 1)[1]:
+        raise ValueError(f"{path} has no '{begin}' ... '{end}' block")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{block.strip()}\n{end}{tail}")
