@@ -14,11 +14,14 @@ from ...lifecycle import Checkpoint
 from ...schema import STALENESS_COLUMNS
 from ..leases import Quotas
 from ..priority import niceness
+from .worker_states import AWAITED, DISMISSED, WorkerState, WorkerStates
 
 
 @dataclass
 class WorkerAccount:
-    """The server's books on one worker (its transport is a :class:`.mailbox.ServerEnd`)."""
+    """The server's books on one worker (its transport is a :class:`.mailbox.ServerEnd`).
+    Where it is in its life is its server's :class:`.worker_states.WorkerStates`
+    (``life``), which the properties below read."""
 
     rank: int
     steps: int = 0  # the step of its latest push
@@ -26,16 +29,29 @@ class WorkerAccount:
     elapsed: float = 0.0  # its wall time at its latest push
     applied: int = 0  # its gradients applied in this session
     pipelined: bool = False  # its last push said it keeps a second one in flight
-    dismissed: bool = False  # told to stop; listened to until its FINAL push
-    pushed_final: bool = False  # its latest push was FINAL (it sends no farewell)
-    done: bool = False  # finished, or dropped: the server no longer waits for it
-    lost: str = ""  # why it was dropped (under --enable-recovery); "" while it is in
     staleness: collections.Counter = field(default_factory=collections.Counter)
     buffers: Optional[np.ndarray] = None  # its BatchNorm statistics at its latest push
+    life: Optional[WorkerStates] = field(default=None, repr=False, compare=False)
+
+    @property
+    def state(self) -> WorkerState:
+        assert self.life is not None, "an account opened without its server's states"
+        return self.life.of[self.rank]
+
+    @property
+    def done(self) -> bool:
+        """Finished, parked or dropped: the server's loop no longer waits for it."""
+        return self.state not in AWAITED
+
+    @property
+    def dismissed(self) -> bool:
+        """It was told to stop (it may have finished since)."""
+        return self.life is not None and self.life.was(self.rank, DISMISSED)
 
 
-def open_accounts(ranks) -> Dict[int, WorkerAccount]:
-    return {r: WorkerAccount(r) for r in ranks}
+def open_accounts(ranks, life: WorkerStates) -> Dict[int, WorkerAccount]:
+    """An account for each of ``ranks``, their states ``life``'s."""
+    return {r: WorkerAccount(r, life=life) for r in ranks}
 
 
 def restore(workers: Dict[int, WorkerAccount], quotas: Quotas, ckpt: Checkpoint) -> List[dict]:

@@ -32,6 +32,7 @@ from .mailbox import ServerEnd
 from .peers import ACK, CUT, DROP, GONE, ObjectIn, ObjectOut, control_message
 from .server import FAST_STEP, POLLING, PollPolicy
 from .store import ParameterStore
+from .worker_states import DONE, LOST, TRAINING, WorkerStates
 
 
 class PartitionServer:
@@ -45,12 +46,14 @@ class PartitionServer:
         self.store = ParameterStore(ctx, server=self.rank)
         self._write_lease = self.store.write_lease
         self.ends: Dict[int, ServerEnd] = ServerEnd.open_all(ctx)
-        self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends)
+        #: each worker's state: here only TRAINING (it has not said farewell), DONE (it
+        #: has) and LOST (rank 0 dropped it); see .worker_states
+        self.states = WorkerStates(self.ends)
+        self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends, self.states)
         self.bounded = ctx.cfg.asynchronous.staleness is not None
         # (bounded: a worker waits once it asks)
         self.leases = Leases(ctx.cfg.asynchronous.staleness, [])
         self.polling = PollPolicy()
-        self.active = set(self.workers)  # workers that have not said farewell
         self.listening: set = set()  # workers whose next message a receive is posted for
         self.bound = Bounds(self.comm.timeout).workers  # rank 0, which names a rank, first
         self.control = control_message(self.comm)
@@ -77,7 +80,7 @@ class PartitionServer:
             else:
                 self._lease(rank)
         self.heard = self.clock()
-        while self.active:
+        while self.states.awaited:
             rank = self._next()
             if rank is not None:
                 self._take(rank)
@@ -121,7 +124,7 @@ class PartitionServer:
             pairs = self.control[2:].reshape(-1, 2)
             self.positions = {int(r): int(p) for r, p in pairs if r > 0 and p != GONE}
             self.cut = argument
-            for rank in self.active:  # (those with every push of the cut in)
+            for rank in self.states.ranks(TRAINING):  # (those with every push of the cut in)
                 self._pause_past_cut(rank)
             ack = control_message(self.comm)
             ack[:2] = ACK, argument
@@ -186,23 +189,20 @@ class PartitionServer:
 
     def _finish(self, w: WorkerAccount) -> None:
         """``w`` said farewell: the last reply, and no more listening to it."""
-        self.active.discard(w.rank)
+        self.states.move(w.rank, DONE)
         self.leases.drop(w.rank)
-        w.done = True
         self.ends[w.rank].reply(Header(self.store.version, w.steps, FINAL))
         self._grant_leases()
 
     def _drop(self, rank: int) -> None:
         """Rank 0 lost worker ``rank``: listen to it no more."""
-        if rank not in self.active:
+        if self.states.of[rank] is not TRAINING:  # (it said farewell here already)
             return
-        self.active.discard(rank)
+        self.states.move(rank, LOST)
         self.listening.discard(rank)
         if rank in self.held:
             self.held.remove(rank)
         self.leases.drop(rank)
-        w = self.workers[rank]
-        w.done, w.lost = True, "lost"
         self.ends[rank].hang_up(tell=False)
         self._grant_leases()
 
@@ -218,7 +218,7 @@ class PartitionServer:
     def _reached(self) -> bool:
         """Whether every worker still here has every push of the cut applied."""
         return all(self.workers[r].steps >= p for r, p in self.positions.items()
-                   if r in self.active)
+                   if self.states.of.get(r) is TRAINING)
 
     def _share(self) -> None:
         """The share at the cut to rank 0; then the pushes held past it."""
@@ -243,8 +243,8 @@ class PartitionServer:
                           "final share")
         for out in self.outgoing + [final]:
             out.wait()
-        for rank, w in self.workers.items():
-            if not w.lost:
+        for rank, state in self.states.of.items():
+            if state is not LOST:
                 self.ends[rank].drain()
         self.comm.cancel(self.listen_to_rank0)
 

@@ -15,11 +15,12 @@ updates; the lost worker's shard is not visited after its loss (recorded as
 still alive FENCE_GRACE after it was dropped is killed (a SIGSTOPped one would keep
 mpirun waiting); on another host it is named.
 
-A worker that finishes its steps while others still train is *parked*: its FINAL
-push is answered with PARKED (a header alone) and again every half ``--timeout``
-(it waits for the server's word twice that long), so it stays, idle, until the run
-ends (a FINAL reply) or a worker is lost: then it takes a share of the lost steps
-(its reply is a lease carrying them). So a loss after the others finished their
+A worker that finishes its steps while others still train is *parked* (PARKED, in
+the states of :mod:`.worker_states`): its FINAL push is answered with PARKED (a
+header alone) and again every half ``--timeout`` (it waits for the server's word
+twice that long), so it stays, idle, until the run ends (a FINAL reply) or a worker
+is lost: then it takes a share of the lost steps (it is recalled: its reply is a
+lease carrying them). So a loss after the others finished their
 shards still ends with the planned updates. A run that ends short anyway (nobody
 was left to take the steps) fails with a line saying by how much. No liveness check
 covers a parked worker (it holds no lease): one stopped (SIGSTOP) on the server's
@@ -70,7 +71,8 @@ class Recovery:
         self.wake_every = LIVENESS_CHECK_EVERY if self.enabled else None
         self.next_check = 0.0
         self.fences: Dict[int, _Fence] = {}
-        #: parked workers -> when their next PARKED reply is due
+        #: parked workers -> when their next PARKED reply is due (when to speak to them;
+        #: who is parked is the server's .worker_states.WorkerStates, moved with these)
         self.parked: Dict[int, float] = {}
         self.keepalive_every = Bounds(self.comm.timeout).keepalive
 

@@ -14,8 +14,9 @@ from ...lifecycle import Checkpoint
 from ..context import Context, Summary, diverged, interrupted
 from ..evaluation import Stopwatch
 from ..leases import Leases, Quotas, first_look
-from ..protocol import (DIVERGED, FAREWELL, FINAL, INTERRUPTED, PARKED, PIPELINED, Header,
+from ..protocol import (DIVERGED, FAREWELL, FINAL, INTERRUPTED, PIPELINED, Header,
                         SilentPeers, stalled)
+from ..protocol import PARKED as PARKED_FLAG
 from . import accounts
 from .accounts import WorkerAccount
 from .mailbox import PIPELINE_DEPTH, ServerEnd
@@ -24,6 +25,8 @@ from .partition import partition_of
 from .peers import GONE, PartitionServers, completed, raise_if_lost
 from .recovery import Recovery, short_of_plan
 from .store import ParameterStore, fresh_share_state, share_of_checkpoint
+from .worker_states import (DISMISSED, DONE, LOST, PARKED, RECALLED, TAKERS, TRAINING,
+                            WorkerStates)
 
 #: workers whose steps take less than this (EWMA) make the server poll, not sleep
 FAST_STEP = 2e-4
@@ -79,13 +82,16 @@ class Server:
     """Rank 0 in async mode: applies gradients in arrival order, grants leases
     (:class:`..leases.Leases`, bounded staleness), evaluates and checkpoints in the
     background; the parameters are its :class:`.store.ParameterStore`, each worker's
-    transport a :class:`.mailbox.ServerEnd` and its counts a
-    :class:`.accounts.WorkerAccount`; lost workers are :class:`.recovery.Recovery`'s.
+    transport a :class:`.mailbox.ServerEnd`, its counts a
+    :class:`.accounts.WorkerAccount` and where it is in its life
+    :class:`.worker_states.WorkerStates` (moved only along its table); lost workers are
+    :class:`.recovery.Recovery`'s.
 
-    Termination: the loop ends when every worker's FINAL push is applied (or the worker
-    is lost); every push has been matched by a receive and every reply received, so no
-    request is pending at MPI_Finalize. Every wait is bounded: a lease holder silent
-    for ``--timeout`` is named (or, under recovery, dropped at its liveness bound).
+    Termination: the loop ends when no worker is awaited (every one DONE, PARKED or
+    LOST: its FINAL push applied, or lost); every push has been matched by a receive
+    and every reply received, so no request is pending at MPI_Finalize. Every wait is
+    bounded: a lease holder silent for ``--timeout`` is named (or, under recovery,
+    dropped at its liveness bound).
 
     Why one class of this size (over the ~250 lines we hold classes to): it is the
     server's event loop, and each method is one thing the loop does with a push
@@ -102,10 +108,14 @@ class Server:
         self.ending = 0  # INTERRUPTED and/or DIVERGED once the run must stop early
         self.diverged_at: List[str] = []
         self.ends: Dict[int, ServerEnd] = ServerEnd.open_all(ctx)
-        self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends)
-        self.leases = Leases(ctx.cfg.asynchronous.staleness, self.workers)
+        #: each worker's state (see .worker_states; the loop reads them once per update:
+        #: the dict and the DISMISSED list are bound once, both kept in place)
+        self.states = WorkerStates(self.ends)
+        self._state_of = self.states.of
         #: workers told to stop whose FINAL push has not come yet (see _dismiss)
-        self.dismissed: List[int] = []
+        self.dismissed: List[int] = self.states.dismissed
+        self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends, self.states)
+        self.leases = Leases(ctx.cfg.asynchronous.staleness, self.workers)
         # a worker's silence starts when it is granted a lease (then it owes a push)
         self.silence = SilentPeers(self.comm, self.workers)
         self.polling = PollPolicy()
@@ -114,7 +124,6 @@ class Server:
         self.recovery = Recovery(ctx, clock, len(self.workers))
         self.total_steps = ctx.total_steps  # (a property: read once, not per reply)
         self.quotas = Quotas(self.workers, self.total_steps)
-        self.training = len(self.workers)  # workers not done (see _retire)
         #: the other parameter servers (--servers K; see .peers): with them, evaluations
         #: and checkpoints are made at cuts (see _milestone), and at the end from every
         #: server's final share (``whole``)
@@ -179,11 +188,12 @@ class Server:
         timer = self.ctx.timer
         pooled = any(end.pools is not None or end.release is not None
                      for end in self.ends.values())
+        states = self.states
         self._grant_leases()
         timer.restart()
         # (the phases marked with timer.lap, not `with timer(...)`: the loop runs tens of
         # thousands of times a second when workers push zeros, and a block costs more)
-        while self.training:
+        while states.awaited:
             if self.ctx.stop and not self.ending:
                 self.ending |= INTERRUPTED
                 self._grant_leases()  # releases the waiting workers
@@ -210,12 +220,13 @@ class Server:
             if version % PROGRESS_EVERY == 0:
                 milestones.progress(version)
         for rank in self.recovery.release():  # the run is over: no more steps to give
+            states.move(rank, DONE)
             self._reply(self.workers[rank])
         self._fence_stopped()
-        for rank, w in self.workers.items():
+        for rank, state in states.of.items():
             # a lost worker's last reply may never be taken; Open MPI finalizes with it
             # pending
-            if not w.lost:
+            if state is not LOST:
                 self.ends[rank].drain()
         self.recovery.fence(at_end=True)
         wall, cpu_share = self.clock(), cpu.shares()
@@ -245,7 +256,7 @@ class Server:
         if self.recovery.enabled and self.recovery.due():
             raise_if_lost(self.peers)  # (a share of the model went with it: restart)
             for rank in self.recovery.keepalives():
-                self._reply(self.workers[rank], flags=PARKED)
+                self._reply(self.workers[rank], flags=PARKED_FLAG)
             lost = self.recovery.lost(self.silence, {r: ends[r].posted for r in holders})
             if lost is not None:
                 self._drop(*lost)
@@ -271,27 +282,24 @@ class Server:
         return rank
 
     def _drop(self, rank: int, why: str) -> None:
-        """Go on without ``rank``: no request of its left to match, its steps reassigned."""
-        w = self.workers[rank]
+        """Go on without ``rank``: no request of its left to match, its steps reassigned
+        (to the workers still awaited, and the parked ones, which are recalled)."""
+        w, states = self.workers[rank], self.states
         self.leases.drop(rank)
-        if w.dismissed:
-            self.dismissed.remove(rank)
-        w.lost = why
-        self._retire(w)
+        states.move(rank, LOST)
         self.recovery.drop(self.ends[rank])
         self.peers.drop(rank)
         if self.cut is not None and rank in self.cut.extras:
             self.cut.extras.remove(rank)
-        active = [r for r, v in self.workers.items() if not v.done]
-        gained = self.quotas.reassign(rank, w.steps, active + list(self.recovery.parked))
-        woken = [r for r, n in gained.items() if n and self.recovery.unpark(r)]
+        gained = self.quotas.reassign(rank, w.steps, states.ranks(*TAKERS))
+        woken = [r for r, n in gained.items() if n and states.of[r] is PARKED]
         for r in woken:  # the reply to its FINAL push will be a lease, with these steps
-            self.workers[r].done = False
-            self.training += 1
+            self.recovery.unpark(r)
+            states.move(r, RECALLED)
             self.leases.wait(r)
         self.recovery.record(rank, self.version, w.steps, why, gained, self.quotas.short,
-                             len(active) + len(woken), len(woken))
-        if all(v.lost for v in self.workers.values()):
+                             states.awaited, len(woken))
+        if states.all_lost():
             raise CommTimeout(f"every worker was lost (the last: {self.comm.name(rank)}, "
                               f"{why})")
         if self.cut is not None:  # its lease may have been the last push the cut waited
@@ -302,13 +310,13 @@ class Server:
         """The run is over: a worker stopped on this host (e.g. parked, then SIGSTOPped:
         no liveness check covers a worker without a lease) counts as lost and is killed,
         so that neither the telemetry's gather nor mpirun waits for it."""
-        finished = [rank for rank, w in self.workers.items() if not w.lost]
+        finished = self.states.ranks(DONE)  # (every other one is LOST by now)
         for rank, why in self.recovery.stopped_at_end(finished):
-            w = self.workers[rank]
-            w.lost = why
+            self.states.move(rank, LOST)
             self.recovery.drop(self.ends[rank], why_kill=why)
             self.peers.drop(rank)
-            self.recovery.record(rank, self.version, w.steps, why, {}, 0, 0, 0)
+            self.recovery.record(rank, self.version, self.workers[rank].steps, why, {}, 0, 0,
+                                 0)
 
     def _apply(self, w: WorkerAccount, end: ServerEnd) -> None:
         header = Header.read(end.recv)  # (the push's header is always there)
@@ -317,10 +325,10 @@ class Server:
             self._finish(w)
             return
         w.steps, w.elapsed, w.pipelined = header.step, header.elapsed, bool(flags & PIPELINED)
-        w.pushed_final = bool(flags & FINAL)
+        dismissed = self._state_of[w.rank] is DISMISSED
         # (a dismissed worker's pushes were sent before it knew; a cut takes a pipelined
         # worker's push sent before it took its last lease, see _Cut)
-        if not w.dismissed and self.leases.holds(w.rank):
+        if not dismissed and self.leases.holds(w.rank):
             self.leases.returned(w.rank)
         if flags & DIVERGED or not math.isfinite(header.loss):
             self.ending |= DIVERGED  # never apply a non-finite gradient
@@ -336,7 +344,7 @@ class Server:
         self.polling.observe(header.think)
         if flags & FINAL:
             self._final(w)
-        elif w.dismissed:  # one it had in flight: told again, listened to until FINAL
+        elif dismissed:  # one it had in flight: told again, listened to until FINAL
             self._dismiss(w)
         else:
             self.leases.wait(w.rank)
@@ -376,7 +384,9 @@ class Server:
         version, wall = self.store.version, self.clock()
         checkpoint = self.checkpoint() if cut.save else None  # (rank 0's share: completed)
         buffers = self.store.average_buffers(accounts.latest_buffers(self.workers))
-        positions = {r: GONE if w.lost else w.steps for r, w in self.workers.items()}
+        state_of = self._state_of
+        positions = {r: GONE if state_of[r] is LOST else w.steps
+                     for r, w in self.workers.items()}
 
         def then(whole: dict) -> None:
             state = np.concatenate([whole["state"]["weights"], buffers]) \
@@ -392,11 +402,14 @@ class Server:
             if not self.ending:
                 return
             self.cut = None  # (the run ends: its last state is saved instead)
+        state_of = self._state_of
         for rank in self.leases.next_waiting(self.store.version, force=bool(self.ending)):
             w = self.workers[rank]
-            if w.pushed_final and self.ending:  # (it was to go on with a lost one's steps)
-                self._finish(w)
-                continue
+            if state_of[rank] is RECALLED:  # it pushed FINAL: no farewell will come
+                if self.ending:  # (it was to go on with a lost one's steps)
+                    self._finish(w)
+                    continue
+                self.states.move(rank, TRAINING)
             if self.ending or (w.applied == 0 and w.steps >= self.quotas.of[rank]):
                 self._dismiss(w)  # stopping, or resumed with its steps done: no lease
                 continue
@@ -409,39 +422,33 @@ class Server:
         """Tell ``w`` to stop (a header-only FINAL reply) and go on listening to it: the
         pushes it had in flight come in and are answered the same way, until its FINAL
         push (its last step's, or a FAREWELL) ends it, so none is left unmatched."""
-        if not w.dismissed:
-            w.dismissed = True
-            self.dismissed.append(w.rank)
+        self.states.move(w.rank, DISMISSED)  # (again for each push it had in flight)
         self.silence.heard(w.rank)  # it owes a push now
         self.ends[w.rank].listen("a gradient or its farewell")
         self._reply(w)
 
     def _final(self, w: WorkerAccount) -> None:
         """``w``'s FINAL push was applied: it is finished, unless (under recovery, the
-        run going on) it was given a lost worker's steps after it pushed (it gets a
-        lease), or others still train (it is parked: see :mod:`.recovery`)."""
-        if self.ending or w.dismissed or not self.recovery.enabled:
+        run going on) it was given a lost worker's steps after it pushed (it is
+        recalled: its reply is a lease), or others still train (it is parked: see
+        :mod:`.recovery`)."""
+        if self.ending or self._state_of[w.rank] is DISMISSED or not self.recovery.enabled:
             self._finish(w)
         elif w.steps < self.quotas.of[w.rank]:
+            self.states.move(w.rank, RECALLED)
             self.leases.wait(w.rank)
-        elif self.training > 1:
-            self._retire(w)
+        elif self.states.awaited > 1:  # (it is one of them until it is parked)
+            self.states.move(w.rank, PARKED)
             self.recovery.park(w.rank)
-            self._reply(w, flags=PARKED)
+            self._reply(w, flags=PARKED_FLAG)
         else:
             self._finish(w)
 
     def _finish(self, w: WorkerAccount) -> None:
-        """``w`` sent its FINAL push: the final reply, and no more listening to it."""
-        self._retire(w)
-        if w.dismissed:
-            self.dismissed.remove(w.rank)
+        """``w`` sent its FINAL push or farewell (or, recalled, the run ends before its
+        lease): the final reply, and no more listening to it."""
+        self.states.move(w.rank, DONE)
         self._reply(w)
-
-    def _retire(self, w: WorkerAccount) -> None:
-        """``w`` is done (finished, or dropped): the loop no longer waits for it."""
-        w.done = True
-        self.training -= 1
 
     def _reply(self, w: WorkerAccount, with_weights: bool = False,
                flags: Optional[int] = None) -> None:

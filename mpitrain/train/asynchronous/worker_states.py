@@ -104,7 +104,9 @@ class WorkerStates:
     :data:`TRANSITIONS`, and what the server's loop reads, kept as they move (the
     loop reads them once per update, so they are not computed then):
     :attr:`awaited` (the workers it still waits for a message from) and
-    :attr:`dismissed` (the DISMISSED workers, in the order they were dismissed)."""
+    :attr:`dismissed` (the DISMISSED workers, in the order they were dismissed). The
+    dict :attr:`of` and the list :attr:`dismissed` are changed in place, never
+    replaced: the server binds them once."""
 
     def __init__(self, ranks: Iterable[int]):
         #: rank -> its state (read it, move it only with :meth:`move`)
