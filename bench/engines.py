@@ -83,8 +83,8 @@ def both_sides(data: List[str], optimizer: str, lr: float, schedule: str,
 CASES = {model: both_sides(*spec) for model, spec in ALGORITHMS.items()}
 QUICK = {"lr": ["--steps", "20"], "lenet": ["--steps", "10"], "alexnet": ["--steps", "2"]}
 #: interleaved rounds per model (every side once a round), each side's median kept
-#: (the lower of an even count): AlexNet's 1-epoch runs moved between single rounds
-#: within an hour as much as the gap to its target (docs/benchmarks.md)
+#: (the lower of an even count): AlexNet's 1-epoch runs move between single rounds as
+#: much as the gap to its target (docs/benchmarks.md, "A shared two-core machine")
 ROUNDS = {"lr": 1, "lenet": 1, "alexnet": 2}
 TARGET_HOROVOD = 0.6
 TARGET_MWMS = 0.9

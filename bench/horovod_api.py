@@ -24,8 +24,7 @@ times the models in ``--models`` order (LeNet, ResNet-20, AlexNet), so every sid
 figure of a model follows the same models in its process. A model's four figures are
 therefore not back to back: a whole launch of every model (about 50 s at -np 2)
 separates two sides' figures of it. With several rounds each model keeps its median
-round per side. (Until 2026-11-27 each model and side was its own launch, the sides of
-one model back to back: 12 launches at -np 2 instead of 4, each ~7-8 s of start-up.)
+round per side.
 
 The first three run bench/horovod_step.py, Horovod's tensorflow2_synthetic_benchmark.py
 in shape: one fixed batch of 64 per rank, a ``tf.function`` step with a

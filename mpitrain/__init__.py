@@ -10,8 +10,8 @@ import os as _os
 
 # oneDNN's kernels, unless the user set it. TensorFlow's x86 wheels use them by default
 # only on CPUs with AVX-512 VNNI/BF16 or AMX; elsewhere (AVX2) they fall back to Eigen's,
-# which take several times as long for a convolutional model's step (docs/benchmarks.md
-# sections 15 and 17); results differ in rounding only (sums in another order). Set
+# which take several times as long for a convolutional model's step (docs/architecture.md,
+# "oneDNN's kernels by default"); results differ in rounding only (sums in another order). Set
 # here, it is set before any mpitrain module imports TensorFlow (the package runs
 # first), and it reaches a script that imports TensorFlow after mpitrain; TensorFlow
 # reads it when it loads.

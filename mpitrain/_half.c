@@ -1,6 +1,7 @@
 /* float32 <-> float16 conversions for --compression fp16, one pass each, with the
  * x86 F16C instructions (8 values per instruction). numpy converts float16 one value
- * at a time, an order of magnitude slower than this (docs/benchmarks.md section 17),
+ * at a time, an order of magnitude slower than this (docs/architecture.md, "float16
+ * conversions in C"),
  * which made compression slower than the bytes it saved. Every function
  * checks its buffers' sizes, releases the GIL, and is used only when the CPU has
  * F16C (mpitrain/half.py falls back to numpy otherwise). */

@@ -2,7 +2,7 @@
 each, in C with the x86 F16C instructions (``mpitrain/_half.c``, built by ``pip install``)
 where it was built and the CPU has them, in numpy otherwise. Both round to nearest even
 (IEEE), so they give the same bits; numpy converts float16 one value at a time, about
-an order of magnitude slower (docs/benchmarks.md sections 10 and 17).
+an order of magnitude slower (docs/architecture.md, "float16 conversions in C").
 
 A leaf: numpy only, no other part of mpitrain.
 """

@@ -96,7 +96,7 @@ STOP_GRACE = 120.0
 #: seconds mpirun gets to exit once the run's status.json says the run ended, before it
 #: is killed. What follows that write in a healthy job: rank 0 writes its telemetry and
 #: runs.csv row (a second or less) and aborts the job, which mpirun ends in seconds
-#: (mpitrain.comm.runtime.abort_world; docs/benchmarks.md section 17), or, after a
+#: (docs/architecture.md, "Ending a job through mpirun"), or, after a
 #: run that succeeded, every rank finalizes (well under a second). 15 s is several times that, on a loaded
 #: host too, and rank 0 has long written its files by then; it is small against the
 #: minutes Open MPI can spend tearing down a job with a daemon on a lost host.

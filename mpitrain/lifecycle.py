@@ -110,9 +110,9 @@ class Checkpoint:
         one writes the file, and the new file replaces the old one only after it
         returned: a run killed before then resumes from the previous checkpoint, all of
         whose curve rows are written, as when the two ran one after the other. A large
-        model's file takes most of a second to write and sync (docs/benchmarks.md section 17),
-        which the evaluation then hides. If ``meanwhile`` raises, the new
-        file is dropped and the error goes on."""
+        model's file takes most of a second to write and sync, which the evaluation then
+        hides (docs/architecture.md, "The checkpoint written beside the evaluation"). If
+        ``meanwhile`` raises, the new file is dropped and the error goes on."""
         path = Path(run_dir) / CHECKPOINT
         meta = {"step": self.step, "wall_time_s": self.wall_time_s,
                 "worker_steps": {str(k): v for k, v in self.worker_steps.items()},

@@ -20,7 +20,7 @@ Design rules that every verb here follows:
   :class:`Backoff` yields the core while it polls,
   then sleeps with growing intervals: a sync step takes less time than with
   sleeps alone, and a sleeping parameter server uses little of a core
-  (docs/benchmarks.md section 17).
+  (docs/architecture.md, "How a rank waits").
 * **Traffic is counted exactly.** Every verb adds its payload bytes and message
   count, by kind (allreduce, push, pull, broadcast, control), to :attr:`traffic`.
 

@@ -235,7 +235,7 @@ class Comm(ObjectExchanges):
             # One MPI_Test per request, not one MPI_Testany for all: each Test drives
             # Open MPI's progress engine once, and a ~31 KB shared-memory message
             # needs several progress calls: more updates a second than with Testany
-            # (docs/benchmarks.md section 17).
+            # (docs/architecture.md, "One MPI_Test per request").
             for j, p in enumerate(live_pendings):
                 if p.test():
                     found.append(live[j][0])
@@ -339,7 +339,8 @@ class Comm(ObjectExchanges):
         order; one allgather then gives every rank every summed segment (as
         float16). Half the bytes of a float32 ring allreduce, no user-defined MPI
         reduction (a Python one costs an order of magnitude more or worse:
-        docs/benchmarks.md section 17), and every rank gets the
+        docs/architecture.md, "A float16 sum without a user-defined reduction"), and
+        every rank gets the
         bit-identical result: each segment is summed once, by its owner. Collective:
         every rank calls it with ``len(half)`` a multiple of ``size``, the same on all;
         ``out`` may be shorter (the caller's padding is dropped).
@@ -500,7 +501,7 @@ def spins(allreduce_wait: str, hosts: Sequence[str], cpus: Sequence[int],
     another busy process, needs when they outnumber the cores; a polling rank yields
     it. Spinning saves microseconds an allreduce where every rank has a core of its
     own, and costs whole scheduler time slices where it has not (``python -m bench
-    mpis``, docs/benchmarks.md sections 1 and 16: the same on the three
+    mpis``, docs/architecture.md, "Spin or poll": the same on the three
     implementations). 'poll' never spins; neither does any choice without
     MPI_THREAD_MULTIPLE on every rank (the watchdog's heartbeats and failure report are
     MPI calls from a second thread). The same answer on every rank, as the ranks of one

@@ -47,7 +47,8 @@ def _load_mpi(start_bound: Optional[float] = None):
             # Open MPI 4.1 opens MPI_Finalize with a PMIx fence over every rank of the
             # job; when a rank has left early (a dropped async worker), that fence
             # can wait for it forever (seen with a SIGSTOPped async worker dropped and
-            # woken: docs/benchmarks.md section 17). Every message of the protocols is
+            # woken: docs/architecture.md, "No closing fence under recovery"). Every
+            # message of the protocols is
             # completed before finalizing, so the fence protects nothing here.
             os.environ.setdefault("OMPI_MCA_async_mpi_finalize", "1")
         import mpi4py
@@ -305,7 +306,7 @@ def abort_world(code: int) -> None:
     others run on (and a SIGSTOPped rank would keep mpirun waiting forever), so the
     job is ended through the process that started this rank instead: mpirun, or its
     daemon on another host, ends the whole job on SIGTERM, a stopped rank too, in
-    seconds (docs/benchmarks.md section 17).
+    seconds (docs/architecture.md, "Ending a job through mpirun").
     """
     if world_size_if_running():
         sys.stdout.flush()

@@ -19,8 +19,8 @@ step writes straight into it), and a sum is one pass: every worker adds up its
 chunk of the region over all the slots, in worker order, and writes that sum into
 every slot. Each value is summed once, by one worker, in one order, so every
 worker ends with the bit-identical sum, as with MPI's allreduce (with two
-workers the very bits of MPI's ``a + b``). docs/benchmarks.md has the
-measurements.
+workers the very bits of MPI's ``a + b``). Why: docs/architecture.md, "The workers'
+sum through shared memory".
 
 Cross-rank contract: :meth:`SharedMemorySum.fused_buffer` and every
 :meth:`SharedMemorySum.allreduce_sum_` are collective over the workers, called in

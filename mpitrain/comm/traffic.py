@@ -14,7 +14,7 @@ class Traffic:
     on the hot path (:meth:`add_exchanged`, once per gradient allreduce) are kept
     as per-kind running totals and folded in when a table is read: one dict lookup
     a call instead of five dict updates (a few percent of an LR-sized allreduce;
-    docs/benchmarks.md section 17).
+    docs/architecture.md, "Traffic counted as running totals").
     """
 
     def __init__(self):

@@ -14,7 +14,7 @@ class LargeAllreduceRing:
     Open MPI's libnbc uses a binomial tree for in-place allreduces on fewer than
     four ranks: best for small buffers (LR's and LeNet's gradients), but two to
     four times slower than the ring for large ones (from millions of floats up;
-    docs/benchmarks.md section 17). The choice is the MCA variable
+    docs/architecture.md, "The ring for large allreduces"). The choice is the MCA variable
     ``coll_libnbc_iallreduce_algorithm``, which libnbc reads at every call; this
     writes it through the MPI tool interface (MPI_T) around each large call and
     sets the default back right after it. Anything unexpected (another MPI, no

@@ -27,7 +27,7 @@ class Backoff:
     still computing, the one everybody waits for. After that, sleep between
     tests, doubling from ``first_sleep`` to ``max_sleep``, so a long wait costs
     almost no CPU. The yield phase makes an oversubscribed sync step faster than
-    sleeps alone (docs/benchmarks.md section 17).
+    sleeps alone (docs/architecture.md, "How a rank waits").
     """
 
     yield_for: float
@@ -41,7 +41,7 @@ HOT = Backoff(yield_for=2e-3)
 IDLE = Backoff(yield_for=0.0, first_sleep=5e-5, max_sleep=1e-3)
 #: The async server between pushes: workers keep computing while it sleeps (their
 #: pipeline hides its reply latency), so it polls less often: a longer first sleep
-#: saves CPU at the same update rate (docs/benchmarks.md section 17).
+#: saves CPU at the same update rate (docs/architecture.md, "How a rank waits").
 SERVING = Backoff(yield_for=0.0, first_sleep=5e-4, max_sleep=1e-3)
 
 
@@ -119,7 +119,7 @@ class SpinWatch:
     call lasts it calls ``while_waiting`` about every WAITING_CALL_EVERY seconds
     (the sync workers' heartbeats), as :func:`poll` does. In the caller's thread
     it only reads the clock and takes a lock, a fraction of the polled wait's
-    machinery (docs/benchmarks.md section 17).
+    machinery (docs/architecture.md, "How a rank waits").
 
     The watchdog runs ``while_waiting`` only while the call is in flight, so the two
     threads never run the protocol's Python at the same time: it raises a flag, then

@@ -76,7 +76,7 @@ class Config:
         "oneDNN runs; a model it cannot compile falls back to graph), or "
         "auto (graph, but the update is one fused pass in C over a flat copy of the "
         "weights, the async server's optimizer, assigned in the next gradient step; "
-        "docs/benchmarks.md section 13)", "auto",
+        "docs/architecture.md, \"XLA only on request\")", "auto",
         flag="--compile", choices=COMPILERS)
     threads: int = option(
         "TensorFlow intra-op threads per rank; 0 = the host's cores divided among "

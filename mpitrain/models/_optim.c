@@ -2,7 +2,8 @@
  * over the flat vectors. numpy makes a pass per operation and allocates temporaries
  * (SGD 2 passes, momentum 4, Adam 9 and two 4-byte-per-value temporaries), and each
  * numpy call costs a fixed dispatch, which dominates at LR's size; AlexNet's Adam
- * streams its 110 MB vectors a dozen times (docs/benchmarks.md section 17). The same
+ * streams its 110 MB vectors a dozen times (docs/architecture.md, "Flat optimizers in
+ * C"). The same
  * for the delay compensation of a stale gradient (--staleness-compensation dc).
  *
  * Same bits as the numpy code: each value goes through exactly its float32 operations,

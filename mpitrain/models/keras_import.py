@@ -187,7 +187,8 @@ def _reexports(module) -> dict:
     imports (every generated API package outside ``tf.compat``); else {}, and the module
     runs whole. Binding one name at a time imports only what is used: ``tf.nn`` also
     re-exports TF 1's RNN cell wrappers, and running it whole loads all of the legacy
-    ``tf.keras`` (a noticeable share of a rank's start-up: docs/benchmarks.md section 17)."""
+    ``tf.keras`` (a noticeable share of a rank's start-up: docs/architecture.md,
+    "Importing TensorFlow the quick way")."""
     spec = module.__spec__
     plan = getattr(spec, "_mpitrain_reexports", None)
     if plan is None:

@@ -5,7 +5,8 @@ Keras 3 normalises a batch with a dozen elementwise operations (the moments, the
 the affine transform, in training; their gradients after them), where Keras 2 used
 TensorFlow's one fused kernel, as PyTorch does. ResNet-20's 21 BatchNorm layers
 become over a thousand graph nodes that every rank traces and optimises at its first
-step, and run slower at every step (docs/benchmarks.md section 20). The fused layer
+step, and run slower at every step (docs/architecture.md, "BatchNorm on TensorFlow's
+fused kernel"). The fused layer
 below is Keras' layer (its variables, their names and order, its configuration, and
 Keras' own call for masked, non-4-D, renormalised, synchronised and mixed-precision
 inputs) with the 4-D float32 call on the kernel, so a checkpoint holds the same

@@ -19,7 +19,7 @@ every mode (single, sync, async) transforms gradients the same way.
 Each update is one fused pass in C (``mpitrain/models/_optim.c``, built by ``pip
 install``) where it was built, else numpy; both give the same bits (the C code
 makes numpy's float32 operations in numpy's order); the C pass takes a fraction of
-numpy's time (docs/benchmarks.md section 17).
+numpy's time (docs/architecture.md, "Flat optimizers in C").
 """
 
 from __future__ import annotations

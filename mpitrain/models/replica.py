@@ -138,7 +138,7 @@ def step_function(input_signature, xla: bool, modes: Dict[str, str]):
     mode with oneDNN (the default, see mpitrain/__init__.py) a convolutional model's
     gradient takes longer. It compiles for every batch shape (the epoch's short last
     batch is a second one), several times as long as tracing, so it pays off on long
-    runs only (docs/benchmarks.md sections 13 and 17). A model XLA cannot
+    runs only (docs/architecture.md, "XLA only on request"). A model XLA cannot
     compile (an op it does not support, such as a ``tf.py_function``) fails at
     that first call, before anything ran; the function then falls back to graph
     mode for good. ``modes[name]`` says which the function runs in: 'graph',
@@ -222,8 +222,8 @@ class Replica:
         self.applies = applies
         self._optimizer_name, self._lr = optimizer, lr  # (for adapt_optimizer_state)
         # --compile auto: the flat optimizer (one fused pass in C; Keras' update is a
-        # dispatch and a temporary per operation, in graph mode; docs/benchmarks.md
-        # section 2). XLA fuses Keras' update itself, so --compile xla keeps it.
+        # dispatch and a temporary per operation, in graph mode; docs/architecture.md,
+        # "Flat optimizers in C"). XLA fuses Keras' update itself, so --compile xla keeps it.
         flat = applies and compiler == "auto"
         #: the flat optimizer (--compile auto), else None: Keras' optimizer updates
         self.flat_optimizer = optim.make(optimizer, self.n_params, lr, schedule,
@@ -243,7 +243,8 @@ class Replica:
         # No autograph: these steps have no Python control flow on tensors, and it
         # never converts a Keras 3 model's call (it stops at Keras' modules; Keras 3
         # layers branch with keras.ops, as they also run under jax.jit). Converting
-        # cost CPU in every rank of every launch (docs/benchmarks.md section 17) and left an
+        # cost CPU in every rank of every launch (docs/architecture.md, "No autograph on
+        # the training steps") and left an
         # __autograph_generated_file*.py in the temporary directory per function.
         compiled = functools.partial(tf.function, autograph=False)
         # The training steps (not evaluation, whose last batch has another shape) may be
@@ -418,7 +419,8 @@ class Replica:
         """A writable numpy view of the output tensor ``flat``, no copy (``.numpy()``
         copies, a large model's in tens of milliseconds). The tensor is kept, so that
         :meth:`apply` of this buffer hands it back to TensorFlow as it is instead of
-        converting the array (another copy; docs/benchmarks.md section 17). A
+        converting the array (another copy; docs/architecture.md, "The fused gradient
+        kept as a tensor"). A
         function's output is a fresh buffer that TensorFlow holds nowhere else."""
         self._fused = flat
         self._fused_view = view = flat._numpy()  # noqa: SLF001 - documented above

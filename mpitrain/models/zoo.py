@@ -45,7 +45,7 @@ def lenet(input_shape, num_classes):
     """Defaults chosen on the 20,000-image MNIST subset: Adam 1e-3 with cosine decay
     holds its single-node accuracy sync (linear lr scaling) and async at -np 4, where
     momentum SGD collapsed at the scaled lr and with stale gradients
-    (docs/benchmarks.md section 17)."""
+    (docs/architecture.md, "LeNet's defaults")."""
     import keras
 
     _image_input("lenet", input_shape, 12)  # 12: the second pooling still has a 1x1 map

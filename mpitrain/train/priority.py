@@ -3,7 +3,8 @@
 Its work (taking reports, evaluating, writing checkpoints) is never on the sync
 workers' critical path, so on a host with fewer cores than ranks it should take only
 the CPU they leave (its evaluation of the initial model beside the workers' first
-steps slowed a large model's run measurably: docs/benchmarks.md, section 2). At the
+steps slowed a large model's run measurably: docs/architecture.md, "The sync server at
+the lowest priority"). At the
 lowest priority it still runs at once whenever they wait, and at full speed once they
 are done. The async server applies every update: it is the critical path and keeps
 its priority.

@@ -103,8 +103,8 @@ class Header(NamedTuple):
 
 
 #: the header's bytes: int32 slots bit-exact, float slots as float32, the CRC-32
-#: unsigned (one struct call each way, an order of magnitude cheaper than numpy views,
-#: docs/benchmarks.md section 7; the async server reads and writes a header per update)
+#: unsigned (one struct call each way, an order of magnitude cheaper than numpy views:
+#: docs/architecture.md, "The header packed with struct")
 _LAYOUT = struct.Struct("=iiifffiI")
 FLOAT_SLOTS = ("loss", "elapsed", "think")
 assert _LAYOUT.size == SLOTS * 4
@@ -257,7 +257,8 @@ class PhaseTimer:
         for, is what moving the data takes: when the epoch closes, that much of each
         of its collectives counts as comm, the rest as waiting for the slowest rank.
         (Learnt from the calls themselves: measuring it up front took four extra
-        allreduces before the first step: docs/benchmarks.md, section 2.)"""
+        allreduces before the first step: docs/architecture.md, "No allreduce
+        calibration".)"""
         self.lap()
         try:
             yield

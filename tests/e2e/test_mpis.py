@@ -185,8 +185,8 @@ def test_a_killed_sync_worker_is_restarted(mpi, tmp_path):
 
 
 def test_the_benchmark_of_the_three_runs():
-    """Smoke run of ``python -m bench mpis --quick`` (docs/benchmarks.md has the full
-    run's numbers): every implementation installed here measured, every ratio written."""
+    """Smoke run of ``python -m bench mpis --quick`` (docs/benchmarks.md has the last full
+    run's ratios): every implementation installed here measured, every ratio written."""
     for key in ENVIRONMENTS:
         environment(key)  # (fails in CI, skips elsewhere, where one is missing)
     result = run_bounded([sys.executable, "-m", "bench", "mpis", "--quick"], 900,
@@ -199,7 +199,8 @@ def test_the_benchmark_of_the_three_runs():
         assert float(row["lr sync s/epoch"]) > 0 and float(row["allreduce lr blocking us"]) > 0
         assert float(row["lr async s/epoch / best"]) >= 1.0
     # Open MPI's ranks share mpirun's session; Hydra gives each rank one of its own
-    # (what section 16 of docs/benchmarks.md explains its figures under load with)
+    # (docs/benchmarks.md, "Sessions and autogroup scheduling": what decides its figures
+    # on a loaded host)
     assert [row["rank sessions at -np 2"] for row in rows] == ["1", "1", "2"], rows
     waits = read_rows(summary.parent / "mpis-waits.csv")  # spin and poll, one launch each
     assert [(w["mpi"], w["np"]) for w in waits] == [(row["mpi"], "3") for row in rows]

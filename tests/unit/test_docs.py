@@ -130,3 +130,71 @@ def test_relative_links_lead_somewhere(doc):
         if "://" in target:
             continue
         assert (doc.parent / target).exists(), f"{doc.relative_to(REPO)} links to {target}"
+
+
+def headings(doc: Path) -> list:
+    """The text of every Markdown heading of ``doc`` (outside fenced blocks)."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+    return [m.group(1).strip() for m in re.finditer(r"(?m)^#{1,6} (.+)$", text)]
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped (but
+    hyphens and underscores), each space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+#: every file whose comments, docstrings, help texts or prose may name a doc's heading
+REFERRING = [*DOCS, *SOURCES, *sorted((REPO / "mpitrain").rglob("*.c")),
+             *sorted((REPO / "tests").rglob("*.py"))]
+#: a reference to a heading: docs/NAME.md, "Heading" (or [NAME.md](NAME.md), "Heading"; in
+#: a Python string \"Heading\"), its words possibly broken over lines of a comment
+HEADING_REFERENCE = r"\b([\w-]+\.md)\)?,?\s+\\?\"([^\"\\]{1,100})\\?\""
+#: the line breaks of a comment or docstring (with a comment's '#' or ' * ')
+LINE_BREAK = r"\s*\n\s*(?:#|\*(?!/))?\s*"
+#: the form that renumbering broke: docs/NAME.md section N, NAME.md, sections N and M
+SECTION_NUMBER = (r"\b[\w-]+\.md`?\)?,?(?:\s|#|\*)+\(?(?:the )?sections? \d"
+                  r"|\bsections? \d+ of (?:docs/)?[\w-]+\.md")
+#: files another change is rewriting: their old "section N" references are replaced
+#: when it lands (each heading they should name exists already); none may be added
+PENDING = {"mpitrain/train/leases.py", "mpitrain/train/asynchronous/post.py"}
+
+
+def doc_named(name: str, where: Path) -> Path:
+    """The doc a reference names: docs/NAME.md, or README.md at the top."""
+    return REPO / name if name == "README.md" else REPO / "docs" / name
+
+
+def heading_references():
+    found = {(name, re.sub(LINE_BREAK, " ", heading), path.relative_to(REPO))
+             for path in REFERRING
+             for name, heading in re.findall(HEADING_REFERENCE, path.read_text())
+             if doc_named(name, path).is_file()}
+    assert found, HEADING_REFERENCE
+    return [pytest.param(name, heading, where, id=f"{name} '{heading}' in {where}")
+            for name, heading, where in sorted(found)]
+
+
+@pytest.mark.parametrize("name,heading,where", heading_references())
+def test_a_named_heading_exists(name, heading, where):
+    assert heading in headings(doc_named(name, where)), \
+        f"{where} names the heading '{heading}' of {name}, which has no such heading"
+
+
+def test_no_reference_names_a_section_by_its_number():
+    """A section's number changes whenever one is added or removed: references name
+    its heading instead (docs/NAME.md, "Heading")."""
+    numbered = [f"{path.relative_to(REPO)}: {m.group(0)}" for path in REFERRING
+                if str(path.relative_to(REPO)) not in PENDING
+                for m in re.finditer(SECTION_NUMBER, path.read_text())]
+    assert not numbered, numbered
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_link_anchors_lead_to_a_heading(doc):
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", doc.read_text()):
+        if "://" in target:
+            continue
+        linked = (doc.parent / target) if target else doc
+        assert anchor in {slug(h) for h in headings(linked)}, \
+            f"{doc.relative_to(REPO)} links to {target}#{anchor}: no such heading"
