@@ -240,7 +240,8 @@ def write_summary(out: Path, checks: List[Dict], argv: List[str], seconds: float
     lines = [f"# Benchmark summary ({time.strftime('%Y-%m-%d %H:%M')})", "",
              f"Command: `python -m bench {' '.join(argv)}`  ",
              f"Machine: {platform.node()}, {os.cpu_count()} cores, "
-             f"Python {platform.python_version()}; took {seconds / 60:.1f} min.  ",
+             f"Python {platform.python_version()}; took {seconds / 60:.1f} min; load average "
+             f"at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min).  ",
              f"Commit: {commit_line()}", "",
              "| benchmark | ratio | value | target | |", "| --- | --- | --- | --- | --- |"]
     for c in checks:
