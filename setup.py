@@ -26,6 +26,9 @@ setup(
     extras_require={
         "test": ["pytest>=7,<10", "pytest-timeout>=2.1,<3", "pytest-xdist>=3.8,<4", "matplotlib>=3.7,<4",
                  "hypothesis>=6.100,<7"],
+        # the linter and the type checker tests/unit/test_lint.py runs (ruff.toml, mypy.ini);
+        # pinned: a new release's new findings must not fail a suite that did not change
+        "lint": ["ruff==0.16.9", "mypy==2.4.0"],
         # --allreduce horovod; build it against the installed TensorFlow and MPI:
         # HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1
         # HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 pip install --no-build-isolation ...

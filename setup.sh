@@ -63,7 +63,7 @@ make_venv() {
 }
 
 make_venv .venv "$PYTHON"
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,lint]"
 
 # Horovod (--allreduce horovod), built against TensorFlow 2.18.1 and the Open MPI
 # installed above (~90 s on 2 cores; pip caches the wheel, so a rerun takes seconds).

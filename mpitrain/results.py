@@ -9,8 +9,8 @@ Nothing is ever half-written: JSON files are replaced atomically
 full disk cuts short is undone), but for a table of the whole run that each session
 writes whole (staleness.csv), replaced atomically; ``runs.csv`` is appended under an
 exclusive lock and, when a newer mpitrain adds columns, rewritten (atomically) with
-the union of the columns. A write that fails is one line (:func:`cannot_write`), and the run is recorded
-as failed where there is room (see :class:`RunResults`).
+the union of the columns. A write that fails is one line (:func:`cannot_write`), and the
+run is recorded as failed where there is room (see :class:`RunResults`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from .atomic import atomic_file, write_json_atomic, write_text_atomic
 from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ResultsError, WriteError
@@ -56,10 +56,11 @@ def cannot_write(path, error: OSError) -> WriteError:
     if isinstance(error, NotRegular):
         why = f"it is {error.kind}, not a regular file"
     else:
+        number = -1 if error.errno is None else error.errno  # -1: no errno's
         why = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-               errno.EPERM: "permission denied"}.get(error.errno, error.strerror or str(error))
-        why += f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+               errno.EPERM: "permission denied"}.get(number, error.strerror or str(error))
+        why += f" ({errno.errorcode[number]})" if number in errno.errorcode else ""
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = "free space there or pass another --results-dir; what was written is intact"
     else:
@@ -93,7 +94,7 @@ def _append(path: Path, text: str, sync: bool = False) -> None:
 class CsvLog:
     """An append-only CSV file with a fixed header; each row is one flushed write."""
 
-    def __init__(self, path: Path, columns: List[str]):
+    def __init__(self, path: Path, columns: Sequence[str]):
         self.path, self.columns = Path(path), list(columns)
         if not self.path.exists():
             self._write(_csv_line(self.columns))
@@ -203,7 +204,7 @@ class RunResults:
 
     def __init__(self, results_dir: Path, stem: str, run_dir: Optional[Path] = None):
         self.results_dir = Path(results_dir)
-        self._tensorboard = None
+        self._tensorboard: Any = None  # tf.summary's writer, made at the first scalars
         self._status_facts: Dict[str, object] = {}
         self._reserve: Optional[Path] = None
         with self._writing(run_dir or self.results_dir):
@@ -270,7 +271,7 @@ class RunResults:
         with self._writing(self.curve.path):
             self.curve.append(row)
 
-    def scalars(self, step: int, values: Dict[str, float]) -> None:
+    def scalars(self, step: int, values: Dict[str, Optional[float]]) -> None:
         """TensorBoard scalars at ``step`` (``tensorboard --logdir results/`` shows them)."""
         import tensorflow as tf
 
@@ -370,33 +371,35 @@ def run_rows(run_dir: Path) -> int:
 
 
 class NullResults:
-    """What ranks that must not write get: the same methods, doing nothing."""
+    """What ranks that must not write get: the same methods, doing nothing (both are
+    checked against :class:`mpitrain.train.context.ResultsWriter` by mypy)."""
 
-    path = None
+    path: Optional[Path] = None
 
-    def write_json(self, name, obj):
+    def write_json(self, name: str, obj: object) -> None:
         pass
 
-    def add_curve_row(self, row):
+    def add_curve_row(self, row: Dict) -> None:
         pass
 
-    def scalars(self, step, values):
+    def scalars(self, step: int, values: Dict[str, Optional[float]]) -> None:
         pass
 
-    def write_csv(self, name, columns, rows):
+    def write_csv(self, name: str, columns: List[str], rows: Iterable[Dict]) -> None:
         pass
 
-    def replace_csv(self, name, columns, rows):
+    def replace_csv(self, name: str, columns: List[str], rows: Iterable[Dict]) -> None:
         pass
 
-    def add_run_row(self, row):
+    def add_run_row(self, row: Dict) -> None:
         pass
 
-    def save_checkpoint(self, checkpoint, meanwhile=None):
+    def save_checkpoint(self, checkpoint: object,
+                        meanwhile: Optional[Callable[[], object]] = None) -> None:
         if meanwhile is not None:  # the evaluation is not the file's to skip
             meanwhile()
 
-    def set_status(self, status, reason="", **facts):
+    def set_status(self, status: str, reason: str = "", **facts: object) -> None:
         pass
 
 

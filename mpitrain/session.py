@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, cast
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from .models.replica import Replica, check_outputs, ends_in_softmax, init_tensor
 from .settings import MAX_COUNT
 from .results import NullResults, RunResults, attempt_facts, run_identity
 from .train import Context, Summary, lr_schedule, trainer
+from .train.context import ConsoleOutput, ResultsWriter
 from .train.asynchronous.compensation import chosen as compensation_of
 from .train.asynchronous.recovery import lost_in_this_job
 from .userfiles import read_bounded
@@ -76,7 +77,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     preflight_checks.check_ranks(comm, preflight_checks.local_versions(library_versions()["mpi"]))
     comm.servers = cfg.asynchronous.servers
     role = comm.role
-    console = Console(cfg.quiet) if role.serves else NullConsole()
+    console: ConsoleOutput = Console(cfg.quiet) if role.serves else NullConsole()
     threads = place_on_cpus(cfg, comm)
 
     # Data before TensorFlow: a missing or corrupt file fails in a second, not
@@ -92,7 +93,8 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
 
     init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
     replica = collectively(comm, lambda: Replica(
-        spec, dataset.input_shape, dataset.num_classes, cfg.optimizer.name, cfg.effective_lr,
+        spec, dataset.input_shape, dataset.num_classes, cast(str, cfg.optimizer.name),
+        cfg.effective_lr,
         cfg.optimizer.clip_grad_norm, lr_schedule(cfg, shard_size),
         from_logits=cfg.outputs == "logits",
         applies=role.trains and not cfg.async_mode,  # the ranks that run Keras' optimizer
@@ -229,14 +231,14 @@ def load_data(cfg: Config, comm: Comm, spec, arrays=None):
     if given.image_size:
         shape["image_size"] = given.image_size
     worker_index = max(0, comm.rank - cfg.asynchronous.servers) if comm.size > 1 else 0
-    dataset = data.load(given.dataset, given.data_dir, comm, splits, seed=cfg.seed,
+    dataset = data.load(cast(str, given.dataset), given.data_dir, comm, splits, seed=cfg.seed,
                         synthetic_shape=shape, user_data=given.path, image_size=given.image_size,
                         shard=(cfg.workers, worker_index) if role.trains else None,
                         arrays=arrays)
     if cfg.batches_per_epoch:
         shard = dataset.train_size // cfg.workers
         cfg = cfg.replace(batch_size=max(1, -(-shard // cfg.batches_per_epoch)))
-    shard_size = check_shards(dataset.train_size, cfg.workers, cfg.batch_size)
+    shard_size = check_shards(dataset.train_size, cfg.workers, cast(int, cfg.batch_size))
     check_run_length(cfg, shard_size)
     return cfg, dataset, shard_size, worker_index
 
@@ -244,8 +246,9 @@ def load_data(cfg: Config, comm: Comm, spec, arrays=None):
 def check_run_length(cfg: Config, shard_size: int) -> None:
     """UsageError if the run would count more updates than its counters hold (steps and
     server versions travel as int32 in every message's header)."""
-    per_epoch = batches_per_epoch(shard_size, cfg.batch_size)
-    steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
+    per_epoch = batches_per_epoch(shard_size, cast(int, cfg.batch_size))
+    epochs = cast(int, cfg.epochs)
+    steps = min(per_epoch * epochs, cfg.max_steps or per_epoch * epochs)
     updates = steps * (cfg.workers if cfg.mode == "async" else 1)
     if updates > MAX_COUNT:
         raise UsageError(f"--epochs {cfg.epochs} of {per_epoch:,} step(s) each make "
@@ -266,7 +269,7 @@ def prepare_resume(cfg: Config, explicit: frozenset, comm: Comm):
     if comm.rank == 0:
         try:
             resumed = resumed_config(cfg, set(explicit), comm.size)
-            checkpoint = Checkpoint.load(Path(cfg.resume))
+            checkpoint = Checkpoint.load(Path(cast(str, cfg.resume)))
         except (UsageError, ResultsError) as e:
             error = e
     comm.agree(error)
@@ -281,16 +284,17 @@ def check_resumable(ctx: Context, comm: Comm) -> bool:
     ranks raise alike)."""
     facts = None
     if ctx.resume_from is not None:  # rank 0 holds the checkpoint and the directory
-        facts = (steps_done(ctx.resume_from, ctx.cfg), run_status(Path(ctx.cfg.resume)))
+        facts = (steps_done(ctx.resume_from, ctx.cfg), run_status(Path(cast(str, ctx.cfg.resume))))
     done, status = comm.allgather_objects(facts)[0] or (None, None)
     if done is not None and done >= ctx.total_steps and status != "ok":
         return True
     if done is not None and done >= ctx.total_steps:
-        capped = ctx.total_steps < ctx.steps_per_epoch * ctx.cfg.epochs
+        capped = ctx.total_steps < ctx.steps_per_epoch * cast(int, ctx.cfg.epochs)
         asks = f"--steps {ctx.cfg.max_steps}" if capped else f"--epochs {ctx.cfg.epochs}"
         raise UsageError(f"--resume {ctx.cfg.resume}: that run already did {done} steps "
                          f"({done / ctx.steps_per_epoch:.3g} epochs); {asks} asks for "
                          f"{ctx.total_steps}: pass a larger {asks.split()[0]} to train on")
+    return False
 
 
 def run_status(run_dir: Path) -> str:
@@ -307,12 +311,14 @@ def final_results(ctx: Context) -> Summary:
     evaluates the checkpoint's state; nothing is trained."""
     ckpt, nan = ctx.resume_from, float("nan")
     if ckpt is None:  # the ranks that do not serve
-        return Summary(0.0, ctx.total_steps, float(ctx.cfg.epochs), nan, nan, nan)
+        return Summary(0.0, ctx.total_steps, float(cast(int, ctx.cfg.epochs)), nan, nan, nan)
     ctx.replica.set_state(ckpt.state)
-    loss, accuracy = ctx.replica.evaluate(ctx.data.x_test, ctx.data.y_test)
+    loss, accuracy = ctx.replica.evaluate(cast(np.ndarray, ctx.data.x_test),
+                                          cast(np.ndarray, ctx.data.y_test))
     ctx.console.note("the run's training was already complete (killed after its final "
                      "checkpoint): writing its results")
-    return Summary(ckpt.wall_time_s, ckpt.step, float(ctx.cfg.epochs), loss, accuracy, nan)
+    return Summary(ckpt.wall_time_s, ckpt.step, float(cast(int, ctx.cfg.epochs)), loss, accuracy,
+                   nan)
 
 
 def steps_done(checkpoint: Checkpoint, cfg: Config) -> int:
@@ -323,17 +329,18 @@ def steps_done(checkpoint: Checkpoint, cfg: Config) -> int:
     return checkpoint.step
 
 
-def open_results(cfg: Config, comm: Comm, name: str, metadata: dict):
+def open_results(cfg: Config, comm: Comm, name: str, metadata: dict) -> ResultsWriter:
     """Rank 0's writer, the resumed run's directory or a new one, with ``metadata``
     written to ``name`` in it; null elsewhere. Collective: a directory that cannot be
     written (a read-only or full disk) is one error on every rank, printed once."""
-    results, error = NullResults(), None
+    results: ResultsWriter = NullResults()
+    error: Optional[ResultsError] = None
     if comm.role.serves:
         try:
             if cfg.resume:
                 results = RunResults.reopen(Path(cfg.resume))
             else:
-                results = RunResults(cfg.results_dir,
+                results = RunResults(Path(cfg.results_dir),
                                      f"{models.run_name(cfg.model)}-{cfg.mode}-np{comm.size}")
             results.write_json(name, metadata)
         except ResultsError as e:

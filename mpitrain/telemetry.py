@@ -29,7 +29,7 @@ from .schema import COMM_COLUMNS, TELEMETRY_COLUMNS, TIMING_COLUMNS
 
 def _net_totals(psutil) -> Dict[str, int]:
     counters = psutil.net_io_counters(pernic=True)
-    totals = defaultdict(int)
+    totals: Dict[str, int] = defaultdict(int)
     for nic, c in counters.items():
         if nic == "lo":
             continue

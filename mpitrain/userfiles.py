@@ -49,7 +49,7 @@ class NotRegular(OSError):
         super().__init__(not_regular(path, mode))
 
 
-def open_regular(path, error: Callable[[str], Exception] = None) -> BinaryIO:
+def open_regular(path, error: Optional[Callable[[str], Exception]] = None) -> BinaryIO:
     """``path`` open for reading in binary, if it is a regular file (after symlinks);
     otherwise ``error`` (taking the message: an exception class, say) naming it and
     what it is, by default :class:`NotRegular`. Never blocks: a FIFO is opened without
@@ -68,7 +68,7 @@ def open_regular(path, error: Callable[[str], Exception] = None) -> BinaryIO:
 
 
 def read_bounded(path, limit: int = TEXT_LIMIT,
-                 error: Callable[[str], Exception] = None) -> bytes:
+                 error: Optional[Callable[[str], Exception]] = None) -> bytes:
     """The bytes of the regular file ``path`` (see :func:`open_regular`); ``error``
     (default OSError) if it holds more than ``limit`` bytes (also one that grows while
     it is read)."""

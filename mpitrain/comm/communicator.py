@@ -8,12 +8,12 @@ import functools
 import os
 import time
 from collections import Counter
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..bounds import Bounds
-from ..errors import CommTimeout, MpitrainError
+from ..errors import CommTimeout
 from ..half import mean_rows_, widen_
 from .failures import FailureListener
 from .load import others_busy_cores
@@ -64,7 +64,7 @@ class Comm(ObjectExchanges):
         #: protocol can tell a watcher "alive, waiting" (the sync workers do)
         self.while_waiting: Optional[Callable[[], None]] = None
         self._failures = FailureListener(mpi_comm)  # rank 0: reports from failing ranks
-        self._half = {}  # see _half_buffers
+        self._half: Dict[int, tuple] = {}  # see _half_buffers
         #: the bound on MPI's blocking allreduce when this rank may spin in it, else None
         self._spin: Optional[SpinWatch] = None
         # MPI's blocking in-place sum (SUM: Allreduce's default op), made once

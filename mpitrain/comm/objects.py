@@ -8,7 +8,7 @@ are made of the communicator's bounded, traffic-counting verbs (``wait``, ``isen
 from __future__ import annotations
 
 import pickle
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -23,6 +23,19 @@ TAG_GATHER = 78
 
 class ObjectExchanges:
     """The pickled exchanges of a :class:`~.communicator.Comm` (its base class)."""
+
+    if TYPE_CHECKING:  # the communicator's, which these exchanges are made of
+        rank: int
+        size: int
+        traffic: Any
+        name: Callable[[int], str]
+        wait: Callable[..., Any]
+        wait_all: Callable[..., Any]
+        isend: Callable[..., Pending]
+        irecv: Callable[..., Pending]
+
+        @property
+        def mpi4py_comm(self) -> Any: ...
 
     def allgather_objects(self, obj, kind: str = "control") -> list:
         """Every rank's ``obj``, in rank order, on every rank. Collective, bounded."""

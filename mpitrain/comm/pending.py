@@ -5,7 +5,7 @@ failure reports (:mod:`.failures`), which both use them; local to this rank."""
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 from .runtime import _load_mpi, before_finalize
 from .traffic import Traffic
@@ -67,7 +67,7 @@ class Pending:
         self.done = False
         self.failed = False
         self._traffic = traffic  # set for receives only
-        self._status = _load_mpi().Status() if traffic is not None else None
+        self._status: Any = _load_mpi().Status() if traffic is not None else None
 
     def test(self) -> bool:
         if self.done or self.failed:
@@ -83,7 +83,7 @@ class Pending:
             self._traffic.add_recv(self.kind, self._status.Get_count())  # (in bytes)
         return True
 
-    def _failure(self, error: Exception) -> None:
+    def _failure(self, error: Any) -> None:  # an MPI.Exception, or another Exception
         """``error`` came out of a test: a peer's death MPI reports (ULFM) is noted,
         anything else raised."""
         if not is_process_failure(error):

@@ -11,7 +11,7 @@ instead of waiting out its reply bound (twice ``--timeout``: ten minutes by defa
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 from ..errors import CommTimeout
 from .pending import FAILED_RANKS
@@ -27,7 +27,7 @@ class PeerProcesses:
         import psutil
 
         self._psutil, self._comm = psutil, comm
-        self.local: Dict[int, object] = {}
+        self.local: Dict[int, Any] = {}  # psutil.Process by rank
         wanted = range(comm.size) if ranks is None else ranks
         for rank in wanted:
             if rank != comm.rank and comm.hosts[rank] == comm.host:

@@ -49,15 +49,15 @@ def allgatherv(comm: "Comm", send: np.ndarray, counts: Sequence[int], out: np.nd
     """``out`` := every rank's ``send`` one after another, in rank order, where rank r's
     holds ``counts[r]`` bytes' worth of ``out``'s elements (``counts`` in elements; the
     same list on every rank). Moves bytes: any dtype, the same on every rank."""
-    counts = np.asarray(counts, np.int64) * out.itemsize
+    nbytes = np.asarray(counts, np.int64) * out.itemsize
     if comm.size == 1:
         out.reshape(-1).view(np.uint8)[:] = send.reshape(-1).view(np.uint8)
         return out
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    offsets = np.concatenate([[0], np.cumsum(nbytes)[:-1]])
     payload = np.ascontiguousarray(send).reshape(-1).view(np.uint8)
     MPI = _load_mpi()
     comm.wait(Pending(comm.mpi4py_comm.Iallgatherv(
-        payload, [out.reshape(-1).view(np.uint8), counts, offsets, MPI.BYTE]), what, None, kind),
+        payload, [out.reshape(-1).view(np.uint8), nbytes, offsets, MPI.BYTE]), what, None, kind),
               HOT)
     comm.traffic.add_sent(kind, payload.nbytes)
     comm.traffic.add_recv(kind, out.nbytes)

@@ -82,7 +82,7 @@ def check_launcher(library_version: str) -> None:
     hydra = launcher.startswith("Hydra")
     if launcher == "srun":
         problem = dialect.srun_problem(library)
-        if problem:
+        if problem and library is not None:  # (a problem is only ever found for a library)
             raise UsageError(f"mpi4py loaded {library.name}, but {problem}")
         return
     if library is None or not launcher:
@@ -166,7 +166,7 @@ def start_watch(bound: float):
     try:
         yield
     finally:
-        watch.stdin.close()  # end of file: MPI started (or failed with an error of its own)
+        watch.stdin.close()  # type: ignore[union-attr]  # (stdin=PIPE) end of file: MPI started (or failed with an error of its own)
         try:
             watch.wait(timeout=10)  # it ends at once
         except subprocess.TimeoutExpired:

@@ -146,7 +146,7 @@ def map_segment(workers, size: int) -> List[np.ndarray]:
     workers.allreduce_sum_(mapped, "the shared gradient segment's set-up", "control")
     if fd >= 0:  # every worker has mapped it (or given up): the mappings keep it
         os.close(fd)
-    if mapped[0] != workers.size:
+    if mapped[0] != workers.size or segment is None:  # (mapped everywhere: not None)
         return []
     return [np.frombuffer(segment, np.float32, size, k * stride) for k in range(workers.size)]
 
@@ -185,9 +185,9 @@ def share_with_server(comm, lengths: Sequence[int], server: int = 0,
     mapped = np.zeros(comm.size, np.int64)  # by rank: 1 if the server maps its segment
     theirs: Dict[int, List[np.ndarray]] = {}
     if comm.rank == server:
-        for rank, where in enumerate(wheres):
-            if rank != server and where is not None:
-                peer_fd, peer_segment = open_memory_file(*where, sum(sizes))
+        for rank, peer in enumerate(wheres):  # (pid, descriptor) or None, by rank
+            if rank != server and peer is not None:
+                peer_fd, peer_segment = open_memory_file(peer[0], peer[1], sum(sizes))
                 if peer_segment is not None:  # (its descriptor kept: see PeerSlots)
                     theirs[rank] = PeerSlots(peer_fd, peer_segment, lengths, sizes)
                     mapped[rank] = 1
@@ -251,7 +251,7 @@ class FileWindow:
         if step != 1 or values.size != stop - start:
             raise ValueError(f"a file window takes a slice of step 1 and as many values, "
                              f"not [{start}:{stop}:{step}] = {values.size}")
-        data, at = memoryview(values).cast("B"), self.offset + 4 * start
+        data, at = values.data.cast("B"), self.offset + 4 * start
         done = 0
         while done < len(data):  # (one call writes at most ~2 GiB)
             done += os.pwrite(self.fd, data[done:], at + done)

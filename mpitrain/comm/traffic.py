@@ -6,6 +6,11 @@ from collections import defaultdict
 from typing import Dict, List
 
 
+def _table_property(name: str, doc: str) -> property:
+    """A property of :class:`Traffic` that reads its table ``name``."""
+    return property(lambda self: self._table(name), doc=doc)
+
+
 class Traffic:
     """Payload bytes and messages through this rank's communication layer, by kind.
 
@@ -58,16 +63,12 @@ class Traffic:
             self._exchanged = {}
         return self._tables[name]
 
-    def _table_of(name: str, doc: str):  # noqa: N805 - a helper of the class body
-        return property(lambda self: self._table(name), doc=doc)
-
-    sent_bytes = _table_of("sent_bytes", "Payload bytes sent, by kind.")
-    sent_msgs = _table_of("sent_msgs", "Messages sent, by kind.")
-    recv_bytes = _table_of("recv_bytes", "Payload bytes received, by kind.")
-    recv_msgs = _table_of("recv_msgs", "Messages received, by kind.")
-    wait_seconds = _table_of("wait_seconds", "Seconds blocked in waits, by kind (add to "
-                                             "it: ``[kind] += s``).")
-    del _table_of
+    sent_bytes = _table_property("sent_bytes", "Payload bytes sent, by kind.")
+    sent_msgs = _table_property("sent_msgs", "Messages sent, by kind.")
+    recv_bytes = _table_property("recv_bytes", "Payload bytes received, by kind.")
+    recv_msgs = _table_property("recv_msgs", "Messages received, by kind.")
+    wait_seconds = _table_property("wait_seconds", "Seconds blocked in waits, by kind "
+                                   "(add to it: ``[kind] += s``).")
 
     def rows(self) -> List[dict]:
         """One row per kind: kind, sent/received bytes and messages, wait seconds."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, cast
 
 from ..errors import UsageError
 from ..settings import COUNT, Number, Setting, checked_value, option
@@ -119,8 +119,8 @@ class Config:
     def of(cls, **settings) -> "Config":
         """The config of these settings by key (``epochs=3, staleness=2, data=PATH``);
         the others at their defaults. TypeError for a key no setting has."""
-        top: Dict[str, object] = {}
-        sections: Dict[str, Dict[str, object]] = {name: {} for name in SECTIONS}
+        top: Dict[str, Any] = {}
+        sections: Dict[str, Dict[str, Any]] = {name: {} for name in SECTIONS}
         for key, value in settings.items():
             where = SETTINGS.get(key)
             if where is None:
@@ -179,7 +179,7 @@ class Config:
     @property
     def effective_lr(self) -> float:
         """The learning rate the optimizer uses at its peak (:attr:`lr_scale` x --lr)."""
-        return self.optimizer.lr * self.lr_scale
+        return cast(float, self.optimizer.lr) * self.lr_scale  # (set in a resolved config)
 
     @property
     def warmup(self) -> float:
@@ -189,15 +189,15 @@ class Config:
             return self.optimizer.warmup_epochs
         if self.lr_scale <= 1.0:
             return 0.0
-        return min(WARMUP_MAX_EPOCHS, WARMUP_FRACTION * self.epochs)
+        return min(WARMUP_MAX_EPOCHS, WARMUP_FRACTION * cast(int, self.epochs))
 
     @property
     def global_batch(self) -> int:
         """Examples consumed by one synchronous update."""
-        return self.batch_size * (self.workers if self.mode == "sync" else 1)
+        return cast(int, self.batch_size) * (self.workers if self.mode == "sync" else 1)
 
     # ---- checks -----------------------------------------------------------------------
-    def checked(self, label: Callable[[Setting], str] = None,
+    def checked(self, label: Optional[Callable[[Setting], str]] = None,
                 complete: bool = False) -> "Config":
         """This config with every value checked for its type and range and made a plain
         int, float, bool or str; UsageError naming the first bad one (``label`` names a
@@ -216,7 +216,7 @@ class Config:
                   or complete and key in needed else None)
             for key, s in SETTINGS.items()})
 
-    def validate(self, label: Callable[[Setting], str] = None) -> "Config":
+    def validate(self, label: Optional[Callable[[Setting], str]] = None) -> "Config":
         """This config :meth:`checked` (complete) and the rules between settings kept (the
         options of one mode not given in the other, options that exclude each other),
         section by section, then the mode against the job's size; UsageError naming the
@@ -236,8 +236,8 @@ class Config:
 
 
 #: the sections of a Config: attribute -> its dataclass
-SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)
-            if "section" in f.metadata}
+SECTIONS: Dict[str, Any] = {f.name: f.default_factory for f in dataclasses.fields(Config)
+                             if "section" in f.metadata}
 #: the heading of each section's options in --help ('' : the run's own)
 SECTION_TITLES = {"": "training", **{f.name: f.metadata["section"]
                                      for f in dataclasses.fields(Config)

@@ -18,7 +18,7 @@ labels are int32.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, cast
 
 import numpy as np
 
@@ -58,13 +58,13 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
     budget = MemoryBudget.of(comm, shard)
     try:
         if user_data or arrays is not None:
-            result = read_user(user_data, splits, image_size, budget, arrays)
+            result = read_user(cast(str, user_data), splits, image_size, budget, arrays)
         elif dataset in ("auto", "mnist"):
             result = load_mnist(dataset, data_dir, comm, splits)
         elif dataset == "digits":
             result = digits(seed)
         elif dataset == "synthetic":
-            result = synthetic_dataset(dict(synthetic_shape), seed, splits, budget)
+            result = synthetic_dataset(dict(cast(dict, synthetic_shape)), seed, splits, budget)
         else:
             raise UsageError(f"unknown dataset {dataset!r}")
     except (DataError, UsageError) as e:
@@ -72,6 +72,7 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
             raise
         error = e
     comm.agree(error)
+    result = cast(Dataset, result)  # (no error: every rank has one)
     _agree_on_dataset(result, comm)
     for split in SPLITS:
         if split not in splits:

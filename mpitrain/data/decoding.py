@@ -23,7 +23,7 @@ from __future__ import annotations
 import pickle
 import stat
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -106,7 +106,7 @@ def _ignoring_image_size(ds: Dataset, image_size: Optional[int]) -> Dataset:
     return ds
 
 
-def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
+def _user_dataset(kind: str, source: Union[str, Path], arrays: Dict[str, np.ndarray],
                   classes: Optional[List[str]] = None) -> Dataset:
     """A Dataset from the user's arrays: labels checked (integers 0..K-1, K from 2 to
     MAX_CLASSES, checked before they become int32), examples with a channel axis
@@ -165,8 +165,9 @@ def _user_dataset(kind: str, source: Path, arrays: Dict[str, np.ndarray],
                             "replace them before training")
         arrays[key] = x[..., None] if x.ndim == 3 else x
     any_x = next(v for k, v in arrays.items() if k.startswith("x_"))
+    named: Dict[str, Any] = arrays  # x_train, y_train, ... by name
     return Dataset(kind, str(source), num_classes, tuple(any_x.shape[1:]),
-                   len(arrays["y_train"]), classes=classes, **arrays)
+                   len(arrays["y_train"]), classes=classes, **named)
 
 
 def _finite_as_float32(x: np.ndarray) -> bool:
@@ -325,7 +326,8 @@ def _user_images(directory: Path, splits, image_size: Optional[int],
         classes = [p.name for p in _class_folders(directory / "train")]
         test_classes = [p.name for p in _class_folders(directory / "test")]
         if set(test_classes) - set(classes):
-            raise DataError(f"{directory / 'test'}: classes {sorted(set(test_classes) - set(classes))} "
+            raise DataError(f"{directory / 'test'}: classes "
+                            f"{sorted(set(test_classes) - set(classes))} "
                             f"are not in {directory / 'train'}")
         files = {split: [(f, classes.index(c.name)) for c in _class_folders(directory / split)
                          for f in _images_in(c)] for split in SPLITS}
@@ -392,6 +394,7 @@ def _image_mode(paths: List[Path], image_size: Optional[int] = None):
             raise DataError(f"{path}: image is {size[0]}x{size[1]} but {first[0]} is "
                             f"{first[1][0]}x{first[1][1]}; pass --image-size PX to resize "
                             "every image to PX x PX")
+    assert first is not None, "no images"  # (the caller's classes each have one)
     return mode, first[1]
 
 
@@ -401,10 +404,11 @@ def _decode(files, mode: str, image_size: Optional[int]) -> np.ndarray:
     out, first = [], None
     for path, _ in files:
         try:
-            with open_regular(path, DataError) as file, Image.open(file) as image:
-                image = image.convert(mode)
+            with open_regular(path, DataError) as file, Image.open(file) as opened:
+                image = opened.convert(mode)
                 if image_size:
-                    image = image.resize((image_size, image_size), Image.BILINEAR)
+                    image = image.resize((image_size, image_size),
+                                         Image.BILINEAR)  # type: ignore[attr-defined]
                 pixels = np.asarray(image, np.uint8)
         except DataError:
             raise

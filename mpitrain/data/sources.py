@@ -19,7 +19,7 @@ import os
 import urllib.request
 import zlib
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -112,7 +112,7 @@ def read_mnist_dir(directory: Union[str, Path], splits=SPLITS) -> Dict[str, np.n
     directory = Path(directory)
     found = {key: _find_idx(directory, IDX_NAMES[key]) for key in _keys(splits)}
     if all(found.values()):
-        arrays = {key: read_idx(path) for key, path in found.items()}
+        arrays = {key: read_idx(path) for key, path in found.items() if path is not None}
         origin = str(directory)
     elif (directory / "mnist.npz").exists():
         arrays = read_npz(directory / "mnist.npz", splits)
@@ -328,7 +328,7 @@ def synthetic_dataset(shape: dict, seed: int, splits, budget: MemoryBudget) -> D
     """``--dataset synthetic`` of ``shape`` (image_size, channels, num_classes, n_train,
     n_test), checked against ``budget`` first."""
     check_synthetic(shape, splits, budget)
-    arrays = synthetic(seed=seed, splits=splits, **shape)
+    arrays: Dict[str, Any] = synthetic(seed=seed, splits=splits, **shape)
     size = (shape["image_size"], shape["image_size"], shape["channels"])
     return Dataset("synthetic", f"random {size[0]}x{size[1]}x{size[2]} images, "
                    f"{shape['num_classes']} classes, seed {seed}",
@@ -346,8 +346,8 @@ def _with_channels(arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     return out
 
 
-def _from_arrays(name: str, source: str, arrays: Dict[str, np.ndarray]) -> Dataset:
-    arrays = _with_channels(arrays)
+def _from_arrays(name: str, source: str, given: Dict[str, np.ndarray]) -> Dataset:
+    arrays: Dict[str, Any] = _with_channels(given)
     any_x = next(v for k, v in arrays.items() if k.startswith("x_"))
     return Dataset(name=name, source=source, num_classes=10,
                    input_shape=tuple(any_x.shape[1:]), train_size=len(arrays["y_train"]),

@@ -19,7 +19,7 @@ compression a resume is not bit-exact with the uninterrupted run (it is without)
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -57,7 +57,8 @@ class HalfPrecisionEngine:
         self.engine = engine
         self.size = engine.size
         self.feedback = ErrorFeedback(n_gradient)
-        self._halves = {}  # float16 buffer by the length of the part it carries
+        #: float16 buffer by the length of the part it carries
+        self._halves: Dict[int, np.ndarray] = {}
         self.half = self._half_for(size)  # the whole fused buffer's
 
     def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,

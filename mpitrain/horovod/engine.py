@@ -39,7 +39,7 @@ import contextlib
 import pickle
 import threading
 import zlib
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, NoReturn, Sequence, Tuple
 
 import numpy as np
 
@@ -267,7 +267,7 @@ class Engine:
             "(if a step legitimately takes longer, raise hvd.init(timeout=...) or "
             "$MPITRAIN_TIMEOUT)")
 
-    def _disagree(self, mine: str, same_call: bool) -> None:
+    def _disagree(self, mine: str, same_call: bool) -> NoReturn:
         """Raise the Mismatch every rank raises at this call, naming what each called."""
         said = self.comm.allgather_objects("hvd.join()" if self.joined else mine)
         groups: Dict[str, List[int]] = {}

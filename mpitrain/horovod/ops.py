@@ -13,7 +13,7 @@ mpitrain's own sync trainer takes. A numpy function cannot run inside XLA
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -79,7 +79,7 @@ def _fused_allreduce(tensors: Sequence[tf.Tensor], op: int, prescale: float = 1.
     order the dtypes first appear: the same on every rank)."""
     runtime.engine()  # NotInitialized now, at trace time, not inside the graph
     out: List[Optional[tf.Tensor]] = [None] * len(tensors)
-    by_dtype = {}
+    by_dtype: Dict[object, List[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
     for dtype, indices in by_dtype.items():

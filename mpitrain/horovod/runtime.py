@@ -21,7 +21,7 @@ import atexit
 import os
 import sys
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from ..errors import EXIT_FAILURE, MpitrainError, UsageError
 
@@ -67,10 +67,10 @@ class Topology:
 
 
 class _State:
-    comm = None
-    engine = None
+    comm: Any = None  # mpitrain.comm.Comm, once initialised
+    engine: Any = None  # .engine.Engine
     topology: Optional[Topology] = None
-    telemetry = None
+    telemetry: Any = None  # .telemetry.Telemetry, with a results directory
     #: the last error a collective raised (inside tf.function TensorFlow wraps it)
     last_error: Optional[MpitrainError] = None
 

@@ -4,7 +4,7 @@ reduction it shares with :func:`~.optimizer.DistributedOptimizer`."""
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Set
 
 import tensorflow as tf
 
@@ -34,7 +34,7 @@ class GradientReducer:
         # fused into one buffer here, which gives the same sums
         self.compression, self.sparse_as_dense, self.op = compression, sparse_as_dense, op
         self.predivide, self.scale_local = gradient_predivide_factor, scale_local_gradients
-        self.local = set()
+        self.local: Set[int] = set()
 
     def register_local(self, source) -> None:
         self.local.add(id(source))

@@ -52,7 +52,8 @@ class Telemetry:
         self.timer = PhaseTimer()
         self.started = time.perf_counter()
         self.epochs = 0
-        self._pending = None  # (epoch, logs, wall seconds, steps): not yet in curve.csv
+        #: (epoch, logs, wall seconds, steps): not yet in curve.csv
+        self._pending: Optional[tuple] = None
         self._last: dict = {}  # the last epoch's logs, for runs.csv
 
     @classmethod

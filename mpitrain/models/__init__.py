@@ -66,4 +66,4 @@ from . import zoo  # noqa: E402,F401  (registers the built-in models; needs regi
 
 __all__ = ["ModelSpec", "USER_DEFAULTS", "register", "get", "names", "specs", "defaults_for",
            "canonical", "from_callable", "import_keras", "is_spec", "precheck", "run_name",
-           "same_model", "UsageError"]
+           "same_model", "UsageError", "blame_user_code"]

@@ -205,7 +205,7 @@ def _plan(spec) -> dict:
     for node in tree.body:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
             continue  # the docstring
-        if not isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "level", 0):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "level", None):
             return {}
         for alias in node.names:
             if alias.name == "*":
@@ -214,9 +214,9 @@ def _plan(spec) -> dict:
             if isinstance(node, ast.ImportFrom) and node.module == spec.name:
                 plan[bound] = _submodule(f"{spec.name}.{alias.name}", bound)
             else:
-                plan[bound] = _statement(type(node)(names=[alias], **(
-                    {"module": node.module, "level": 0} if isinstance(node, ast.ImportFrom)
-                    else {})), spec.origin or spec.name)
+                statement = (ast.ImportFrom(module=node.module, names=[alias], level=0)
+                             if isinstance(node, ast.ImportFrom) else ast.Import(names=[alias]))
+                plan[bound] = _statement(statement, spec.origin or spec.name)
     return plan
 
 

@@ -22,7 +22,7 @@ from .keras_import import import_keras
 keras = import_keras()
 
 
-class FusedBatchNormalization(keras.layers.BatchNormalization):
+class FusedBatchNormalization(keras.layers.BatchNormalization):  # type: ignore[name-defined]
     """``keras.layers.BatchNormalization`` on TensorFlow's fused kernel for 4-D float32
     inputs normalised over the last axis (NHWC images), with scale and offset; any
     other case is Keras' own call.

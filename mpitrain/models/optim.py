@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
 try:
-    from . import _optim
+    from . import _optim  # type: ignore[attr-defined]  # (C: no types)
 except ImportError:  # not built (no compiler at install time): numpy does the updates
     _optim = None
 
@@ -260,7 +260,7 @@ def adapt_state(saved: Dict[str, np.ndarray], layout: Dict[str, tuple], name: st
             for i, (value, (shape, dtype)) in enumerate(zip(values, want))}
 
 
-def _in_order(named: Dict[str, object]) -> Optional[list]:
+def _in_order(named: Mapping[str, object]) -> Optional[list]:
     """The values of ``named`` in the order of their names o0, o1...; None if those are
     not exactly its names."""
     names = [f"o{i}" for i in range(len(named))]

@@ -14,7 +14,7 @@ import re
 import stat
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..errors import UsageError
 from ..model_names import is_file, split
@@ -135,7 +135,7 @@ def _import_file(spec: str, target: str):
     imported = sys.modules.get(name)
     if imported is not None and _same_file(getattr(imported, "__file__", ""), str(path)):
         return imported  # this file, imported by an earlier run of this process
-    loader_spec = importlib.util.spec_from_file_location(name, path)
+    loader_spec: Any = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module
     folder = str(path.resolve().parent)
@@ -326,7 +326,7 @@ def _library(filename: str) -> bool:
         "site-packages" in path or "dist-packages" in path
 
 
-def _first_line(error: Exception) -> str:
+def _first_line(error: BaseException) -> str:
     """The error's message in one line: its first, past Keras' "Exception encountered
     when calling X" heading and TensorFlow's {{function_node ...}} prefix."""
     text = re.sub(r"\x1b\[[0-9;]*m|\{\{function_node [^}]*\}\}\s*", "", str(error))

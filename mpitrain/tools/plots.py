@@ -237,7 +237,7 @@ def _render(specs, subject, out_dir: Path) -> List[Tuple[Path, str]]:
     """Build every figure in ``specs`` for ``subject`` and save those that apply."""
     written = []
     for name, caption, build in specs:
-        with matplotlib.rc_context(STYLE):
+        with matplotlib.rc_context(STYLE):  # type: ignore[arg-type]  # (rcParams' names)
             fig = build(subject)
             if fig is not None:
                 written.append((save_figure(fig, out_dir / name), caption))

@@ -112,7 +112,8 @@ def _get(run: Run, key: str):
 
 def _dataset(run: Run) -> str:
     """Dataset name, with the training-set size when config.json records it."""
-    info = run.meta.get("dataset") if isinstance(run.meta.get("dataset"), dict) else {}
+    info = run.meta.get("dataset")
+    info = info if isinstance(info, dict) else {}
     name = _get(run, "dataset") or info.get("name")
     size = info.get("train_size")
     return _text(name) + (f" ({size:,} train)" if isinstance(size, int) and name else "")

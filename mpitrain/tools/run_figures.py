@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -20,7 +20,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocato
 from .run_files import MB, Run, Table, results_error
 
 DPI = 120
-STYLE = {
+STYLE: Dict[str, Any] = {
     "font.size": 10,
     "axes.titlesize": 11,
     "axes.labelsize": 10,
@@ -257,7 +257,7 @@ def fig_time_breakdown(run: Run) -> Optional[Figure]:
     fig, (ax,) = new_figure(_run_title(run, "Where each rank's time went (all epochs)"),
                             size=(8, 5))
     _stacked_bars(ax, np.arange(len(ranks)), parts, 0.6, legend=True)
-    totals = sum(parts.values())
+    totals = np.sum(list(parts.values()), axis=0)
     for i, total in enumerate(totals):
         ax.annotate(f"{total:.2f} s", (i, total), xytext=(0, 3), textcoords="offset points",
                     ha="center", fontsize=9)
@@ -333,7 +333,8 @@ def staleness_cutoff(stale: Table, share: float = 0.99) -> int:
     order = np.argsort(stale["staleness"])
     values, counts = stale["staleness"][order], stale["count"][order]
     cum = np.cumsum(counts) / max(counts.sum(), 1)
-    cutoff = values[min(np.searchsorted(cum, share), len(values) - 1)] if len(values) else 0
+    at = min(int(np.searchsorted(cum, share)), len(values) - 1)
+    cutoff = values[at] if len(values) else 0
     return int(min(max(cutoff, 5), 20, max(values.max() if len(values) else 0, 5)))
 
 

@@ -111,9 +111,9 @@ def expand(grid: Dict[str, list]) -> List[Run]:
 
 def load_spec(path: Path) -> dict:
     """A TOML sweep spec: name, [grid], [options]; UsageError naming the file if bad."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
+    else:  # Python 3.10: the same parser, packaged as tomli
         import tomli as tomllib
 
     try:
@@ -170,7 +170,7 @@ class Sweep:
         (it checkpoints and ends), is recorded as interrupted, and the sweep
         raises :class:`Interrupted`; running the sweep again resumes it.
         """
-        self.stopping = None
+        self.stopping: Optional[str] = None
         previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM,
                                                                      signal.SIGINT)}
         try:
@@ -181,8 +181,9 @@ class Sweep:
 
     def _stop(self, signum, frame) -> None:
         self.stopping = signal.Signals(signum).name
-        if getattr(self, "current", None) is not None and self.current.poll() is None:
-            self.current.send_signal(signal.SIGUSR1)  # mpirun forwards it to every rank
+        current = getattr(self, "current", None)
+        if current is not None and current.poll() is None:
+            current.send_signal(signal.SIGUSR1)  # mpirun forwards it to every rank
 
     def _run_all(self) -> int:
         self.results_dir.mkdir(parents=True, exist_ok=True)
@@ -248,7 +249,8 @@ class Sweep:
         with open(log, "w") as out:
             out.write(" ".join(cmd) + "\n")
             out.flush()
-            self.current = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.current: Optional[subprocess.Popen] = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             code = self.current.wait()
             self.current = None
         run_dir = None

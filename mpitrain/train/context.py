@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from pathlib import Path
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple, cast
 
 import numpy as np
 
@@ -24,6 +25,53 @@ from ..models.optim import Schedule
 from ..models.replica import Replica
 from .protocol import PhaseTimer
 
+
+class ResultsWriter(Protocol):
+    """Where a trainer writes the run's results: :class:`mpitrain.results.RunResults` on
+    the serving rank, :class:`mpitrain.results.NullResults` (the same methods, doing
+    nothing) on every other, so that trainers never branch on rank for I/O. Both are
+    checked against this by mypy where :mod:`mpitrain.session` builds the context
+    (tests/unit/test_lint.py): a method added to one and not the other fails there."""
+
+    @property
+    def path(self) -> Optional[Path]: ...
+
+    def write_json(self, name: str, obj: object) -> None: ...
+
+    def add_curve_row(self, row: Dict) -> None: ...
+
+    def scalars(self, step: int, values: Dict[str, Optional[float]]) -> None: ...
+
+    def write_csv(self, name: str, columns: List[str], rows: Iterable[Dict]) -> None: ...
+
+    def replace_csv(self, name: str, columns: List[str], rows: Iterable[Dict]) -> None: ...
+
+    def add_run_row(self, row: Dict) -> None: ...
+
+    def save_checkpoint(self, checkpoint: Checkpoint,
+                        meanwhile: Optional[Callable[[], object]] = None) -> None: ...
+
+    def set_status(self, status: str, reason: str = "", **facts: object) -> None: ...
+
+
+class ConsoleOutput(Protocol):
+    """What a trainer prints through: :class:`mpitrain.console.Console` on the serving
+    rank, :class:`mpitrain.console.NullConsole` (no output) elsewhere; checked like
+    :class:`ResultsWriter`."""
+
+    quiet: bool
+    accuracy: Optional[float]  # the last test accuracy, shown in the progress line
+
+    def info(self, message: str) -> None: ...
+
+    def note(self, message: str) -> None: ...
+
+    def summary(self, lines: Iterable[str]) -> None: ...
+
+    def progress(self, epoch: float, epochs: int, step: int, total: int, loss: float,
+                 examples_per_s: float, eta_s: float) -> None: ...
+
+
 @dataclass
 class Context:
     """Everything a trainer needs, built once per run by :mod:`.session`."""
@@ -33,8 +81,8 @@ class Context:
     role: Role
     replica: Replica
     data: Dataset  # the splits this rank needs (train shard on workers, test on the server)
-    results: object  # RunResults on the serving rank, NullResults elsewhere
-    console: object  # Console on the serving rank, NullConsole elsewhere
+    results: ResultsWriter  # RunResults on the serving rank, NullResults elsewhere
+    console: ConsoleOutput  # Console on the serving rank, NullConsole elsewhere
     stop: StopRequest = field(default_factory=StopRequest)  # set by SIGTERM/SIGINT/SIGUSR1
     resume_from: Optional[Checkpoint] = None  # the checkpoint being resumed (serving rank)
     run_dir: Optional[str] = None  # the run directory (rank 0's), known on every rank
@@ -58,7 +106,7 @@ class Context:
     @property
     def steps_per_epoch(self) -> int:
         """Updates a worker makes in one pass over its shard."""
-        return batches_per_epoch(self.shard_size, self.cfg.batch_size)
+        return batches_per_epoch(self.shard_size, cast(int, self.cfg.batch_size))
 
     @property
     def workers(self) -> int:
@@ -71,7 +119,7 @@ class Context:
     @property
     def total_steps(self) -> int:
         """Steps each worker runs: all epochs, or the --steps/--dry-run cap."""
-        total = self.steps_per_epoch * self.cfg.epochs
+        total = self.steps_per_epoch * cast(int, self.cfg.epochs)
         return total if self.cfg.max_steps is None else min(total, self.cfg.max_steps)
 
 
@@ -80,10 +128,11 @@ def lr_schedule(cfg: Config, shard_size: int) -> Optional[Schedule]:
     mode, every push applied in async): gradual warm-up over ``cfg.warmup`` epochs from
     one worker's rate to the scaled one (from 0 where the rate is not scaled), then
     constant or cosine decay to 0 at the last update; None: constant throughout."""
-    updates_per_epoch = batches_per_epoch(shard_size, cfg.batch_size) * (
+    updates_per_epoch = batches_per_epoch(shard_size, cast(int, cfg.batch_size)) * (
         cfg.workers if cfg.mode == "async" else 1)
     warmup = round(cfg.warmup * updates_per_epoch)
-    decay = updates_per_epoch * cfg.epochs if cfg.optimizer.schedule == "cosine" else None
+    decay = (updates_per_epoch * cast(int, cfg.epochs) if cfg.optimizer.schedule == "cosine"
+             else None)
     if not warmup and decay is None:
         return None
     return Schedule(warmup, 1.0 / cfg.lr_scale if cfg.lr_scale > 1 else 0.0, decay)
@@ -114,14 +163,14 @@ def worker_batches(ctx: Context, start_step: int = 0, endless: bool = False
     further passes over the shard (the caller decides when to stop: an async
     worker whose quota grew when another worker was lost).
     """
-    x, y = ctx.data.x_train, ctx.data.y_train
+    x, y = cast(np.ndarray, ctx.data.x_train), cast(np.ndarray, ctx.data.y_train)  # (a worker's)
     total, per_epoch = (0 if endless else ctx.total_steps), ctx.steps_per_epoch
     last_epoch = None if endless else ctx.cfg.epochs
     for epoch in itertools.count(start_step // per_epoch + 1):
         if last_epoch is not None and epoch > last_epoch:
             return
-        batches = epoch_batches(len(y), ctx.cfg.batch_size, ctx.cfg.seed, ctx.worker_index,
-                                epoch)
+        batches = epoch_batches(len(y), cast(int, ctx.cfg.batch_size), ctx.cfg.seed,
+                                ctx.worker_index, epoch)
         for i, idx in enumerate(batches):
             step = (epoch - 1) * per_epoch + i + 1
             if step <= start_step:

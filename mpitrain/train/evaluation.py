@@ -6,7 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, cast
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class Evaluator:
         self.updates_per_epoch = updates_per_epoch
         self.examples_per_update = examples_per_update
         self.total_updates = total_updates
-        self.last: Dict[str, float] = {}
+        self.last: Dict[str, Any] = {}  # the latest curve row
         self._since = (0, 0.0)  # (updates, wall) at the previous evaluation
 
     @classmethod
@@ -39,7 +39,8 @@ class Evaluator:
 
     def record(self, step: int, train_loss: Optional[float], wall_time_s: float) -> Dict:
         ctx = self.ctx
-        test_loss, test_acc = ctx.replica.evaluate(ctx.data.x_test, ctx.data.y_test)
+        test_loss, test_acc = ctx.replica.evaluate(  # (the serving rank's test split)
+            cast(np.ndarray, ctx.data.x_test), cast(np.ndarray, ctx.data.y_test))
         prev_step, prev_wall = self._since
         rate = ((step - prev_step) * self.examples_per_update / (wall_time_s - prev_wall)
                 if wall_time_s > prev_wall else None)
@@ -66,7 +67,7 @@ class Evaluator:
         elapsed = self.clock()
         rate = updates / elapsed if elapsed > 0 else 0.0
         eta = (self.total_updates - updates) / rate if rate > 0 else 0.0
-        self.ctx.console.progress(updates / self.updates_per_epoch, self.ctx.cfg.epochs,
+        self.ctx.console.progress(updates / self.updates_per_epoch, cast(int, self.ctx.cfg.epochs),
                                   updates, self.total_updates, loss,
                                   rate * self.examples_per_update, eta)
 

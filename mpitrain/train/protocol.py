@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import time
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -88,17 +88,17 @@ class Header(NamedTuple):
     @classmethod
     def read(cls, buf: np.ndarray) -> "Header":
         """The header in front of ``buf`` (a float32 message)."""
-        return cls._make(_LAYOUT.unpack_from(buf))
+        return cls._make(_LAYOUT.unpack_from(buf))  # type: ignore[arg-type]  # (numpy's stubs: a buffer from 3.12)
 
     def write(self, buf: np.ndarray) -> np.ndarray:
         """Store this header in front of ``buf`` (a float32 message); returns ``buf``.
         A float slot beyond float32's range is stored as infinite (as numpy would)."""
         try:
-            _LAYOUT.pack_into(buf, 0, *self)
+            _LAYOUT.pack_into(buf, 0, *self)  # type: ignore[arg-type]  # (numpy's stubs: a buffer from 3.12)
         except OverflowError:  # struct refuses what float32 cannot hold
             with np.errstate(over="ignore"):
                 floats = {k: float(np.float32(getattr(self, k))) for k in FLOAT_SLOTS}
-            _LAYOUT.pack_into(buf, 0, *self._replace(**floats))
+            _LAYOUT.pack_into(buf, 0, *self._replace(**floats))  # type: ignore[arg-type]
         return buf
 
 
@@ -113,7 +113,7 @@ assert _LAYOUT.size == SLOTS * 4
 def write_version(buf: np.ndarray, version: int) -> None:
     """Overwrite the VERSION slot of the header in front of ``buf`` (the same header to
     several servers, each with its own version: cheaper than a namedtuple's _replace)."""
-    _VERSION.pack_into(buf, 0, version)
+    _VERSION.pack_into(buf, 0, version)  # type: ignore[arg-type]  # (numpy's stubs: a buffer from 3.12)
 
 
 _VERSION = struct.Struct("=i")  # the header's first slot (see _LAYOUT)
@@ -190,7 +190,7 @@ class SilentPeers:
                                    tested=tested)
         return None if index is None else peers[index]
 
-    def lost(self, posted: Dict[int, object], liveness,
+    def lost(self, posted: Dict[int, Any], liveness,
              alive: Callable[[int], bool] = lambda peer: True) -> Optional[Tuple[int, str]]:
         """(peer, why) for the first peer of ``posted`` (peer -> its pending receive)
         silent past its ``liveness`` bound (:class:`~mpitrain.train.leases.Liveness`),

@@ -57,11 +57,11 @@ side is :mod:`.sync_server`.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, List, Optional, Tuple, cast
 
 import numpy as np
 
-from ..comm import IDLE, Role
+from ..comm import IDLE, Comm, Role
 from ..errors import Interrupted
 from ..lifecycle import Checkpoint, optimizer_mismatch
 from ..exchange import plan
@@ -106,12 +106,16 @@ def _start(ctx: Context):
     comm.bcast_(position)
     replica.set_state(comm.bcast_(replica.state()))
     mine = replica.optimizer_layout() if replica.applies else None
-    layout = mine if comm.size == 1 else next(
-        found for found in comm.allgather_objects(mine) if found is not None)
+    layout = cast(dict, mine if comm.size == 1 else next(  # (alone, this rank applies)
+        found for found in comm.allgather_objects(mine) if found is not None))
     if position[0] > 0:  # resuming: the optimizer and generators continue too
-        saved = replica.adapt_optimizer_state(ckpt.optimizer, layout) if ckpt else None
-        comm.agree(optimizer_mismatch(saved, layout, ctx.cfg.resume) if ckpt else None)
-        state = pack_state(saved, layout) if ckpt else np.empty(packed_size(layout), np.uint8)
+        if ckpt:
+            saved = replica.adapt_optimizer_state(ckpt.optimizer, layout)
+            comm.agree(optimizer_mismatch(saved, layout, ctx.cfg.resume))
+            state = pack_state(saved, layout)
+        else:
+            comm.agree(None)
+            state = np.empty(packed_size(layout), np.uint8)
         comm.bcast_(state)
         if replica.applies:
             replica.set_optimizer_state(unpack_state(state, layout))
@@ -133,7 +137,7 @@ def _rng_table(ckpt, size: int, width: int) -> np.ndarray:
 # Workers
 # ---------------------------------------------------------------------------------------
 def _work(ctx: Context, link, start_step: int) -> Summary:
-    workers = ctx.comm.workers
+    workers = cast(Comm, ctx.comm.workers)  # (a worker's)
     if workers.size == 1:  # nothing to average: use the fused one-call step
         return _steps(ctx, link, start_step, None)
     tail = 1 + workers.size  # the status tail: a stop flag, a loss per worker
@@ -142,7 +146,7 @@ def _work(ctx: Context, link, start_step: int) -> Summary:
 
 
 def _steps(ctx: Context, link, start_step: int, exchange) -> Summary:
-    replica, workers, timer = ctx.replica, ctx.comm.workers, ctx.timer
+    replica, workers, timer = ctx.replica, cast(Comm, ctx.comm.workers), ctx.timer
     n, me, alone = replica.n_params, workers.rank, exchange is None
     loss_sum, n_batches, step = 0.0, 0, start_step
     timer.restart()  # every second of an epoch is accounted from here on
@@ -261,7 +265,7 @@ class ServerLink:
     def __init__(self, ctx: Context, clock: Stopwatch):
         self.ctx, self.clock = ctx, clock
         self.comm = ctx.comm
-        self.sends = []  # (pending, buffer) pairs: buffers must live until sent
+        self.sends: List[Tuple[Any, np.ndarray]] = []  # (pending, buffer): kept until sent
         self.next_beat = 0.0
         self.step, self.loss = 0, float("nan")  # what the heartbeats report
         self.sends_weights = ctx.worker_index == 0
@@ -270,7 +274,7 @@ class ServerLink:
                                          "rank 0's stop message")
         # heartbeats also while blocked in the allreduce: rank 0 then knows this
         # worker is alive and waiting, and can name the one that is not
-        self.comm.workers.while_waiting = self._beat
+        cast(Comm, self.comm.workers).while_waiting = self._beat
 
     def poll_stop(self) -> None:
         if not self.stop_recv.done and self.stop_recv.test() and self.stop_msg[0] > 0:
@@ -324,7 +328,7 @@ class ServerLink:
         self._prune()
 
     def close(self, step: int) -> Summary:
-        self.comm.workers.while_waiting = None
+        cast(Comm, self.comm.workers).while_waiting = None
         self._complete()
         self.comm.wait(self.stop_recv, IDLE)  # rank 0 sends it exactly once per run
         nan = float("nan")

@@ -9,7 +9,7 @@ checkpoint (:func:`pack_state`) and rank 0 unpacks it (:func:`unpack_state`).
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -89,8 +89,8 @@ class Server:
         self.next_liveness_check = 0.0
         self.weights = np.empty(ctx.replica.n_state, np.float32)  # weights, then buffers
         self.reports: Dict[int, Dict[int, Header]] = {}
-        self.finished = set()
-        self.stop_sent: Dict[int, object] = {}
+        self.finished: Set[int] = set()
+        self.stop_sent: Dict[int, Tuple[Any, np.ndarray]] = {}  # (pending, buffer)
         self.wall: Optional[float] = None  # the workers' clock at the latest complete report
 
     def _post(self, w: int):

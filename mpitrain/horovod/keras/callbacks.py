@@ -14,6 +14,8 @@ rank 0 alone).
 
 from __future__ import annotations
 
+from typing import Set
+
 import numpy as np
 
 from .. import runtime
@@ -32,7 +34,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
-        self._local = set()
+        self._local: Set[int] = set()
 
     def register_local_var(self, var) -> None:
         """Leave ``var`` out of the broadcast."""
