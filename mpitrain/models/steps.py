@@ -228,16 +228,20 @@ class Steps:
                                            self.layout.variables))
 
     def _grad(self, x, y, tail, scale):
+        """(flat gradient of ``scale`` x the loss, ``tail`` after it; loss; norm)."""
         return self.flat_grad_and_loss(x, y, scale, tail)
 
     def _grad_at(self, flat_weights, x, y, tail, scale):
+        """:meth:`_grad` at ``flat_weights``, assigned to the variables first."""
         self.layout.assign(flat_weights)
         return self.flat_grad_and_loss(x, y, scale, tail)
 
     def _apply(self, fused):
+        """The update with the first ``n_params`` values of ``fused``."""
         self._update(fused[:self.layout.n_params])
 
     def _train_step(self, x, y):
+        """Gradient and update of one batch: (loss, the gradient's norm before clipping)."""
         flat, loss, norm = self.flat_grad_and_loss(x, y)
         self._update(flat)
         return loss, norm
