@@ -72,7 +72,7 @@ class Schedule:
     Then constant, or (``decay_steps``) cosine decay to 0 over the remaining
     ``decay_steps - warmup_steps`` updates. Without warm-up the cosine is Keras'
     CosineDecay over ``decay_steps``. The same arithmetic runs in the flat optimizers
-    (:meth:`factor`) and in Keras' (:func:`mpitrain.models.replica.make_optimizer`).
+    (:meth:`factor`) and in Keras' (:func:`mpitrain.models.steps.make_optimizer`).
     """
 
     warmup_steps: int = 0
