@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Optional, Tuple
+from typing import Deque, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -15,10 +15,11 @@ from ...errors import Divergence, Dropped, Interrupted
 from ..context import Context, Summary, worker_batches
 from ..evaluation import Stopwatch
 from ..leases import Pipelining
-from ..protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, PARKED, PIPELINED,
-                        SLOTS, TAG_GRADIENT, TAG_WEIGHTS, Header, sentinel, slots_word)
+from ..protocol import (DIVERGED, DROPPED, FAREWELL, FINAL, INTERRUPTED, PIPELINED, SLOTS,
+                        TAG_GRADIENT, TAG_WEIGHTS, Header, sentinel, slots_word)
 from .mailbox import PIPELINE_DEPTH, pipelining_mode
 from .post import Post
+from .worker_states import DISMISSED, DONE, LOST, PARKED, TRAINING, WorkerState, after_reply
 
 
 def work(ctx: Context, clock: Stopwatch) -> Summary:
@@ -42,27 +43,69 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
     steps done), a FINAL|FAREWELL push without a gradient, sent after the
     pushes it had in flight; the server listens to it until then, so no push is
     left unmatched.
+
+    The loop runs over the worker's states (:mod:`.worker_states`), each a method of
+    :class:`_Run` that returns the next: TRAINING (its steps, until it pushes FINAL or
+    rank 0 says stop; then the replies still due say what it is), PARKED (its steps
+    done under recovery: it waits for rank 0's next word), DISMISSED (its farewell),
+    until DONE or LOST (dropped: it leaves with :class:`Dropped`).
     """
-    comm, replica = ctx.comm, ctx.replica
-    pipelining = Pipelining(pipelining_mode(ctx.cfg))
-    depth = pipelining.depth
-    post = Post(ctx)  # the mailboxes with rank 0 and (--servers K) the other servers
-    reply_bound = Bounds(comm.timeout).reply  # the server speaks first about a stall
-    current, flight, timer = 0, collections.deque(), ctx.timer
-    total_steps = ctx.total_steps  # (a property: read once, not per step)
-    flight.append(post.initial())  # the initial weights
-    # what the lease in use says: its version, the step to resume from (> 0 when
-    # resuming), whether the server is stopping (flags), steps of lost workers given
-    # to this one (extra: its FINAL push comes at its own last step plus those)
-    current, lease = _take_reply(post, flight, IDLE, reply_bound)
-    start_step = step = lease.step
-    flags = 0  # of this worker's last push
-    if replica.n_buffers:  # the statistics the run has so far (a resumed run's)
-        replica.set_buffers(post.buffers(0))
-    timer.restart()
-    batches = iter(() if lease.flags else worker_batches(ctx, start_step, endless=True))
-    while True:
-        for _, step, x, y, end_of_epoch in batches:
+    run = _Run(ctx, clock)
+    moves = {TRAINING: run.train, PARKED: run.wait_parked, DISMISSED: run.farewell}
+    state = run.start()
+    while state in moves:
+        state = moves[state]()
+    return run.leave(state)
+
+
+class _Run:
+    """What a worker's states share: its mailboxes (:class:`.post.Post`), the pushes in
+    flight, the lease in use and what rank 0 said of the run's end."""
+
+    def __init__(self, ctx: Context, clock: Stopwatch):
+        self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
+        self.pipelining = Pipelining(pipelining_mode(ctx.cfg))
+        self.depth = self.pipelining.depth
+        self.post = Post(ctx)  # the mailboxes with rank 0 and (--servers K) the other servers
+        self.reply_bound = Bounds(self.comm.timeout).reply  # the server speaks first
+        self.flight: Deque = collections.deque()  # (of .post.InFlight)
+        # what the lease in use (lease buffer ``current``) says: its version, the step
+        # to resume from (> 0 when resuming), whether the server is stopping (flags),
+        # steps of lost workers given to this one (extra: its FINAL push comes at its
+        # own last step plus those)
+        self.current, self.lease = 0, Header()
+        self.flags = 0  # of this worker's last push
+        self.step = 0  # of its last push (the step it resumed from before any)
+        self.ending = 0  # rank 0's word on the end: FINAL, INTERRUPTED, DIVERGED, DROPPED
+        self.batches: Iterator[Tuple[int, int, np.ndarray, np.ndarray, bool]] = iter(())
+
+    def start(self) -> WorkerState:
+        """Take the first lease (the initial weights, or a dismissal): TRAINING from the
+        step it says, else what rank 0's word makes this worker."""
+        ctx, post = self.ctx, self.post
+        self.flight.append(post.initial())
+        self.current, self.lease = _take_reply(post, self.flight, IDLE, self.reply_bound)
+        self.step = self.lease.step
+        if ctx.replica.n_buffers:  # the statistics the run has so far (a resumed run's)
+            ctx.replica.set_buffers(post.buffers(0))
+        ctx.timer.restart()
+        if self.lease.flags:
+            self.ending |= self.lease.flags
+            return after_reply(self.lease.flags, pushed_final=False)
+        self.batches = worker_batches(ctx, self.step, endless=True)
+        return TRAINING
+
+    def train(self) -> WorkerState:
+        """TRAINING: compute at the lease's weights, push, take the replies in, until
+        this worker pushes FINAL or rank 0's reply says stop; then the replies still due
+        (:meth:`_settle`) say what it is."""
+        ctx, replica, post, clock, timer = self.ctx, self.ctx.replica, self.post, \
+            self.clock, self.ctx.timer
+        pipelining, depth, flight, reply_bound = self.pipelining, self.depth, self.flight, \
+            self.reply_bound
+        current, lease, flags, step = self.current, self.lease, 0, self.step
+        total_steps = ctx.total_steps  # (a property: read once, not per step)
+        for _, step, x, y, end_of_epoch in self.batches:
             started = time.perf_counter()  # (preparing the batch is compute too)
             grad, loss, norm = replica.grad_at(post.weights(current), x, y)
             think = time.perf_counter() - started  # lets the server pick its poll policy
@@ -90,7 +133,7 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
             timer.lap()
             flight.append(post.send(slot, target))
             timer.lap("comm")
-            if depth == 1 and not flags & FINAL:  # (a FINAL push's reply: _last_replies)
+            if depth == 1 and not flags & FINAL:  # (a FINAL push's reply: _settle)
                 waited = time.perf_counter()
                 with timer("wait"):
                     current, lease = _take_reply(post, flight, HOT, reply_bound)
@@ -99,45 +142,73 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
                 timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
             if flags & FINAL or lease.flags:
                 break
+        self.current, self.lease, self.flags, self.step, self.depth = \
+            current, lease, flags, step, depth
         timer.lap()
-        ending, resumed = _last_replies(post, flight, flags, lease.flags, reply_bound)
+        state = self._settle()
         timer.lap("wait")
-        if resumed is None:
-            break
-        (current, lease), flags = resumed, 0  # a lost worker's steps to run
-    if ending & DROPPED:
-        post.cancel(flight)  # the servers will not answer these: their receives must go
-        raise Dropped(f"{comm.name(comm.rank)} was dropped by the parameter server after it "
-                      "stopped answering; the run went on without it (this process leaves)")
-    if not flags & FINAL:  # dismissed: say the last word, so the server stops listening
-        ending |= _farewell(comm, post.zero.pushes[0], post.zero.leases[current],
-                            reply_bound)
-    post.farewell(reply_bound)  # (the other servers, --servers K, listen until then)
-    if ending & DIVERGED:
-        raise Divergence("training diverged (see rank 0's message)", everywhere=True)
-    if ending & INTERRUPTED:
-        raise Interrupted("stopped (see rank 0's message)", everywhere=True)
-    nan = float("nan")
-    return Summary(clock(), step, step / ctx.steps_per_epoch, nan, nan, nan)
+        return state
 
+    def _settle(self) -> WorkerState:
+        """Take the replies still due now that this worker stopped pushing (its last push
+        FINAL, or rank 0's last reply said stop): the last one, to its FINAL push, says
+        what it is (:meth:`_answer`); else rank 0's word so far does (DISMISSED: it owes
+        a farewell; LOST once a reply says DROPPED)."""
+        flight, pushed_final = self.flight, bool(self.flags & FINAL)
+        ending = self.lease.flags
+        while flight and not ending & DROPPED:
+            taken, header = _take_reply(self.post, flight, IDLE, self.reply_bound)
+            if flight or not pushed_final:
+                ending |= header.flags
+            else:
+                self.ending |= ending
+                return self._answer(taken, header)
+        self.ending |= ending
+        return after_reply(ending, pushed_final)
 
-def _last_replies(post: Post, flight, flags: int, ending: int, bound: float
-                  ) -> Tuple[int, Optional[Tuple[int, Header]]]:
-    """Take the replies still due once the worker stopped pushing (its last push had
-    ``flags``; the server's last word so far, ``ending``). Returns the flags they end
-    the run with, and None, or, when the reply to a FINAL push is a lease (a lost
-    worker's steps given to this one), the lease buffer and header to go on with.
-    A PARKED reply (the server keeps this worker for such steps) is listened past:
-    the server speaks again within ``--timeout``, half of ``bound``."""
-    while flight and not ending & DROPPED:
-        taken, header = _take_reply(post, flight, IDLE, bound)
-        if flight or not flags & FINAL or header.flags & (FINAL | DROPPED):
-            ending |= header.flags
-        elif header.flags & PARKED:
-            flight.append(post.again(taken))
+    def _answer(self, taken: int, header: Header) -> WorkerState:
+        """Rank 0's reply (``header``, in lease buffer ``taken``) to this worker's FINAL
+        push, or its next word to a parked worker: what the worker is now. Recalled
+        (a lease), it trains on at it; parked, it listens on (rank 0 speaks again
+        within --timeout, half the bound of this worker's wait)."""
+        state = after_reply(header.flags, pushed_final=True)
+        if state is TRAINING:  # a lost worker's steps to run
+            self.current, self.lease, self.flags = taken, header, 0
+        elif state is PARKED:
+            self.flight.append(self.post.again(taken))
         else:
-            return ending, (taken, header)
-    return ending, None
+            self.ending |= header.flags
+        return state
+
+    def wait_parked(self) -> WorkerState:
+        """PARKED: wait for rank 0's next word (:meth:`_answer`)."""
+        taken, header = _take_reply(self.post, self.flight, IDLE, self.reply_bound)
+        self.ctx.timer.lap("wait")
+        return self._answer(taken, header)
+
+    def farewell(self) -> WorkerState:
+        """DISMISSED: say the last word, so that rank 0 stops listening; then DONE."""
+        zero = self.post.zero
+        self.ending |= _farewell(self.comm, zero.pushes[0], zero.leases[self.current],
+                                 self.reply_bound)
+        return DONE
+
+    def leave(self, state: WorkerState) -> Summary:
+        """The end (``state`` DONE or LOST): the summary, or why this worker stopped."""
+        comm, post = self.comm, self.post
+        if state is LOST:
+            post.cancel(self.flight)  # the servers will not answer these: receives must go
+            raise Dropped(f"{comm.name(comm.rank)} was dropped by the parameter server after "
+                          "it stopped answering; the run went on without it (this process "
+                          "leaves)")
+        post.farewell(self.reply_bound)  # (the other servers, --servers K, listen until then)
+        if self.ending & DIVERGED:
+            raise Divergence("training diverged (see rank 0's message)", everywhere=True)
+        if self.ending & INTERRUPTED:
+            raise Interrupted("stopped (see rank 0's message)", everywhere=True)
+        nan = float("nan")
+        return Summary(self.clock(), self.step, self.step / self.ctx.steps_per_epoch, nan, nan,
+                       nan)
 
 
 def _take_reply(post: Post, flight, backoff: Backoff, bound: float) -> Tuple[int, Header]:
