@@ -154,7 +154,9 @@ class Replica:
 
     def __init__(self, spec, input_shape, num_classes: int, optimizer: str, lr: float,
                  clip_norm: Optional[float] = None, schedule: Optional[optim.Schedule] = None,
-                 from_logits: bool = True, applies: bool = True, compiler: str = "graph"):
+                 from_logits: bool = True, applies: bool = True, compiler: str = "auto"):
+        # compiler: --compile's default (tests/unit/test_replica.py holds them equal), so
+        # that code and tests that build a replica directly run the path users get
         #: how each training step function runs: 'graph' or 'xla' (see
         #: :func:`mpitrain.models.steps.step_function`)
         self.compiled: Dict[str, str] = {}

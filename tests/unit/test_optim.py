@@ -26,7 +26,7 @@ WARM, WARM_COSINE = optim.Schedule(3, 0.25), optim.Schedule(3, 0.25, 5)
 def test_flat_optimizer_matches_keras(name, lr, schedule, clip):
     init_tensorflow(1, 0)
     keras_side = Replica(models.get("lr"), (28, 28, 1), 10, name, lr, clip_norm=clip,
-                         schedule=schedule)
+                         schedule=schedule, compiler="graph")
     weights = keras_side.weights()
     flat = optim.make(name, keras_side.n_params, lr, schedule, clip)
     rng = np.random.default_rng(3)

@@ -1,9 +1,12 @@
 """The fused flat buffer: pack/unpack round trip and gradient layout (TensorFlow, no MPI)."""
 
+import inspect
+
 import numpy as np
 import pytest
 
 from mpitrain import models
+from mpitrain.config import Config
 from mpitrain.models.replica import Replica, checksum, init_tensorflow
 
 
@@ -48,19 +51,33 @@ def test_flat_gradient_matches_per_variable_layout(replica):
         offset += n
 
 
-def test_apply_equals_fused_step():
+def test_the_default_compiler_is_the_configs():
+    """A replica built directly (tests, benchmarks, the Horovod API) runs the path a
+    user's run gets by default."""
+    default = inspect.signature(Replica).parameters["compiler"].default
+    assert default == Config().compiler == "auto"
+
+
+@pytest.mark.parametrize("compiler", ["auto", "graph"])
+def test_apply_equals_keras_fused_step(compiler):
+    """Three momentum steps as grad then apply on ``compiler``'s path (auto, the
+    default: the flat optimizer's update of its copy of the weights, assigned in the
+    next step; graph: Keras' optimizer) end on the weights that Keras' one-call
+    train_step reaches from the same start."""
     init_tensorflow(1, 0)
-    a = Replica(models.get("lr"), (28, 28, 1), 10, "momentum", 0.1)
-    b = Replica(models.get("lr"), (28, 28, 1), 10, "momentum", 0.1)
-    b.set_weights(a.weights())
+    keras_fused = Replica(models.get("lr"), (28, 28, 1), 10, "momentum", 0.1, compiler="graph")
+    tested = Replica(models.get("lr"), (28, 28, 1), 10, "momentum", 0.1, compiler=compiler)
+    assert (tested.flat_optimizer is not None) == (compiler == "auto")
+    tested.set_weights(keras_fused.weights())
     rng = np.random.default_rng(2)
     for _ in range(3):
         x = rng.random((16, 28, 28, 1), dtype=np.float32)
         y = rng.integers(0, 10, 16).astype(np.int32)
-        a.train_step(x, y)
-        g, _, _ = b.grad(x, y)
-        b.apply(g)
-    np.testing.assert_allclose(a.weights(), b.weights(), rtol=1e-6, atol=1e-7)
+        keras_fused.train_step(x, y)
+        g, _, _ = tested.grad(x, y)
+        tested.apply(g)
+    # the flat update rounds as numpy does, Keras' as TensorFlow's kernels do
+    np.testing.assert_allclose(tested.weights(), keras_fused.weights(), rtol=2e-5, atol=2e-7)
 
 
 def test_clipping_bounds_the_update():
@@ -130,8 +147,8 @@ def test_state_that_is_not_trained_is_split_into_buffers_and_generator_state():
 def test_ranks_that_never_apply_build_no_optimizer():
     init_tensorflow(1, 0)
     reader = Replica(models.get("lr"), (28, 28, 1), 10, "momentum", 0.1, applies=False)
-    applier = Replica(models.get("lr"), (28, 28, 1), 10, "momentum", 0.1)
-    assert reader.optimizer is None
+    applier = Replica(models.get("lr"), (28, 28, 1), 10, "momentum", 0.1, compiler="graph")
+    assert reader.optimizer is None and reader.flat_optimizer is None
     # momentum: the step count, the learning rate, one velocity per variable
     assert [shape for shape, _ in applier.optimizer_layout().values()] == \
         [(), (), (784, 10), (10,)]
@@ -166,7 +183,7 @@ def test_xla_steps_train_like_graph_steps():
     float rounding (XLA fuses, so bits may differ; every replica compiles alike). LeNet:
     convolutions, pooling, no dropout (XLA draws other random masks)."""
     init_tensorflow(1, 0)
-    graph = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05)
+    graph = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="graph")
     xla = Replica(models.get("lenet"), (28, 28, 1), 10, "momentum", 0.05, compiler="xla")
     xla.set_weights(graph.weights())
     rng = np.random.default_rng(3)
