@@ -94,19 +94,29 @@ def test_async_traffic_matches_arithmetic(runs, name):
 
 
 @pytest.mark.parametrize("name", ["sync", "async"])
-def test_timing_adds_up_to_epoch_wall_time(runs, name):
-    run_dir, _ = runs[name]
+def test_timing_rows_cover_the_run(runs, name):
+    """Each rank's timing rows (an epoch's seconds, split into compute, comm and wait:
+    PhaseTimer keeps the split whole by construction) cover the run's training: the
+    rows of the ranks whose clock is the run's (sync: each worker, whose last report
+    ends the run; async: the server) add up to the run's wall time, and no rank's to
+    more than the run and its finish (a timer restarted at each step, or before the
+    set-up, fails)."""
+    run_dir, row = runs[name]
     rows = read_rows(run_dir / "timing.csv")
     workers = [r for r in rows if r["role"] == "worker"]
     assert sorted({int(r["rank"]) for r in workers}) == [1, 2]
     assert {float(r["epoch"]) for r in workers} == {1.0, 2.0}
-    for r in workers:
-        wall = float(r["wall_s"])
-        parts = float(r["compute_s"]) + float(r["comm_s"]) + float(r["wait_s"])
-        assert abs(parts - wall) <= 0.05 * wall + 0.005, r
-        assert float(r["compute_s"]) > 0
+    assert all(float(r["compute_s"]) > 0 for r in workers)
     server = [r for r in rows if r["role"] == "server"]
     assert server and all(float(r["wait_s"]) > 0 for r in server)
+    wall, finish = float(row["wall_time_s"]), float(row["finish_s"])
+    totals = {rank: sum(float(r["wall_s"]) for r in ranks) for rank, ranks in by_rank(rows).items()}
+    # (the clocks start and stop at nearby moments, not the same ones: a set-up step
+    # apart at the start, the final weights' send at the end)
+    for rank in ([1, 2] if name == "sync" else [0]):
+        assert totals[rank] >= 0.8 * wall - 0.05, (rank, totals, wall)
+    for rank, total in totals.items():
+        assert total <= 1.1 * (wall + finish) + 0.1, (rank, totals, wall, finish)
 
 
 @pytest.mark.parametrize("name", ["sync", "async"])

@@ -7,7 +7,9 @@ import multiprocessing
 
 import numpy as np
 
+from mpitrain.lifecycle import Checkpoint
 from mpitrain.results import CsvLog, NullResults, RunResults, append_run_row, new_run_dir
+from mpitrain.train.context import ResultsWriter
 
 
 def rows(path):
@@ -63,12 +65,47 @@ def test_csv_log_keeps_its_header(tmp_path):
     assert rows(tmp_path / "x.csv") == [{"a": "1", "b": "2.12346"}, {"a": "3", "b": ""}]
 
 
-def test_null_results_do_nothing(tmp_path):
+def every_write(writer, meanwhile) -> None:
+    """Each write of :class:`~mpitrain.train.context.ResultsWriter` (the test below
+    holds this list to the Protocol's), as a run makes them; TensorBoard's scalars
+    only where ``writer`` is the null one (TensorFlow's import is seconds)."""
+    writer.write_json("config.json", {"config": {}})
+    writer.add_curve_row({"epoch": 1, "step": 1, "test_loss": 0.5})
+    writer.write_csv("timing.csv", ["rank", "wall_s"], [{"rank": 0, "wall_s": 1.0}])
+    writer.replace_csv("staleness.csv", ["staleness", "count"], [{"staleness": 0, "count": 1}])
+    writer.add_run_row({"model": "lr"})
+    writer.save_checkpoint(Checkpoint(np.zeros(3, np.float32), {}, 1, 0.0), meanwhile)
+    writer.set_status("ok")
+    if isinstance(writer, NullResults):
+        writer.scalars(1, {"test/loss": 0.5})
+
+
+WRITES = {"write_json", "add_curve_row", "write_csv", "replace_csv", "add_run_row",
+          "save_checkpoint", "set_status", "scalars"}
+
+
+def test_null_results_write_nothing_where_the_real_ones_write(tmp_path, monkeypatch):
+    """Every write a run makes, to RunResults and to NullResults, each in a directory
+    of its own that is also the working directory (where a null object that wrote
+    anyway would put a file named as given): the real one's fills, the null one's
+    stays empty; both run the checkpoint's ``meanwhile`` (the evaluation)."""
+    protocol = {name for name in vars(ResultsWriter) if not name.startswith("_")}
+    assert protocol == WRITES | {"path"}
+    ran = []
+    real_dir, null_dir = tmp_path / "real", tmp_path / "null"
+    real_dir.mkdir()
+    null_dir.mkdir()
+    monkeypatch.chdir(real_dir)
+    real = RunResults(real_dir, "lr-sync-np2")
+    every_write(real, lambda: ran.append("real"))
+    assert {"config.json", "curve.csv", "timing.csv", "staleness.csv", "checkpoint.npz",
+            "status.json"} <= {p.name for p in real.dir.iterdir()}
+    assert (real_dir / "runs.csv").is_file()
+    monkeypatch.chdir(null_dir)
     null = NullResults()
-    null.add_curve_row({"x": 1})
-    null.write_json("config.json", {})
-    null.add_run_row({})
-    assert null.path is None and list(tmp_path.iterdir()) == []
+    every_write(null, lambda: ran.append("null"))
+    assert null.path is None and list(null_dir.iterdir()) == []
+    assert ran == ["real", "null"]
 
 
 def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
@@ -82,7 +119,6 @@ def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
     from mpitrain.console import NullConsole
     from mpitrain.train.asynchronous.accounts import WorkerAccount, report
 
-    results = RunResults(tmp_path, "lr-async-np3")
     from mpitrain.config import Config
     from mpitrain.lifecycle import Checkpoint
 
