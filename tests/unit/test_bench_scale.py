@@ -1,0 +1,68 @@
+"""bench scale's pure parts: the growth exponent, a timed launch's costs from its ranks'
+moments, the emulated cluster's hostfile, each model's runs, and docs/scaling.md's
+generated block kept section by section."""
+
+import json
+
+import pytest
+
+from bench.scale import (BEGIN, END, cluster_hostfile, exponent, growth_rows,
+                         launch_moments, model_runs, write_docs)
+
+
+def test_the_exponent_is_the_slope_on_the_logs():
+    assert exponent([(3, 2.0), (9, 6.0), (33, 22.0)]) == 1.0  # linear
+    assert exponent([(3, 9.0), (9, 81.0)]) == 2.0  # quadratic
+    assert exponent([(3, 5.0), (33, 5.0)]) == 0.0  # flat
+    # noise around a line: least squares over every point (numpy.polyfit's 0.9622), not
+    # the two ends' 0.9420
+    assert exponent([(2, 2.2), (4, 3.8), (8, 8.4), (16, 15.6)]) == 0.96
+    assert exponent([(3, 1.0)]) is None and exponent([(3, 1.0), (3, 2.0)]) is None
+    assert exponent([(3, 0.0), (5, 1.0)]) is None  # a log needs a positive value
+
+
+def test_launch_costs_sit_once_per_np_and_run_costs_per_mode():
+    rows = [{"np": n, "run": run, "startup_s": float(n) if run == "sync" else "",
+             "gather_s": 0.01 * n * n} for n in (3, 9) for run in ("sync", "async")]
+    fits = {f["cost"]: f["exponent"] for f in growth_rows(rows)}
+    assert fits == {"startup_s": 1.0, "gather_s (sync)": 2.0, "gather_s (async)": 2.0}
+
+
+def test_a_launch_s_costs_come_from_every_rank_s_moments(tmp_path):
+    began = 100.0
+    moments = [  # rank: its Python up, trainer entries, gathers (start, end) of two runs
+        {"python": 101.0, "train": [130.0, 140.0], "gather": [[138.0, 138.5], [150.0, 150.2]]},
+        {"python": 102.5, "train": [131.0, 141.0], "gather": [[137.0, 138.5], [149.0, 150.2]]},
+        {"python": 101.5, "train": [133.0, 142.0], "gather": [[138.1, 138.5], [149.5, 150.3]]}]
+    for rank, m in enumerate(moments):
+        (tmp_path / f"rank-{rank}.json").write_text(json.dumps(m))
+    costs = launch_moments(tmp_path, 3, began, ended=151.0)
+    assert costs == {"spawn_s": 2.5, "startup_s": 33.0,
+                     # run 1: rank 2 came last, 0.1 s after rank 0; run 2: rank 0 came last
+                     "gather_wait_s": [0.1, 0.0], "gather_s": [0.4, 0.2], "exit_s": 0.7}
+    with pytest.raises(RuntimeError, match="moments of 3 rank"):
+        launch_moments(tmp_path, 4, began, 151.0)
+
+
+def test_the_cluster_hostfile_leaves_node0_to_rank_0(tmp_path):
+    assert cluster_hostfile(tmp_path, 8).read_text() == "node0 slots=1\n" + "".join(
+        f"node{i} slots=1\n" for i in range(1, 9))
+    assert "node8 slots=2\n" in cluster_hostfile(tmp_path, 16).read_text()
+
+
+def test_resnet_trains_on_mnist_without_rows_before_the_rules():
+    runs = model_runs("resnet", quick=False)
+    assert set(runs) == {"resnet-sync", "resnet-async-auto", "resnet-async-sqrt",
+                         "resnet-async-none"}
+    assert all(args[:3] == ["resnet", "--epochs", "2"] and "mnist" in args
+               for args in runs.values())
+    assert "lr-sync-before" in model_runs("lr", quick=False)
+    assert set(model_runs("lr", quick=True)) == {"lr-sync", "lr-async-auto"}
+
+
+def test_the_docs_keep_the_sections_not_measured_again(tmp_path):
+    page = tmp_path / "scaling.md"
+    page.write_text(f"intro\n{BEGIN}\n### lr\n\nold lr\n\n### lenet\n\nold lenet\n{END}\nouter\n")
+    write_docs(page, {"lr": "### lr\n\nnew lr\n", "ranks": "### ranks\n\nnew ranks\n"})
+    assert page.read_text() == (f"intro\n{BEGIN}\n### lr\n\nnew lr\n\n### lenet\n\nold lenet\n"
+                                f"\n### ranks\n\nnew ranks\n{END}\nouter\n")
