@@ -1,13 +1,15 @@
 """An async worker's life as one state machine (train/asynchronous/worker_states.py):
 every legal move and every illegal one, what the server's loop reads kept right as
 workers move, the worker's reading of rank 0's replies against the server's table, the
-end-of-run cases fixed in it, and the diagram drawn from the table."""
+end-of-run cases fixed in it, and the diagram in docs/architecture.md against the table."""
 
 import collections
 import random
+import re
 
 import pytest
 
+from conftest import REPO
 from mpitrain.train.asynchronous.worker_states import (AWAITED, DISMISSED, DONE, LOST, PARKED,
                                                        RECALLED, TAKERS, TRAINING, TRANSITIONS,
                                                        IllegalMove, WorkerState, WorkerStates,
@@ -211,7 +213,18 @@ def test_the_workers_reading_agrees_with_the_servers_table(flags, name):
         assert reachable(TRAINING, after_reply(flags, pushed_final=False)), name
 
 
-# ---- the diagram ----------------------------------------------------------------------
+# ---- the diagram in docs/architecture.md --------------------------------------------
+def test_the_diagram_in_the_docs_is_the_table():
+    """docs/architecture.md's diagram under "The async worker's life" is
+    :func:`diagram`'s (on a change of the table, paste the block this prints)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("## The async worker's life", 1)
+    assert len(section) == 2, "docs/architecture.md has no section \"The async worker's life\""
+    found = re.search(r"```mermaid\n(.*?)```", section[1], re.S)
+    assert found, "no mermaid block in \"The async worker's life\""
+    assert found.group(1) == diagram(), "\n```mermaid\n" + diagram() + "```"
+
+
 def test_the_diagram_has_every_move_once():
     edges = [line for line in diagram().splitlines() if "-->" in line and "[*]" not in line]
     assert len(edges) == len(LEGAL) == len(set(edges))

@@ -43,7 +43,8 @@ The rooms:
 * :mod:`.server`: the server loop: applies pushes, grants leases, dismisses;
 * :mod:`.store`: the parameters the server owns, their optimizer and version;
 * :mod:`.accounts`: what the server counts per worker, in checkpoints and results;
-* :mod:`.recovery`: lost workers (``--enable-recovery``): found, dropped, fenced.
+* :mod:`.recovery`: lost workers (``--enable-recovery``): found, dropped, fenced;
+* :mod:`.worker_states`: a worker's life, one state machine both loops follow.
 """
 
 from __future__ import annotations
