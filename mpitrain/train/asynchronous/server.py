@@ -343,6 +343,8 @@ class Server:
         w.applied += 1
         self.polling.observe(header.think)
         if flags & FINAL:
+            if self.cut is not None and self.cut.final(w.rank):
+                self._answer_owed(w)
             self._final(w)
         elif dismissed:  # one it had in flight: told again, listened to until FINAL
             self._dismiss(w)
@@ -444,6 +446,14 @@ class Server:
         else:
             self._finish(w)
 
+    def _answer_owed(self, w: WorkerAccount) -> None:
+        """``w``'s FINAL push came while a cut drained, the reply to its push before it
+        held back (see _Cut): that reply goes first, a header alone (a worker takes its
+        replies in order, and it computes at no lease after its FINAL push), and ``w``
+        waits for no lease."""
+        self.leases.drop(w.rank)  # (its place in the queue was that reply's)
+        self._reply(w, flags=0)
+
     def _finish(self, w: WorkerAccount) -> None:
         """``w`` sent its FINAL push or farewell (or, recalled, the run ends before its
         lease): the final reply, and no more listening to it."""
@@ -484,3 +494,12 @@ class _Cut:
             silence.heard(w.rank)
             end.listen()
         self.seen.add(w.rank)
+
+    def final(self, rank: int) -> bool:
+        """``rank``'s FINAL push was applied while draining: it sends nothing more, so
+        the cut waits for no push of it. Returns whether it was an extra: then the
+        reply to its push before (held back by the cut) is still owed to it."""
+        if rank not in self.extras:
+            return False
+        self.extras.remove(rank)
+        return True
