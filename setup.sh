@@ -62,11 +62,53 @@ make_venv() {
     "$1/bin/python" -m pip install -q --upgrade pip
 }
 
+# pip install into the venv at $1. --no-compile: pip would compile every module of
+# every package (TensorFlow's thousands) to bytecode, most never imported; Python
+# compiles the ones imported on first use (and keeps them). Several times faster.
+pip_install() {
+    "$1/bin/python" -m pip install -q --no-compile "${@:2}"
+}
+
+# The environments after .venv are built at once, each by a job of its own, its output
+# in a log shown if it fails: Horovod's build is long and CPU-bound, the others mostly
+# pip unpacking wheels. pip's editable install of this tree writes mpitrain.egg-info
+# and compiles the C extensions here, so those installs take turns (flock).
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
+jobs_started=()
+editable() {  # pip install -e of this tree into the venv of $1, extras $2
+    flock "$logs/editable.lock" "$1/bin/python" -m pip install -q --no-compile -e ".[$2]"
+}
+start_job() {  # start_job NAME COMMAND...: COMMAND in the background, logged
+    ( set -euo pipefail; "${@:2}" ) > "$logs/$1.log" 2>&1 &
+    jobs_started+=("$1:$!")
+}
+wait_for_jobs() {  # wait for every job; a failed one's log, and setup fails
+    local job failed=0
+    [ "${#jobs_started[@]}" -gt 0 ] || return 0
+    for job in "${jobs_started[@]}"; do
+        if ! wait "${job#*:}"; then
+            echo "setup: ${job%%:*} failed:" >&2
+            tail -n 40 "$logs/${job%%:*}.log" >&2
+            failed=1
+        fi
+    done
+    return "$failed"
+}
+
 make_venv .venv "$PYTHON"
-.venv/bin/python -m pip install -q -e ".[test,lint]"
+editable .venv test,lint
 
 # Horovod (--allreduce horovod), built against TensorFlow 2.18.1 and the Open MPI
 # installed above (~90 s on 2 cores; pip caches the wheel, so a rerun takes seconds).
+horovod_env() {  # (its build needs the TensorFlow it builds against: no isolation)
+    make_venv .venv-horovod "$(horovod_python)"
+    pip_install .venv-horovod "$HOROVOD_TF"
+    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 \
+    HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 MAKEFLAGS="-j$(nproc)" \
+        pip_install .venv-horovod --no-build-isolation "horovod==0.28.1" "$HOROVOD_TF"
+    editable .venv-horovod test,horovod
+}
 if [ -n "${MPITRAIN_NO_HOROVOD:-}" ]; then
     echo "setup: Horovod skipped (MPITRAIN_NO_HOROVOD=1)"
 elif [ -z "$(horovod_python)" ]; then
@@ -75,16 +117,16 @@ elif [ -z "$(horovod_python)" ]; then
 elif ! .venv-horovod/bin/python -c "import horovod.tensorflow" 2>/dev/null; then
     echo "setup: building Horovod 0.28.1 against $HOROVOD_TF in .venv-horovod" \
          "(set MPITRAIN_NO_HOROVOD=1 to skip)"
-    make_venv .venv-horovod "$(horovod_python)"
-    .venv-horovod/bin/python -m pip install -q -e ".[test]" "$HOROVOD_TF"
-    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 \
-    HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 MAKEFLAGS="-j$(nproc)" \
-        .venv-horovod/bin/python -m pip install -q --no-build-isolation -e ".[horovod]" \
-        "$HOROVOD_TF"
+    start_job horovod horovod_env
 fi
 
 # Open MPI 5 and MPICH, each in a venv of its own (~1 min each; pip's cache holds
 # TensorFlow after .venv's install). A venv whose MPI already loads is kept.
+other_mpi_env() {  # other_mpi_env VENV WHEEL
+    make_venv "$1" "$PYTHON"
+    pip_install "$1" "$2" "mpi4py>=4.1,<5"
+    editable "$1" test
+}
 if [ -n "${MPITRAIN_NO_OTHER_MPIS:-}" ]; then
     echo "setup: Open MPI 5 and MPICH environments skipped (MPITRAIN_NO_OTHER_MPIS=1)"
 else
@@ -94,22 +136,24 @@ else
 from mpi4py import MPI; MPI.Get_library_version()' >/dev/null 2>&1 ||
            ! "$venv/bin/python" -c 'import mpitrain, tensorflow' >/dev/null 2>&1; then
             echo "setup: $venv: $wheel and mpi4py from PyPI, mpitrain (set MPITRAIN_NO_OTHER_MPIS=1 to skip)"
-            make_venv "$venv" "$PYTHON"
-            "$venv/bin/python" -m pip install -q "$wheel" "mpi4py>=4.1,<5"
-            "$venv/bin/python" -m pip install -q -e ".[test]"
+            start_job "${mpi%%:*}" other_mpi_env "$venv" "$wheel"
         fi
     done
 fi
 
 # PyTorch for the benchmarks' DDP baseline: `pip install torch==2.13.0` takes the CPU
 # build this machine keeps on disk (~2 min; elsewhere pip may fetch a larger build).
+torch_env() {
+    make_venv .venv-torch "$PYTHON"
+    pip_install .venv-torch "torch==2.13.0" "numpy>=1.26,<3"
+}
 if [ -n "${MPITRAIN_NO_TORCH:-}" ]; then
     echo "setup: PyTorch skipped (MPITRAIN_NO_TORCH=1): python -m bench ddp will skip"
 elif ! .venv-torch/bin/python -c "import torch" 2>/dev/null; then
     echo "setup: installing PyTorch 2.13.0 in .venv-torch (set MPITRAIN_NO_TORCH=1 to skip)"
-    make_venv .venv-torch "$PYTHON"
-    .venv-torch/bin/python -m pip install -q "torch==2.13.0" "numpy>=1.26,<3"
+    start_job torch torch_env
 fi
+wait_for_jobs
 
 if [ "$(id -u)" -eq 0 ]; then
     # Open MPI refuses to start as root unless told it is deliberate (containers, CI).
