@@ -1,18 +1,21 @@
 """docs/benchmarks.md's results table, generated from the benchmarks' own summaries.
 
-    python -m bench.docs [SUMMARY.md ...]
+    python -m bench.docs                          # from the last full run
+    python -m bench.docs SUMMARY.md[:NAME,...] ...  # from the runs given
 
-Reads every ``summary.md`` given (by default each full run's in results/bench/ and
-the summaries kept in docs/figures/bench/), takes each benchmark's rows from the
-newest summary that ran it at full size (``--quick`` runs and benchmarks that failed
-are skipped), and writes them as one table between docs/benchmarks.md's
-``<!-- bench results: begin -->`` and ``<!-- bench results: end -->`` lines, the
-mechanism ``python -m bench scale --write-docs`` fills docs/scaling.md with. The
-table holds every ratio with a target, the cases of one ratio (models, process
-counts, MPIs, servers) on one line, and the ratios that are reported beside a judged
-one to label what it is not (each engine on its own TensorFlow); every other figure
-is in the summaries, which the block links. A summary read from results/ is copied
-into docs/figures/bench/ so the link stays valid in the repository.
+By default it reads the newest ``summary.md`` of a full ``python -m bench all`` run (in
+results/bench/ or kept in docs/figures/bench/). Given summaries, it takes each
+benchmark's rows from the newest of them that ran it, or only the benchmarks named
+after its colon (a run of one section measured after the last full run, say);
+``--quick`` runs and benchmarks that failed are never used. It writes the rows as one
+table between docs/benchmarks.md's ``<!-- bench results: begin -->`` and
+``<!-- bench results: end -->`` lines, the mechanism ``python -m bench scale
+--write-docs`` fills docs/scaling.md with. The table holds every ratio with a target,
+the cases of one ratio (models, process counts, MPIs, servers) on one line, and the
+ratios that are reported beside a judged one to label what it is not (each engine on
+its own TensorFlow); every other figure is in the summaries, which the block links,
+each with its date, commit and load. A summary read from results/ is copied into
+docs/figures/bench/ so the link stays valid in the repository.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ CASES = [(re.compile(r"\b(lr|lenet|resnet|alexnet)\b"), "MODEL"),
 class Summary:
     """One summary.md: its date, command, machine line, commit and check rows."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, only: Optional[List[str]] = None):
         self.path = path
+        self.only = only
         text = path.read_text()
         head = re.search(r"^# Benchmark summary \((.*)\)", text, re.M)
         self.date = head.group(1) if head else path.parent.name
@@ -62,8 +66,15 @@ class Summary:
 
     @property
     def benchmarks(self) -> List[str]:
+        """The benchmarks this summary gives: every one it ran to its end (or those of
+        ``only`` among them)."""
         return [b for b in dict.fromkeys(r["benchmark"] for r in self.rows)
-                if b not in self.failed]
+                if b not in self.failed and (self.only is None or b in self.only)]
+
+    @property
+    def all(self) -> bool:
+        """A run of every benchmark (``python -m bench all``)."""
+        return self.command.split()[3:4] == ["all"]
 
 
 def kept_since(path: Path) -> str:
@@ -89,9 +100,21 @@ def check_rows(text: str) -> List[List[str]]:
     return [row + [""] * (5 - len(row)) for row in rows if len(row) >= 4]
 
 
-def default_sources() -> List[Path]:
-    return [*sorted((REPO / "results" / "bench").glob("*/summary.md")),
-            *sorted(KEPT.glob("summary-*.md"))]
+def last_full_run() -> List["Summary"]:
+    """The newest full-size ``python -m bench all`` summary, in results/bench/ or kept."""
+    found = [Summary(p) for p in [*(REPO / "results" / "bench").glob("*/summary.md"),
+                                  *KEPT.glob("summary-*.md")]]
+    runs = sorted((s for s in found if s.full and s.all), key=lambda s: s.date)
+    return runs[-1:]
+
+
+def given(argv: List[str]) -> List["Summary"]:
+    """The summaries named on the command line, PATH or PATH:NAME,NAME."""
+    summaries = []
+    for arg in argv:
+        path, _, names = arg.partition(":")
+        summaries.append(Summary(Path(path).resolve(), names.split(",") if names else None))
+    return summaries
 
 
 def newest_per_benchmark(summaries: List[Summary]) -> Dict[str, Summary]:
@@ -180,9 +203,7 @@ def main(argv: List[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    paths = [Path(a).resolve() for a in argv] or default_sources()
-    summaries = [Summary(p) for p in paths if p.is_file()]
-    chosen = newest_per_benchmark(summaries)
+    chosen = newest_per_benchmark(given(argv) if argv else last_full_run())
     if not chosen:
         print("bench.docs: no full-size summary.md found (python -m bench all writes one)",
               file=sys.stderr)

@@ -55,6 +55,19 @@ def test_each_benchmark_comes_from_its_newest_full_run(tmp_path):
     assert (new.commit, new.machine) == ("commit abc1234", "2 cores, Python 3.11.7; took 3.0 min")
     chosen = docs.newest_per_benchmark([quick, failed, new, old])
     assert chosen == {"engines": new, "comm": old}
+    assert (old.all, new.all) == (True, False)  # what the default reads: `bench all` runs
+
+
+def test_a_summary_given_with_names_gives_only_those(tmp_path):
+    both = ["| comm | mpitrain / raw MPI allreduce bandwidth (worst) | 0.95 | >= 0.9 | met |",
+            *ENGINES]
+    old = summary(tmp_path, "a", "2026-01-01 10:00", "all", both)
+    new = summary(tmp_path, "b", "2026-01-02 10:00", "comm,engines", both)
+    runs = docs.given([str(old.path), f"{new.path}:engines"])
+    assert runs[1].benchmarks == ["engines"]
+    chosen = docs.newest_per_benchmark(runs)
+    assert {name: s.path for name, s in chosen.items()} == {"comm": old.path,
+                                                             "engines": new.path}
 
 
 def test_the_cases_of_a_ratio_share_a_line_and_the_short_ones_are_named(tmp_path):
