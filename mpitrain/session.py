@@ -22,7 +22,7 @@ import numpy as np
 
 from . import __version__, data, models, telemetry
 from .tools import preflight as preflight_checks
-from .comm import Comm, Role, library_versions
+from .comm import Comm, Role, library_versions, placement
 from .config import Config
 from .errors import Interrupted, MpitrainError, ResultsError, UsageError, WriteError
 from .lifecycle import Checkpoint, StopRequest, remap_position, resumed_config
@@ -78,7 +78,8 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     comm.servers = cfg.asynchronous.servers
     role = comm.role
     console: ConsoleOutput = Console(cfg.quiet) if role.serves else NullConsole()
-    threads = place_on_cpus(cfg, comm)
+    threads = placement.place(cfg.keep_cpu_binding, len(comm.workers_on_host()), role.trains,
+                              cfg.threads)
 
     # Data before TensorFlow: a missing or corrupt file fails in a second, not
     # after every rank has spent seconds importing TensorFlow.
@@ -399,26 +400,6 @@ def start_sampler(cfg: Config, comm: Comm):
     leader = comm.ranks_on_host()[0] == comm.rank
     return telemetry.Sampler(comm.rank, comm.host, comm.role.value, cfg.telemetry.sample_interval,
                              node_leader=leader).start()
-
-
-def place_on_cpus(cfg: Config, comm: Comm) -> int:
-    """Widen this rank's CPU affinity (unless told not to); return its thread count.
-
-    Threads: the host's CPUs divided among the worker ranks on the host, at
-    least one; the parameter server, mostly asleep, gets one thread.
-    """
-    if not cfg.keep_cpu_binding and hasattr(os, "sched_setaffinity"):
-        try:  # the kernel intersects this with any cgroup/cpuset limit
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        except OSError:
-            pass
-    if cfg.threads:
-        return cfg.threads
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
-    if not comm.role.trains:
-        return 1
-    return max(1, cpus // max(1, len(comm.workers_on_host())))
 
 
 def rank_facts(threads: int, comm: Comm) -> dict:

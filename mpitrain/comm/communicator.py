@@ -151,8 +151,13 @@ class Comm(ObjectExchanges):
             return None
         # Workers wait for each other longer than rank 0 waits for their heartbeats,
         # so that a stall is reported by rank 0, which can name the silent worker.
-        return Comm(sub, Bounds(self.timeout).workers, self.traffic,
+        return Comm(sub, self.bounds.workers, self.traffic,
                     self.hosts[1:], range(1, self.size))
+
+    @property
+    def bounds(self) -> Bounds:
+        """Every wait derived from this communicator's ``timeout`` (:class:`Bounds`)."""
+        return Bounds(self.timeout)
 
     @property
     def role(self) -> Role:

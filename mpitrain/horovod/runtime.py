@@ -152,27 +152,17 @@ def engine():
 
 
 def _place_on_cpus(keep_binding: bool, threads: Optional[int], local_size: int) -> None:
-    """Every core of the host for this rank (unless ``keep_binding``), and TensorFlow's
-    intra-op threads: ``threads``, else the host's cores shared among its ranks (the
-    CLI's placement, :func:`mpitrain.session.place_on_cpus`). TensorFlow takes them only
-    before it runs its first op; a script that ran one first keeps TensorFlow's own."""
-    if not keep_binding and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        except OSError:
-            pass
+    """The CLI's placement (:func:`mpitrain.comm.placement.place`: every rank here trains)
+    and TensorFlow's thread pools set from it, unless ``$TF_NUM_INTRAOP_THREADS`` says
+    otherwise. TensorFlow takes them only before it runs its first op; a script that ran
+    one first keeps TensorFlow's own."""
+    from ..comm import placement
+    from ..models.replica import set_tensorflow_threads
+
+    intra = placement.place(keep_binding, local_size, threads=threads)
     if threads is None and os.environ.get("TF_NUM_INTRAOP_THREADS"):
         return
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
-    import tensorflow as tf
-
-    try:
-        tf.config.threading.set_intra_op_parallelism_threads(
-            threads or max(1, cpus // max(1, local_size)))
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-    except RuntimeError:  # TensorFlow already ran an op: its pools are fixed
-        pass
+    set_tensorflow_threads(intra)
 
 
 # ---- how an uncaught error ends the job ------------------------------------------------

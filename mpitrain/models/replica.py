@@ -58,6 +58,13 @@ def init_tensorflow(intra_threads: int, seed: int) -> None:
     soon as two ranks share a host.
     """
     keras = import_keras()
+    set_tensorflow_threads(intra_threads)
+    keras.utils.set_random_seed(seed)
+
+
+def set_tensorflow_threads(intra_threads: int) -> None:
+    """TensorFlow's intra-op pool of ``intra_threads`` and one inter-op thread (the ops of
+    a step run one after another; the cores go to each op's own threads)."""
     import tensorflow as tf
 
     try:
@@ -65,7 +72,6 @@ def init_tensorflow(intra_threads: int, seed: int) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(1)
     except RuntimeError:  # TensorFlow already ran an op in this process (a test, a script
         pass              # that built a model first): its pools are fixed by now
-    keras.utils.set_random_seed(seed)
 
 
 def checksum(flat: np.ndarray) -> int:

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from mpitrain.bounds import Bounds
 from mpitrain.config import Config
 from mpitrain.train.leases import (MAX_FIRST_SLEEP, Leases, Liveness, Pipelining, Quotas,
                                    first_look)
@@ -67,7 +68,7 @@ def test_parked_workers_hear_from_the_server_every_half_timeout(monkeypatch):
 
     now = [100.0]
     monkeypatch.setattr(recovery.time, "monotonic", lambda: now[0])
-    ctx = SimpleNamespace(comm=SimpleNamespace(timeout=10.0),
+    ctx = SimpleNamespace(comm=SimpleNamespace(timeout=10.0, bounds=Bounds(10.0)),
                           cfg=Config.of(liveness_floor=1.0))
     parking = recovery.Recovery(ctx, clock=lambda: 0.0, workers=2)
     parking.park(1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
-from ...bounds import Bounds
 from ...comm import SERVING
 from ...errors import CommTimeout
 from ..context import Context, Summary
@@ -55,7 +54,7 @@ class PartitionServer:
         self.leases = Leases(ctx.cfg.asynchronous.staleness, [])
         self.polling = PollPolicy()
         self.listening: set = set()  # workers whose next message a receive is posted for
-        self.bound = Bounds(self.comm.timeout).workers  # rank 0, which names a rank, first
+        self.bound = self.comm.bounds.workers  # rank 0, which names a rank, first
         self.control = control_message(self.comm)
         self.listen_to_rank0 = self.comm.recv_init(self.control, 0, TAG_CONTROL, "control",
                                                    "a word from rank 0")

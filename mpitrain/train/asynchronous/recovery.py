@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ...bounds import Bounds
 from ...comm import PeerProcesses, recovery_enabled
 from ...errors import MpitrainError
 from ..leases import Liveness
@@ -74,7 +73,7 @@ class Recovery:
         #: parked workers -> when their next PARKED reply is due (when to speak to them;
         #: who is parked is the server's .worker_states.WorkerStates, moved with these)
         self.parked: Dict[int, float] = {}
-        self.keepalive_every = Bounds(self.comm.timeout).keepalive
+        self.keepalive_every = self.comm.bounds.keepalive
 
     def due(self) -> bool:
         """Whether it is time to check the lease holders (once every

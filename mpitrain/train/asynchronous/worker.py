@@ -9,7 +9,6 @@ from typing import Deque, Iterator, Optional, Tuple
 
 import numpy as np
 
-from ...bounds import Bounds
 from ...comm import HOT, IDLE, Backoff
 from ...errors import Divergence, Dropped, Interrupted
 from ..context import Context, Summary, worker_batches
@@ -67,7 +66,7 @@ class _Run:
         self.pipelining = Pipelining(pipelining_mode(ctx.cfg))
         self.depth = self.pipelining.depth
         self.post = Post(ctx)  # the mailboxes with rank 0 and (--servers K) the other servers
-        self.reply_bound = Bounds(self.comm.timeout).reply  # the server speaks first
+        self.reply_bound = self.comm.bounds.reply  # the server speaks first
         self.flight: Deque = collections.deque()  # (of .post.InFlight)
         # what the lease in use (lease buffer ``current``) says: its version, the step
         # to resume from (> 0 when resuming), whether the server is stopping (flags),
