@@ -162,23 +162,29 @@ def test_the_phase_timer_charges_every_second_to_one_phase():
     assert timer.rows[1]["wall_s"] < 0.01
 
 
-def test_a_collective_splits_its_time_into_moving_data_and_waiting():
-    """The run's fastest collective is the data moving; the rest of each is waiting."""
+def test_a_collective_splits_its_time_into_moving_data_and_waiting(monkeypatch):
+    """The run's fastest collective is the data moving; the rest of each is waiting
+    (on a fake clock: the arithmetic, not the machine's sleeps, is under test)."""
+    from mpitrain.train import protocol
+
+    now = [50.0]
+    monkeypatch.setattr(protocol, "_now", lambda: now[0])
+    monkeypatch.setattr(protocol.time, "perf_counter", lambda: now[0])
     timer = PhaseTimer()
     for late in (0.05, 0.01, 0.03):  # seconds of one rank arriving late, or nobody (0.01)
         with timer.collective():
-            time.sleep(late)
+            now[0] += late
     timer.end_epoch(1)
     row = timer.rows[0]
     fastest = row["comm_s"] / 3
-    assert 0.01 <= fastest < 0.02  # the middle call's
-    assert row["wait_s"] == pytest.approx(0.09 - 3 * fastest, abs=0.01)
+    assert fastest == pytest.approx(0.01)  # the middle call's
+    assert row["wait_s"] == pytest.approx(0.09 - 3 * fastest)
     assert row["comm_s"] + row["wait_s"] + row["compute_s"] == pytest.approx(row["wall_s"],
                                                                             abs=1e-5)
     with timer.collective():  # an epoch's split uses the fastest of the run so far
-        time.sleep(0.03)
+        now[0] += 0.03
     timer.end_epoch(2)
     assert timer.rows[1]["comm_s"] == pytest.approx(fastest, abs=1e-5)
-    assert timer.rows[1]["wait_s"] >= 0.03 - fastest - 1e-3
+    assert timer.rows[1]["wait_s"] == pytest.approx(0.03 - fastest, abs=1e-5)
     timer.end_epoch(3)  # no collective: nothing moved
     assert timer.rows[2]["comm_s"] == 0.0
