@@ -78,6 +78,9 @@ def test_every_quick_benchmark_runs():
                f"{tf['mpi']} / {tf['horovod']}) | " in summary
     assert "## engines.csv" in summary and "| lr | mpi | 2 |" in summary
     assert [r["where"] for r in rows_of(out / "overlap.csv")] == ["shared memory"]
+    # bench scale times its launch on every rank: start-up, gathers, telemetry's size
+    assert [(r["np"], float(r["gather_s"]) >= 0) for r in rows_of(out / "scale_ranks.csv")] \
+        == [("3", True), ("3", True)]
     check_ddp(out, summary)
 
 
