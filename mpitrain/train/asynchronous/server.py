@@ -108,12 +108,10 @@ class Server:
         self.ending = 0  # INTERRUPTED and/or DIVERGED once the run must stop early
         self.diverged_at: List[str] = []
         self.ends: Dict[int, ServerEnd] = ServerEnd.open_all(ctx)
-        #: each worker's state (see .worker_states; the loop reads them once per update:
-        #: the dict and the DISMISSED list are bound once, both kept in place)
+        #: each worker's state (.worker_states); its dict, and its list of the workers
+        #: told to stop whose FINAL push has not come yet (_dismiss), bound once
         self.states = WorkerStates(self.ends)
-        self._state_of = self.states.of
-        #: workers told to stop whose FINAL push has not come yet (see _dismiss)
-        self.dismissed: List[int] = self.states.dismissed
+        self._state_of, self.dismissed = self.states.of, self.states.dismissed
         self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends, self.states)
         self.leases = Leases(ctx.cfg.asynchronous.staleness, self.workers)
         # a worker's silence starts when it is granted a lease (then it owes a push)
@@ -315,8 +313,7 @@ class Server:
             self.states.move(rank, LOST)
             self.recovery.drop(self.ends[rank], why_kill=why)
             self.peers.drop(rank)
-            self.recovery.record(rank, self.version, self.workers[rank].steps, why, {}, 0, 0,
-                                 0)
+            self.recovery.record(rank, self.version, self.workers[rank].steps, why, {}, 0, 0, 0)
 
     def _apply(self, w: WorkerAccount, end: ServerEnd) -> None:
         header = Header.read(end.recv)  # (the push's header is always there)
@@ -386,9 +383,7 @@ class Server:
         version, wall = self.store.version, self.clock()
         checkpoint = self.checkpoint() if cut.save else None  # (rank 0's share: completed)
         buffers = self.store.average_buffers(accounts.latest_buffers(self.workers))
-        state_of = self._state_of
-        positions = {r: GONE if state_of[r] is LOST else w.steps
-                     for r, w in self.workers.items()}
+        positions = {r: GONE if w.state is LOST else w.steps for r, w in self.workers.items()}
 
         def then(whole: dict) -> None:
             state = np.concatenate([whole["state"]["weights"], buffers]) \
@@ -447,11 +442,10 @@ class Server:
             self._finish(w)
 
     def _answer_owed(self, w: WorkerAccount) -> None:
-        """``w``'s FINAL push came while a cut drained, the reply to its push before it
-        held back (see _Cut): that reply goes first, a header alone (a worker takes its
-        replies in order, and it computes at no lease after its FINAL push), and ``w``
-        waits for no lease."""
-        self.leases.drop(w.rank)  # (its place in the queue was that reply's)
+        """``w``'s FINAL push came while a cut drained, the reply to its push before held
+        back (_Cut): that reply goes first (replies are taken in order), a header alone
+        (it computes at no lease after its FINAL push), and it waits for no lease."""
+        self.leases.drop(w.rank)
         self._reply(w, flags=0)
 
     def _finish(self, w: WorkerAccount) -> None:
@@ -499,7 +493,7 @@ class _Cut:
         """``rank``'s FINAL push was applied while draining: it sends nothing more, so
         the cut waits for no push of it. Returns whether it was an extra: then the
         reply to its push before (held back by the cut) is still owed to it."""
-        if rank not in self.extras:
-            return False
-        self.extras.remove(rank)
-        return True
+        extra = rank in self.extras
+        if extra:
+            self.extras.remove(rank)
+        return extra
