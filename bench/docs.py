@@ -127,8 +127,12 @@ def newest_per_benchmark(summaries: List[Summary]) -> Dict[str, Summary]:
 
 
 def shown(row: Dict[str, str]) -> bool:
-    return not row["target"].startswith("reported") or \
-        any(mark in row["ratio"] for mark in ALSO_SHOWN)
+    """A ratio with a target, or the epoch time of a comparison reported beside one."""
+    if not row["target"].startswith("reported"):
+        return True
+    ratio = row["ratio"]
+    return any(mark in ratio for mark in ALSO_SHOWN) and "epoch time" in ratio and \
+        "floor" not in ratio and "accuracy" not in ratio
 
 
 def case_of(ratio: str) -> tuple:
