@@ -1,10 +1,12 @@
 """docs/benchmarks.md's results table, generated from the benchmarks' own summaries.
 
-    python -m bench.docs                          # from the last full run
+    python -m bench.docs                          # after a full run
     python -m bench.docs SUMMARY.md[:NAME,...] ...  # from the runs given
 
-By default it reads the newest ``summary.md`` of a full ``python -m bench all`` run (in
-results/bench/ or kept in docs/figures/bench/). Given summaries, it takes each
+Without arguments it reads the newest ``summary.md`` of a full ``python -m bench all``
+run (in results/bench/ or kept in docs/figures/bench/) if that run is newer than every
+run the table now comes from; else the table's own runs again (so it changes nothing
+by itself). Given summaries, it takes each
 benchmark's rows from the newest of them that ran it, or only the benchmarks named
 after its colon (a run of one section measured after the last full run, say);
 ``--quick`` runs and benchmarks that failed are never used. It writes the rows as one
@@ -108,6 +110,25 @@ def last_full_run() -> List["Summary"]:
     return runs[-1:]
 
 
+def in_the_table(text: str) -> List["Summary"]:
+    """The runs the page's table was generated from, each with the benchmarks it gave
+    (the block's list of runs), so that regenerating it changes nothing by itself."""
+    block = text.split(f"<!-- bench {NAME}: begin -->", 1)[-1].split("\n|", 1)[0]
+    return [Summary(DOCS.parent / link, names.split(", "))
+            for link, names in re.findall(r"(?m)^- \*\*\w\*\*: \[[^\]]*\]\(([^)]+)\).*\): "
+                                          r"([\w, ]+)$", block)
+            if (DOCS.parent / link).is_file()]
+
+
+def default_runs() -> List["Summary"]:
+    """What ``python -m bench.docs`` reads without arguments: the runs the table already
+    comes from, unless a full run is newer than all of them; then that run alone."""
+    current, full = in_the_table(DOCS.read_text()), last_full_run()
+    if full and all(full[0].date > s.date for s in current):
+        return full
+    return current or full
+
+
 def given(argv: List[str]) -> List["Summary"]:
     """The summaries named on the command line, PATH or PATH:NAME,NAME."""
     summaries = []
@@ -207,7 +228,7 @@ def main(argv: List[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    chosen = newest_per_benchmark(given(argv) if argv else last_full_run())
+    chosen = newest_per_benchmark(given(argv) if argv else default_runs())
     if not chosen:
         print("bench.docs: no full-size summary.md found (python -m bench all writes one)",
               file=sys.stderr)

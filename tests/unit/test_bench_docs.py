@@ -93,3 +93,24 @@ def test_the_block_between_the_markers_is_replaced_and_nothing_else(tmp_path):
                                 "<!-- bench results: end -->\noutro\n")
     with pytest.raises(ValueError, match="bench scale: begin"):
         write_block(page, "x", "scale")
+
+
+def test_regenerating_without_arguments_reads_the_runs_the_table_names(tmp_path, monkeypatch):
+    page = tmp_path / "benchmarks.md"
+    kept = tmp_path / "figures"
+    kept.mkdir()
+    old = summary(tmp_path, "a", "2026-01-01 10:00", "all",
+                  [*ENGINES, "| comm | mpitrain / raw MPI allreduce bandwidth (worst) | 0.95 "
+                   "| >= 0.9 | met |"])
+    new = summary(tmp_path, "b", "2026-01-02 10:00", "engines,comm", ENGINES)
+    monkeypatch.setattr(docs, "DOCS", page)
+    monkeypatch.setattr(docs, "KEPT", kept)
+    page.write_text("<!-- bench results: begin -->\n<!-- bench results: end -->\n")
+    chosen = docs.newest_per_benchmark(docs.given([str(old.path), f"{new.path}:engines"]))
+    page.write_text("<!-- bench results: begin -->\n" + docs.block(chosen) +
+                    "\n<!-- bench results: end -->\n")
+    again = docs.newest_per_benchmark(docs.in_the_table(page.read_text()))
+    # the block links the copies it kept of the runs, and names what each gave
+    assert {name: s.path for name, s in again.items()} == {
+        "comm": kept / "summary-a.md", "engines": kept / "summary-b.md"}
+    assert (kept / "summary-b.md").read_text() == new.path.read_text()
