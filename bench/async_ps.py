@@ -54,10 +54,10 @@ def rank_side(mode: str, updates: int) -> None:
     from mpitrain.train import asynchronous
     from mpitrain.comm import Comm, Role
     from mpitrain.config import Config, resolve
-    from mpitrain.console import NullConsole
+    from mpitrain.run.console import NullConsole
     from mpitrain.data import Dataset
     from mpitrain.models.replica import Replica, init_tensorflow
-    from mpitrain.results import NullResults
+    from mpitrain.results.run_dir import NullResults
     from mpitrain.train import Context
 
     comm = Comm.world(timeout=120)

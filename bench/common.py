@@ -55,7 +55,7 @@ def mnist_dir() -> str:
 
 
 def mpi_env() -> dict:
-    from mpitrain.dialect import launch_environment
+    from mpitrain.launch.dialect import launch_environment
 
     env = launch_environment()
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -145,8 +145,8 @@ def run_table(run_dir, name: str, roles=None):
     rows whose role is in ``roles``, if given."""
     import numpy as np
 
-    from mpitrain.schema import OPTIONAL_TABLES
-    from mpitrain.tools.run_files import read_table
+    from mpitrain.results.schema import OPTIONAL_TABLES
+    from mpitrain.report.run_files import read_table
 
     table = read_table(Path(run_dir) / f"{name}.csv", OPTIONAL_TABLES[name])
     return table if roles is None else table.where(np.isin(table["role"], list(roles)))
@@ -222,7 +222,7 @@ def print_checks(checks: List[Dict]) -> None:
 
 def markdown_table(path: Path) -> List[str]:
     """A CSV file as the lines of a Markdown table."""
-    from mpitrain.tools.report import md_table
+    from mpitrain.report.markdown import md_table
 
     with open(path, newline="") as f:
         rows = list(csv.reader(f))

@@ -81,7 +81,7 @@ def rank_side(iterations: int) -> None:
 
 def available():
     """(key, python, its mpirun) of each implementation that is installed here."""
-    from mpitrain import dialect
+    from mpitrain.launch import dialect
 
     for key, python in ENVIRONMENTS.items():
         if not python.is_file():
@@ -94,7 +94,7 @@ def available():
 
 
 def launch(runner, np_: int, python: Path, args, timeout: float = 1800) -> str:
-    from mpitrain.tools import hostfile
+    from mpitrain.launch import hostfile
 
     hosts = hostfile.for_launcher(str(LOCAL_HOSTFILE), runner.hostfile_format)
     cmd = [*runner.command(np_, hosts), str(python), *map(str, args)]

@@ -66,7 +66,7 @@ def sample_cost_s(samples: int = 2000) -> float:
     """Seconds per sample of the node leader's sampler, timed in this process."""
     import time
 
-    from mpitrain.telemetry import Sampler
+    from mpitrain.results.telemetry import Sampler
 
     sampler = Sampler(0, "bench", "single", 1.0, node_leader=True)
     t0 = time.perf_counter()

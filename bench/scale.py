@@ -229,7 +229,8 @@ def rank_side(runs_json: str, times: str) -> None:
     The real functions run; the hooks only read the clock. No collective of its own."""
     import runpy
 
-    from mpitrain import session, telemetry
+    from mpitrain.run import session
+    from mpitrain.results import telemetry
 
     moments = {"python": STARTED, "train": [], "gather": []}
     trainer, collect = session.trainer, telemetry.collect
@@ -410,10 +411,10 @@ def preflight_s(np_: int, hostfile: Path) -> float:
 def probe_s(hostfile: Path, hosts: Optional[int] = None,
             mpirun_args: Sequence[str] = ()) -> float:
     """Seconds the launcher's probe of the (first ``hosts``) hosts of ``hostfile`` takes
-    (:func:`mpitrain.launch.unreachable`: mpirun runs ``true`` on each, all at once);
+    (:func:`mpitrain.launch.job.unreachable`: mpirun runs ``true`` on each, all at once);
     raises if one is unreachable."""
-    from mpitrain import launch
-    from mpitrain.tools import hostfile as hostfiles
+    from mpitrain.launch import job as launch
+    from mpitrain.launch import hostfile as hostfiles
 
     listed = hostfiles.read(hostfile)[:hosts]
     began = time.time()
@@ -618,7 +619,7 @@ def checks(rows: List[Dict]) -> List[Dict]:
 
 def md(rows: List[Dict], columns: List[str]) -> str:
     """``rows`` as a Markdown table of ``columns``."""
-    from mpitrain.tools.report import md_table
+    from mpitrain.report.markdown import md_table
 
     return md_table(columns, [[str(r.get(c, "")) for c in columns] for r in rows])
 

@@ -43,7 +43,7 @@ mpitrain_run() {
     case "$MPITRAIN_LAUNCHER" in
         mpirun) "$MPITRAIN_PYTHON" -m mpitrain launch --max-restarts \
                     "${MPITRAIN_MAX_RESTARTS:-3}" "$@" --results-dir "$MPITRAIN_RESULTS" & ;;
-        srun) local plugin=${MPITRAIN_SRUN_MPI:-$("$MPITRAIN_PYTHON" -m mpitrain.dialect srun-mpi)}
+        srun) local plugin=${MPITRAIN_SRUN_MPI:-$("$MPITRAIN_PYTHON" -m mpitrain.launch.dialect srun-mpi)}
               srun --mpi="${plugin:-pmix}" --kill-on-bad-exit=1 "$MPITRAIN_PYTHON" -m mpitrain \
                   "$@" --results-dir "$MPITRAIN_RESULTS" & ;;
         *) echo "mpitrain job: MPITRAIN_LAUNCHER must be mpirun or srun" >&2; exit 2 ;;

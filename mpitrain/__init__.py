@@ -1,7 +1,7 @@
 """mpitrain: MPI data-parallel training for TensorFlow (sync allreduce and async parameter server).
 
 From a script under mpirun: :func:`mpitrain.fit` (see :mod:`mpitrain.api`); from the
-shell: ``mpitrain MODEL [OPTIONS]`` (see :mod:`mpitrain.cli`).
+shell: ``mpitrain MODEL [OPTIONS]`` (see :mod:`mpitrain.cli.commands`).
 """
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
-"""``python -m mpitrain``: see :mod:`mpitrain.cli`; the process ends through
-:func:`mpitrain.exits.leave`."""
+"""``python -m mpitrain``: see :mod:`mpitrain.cli.commands`; the process ends through
+:func:`mpitrain.cli.exits.leave`."""
 
-from .cli import main
-from .exits import leave
+from .cli.commands import main
+from .cli.exits import leave
 
 leave(main())

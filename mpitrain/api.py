@@ -11,7 +11,7 @@
     if result:  # rank 0 only
         print(result.test_accuracy, result.run_dir)
 
-It is the CLI's training run (:func:`mpitrain.session.run`) with the model and
+It is the CLI's training run (:func:`mpitrain.run.session.run`) with the model and
 the data handed over in memory: the same typed configuration (every option of
 ``mpitrain MODEL --help``, by its field name), the same roles, protocols,
 results files, telemetry, checkpoints and fault handling.
@@ -70,7 +70,8 @@ def fit(model: Union[Callable, str], train: Optional[Tuple] = None, test: Option
     CLI, so no rank is left waiting.
     """
     cfg, explicit, spec, arrays = _config(model, train, test, mode, data, options)
-    from . import exits, session
+    from .cli import exits
+    from .run import session
 
     try:
         summary = session.run(cfg, explicit, model=spec, arrays=arrays)

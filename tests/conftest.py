@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from mpitrain.launch_watch import kill_tree
+from mpitrain.launch.watch import kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_HOSTFILE = REPO / "hostfiles" / "local"

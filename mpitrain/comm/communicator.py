@@ -12,9 +12,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..bounds import Bounds
+from ..config.bounds import Bounds
 from ..errors import CommTimeout
-from ..half import mean_rows_, widen_
+from ..kernels.half import mean_rows_, widen_
 from .failures import FailureListener
 from .load import others_busy_cores
 from .objects import ObjectExchanges

@@ -1,5 +1,5 @@
 """Where a rank runs on its host: its CPU affinity and how many threads TensorFlow gets.
-One rule for the CLI's runs (:mod:`mpitrain.session`) and ``mpitrain.horovod`` scripts.
+One rule for the CLI's runs (:mod:`mpitrain.run.session`) and ``mpitrain.horovod`` scripts.
 
 Ranks share a host's cores: TensorFlow's default (one thread per core in every process)
 oversubscribes the CPU as soon as two ranks share a host, so the training ranks on a

@@ -17,7 +17,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from .. import dialect
+from ..launch import dialect
 from ..errors import UsageError
 
 _MPI = None

@@ -5,7 +5,7 @@ batches) and one section per concern: ``data``, ``optimizer``, ``sync`` (options
 the sync allreduce), ``asynchronous`` (of the async parameter server), ``transport``
 (how gradients travel in either mode), ``checkpoint``, ``faults`` and ``telemetry``.
 Every setting carries its help text and, where it is a command-line option, its flag
-(:func:`mpitrain.settings.option`); the CLI builds its parser from them, one group per
+(:func:`mpitrain.config.settings.option`); the CLI builds its parser from them, one group per
 section, the flags flat as ever. A setting's key is its flat name, the same for the
 command line, ``mpitrain.fit``'s keywords and config.json (:meth:`Config.of`,
 :meth:`Config.setting`, :meth:`Config.to_dict`), whatever section holds it.
@@ -13,7 +13,7 @@ command line, ``mpitrain.fit``'s keywords and config.json (:meth:`Config.of`,
 Building a run's config happens once: :func:`resolve` fills what the command line left
 to the model's defaults and validates the result (:meth:`Config.validate`: every value
 checked, then each section's rules); a resumed run's is its saved config, validated
-once as it is read (:func:`mpitrain.lifecycle.resumed_config`). A leaf.
+once as it is read (:func:`mpitrain.run.resume.resumed_config`). A leaf.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, cast
 
 from ..errors import UsageError
-from ..settings import COUNT, Number, Setting, checked_value, option
+from .settings import COUNT, Number, Setting, checked_value, option
 from .sections import (COMPILERS, OUTPUTS, WARMUP_FRACTION, WARMUP_MAX_EPOCHS, AsyncSettings,
                        CheckpointSettings, DataSettings, FaultSettings, OptimizerSettings,
                        SyncSettings, TelemetrySettings, TransportSettings)

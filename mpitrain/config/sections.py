@@ -1,6 +1,6 @@
 """The sections of a run's :class:`mpitrain.config.Config`, one dataclass per concern,
 and the values their choices take. Each setting carries its help text and flag
-(:func:`mpitrain.settings.option`); a section's ``check`` holds its rules between
+(:func:`mpitrain.config.settings.option`); a section's ``check`` holds its rules between
 settings, called by :meth:`mpitrain.config.Config.validate`. A leaf.
 """
 
@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..bounds import Bounds
+from .bounds import Bounds
 from ..errors import UsageError
-from ..settings import COUNT, MAX_SECONDS, SECONDS, Number, option
+from .settings import COUNT, MAX_SECONDS, SECONDS, Number, option
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DATASETS = ("auto", "mnist", "digits", "synthetic")
@@ -25,7 +25,7 @@ WARMUP_FRACTION = 0.2
 WARMUP_MAX_EPOCHS = 5.0
 LR_SCHEDULES = ("constant", "cosine")
 ENGINES = ("mpi", "horovod")
-#: values of --compression (see mpitrain.exchange.half)
+#: values of --compression (see mpitrain.exchange.fp16)
 COMPRESSIONS = ("none", "fp16")
 OUTPUTS = ("logits", "probabilities")
 #: values of --allreduce-wait (see mpitrain.comm.spins)
@@ -243,7 +243,7 @@ class TransportSettings:
 
 @dataclass(frozen=True)
 class CheckpointSettings:
-    """When rank 0 saves the run (:class:`mpitrain.lifecycle.Checkpoint`)."""
+    """When rank 0 saves the run (:class:`mpitrain.run.checkpoint.Checkpoint`)."""
 
     every: int = option(
         "rank 0 saves a checkpoint (weights, optimizer state, position) every N epochs "
@@ -258,7 +258,7 @@ class CheckpointSettings:
 
 @dataclass(frozen=True)
 class FaultSettings:
-    """How long ranks wait for each other (:mod:`mpitrain.bounds`)."""
+    """How long ranks wait for each other (:mod:`mpitrain.config.bounds`)."""
 
     timeout: float = option(
         "seconds any rank waits for another before the job is aborted with the "
@@ -278,13 +278,13 @@ class FaultSettings:
 
     @property
     def bounds(self) -> Bounds:
-        """Every wait derived from these (see :mod:`mpitrain.bounds`)."""
+        """Every wait derived from these (see :mod:`mpitrain.config.bounds`)."""
         return Bounds(self.timeout, self.start_timeout)
 
 
 @dataclass(frozen=True)
 class TelemetrySettings:
-    """What every rank samples about its host (:mod:`mpitrain.telemetry`)."""
+    """What every rank samples about its host (:mod:`mpitrain.results.telemetry`)."""
 
     sample_interval: float = option(
         "seconds between telemetry samples (CPU, memory, network) on every rank; 0 = off",

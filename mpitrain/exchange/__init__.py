@@ -22,7 +22,7 @@ sync replicas identical); every wait is bounded (a stalled or dead worker is a
 
 The engines (:mod:`.engines`): :class:`MpiEngine` (the workers' communicator, and
 its sum through shared memory where every worker runs on one host),
-:class:`~.horovod.HorovodEngine`, and :class:`~.half.HalfPrecisionEngine`, which
+:class:`~.real_horovod.HorovodEngine`, and :class:`~.fp16.HalfPrecisionEngine`, which
 moves any of them as float16 with error feedback.
 
 **The plan** (:mod:`.plan`): ``with plan(cfg, replica, workers, tail) as exchange:``
@@ -38,7 +38,7 @@ only inside the Horovod engine.
 """
 
 from .engines import Engine, MpiEngine
-from .half import ErrorFeedback, HalfPrecisionEngine
+from .fp16 import ErrorFeedback, HalfPrecisionEngine
 from .overlap import BucketedExchange, FusedExchange
 from .plan import Plan, plan
 

@@ -31,7 +31,7 @@ class MpiEngine:
     per call (:meth:`mpitrain.comm.Comm.allreduce_sum_`), or, given ``shared``, the sum
     through memory every worker maps (:class:`mpitrain.comm.SharedMemorySum`) for the
     parts of its fused buffer large enough (its ``min_bytes``). Also moves float16
-    (``allreduce_sum_half_``, for :class:`~.half.HalfPrecisionEngine`)."""
+    (``allreduce_sum_half_``, for :class:`~.fp16.HalfPrecisionEngine`)."""
 
     def __init__(self, workers, shared: Optional[SharedMemorySum] = None):
         self.workers, self.shared, self.size = workers, shared, workers.size

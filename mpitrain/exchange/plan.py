@@ -9,7 +9,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from ..comm import SharedMemorySum, one_host
 from ..errors import UsageError
 from .engines import MpiEngine
-from .half import HalfPrecisionEngine
+from .fp16 import HalfPrecisionEngine
 from .overlap import BucketedExchange, FusedExchange
 
 
@@ -92,7 +92,7 @@ def _engine(decided: Plan, cfg, workers, run_dir: Optional[str]):
             else SharedMemorySum(workers))
         yield MpiEngine(workers, shared)
         return
-    from .horovod import HorovodEngine
+    from .real_horovod import HorovodEngine
 
     engine = HorovodEngine(workers, cfg.faults.bounds)
     with engine.timeline(f"{run_dir}/horovod-timeline.json" if cfg.sync.horovod_timeline

@@ -20,8 +20,8 @@ details and the migration table.
 
 from __future__ import annotations
 
-from .runtime import (NotInitialized, Unsupported, init, install_excepthook,  # noqa: F401
-                      is_initialized, shutdown, topology, unsupported)
+from .world import (NotInitialized, Unsupported, init, install_excepthook,  # noqa: F401
+                    is_initialized, shutdown, topology, unsupported)
 from .compression import (Compression, Compressor, FP16Compressor,  # noqa: F401
                           NoneCompressor)
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather,  # noqa: F401

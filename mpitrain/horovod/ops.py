@@ -1,6 +1,6 @@
 """Horovod's collectives on TensorFlow tensors, in eager code and inside ``tf.function``.
 
-Each is one ``tf.numpy_function`` around a call of the :class:`~.engine.Engine`: in
+Each is one ``tf.numpy_function`` around a call of the :class:`~.collectives.Collectives`: in
 eager code it runs at once, in a graph when the graph runs, in program order with
 the graph's other collectives (the function is stateful, so TensorFlow keeps their
 order). Tensors of one dtype reduced together (``grouped_allreduce``, a gradient
@@ -18,10 +18,10 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from . import runtime
+from . import world as runtime
 from .compression import Compression
-from .engine import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (re-exported)
-from .runtime import STATE, unsupported
+from .collectives import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (re-exported)
+from .world import STATE, unsupported
 
 #: the default process set: the only one there is
 global_process_set = None

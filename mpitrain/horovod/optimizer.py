@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from . import runtime
+from . import world as runtime
 from .compression import Compression
-from .engine import Average
+from .collectives import Average
 from .ops import _check_process_set, global_process_set, plain
-from .runtime import unsupported
+from .world import unsupported
 from .tape import GradientReducer
 
 

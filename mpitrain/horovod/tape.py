@@ -8,9 +8,9 @@ from typing import List, Sequence, Set
 
 import tensorflow as tf
 
-from . import runtime
+from . import world as runtime
 from .compression import Compression
-from .engine import GRADIENTS, Average
+from .collectives import GRADIENTS, Average
 from .ops import _check_process_set, global_process_set, plain, reduce_list
 
 

@@ -38,7 +38,7 @@ from typing import Dict
 from ..errors import UsageError
 from .registry import REGISTRY, USER_DEFAULTS, ModelSpec, names, register, specs
 from .keras_import import import_keras
-from ..model_names import canonical, is_spec, run_name, same_model
+from ..config.model_names import canonical, is_spec, run_name, same_model
 from .user import blame_user_code, from_callable, precheck, user_spec
 
 

@@ -31,7 +31,7 @@ from typing import Dict, Mapping, Optional, Sequence
 import numpy as np
 
 try:
-    from . import _optim  # type: ignore[attr-defined]  # (C: no types)
+    from ..kernels import _optim  # type: ignore[attr-defined]  # (C: no types)
 except ImportError:  # not built (no compiler at install time): numpy does the updates
     _optim = None
 
@@ -243,7 +243,7 @@ def adapt_state(saved: Dict[str, np.ndarray], layout: Dict[str, tuple], name: st
     (Adam: its m, then its v). The flat optimizer's: the update count, then each slot
     over all parameters. A Keras learning rate the flat form lacks is ``lr``, the
     run's. ``saved`` comes back as it is if it fits ``layout`` already or is in neither
-    form (:func:`mpitrain.lifecycle.optimizer_mismatch` then says so)."""
+    form (:func:`mpitrain.run.checkpoint.optimizer_mismatch` then says so)."""
     per_weight = SLOTS_PER_WEIGHT[name]
     have, want = _in_order(saved), _in_order(layout)
     if have is None or want is None or [np.size(v) for v in have] == \

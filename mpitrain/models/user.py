@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import UsageError
-from ..model_names import is_file, split
+from ..config.model_names import is_file, split
 from ..userfiles import not_regular, read_bounded, stat_mode
 from .keras_import import import_keras
 from .registry import USER_DEFAULTS, USER_SYNTHETIC, ModelSpec
@@ -28,7 +28,7 @@ def precheck(spec: str) -> None:
     and TensorFlow start): the function is named; the file exists and parses (syntax
     errors name the line) and defines the function; a module can be found.
     UsageError naming the spec otherwise. Loading and building it is checked later,
-    collectively, by every rank (:mod:`mpitrain.session`)."""
+    collectively, by every rank (:mod:`mpitrain.run.session`)."""
     target, function = split(spec)
     if not function or not target:
         raise UsageError(f"model {spec}: name the builder function too, as "

@@ -20,17 +20,18 @@ from ..comm import Comm, Role
 from ..config import Config
 from ..data.shards import Dataset, batches_per_epoch, epoch_batches
 from ..errors import Divergence, Interrupted
-from ..lifecycle import Checkpoint, StopRequest, geometry
+from ..run.checkpoint import Checkpoint, geometry
+from ..run.signals import StopRequest
 from ..models.optim import Schedule
 from ..models.replica import Replica
 from .protocol import PhaseTimer
 
 
 class ResultsWriter(Protocol):
-    """Where a trainer writes the run's results: :class:`mpitrain.results.RunResults` on
-    the serving rank, :class:`mpitrain.results.NullResults` (the same methods, doing
+    """Where a trainer writes the run's results: :class:`mpitrain.results.run_dir.RunResults` on
+    the serving rank, :class:`mpitrain.results.run_dir.NullResults` (the same methods, doing
     nothing) on every other, so that trainers never branch on rank for I/O. Both are
-    checked against this by mypy where :mod:`mpitrain.session` builds the context
+    checked against this by mypy where :mod:`mpitrain.run.session` builds the context
     (tests/unit/test_lint.py): a method added to one and not the other fails there."""
 
     @property
@@ -55,8 +56,8 @@ class ResultsWriter(Protocol):
 
 
 class ConsoleOutput(Protocol):
-    """What a trainer prints through: :class:`mpitrain.console.Console` on the serving
-    rank, :class:`mpitrain.console.NullConsole` (no output) elsewhere; checked like
+    """What a trainer prints through: :class:`mpitrain.run.console.Console` on the serving
+    rank, :class:`mpitrain.run.console.NullConsole` (no output) elsewhere; checked like
     :class:`ResultsWriter`."""
 
     quiet: bool
@@ -74,7 +75,7 @@ class ConsoleOutput(Protocol):
 
 @dataclass
 class Context:
-    """Everything a trainer needs, built once per run by :mod:`.session`."""
+    """Everything a trainer needs, built once per run by :mod:`mpitrain.run.session`."""
 
     cfg: Config
     comm: Comm

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Optional, cast
 
 import numpy as np
 
-from ..lifecycle import Checkpoint
+from ..run.checkpoint import Checkpoint
 from .context import Context, Summary
 
 
@@ -89,7 +89,7 @@ def evaluate_and_save(ctx: Context, evaluate: Optional[Callable[[], object]],
                       checkpoint: Optional[Checkpoint]) -> None:
     """Run ``evaluate`` (it appends a curve row) and save ``checkpoint``; either may be
     None. With both, the checkpoint is written while the evaluation runs and replaces
-    the previous one after it (:meth:`mpitrain.lifecycle.Checkpoint.save`). Local to the
+    the previous one after it (:meth:`mpitrain.run.checkpoint.Checkpoint.save`). Local to the
     serving rank."""
     if checkpoint is not None:
         ctx.results.save_checkpoint(checkpoint, meanwhile=evaluate)

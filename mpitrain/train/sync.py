@@ -63,7 +63,7 @@ import numpy as np
 
 from ..comm import IDLE, Comm, Role
 from ..errors import Interrupted
-from ..lifecycle import Checkpoint, optimizer_mismatch
+from ..run.checkpoint import Checkpoint, optimizer_mismatch
 from ..exchange import plan
 from ..models.replica import checksum
 from .context import Context, Summary, is_checkpoint_point, is_eval_point, worker_batches
@@ -71,7 +71,7 @@ from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .protocol import (DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED, REPORT, SAVE,
                        TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
                        new_message, sentinel)
-from .sync_server import Server, diverged_at, pack_state, packed_size, unpack_state
+from .sync_server import SyncServer, diverged_at, pack_state, packed_size, unpack_state
 
 
 def train(ctx: Context) -> Summary:
@@ -87,7 +87,7 @@ def train(ctx: Context) -> Summary:
     start_step, offset, layout = _start(ctx)
     clock = Stopwatch(offset)
     if ctx.role is Role.SERVER:
-        return Server(ctx, clock, layout).run(start_step)
+        return SyncServer(ctx, clock, layout).run(start_step)
     link = LocalEvaluation(ctx, clock, start_step) if ctx.role is Role.SINGLE \
         else ServerLink(ctx, clock)
     return _work(ctx, link, start_step)

@@ -1,4 +1,4 @@
-"""Rank 0 in sync mode (:class:`Server`), and the optimizer state's wire format.
+"""Rank 0 in sync mode (:class:`SyncServer`), and the optimizer state's wire format.
 
 The protocol it serves is :mod:`.sync`'s (its docstring: what the workers send, when,
 and what rank 0 does with it); this module is rank 0's side of it, apart from the
@@ -15,7 +15,7 @@ import numpy as np
 
 from ..comm import IDLE
 from ..errors import Divergence, ReplicaDrift
-from ..lifecycle import Checkpoint
+from ..run.checkpoint import Checkpoint
 from ..models.replica import checksum
 from .context import Context, Summary, diverged, interrupted
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
@@ -63,7 +63,7 @@ def diverged_at(ctx: Context, world_ranks: List[int], step: int) -> Divergence:
     return diverged(f"{where} at step {step} (epoch {step / ctx.steps_per_epoch:.2f})")
 
 
-class Server:
+class SyncServer:
     """Rank 0 in sync mode: evaluates and checkpoints what the workers report.
 
     A worker sends something at least about once a second while it trains or
@@ -141,7 +141,7 @@ class Server:
 
     def _next_message(self) -> Optional[int]:
         """The worker whose message arrived, or None after a quiet second; raises the
-        error naming a worker silent past its liveness bound (see :class:`Server`)."""
+        error naming a worker silent past its liveness bound (see :class:`SyncServer`)."""
         live = [w for w in self.workers if w not in self.finished]
         with self.ctx.timer("wait"):
             w = self.silence.first({v: self.posted[v] for v in live}, IDLE, wake_every=1.0)

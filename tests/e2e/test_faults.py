@@ -274,7 +274,7 @@ def test_resume_converts_keras_optimizer_state_and_refuses_one_that_does_not_fit
     before the flat update became the default) resumes under --compile auto, its state
     converted to the flat optimizer's layout. Either mode: an optimizer state in
     neither layout is refused with one line, not a traceback."""
-    from mpitrain.lifecycle import Checkpoint
+    from mpitrain.run.checkpoint import Checkpoint
 
     # (a constant rate: Keras keeps it in its state, the layout this converts)
     extra = ["--async"] if mode == "async" else ["--compile", "graph", "--lr-schedule",

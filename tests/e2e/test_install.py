@@ -91,7 +91,7 @@ def test_fresh_install_trains_under_mpirun(mnist, tmp_path, version, installs):
     work = tmp_path / "elsewhere"  # not the source tree: the installed package runs
     work.mkdir()
     built = run_bounded([venv / "bin/python", "-c",
-                         "from mpitrain import half; print(half._half is not None)"],
+                         "from mpitrain.kernels import half; print(half._half is not None)"],
                         timeout=60, cwd=work)
     assert built.stdout.strip() == "True", built.stderr  # pip built the float16 extension
     cmd = mpirun_cmd(3, "lr", "--steps", "60", "--compression", "fp16", "--data-dir", mnist,

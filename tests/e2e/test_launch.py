@@ -14,7 +14,7 @@ import pytest
 
 from conftest import (LOCAL_HOSTFILE, finish_bounded, mpi_env, mpirun, read_rows, run_bounded,
                       start_bounded, wait_for)
-from mpitrain.dialect import RUN_AS_ROOT_CONSENT
+from mpitrain.launch.dialect import RUN_AS_ROOT_CONSENT
 from mpitrain.userfiles import read_json_object
 
 # LR with small batches: ~1,300 steps per epoch per worker at -np 4, a few seconds
@@ -41,7 +41,7 @@ def the_run_dir(results: Path) -> Path:
 
 
 def checkpoint_step(run_dir: Path) -> int:
-    from mpitrain.lifecycle import Checkpoint
+    from mpitrain.run.checkpoint import Checkpoint
 
     try:
         return Checkpoint.load(run_dir).step
@@ -264,8 +264,8 @@ def test_hosts_mpirun_cannot_reach_are_left_out(tmp_path):
     from mpi4py import MPI  # noqa: F401  # the probes must work from a process that has
     # initialised MPI itself (as this test runner has after the in-process MPI tests)
     from mpitrain.errors import UsageError
-    from mpitrain.launch import Job
-    from mpitrain.tools import hostfile
+    from mpitrain.launch.job import Job
+    from mpitrain.launch import hostfile
 
     hosts = hostfile.parse("localhost slots=2\nno-such-host.invalid slots=2\n")
     job = Job(4, hosts, "cluster", False, [], async_mode=True)

@@ -23,8 +23,8 @@ import pytest
 
 from conftest import (LOCAL_HOSTFILE, REPO, finish_bounded, mnist_dir, mpi_env, read_rows,
                       run_bounded, start_bounded)
-from mpitrain import dialect
-from mpitrain.tools import hostfile
+from mpitrain.launch import dialect
+from mpitrain.launch import hostfile
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from conftest import REPO, mpi_env, read_rows, run_bounded
-from mpitrain.tools import sweep
+from mpitrain.launch import sweep
 from mpitrain.errors import UsageError
 
 
@@ -25,7 +25,7 @@ def test_grid_expansion_drops_and_merges():
         sweep.expand({"model": ["lr"], "mode": ["async"], "np": [1]})
     with pytest.raises(UsageError, match="unknown sweep keys"):
         sweep.expand({"model": ["lr"], "gpus": [2]})
-    run = sweep.Run("lenet", "async", 3, 2, batch_size=64)
+    run = sweep.SweepPoint("lenet", "async", 3, 2, batch_size=64)
     assert run.args({"steps": 5, "quiet": True}) == [
         "lenet", "--async", "--epochs", "2", "--batch-size", "64", "--steps", "5", "--quiet"]
 

@@ -6,7 +6,7 @@ one process count share a launch this way).
 
 RUNS.json is a list of argument lists, each what would follow ``python -m
 mpitrain``. Every rank runs them in order through the CLI's own entry point
-(:func:`mpitrain.cli.main`: the same parsing, configuration, results and error
+(:func:`mpitrain.cli.commands.main`: the same parsing, configuration, results and error
 handling); a run that fails on every rank alike prints its error and the next
 one starts. An argument ``{run_in:DIR}`` stands for the run directory an earlier
 run made in results directory DIR (its only one), so a later run may ``--resume``
@@ -20,9 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-from mpitrain import cli
+from mpitrain.cli import commands as cli
 from mpitrain.comm import world_rank_if_running
-from mpitrain.exits import leave
+from mpitrain.cli.exits import leave
 
 
 def _resolved(arg: str) -> str:

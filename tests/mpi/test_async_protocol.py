@@ -16,13 +16,14 @@ import time
 import pytest
 
 from conftest import synthetic_shard
-from mpitrain import models, schema
+from mpitrain import models
+from mpitrain.results import schema
 from mpitrain.comm import Comm, Role
 from mpitrain.config import Config, resolve
-from mpitrain.console import NullConsole
+from mpitrain.run.console import NullConsole
 from mpitrain.errors import Interrupted, UsageError
 from mpitrain.models.replica import Replica, init_tensorflow
-from mpitrain.results import NullResults
+from mpitrain.results.run_dir import NullResults
 from mpitrain.train import Context, asynchronous
 from mpitrain.train.asynchronous import pool
 from mpitrain.train.protocol import SLOTS

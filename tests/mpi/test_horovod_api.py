@@ -15,8 +15,8 @@ import pytest
 
 import mpitrain.horovod as hvd
 import mpitrain.horovod.keras as hvdk
-from mpitrain.horovod.engine import Mismatch
-from mpitrain.horovod.runtime import NotInitialized, Unsupported
+from mpitrain.horovod.collectives import Mismatch
+from mpitrain.horovod.world import NotInitialized, Unsupported
 
 tf = pytest.importorskip("tensorflow")
 import keras  # noqa: E402

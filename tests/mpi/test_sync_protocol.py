@@ -17,10 +17,10 @@ from conftest import synthetic_shard
 from mpitrain import models
 from mpitrain.comm import Comm, report_failure
 from mpitrain.config import Config, resolve
-from mpitrain.console import NullConsole
+from mpitrain.run.console import NullConsole
 from mpitrain.errors import PeerFailure, ReplicaDrift
 from mpitrain.models.replica import Replica, checksum, init_tensorflow
-from mpitrain.results import NullResults
+from mpitrain.results.run_dir import NullResults
 from mpitrain.train import Context, sync
 
 BATCH = 8

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpitrain.bounds import Bounds
+from mpitrain.config.bounds import Bounds
 from mpitrain.config import Config
 from mpitrain.train.leases import (MAX_FIRST_SLEEP, Leases, Liveness, Pipelining, Quotas,
                                    first_look)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mpitrain import atomic
-from mpitrain.lifecycle import Checkpoint
+from mpitrain.run.checkpoint import Checkpoint
 
 
 def test_writes_fsyncs_then_renames(tmp_path, monkeypatch):

@@ -18,12 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import fill, read_rows, write_cifar, write_image_folder
-from mpitrain import api, cli, data, models, userfiles
+from mpitrain import api, data, models, userfiles
+from mpitrain.cli import commands as cli
 from mpitrain.data import decoding, memory, sources
 from mpitrain.config import SETTINGS as ALL_SETTINGS, Config
 from mpitrain.errors import EXIT_CANNOT_WRITE, DataError, ResultsError, UsageError, WriteError
-from mpitrain.lifecycle import Checkpoint, resumed_config
-from mpitrain.results import CsvLog, RunResults
+from mpitrain.run.checkpoint import Checkpoint
+from mpitrain.run.resume import resumed_config
+from mpitrain.results.run_dir import CsvLog, RunResults
 from unit.test_data import write_mnist
 
 NUMERIC = [s for s in ALL_SETTINGS.values() if s.number]
@@ -230,13 +232,13 @@ def _fifo_as_checkpoint(tmp_path):
 
 
 def _fifo_as_sweep_spec(tmp_path):
-    from mpitrain.tools import sweep
+    from mpitrain.launch import sweep
 
     return lambda: sweep.load_spec(tmp_path / "s.toml"), fifo(tmp_path / "s.toml")
 
 
 def _fifo_as_a_run_file_to_plot(tmp_path):
-    from mpitrain.tools.plots import plot_runs
+    from mpitrain.report.plots import plot_runs
 
     run = tmp_path / "run"
     run.mkdir()
@@ -244,7 +246,7 @@ def _fifo_as_a_run_file_to_plot(tmp_path):
 
 
 def _fifo_as_hostfile(tmp_path):
-    from mpitrain.tools import hostfile
+    from mpitrain.launch import hostfile
 
     return lambda: hostfile.read(tmp_path / "hosts"), fifo(tmp_path / "hosts")
 
@@ -275,7 +277,7 @@ def test_a_name_that_is_no_regular_file_is_refused_never_read(tmp_path, make, er
 def test_the_launcher_never_waits_on_a_fifo_in_a_run_directory(tmp_path):
     """mpitrain launch reads the run's status.json (and config.json) once a second: a FIFO
     in their place is nothing said yet, not a read that never returns."""
-    from mpitrain.launch_watch import restartable
+    from mpitrain.launch.watch import restartable
     from mpitrain.userfiles import read_json_object
 
     run = tmp_path / "run"
@@ -514,8 +516,8 @@ def test_a_killed_attempt_is_recorded_by_the_launcher(tmp_path):
     Whether the attempt has its row is runs.csv's to say, not status.json's: rank 0 can
     be killed before it wrote the attempt's first status (status.json is still the
     previous attempt's, ended and recorded) or after its row but before saying so."""
-    from mpitrain.launch_watch import restartable
-    from mpitrain.results import append_run_row, record_lost_attempt, run_rows
+    from mpitrain.launch.watch import restartable
+    from mpitrain.results.run_dir import append_run_row, record_lost_attempt, run_rows
 
     run = tmp_path / "20261126-lr-sync-np3"
     run.mkdir()

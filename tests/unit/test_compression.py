@@ -4,7 +4,7 @@ sync engine wrapper (with a stand-in engine; the real exchange is in tests/mpi).
 import numpy as np
 import pytest
 
-from mpitrain import half
+from mpitrain.kernels import half
 
 from mpitrain.exchange import ErrorFeedback, HalfPrecisionEngine
 from mpitrain.train.asynchronous.mailbox import PushCodec

@@ -10,12 +10,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mpitrain import models
-from mpitrain.bounds import Bounds
-from mpitrain.cli import build_parser, explicit_settings, parse_config, user_model_in
+from mpitrain.config.bounds import Bounds
+from mpitrain.cli.commands import (build_parser, explicit_settings, parse_config,
+                                   user_model_in)
 from mpitrain.config import Config, resolve
 from mpitrain.errors import UsageError
-from mpitrain.lifecycle import resumed_config
-from mpitrain.settings import MAX_SECONDS
+from mpitrain.run.resume import resumed_config
+from mpitrain.config.settings import MAX_SECONDS
 from mpitrain.train.leases import Liveness
 
 LR_DEFAULTS = models.get("lr").defaults
@@ -66,7 +67,7 @@ def test_servers_usage_errors_are_one_line(argv, np_, pattern):
 
 
 def test_check_launch_names_every_server():
-    from mpitrain.tools.preflight import check_launch
+    from mpitrain.launch.preflight import check_launch
 
     assert check_launch(4, None, False, True, 2)[:3] == [
         f"rank 0: parameter server 1/2 on {platform.node()}",
@@ -313,7 +314,7 @@ def test_a_run_with_batches_per_epoch_resumes(tmp_path):
        floor=st.floats(min_value=1e-3, max_value=MAX_SECONDS),
        interval=st.floats(min_value=0, max_value=MAX_SECONDS), buckets=st.integers(1, 64))
 def test_the_bounds_keep_their_order(peer, start, floor, interval, buckets):
-    """The order mpitrain.bounds states: the rank that can name the culprit gives up
+    """The order mpitrain.config.bounds states: the rank that can name the culprit gives up
     first."""
     b = Bounds(peer, start)
     liveness = Liveness(b.peer, floor)

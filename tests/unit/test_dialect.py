@@ -1,15 +1,15 @@
-"""The MPI dialects (mpitrain/dialect.py) and the hostfile formats: pure logic, on the
+"""The MPI dialects (mpitrain/launch/dialect.py) and the hostfile formats: pure logic, on the
 version texts the three implementations really print (Open MPI 4.1.4 from Debian, Open
 MPI 5.0.11 and MPICH 5.0.2 from their PyPI wheels). Each dialect's commands are run
 under its real mpirun in tests/e2e/test_mpis.py."""
 
 import pytest
 
-from mpitrain import dialect
+from mpitrain.launch import dialect
 from mpitrain.comm.communicator import node_names
-from mpitrain.dialect import MPICH, OPEN_MPI, Implementation, Mpirun, identify
+from mpitrain.launch.dialect import MPICH, OPEN_MPI, Implementation, Mpirun, identify
 from mpitrain.errors import UsageError
-from mpitrain.tools import hostfile
+from mpitrain.launch import hostfile
 
 OMPI4_LIB = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022\x00"
 OMPI5_LIB = ("Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11, "

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from mpitrain.cli import build_parser
+from mpitrain.cli.commands import build_parser
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SOURCES = [*sorted((REPO / "mpitrain").rglob("*.py")), *sorted((REPO / "bench").glob("*.py")),

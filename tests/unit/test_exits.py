@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     keep.append(keep)  # a cycle: freed by the teardown's last collection, not at atexit
     atexit.register(lambda: print("exit handler ran"))
     print("run output")
-    from mpitrain.exits import leave
+    from mpitrain.cli.exits import leave
     leave({code})
 """)
 

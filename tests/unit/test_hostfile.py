@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpitrain.tools import hostfile
+from mpitrain.launch import hostfile
 from mpitrain.comm import Role
 from mpitrain.errors import UsageError
 from conftest import REPO

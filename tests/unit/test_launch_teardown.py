@@ -13,11 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mpitrain import launch
-from mpitrain.launch import Job, Launcher
-from mpitrain.launch_watch import (RunWatch, describe, is_attempts, teardown_overdue, writer_gone,
-                                   writer_visible)
-from mpitrain.results import ATTEMPT_ENV, attempt_facts, process_identity, run_ended
+from mpitrain.launch import job as launch
+from mpitrain.launch.job import Job, Launcher
+from mpitrain.launch.watch import (RunWatch, describe, is_attempts, teardown_overdue,
+                                   writer_gone, writer_visible)
+from mpitrain.results.run_dir import ATTEMPT_ENV, attempt_facts, process_identity, run_ended
 from mpitrain.userfiles import read_json_object
 
 def write_json(path: Path, obj) -> None:

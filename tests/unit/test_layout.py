@@ -1,9 +1,10 @@
 """The layout keeps its promises: every import follows the layer table of
-docs/architecture.md (ALLOWED below is that table); the tools in mpitrain/tools train
-nothing: they load no TensorFlow, no MPI and none of the training runtime (comm, session,
-trainers, replica, telemetry), so ``mpitrain plot|report|sweep|check`` start in a
-second. And only mpitrain/comm/ imports mpi4py: everything else talks to MPI through
-its verbs."""
+docs/architecture.md (ALLOWED below is that table); what runs outside the training job
+(mpitrain/launch/) and the offline reports (mpitrain/report/) train nothing: they load no
+TensorFlow, no MPI and none of the training runtime (comm, session, trainers, replica,
+telemetry), so ``mpitrain launch|plot|report|sweep|check`` start in a second. Only
+mpitrain/comm/ imports mpi4py: everything else talks to MPI through its verbs. The
+package root holds only the public surface and leaves, and no two modules share a name."""
 
 import ast
 import subprocess
@@ -12,15 +13,30 @@ from pathlib import Path
 
 from conftest import REPO
 
-TOOLS = ("plots", "run_files", "run_figures", "report", "sweep", "preflight", "hostfile")
-RUNTIME = ("tensorflow", "keras", "mpi4py", "mpitrain.comm", "mpitrain.session",
-           "mpitrain.train", "mpitrain.exchange",
-           "mpitrain.models.replica", "mpitrain.telemetry", "mpitrain.data", "mpitrain.lifecycle")
+OUTSIDE_THE_JOB = ("report.plots", "report.run_files", "report.run_figures", "report.markdown",
+                   "launch.job", "launch.watch", "launch.sweep", "launch.preflight",
+                   "launch.hostfile", "launch.dialect")
+RUNTIME = ("tensorflow", "keras", "mpi4py", "mpitrain.comm", "mpitrain.run.session",
+           "mpitrain.train", "mpitrain.exchange", "mpitrain.models.replica",
+           "mpitrain.results.telemetry", "mpitrain.data")
+#: the package root: the public surface (the package, ``python -m mpitrain``,
+#: ``mpitrain.fit``) and the leaves every layer may use
+ROOT_MODULES = {"__init__.py", "__main__.py", "api.py", "atomic.py", "errors.py",
+                "userfiles.py"}
+
+
+def test_the_root_holds_the_public_surface_and_leaves_only():
+    assert {p.name for p in (REPO / "mpitrain").glob("*.py")} == ROOT_MODULES
+
+
+def test_no_two_modules_share_a_name():
+    names = [p.name for p in (REPO / "mpitrain").rglob("*.py") if p.name != "__init__.py"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
 
 
 def test_tools_load_nothing_of_the_training_runtime():
     code = ("import sys\n"
-            + "".join(f"import mpitrain.tools.{name}\n" for name in TOOLS)
+            + "".join(f"import mpitrain.{name}\n" for name in OUTSIDE_THE_JOB)
             + f"print(sorted(m for m in {RUNTIME!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
@@ -71,32 +87,37 @@ def test_the_import_rule_finds_every_form_of_import(tmp_path):
 
 
 #: the leaves: they import nothing of mpitrain but one another (__version__: the
-#: package's version string; _half: the C part of half)
-LEAVES = {"config", "settings", "bounds", "schema", "atomic", "errors", "half", "_half", "dialect",
-          "userfiles", "model_names", "__version__"}
-#: the I/O modules
-IO = {"data", "results", "telemetry", "lifecycle", "console"}
+#: package's version string)
+LEAVES = {"config", "atomic", "errors", "userfiles", "kernels", "launch.dialect",
+          "results.schema", "__version__"}
+#: the I/O modules of the run
+IO = {"data", "results", "run.checkpoint", "run.signals", "run.console"}
 #: the layer table of docs/architecture.md: what each part of mpitrain may import besides
 #: itself (the entry points, ENTRY, may import anything)
 ALLOWED = {
     **{leaf: LEAVES for leaf in LEAVES},
     "comm": LEAVES,
     **{io: LEAVES for io in IO},
-    "lifecycle": LEAVES | {"data"},
+    "run.checkpoint": LEAVES | {"data"},
+    "run.resume": LEAVES | {"data", "run.checkpoint"},
     "models": LEAVES,
     "exchange": LEAVES | {"comm"},
-    "train": LEAVES | {"comm", "exchange", "models", "lifecycle", "data"},
-    "session": LEAVES | IO | {"comm", "exchange", "models", "train", "tools.preflight"},
+    "train": LEAVES | {"comm", "exchange", "models", "run.checkpoint", "run.signals", "data"},
+    "run.session": LEAVES | IO | {"comm", "exchange", "models", "train", "run.resume",
+                                  "launch.preflight"},
     "horovod": LEAVES | IO | {"comm", "exchange", "models", "train"},
-    "tools.run_files": LEAVES,
-    "tools.run_figures": LEAVES | {"tools.run_files"},
-    "tools.plots": LEAVES | {"tools.run_files", "tools.run_figures"},
-    "tools.report": LEAVES | {"tools.plots", "tools.run_files"},
-    "tools.hostfile": LEAVES,
-    "tools.preflight": LEAVES | {"tools.hostfile"},
-    "tools.sweep": LEAVES | {"tools.hostfile", "tools.preflight", "tools.report"},
+    "report.run_files": LEAVES,
+    "report.run_figures": LEAVES | {"report.run_files"},
+    "report.plots": LEAVES | {"report.run_files", "report.run_figures"},
+    "report.markdown": LEAVES | {"report.plots", "report.run_files"},
+    "launch.hostfile": LEAVES,
+    "launch.preflight": LEAVES | {"launch.hostfile"},
+    "launch.sweep": LEAVES | {"launch.hostfile", "launch.preflight", "report.markdown"},
+    "launch.watch": LEAVES | {"results", "run.checkpoint", "run.signals"},
+    "launch.job": LEAVES | {"launch.watch", "launch.hostfile", "launch.preflight", "results",
+                            "run.checkpoint", "run.signals", "run.resume"},
 }
-ENTRY = {"", "__main__", "cli", "api", "launch", "launch_watch", "exits"}
+ENTRY = {"", "__main__", "cli", "api"}
 
 
 def import_edges(root: Path) -> list:

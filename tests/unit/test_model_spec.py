@@ -9,11 +9,12 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from mpitrain import cli, models
+from mpitrain.cli import commands as cli
+from mpitrain import models
 from mpitrain.config import Config
 from mpitrain.errors import UsageError
-from mpitrain.lifecycle import resumed_config
-from mpitrain.tools.sweep import Run
+from mpitrain.run.resume import resumed_config
+from mpitrain.launch.sweep import SweepPoint
 
 CNN = '''
 import keras
@@ -205,7 +206,7 @@ def test_run_directory_name_is_safe(cnn):
     assert models.run_name(f"{cnn}:build") == "my_cnn-build"
     assert models.run_name("my.pkg.nets:make_net") == "my.pkg.nets-make_net"
     assert models.run_name("./we ird/m&m.py:build") == "m_m-build"
-    assert Run(f"{cnn}:build", "sync", 3, 1).key == "my_cnn-build-sync-np3-bsdefault-e1"
+    assert SweepPoint(f"{cnn}:build", "sync", 3, 1).key == "my_cnn-build-sync-np3-bsdefault-e1"
 
 
 def test_check_options_may_follow_the_model(cnn):

@@ -41,7 +41,7 @@ def test_a_saved_state_that_does_not_fit_the_layout_is_named():
     """Resume refuses a checkpoint's optimizer state unless it has the layout's names with
     their sizes (dtypes may differ: _pack casts)."""
     from mpitrain.errors import UsageError
-    from mpitrain.lifecycle import optimizer_mismatch
+    from mpitrain.run.checkpoint import optimizer_mismatch
 
     fits = {"o0": np.int64(5), "o1": np.zeros((3, 2), np.float64), "o10": np.zeros(4),
             "o2": np.zeros(5, np.float32)}

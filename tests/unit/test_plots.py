@@ -11,13 +11,13 @@ import matplotlib.image as mpimg
 import pytest
 
 from mpitrain.errors import ResultsError
-from mpitrain.tools.plots import plot_runs
-from mpitrain.tools.run_figures import fig_nodes, node_label, node_labels
-from mpitrain.tools.run_files import load_run
-from mpitrain.cli import main as cli_main
-from mpitrain.tools.report import write_report
-from mpitrain.schema import (COMM_COLUMNS, CURVE_COLUMNS, STALENESS_COLUMNS, TELEMETRY_COLUMNS,
-                             TIMING_COLUMNS)
+from mpitrain.report.plots import plot_runs
+from mpitrain.report.run_figures import fig_nodes, node_label, node_labels
+from mpitrain.report.run_files import load_run
+from mpitrain.cli.commands import main as cli_main
+from mpitrain.report.markdown import write_report
+from mpitrain.results.schema import (COMM_COLUMNS, CURVE_COLUMNS, STALENESS_COLUMNS,
+                                     TELEMETRY_COLUMNS, TIMING_COLUMNS)
 
 CURVE_FIGS = {"fig-curves-epoch.png", "fig-curves-time.png"}
 SYNC_FIGS = CURVE_FIGS | {"fig-nodes.png", "fig-rank-cpu.png", "fig-time-breakdown.png",
@@ -327,10 +327,12 @@ def write_like_mpitrain(root, mode, hosts):
     (config.json, curve.csv), telemetry.write_local with a real Sampler and PhaseTimer
     per rank (telemetry.csv, timing.csv, comm.csv), session.run_row and
     telemetry.node_summary (its runs.csv row) and, for async, the staleness table."""
-    from mpitrain import models, session, telemetry
+    from mpitrain import models
+    from mpitrain.run import session
+    from mpitrain.results import telemetry
     from mpitrain.config import Config, resolve
     from mpitrain.data import Dataset
-    from mpitrain.results import RunResults
+    from mpitrain.results.run_dir import RunResults
     from mpitrain.train import Summary
     from mpitrain.train.protocol import PhaseTimer
 

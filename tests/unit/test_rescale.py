@@ -7,7 +7,8 @@ import pytest
 
 from mpitrain.config import Config
 from mpitrain.errors import UsageError
-from mpitrain.lifecycle import Checkpoint, Rescale, geometry, remap_position, resumed_config
+from mpitrain.run.checkpoint import Checkpoint, geometry
+from mpitrain.run.resume import Rescale, remap_position, resumed_config
 
 MNIST_TRAIN = 60000
 

@@ -7,8 +7,9 @@ import multiprocessing
 
 import numpy as np
 
-from mpitrain.lifecycle import Checkpoint
-from mpitrain.results import CsvLog, NullResults, RunResults, append_run_row, new_run_dir
+from mpitrain.run.checkpoint import Checkpoint
+from mpitrain.results.run_dir import (CsvLog, NullResults, RunResults, append_run_row,
+                                      new_run_dir)
 from mpitrain.train.context import ResultsWriter
 
 
@@ -116,11 +117,11 @@ def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
     import collections
     from types import SimpleNamespace
 
-    from mpitrain.console import NullConsole
+    from mpitrain.run.console import NullConsole
     from mpitrain.train.asynchronous.accounts import WorkerAccount, report
 
     from mpitrain.config import Config
-    from mpitrain.lifecycle import Checkpoint
+    from mpitrain.run.checkpoint import Checkpoint
 
     results = RunResults(tmp_path, "lr-async-np3")
     ctx = SimpleNamespace(results=results, console=NullConsole(), lost=[], resume_from=None,

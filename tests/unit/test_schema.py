@@ -1,9 +1,9 @@
-"""mpitrain.schema: the one definition of the run files' columns, for writers and readers."""
+"""mpitrain.results.schema: the one definition of the run files' columns, for writers and readers."""
 
 import pytest
 
-from mpitrain import results, schema, telemetry
-from mpitrain.schema import Column
+from mpitrain.results import run_dir as results, schema, telemetry
+from mpitrain.results.schema import Column
 
 
 def test_writers_take_their_headers_from_the_schema():

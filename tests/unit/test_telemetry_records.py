@@ -1,6 +1,6 @@
 """telemetry.node_summary: the per-node columns of runs.csv, and its cost in the hosts."""
 
-from mpitrain import telemetry
+from mpitrain.results import telemetry
 
 
 def sample(t, rank, host, rss, cpu=None, rx=0, tx=0):

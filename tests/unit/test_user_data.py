@@ -380,7 +380,9 @@ def test_data_conflicts_are_usage_errors(extra, message):
 def test_runs_csv_from_before_data_gains_the_columns(tmp_path):
     """A runs.csv written before input_shape/num_classes existed: the next row (a --data
     run, built by session.run_row) adds the columns; the old rows keep empty cells."""
-    from mpitrain import models, results, session
+    from mpitrain import models
+    from mpitrain.results import run_dir as results
+    from mpitrain.run import session
     from mpitrain.config import Config, resolve
 
     table = tmp_path / "runs.csv"

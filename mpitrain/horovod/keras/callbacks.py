@@ -18,8 +18,8 @@ from typing import Set
 
 import numpy as np
 
-from .. import runtime
-from ..engine import Average
+from .. import world as runtime
+from ..collectives import Average
 from ..ops import _call, broadcast_variables
 
 import keras

@@ -56,7 +56,7 @@ from ...errors import CommTimeout
 from ..context import Context, Summary
 from ..evaluation import Stopwatch
 from .mailbox import PIPELINE_DEPTH, Mailbox, ServerEnd
-from .partition_server import PartitionServer
+from .sharded.partition_server import PartitionServer
 from .server import Server
 from .worker import work
 

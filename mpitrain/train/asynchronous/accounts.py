@@ -10,8 +10,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ...lifecycle import Checkpoint
-from ...schema import STALENESS_COLUMNS
+from ...run.checkpoint import Checkpoint
+from ...results.schema import STALENESS_COLUMNS
 from ..leases import Quotas
 from ..priority import niceness
 from .worker_states import AWAITED, DISMISSED, WorkerState, WorkerStates

@@ -40,10 +40,10 @@ import numpy as np
 from ...comm import IDLE, share_with_server
 from ...errors import UsageError
 from ...exchange import ErrorFeedback
-from ...half import widen_
+from ...kernels.half import widen_
 from ..protocol import (DROPPED, FINAL, SLOTS, TAG_GRADIENT, TAG_WEIGHTS, Header, new_message,
                         slots_of)
-from .partition import partition_of
+from .sharded.partition import partition_of
 from .pool import Pools
 
 #: pushes a worker may have in flight under unbounded staleness (see .worker)

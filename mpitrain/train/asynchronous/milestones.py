@@ -6,7 +6,7 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from ...lifecycle import Checkpoint
+from ...run.checkpoint import Checkpoint
 from ..evaluation import BackgroundEvaluator, Evaluator
 
 class Milestones:

@@ -24,7 +24,7 @@ from ...comm import Backoff
 from ..protocol import (DROPPED, FAREWELL, FINAL, PARKED, REQUEST, SLOTS, TAG_GRADIENT,
                         TAG_WEIGHTS, Header, new_message, slots_word, write_version)
 from .mailbox import PIPELINE_DEPTH, SHARED, Mailbox, PushCodec, norm_slots
-from .partition import partition_of
+from .sharded.partition import partition_of
 
 
 class InFlight(NamedTuple):

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...comm import SERVING, Backoff
 from ...errors import CommTimeout
-from ...lifecycle import Checkpoint
+from ...run.checkpoint import Checkpoint
 from ..context import Context, Summary, diverged, interrupted
 from ..evaluation import Stopwatch
 from ..leases import Leases, Quotas, first_look
@@ -21,8 +21,8 @@ from . import accounts
 from .accounts import WorkerAccount
 from .mailbox import PIPELINE_DEPTH, ServerEnd
 from .milestones import Milestones
-from .partition import partition_of
-from .peers import GONE, PartitionServers, completed, raise_if_lost
+from .sharded.partition import partition_of
+from .sharded.peers import GONE, PartitionServers, completed, raise_if_lost
 from .recovery import Recovery, short_of_plan
 from .store import ParameterStore, fresh_share_state, share_of_checkpoint
 from .worker_states import (DISMISSED, DONE, LOST, PARKED, RECALLED, TAKERS, TRAINING,

@@ -6,12 +6,12 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ...lifecycle import Checkpoint, optimizer_mismatch
+from ...run.checkpoint import Checkpoint, optimizer_mismatch
 from ...models import optim
 from ..protocol import SLOTS
 from .compensation import Compensation, chosen
 from .mailbox import PushCodec, norm_slots
-from .partition import partition_of
+from .sharded.partition import partition_of
 
 
 class ParameterStore:

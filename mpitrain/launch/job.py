@@ -1,0 +1,497 @@
+"""``mpitrain launch``: run a training job under mpirun and restart it when it fails.
+
+    mpitrain launch -np 4 -hostfile hostfiles/cluster2 --max-restarts 3 lr --async
+
+The launcher runs the launch preflight (hostfile, slots, -np against the mode;
+see :mod:`mpitrain.launch.preflight`; every host of the hostfile must be reachable:
+a run that has not begun is never made smaller), starts ``mpirun ... python -m
+mpitrain ARGS`` and waits. The mpirun is this Python's environment's, else the one on
+PATH (:func:`mpitrain.launch.dialect.find_mpirun`): Open MPI 4 or 5, or MPICH's Hydra, each
+given its own options (:class:`mpitrain.launch.dialect.Mpirun`: binding off so that more ranks
+than cores run, the hostfile in its format, its recovery flag). When the job fails (a
+rank killed, a stalled rank named by the watchdog, the parameter server lost), it
+restarts it with ``--resume RUN_DIR`` from the run's last checkpoint, up to
+``--max-restarts`` times, so the run continues in the same results directory with one
+continuous curve. A sync run
+resumed this way ends with the same weights, bit for bit, as one that never
+failed (see :mod:`mpitrain.run`); it loses at most the steps since the
+last checkpoint (``--checkpoint-every``).
+
+Before each restart every host of the hostfile is probed (mpirun, with the job's
+own launch options, runs ``true`` there within PROBE_TIMEOUT; a host that fails
+is probed once more). A host that is gone is left out: the restart runs on a
+hostfile of the others (``hostfile.launch`` in the run directory) and, when
+their slots are fewer than -np (and --oversubscribe was not given), with fewer
+ranks. The run then resumes
+with fewer workers: a sync run keeps its global batch by raising the
+per-worker batch, or, where the global batch does not divide among the workers
+left, takes the nearest one and scales the learning rate by the linear rule;
+an async run keeps batch and learning rate and shares the updates left among
+its workers (see :class:`mpitrain.run.resume.Rescale`; recorded in runs.csv's
+``rescaled`` column and the session's resumed-*.json). A host that comes back
+is not taken in again during the launch. Without a hostfile (this machine, or a
+SLURM allocation) nothing is probed.
+
+An async job with two or more workers runs under Open MPI's recovery
+(``--enable-recovery`` on 4.x, ULFM's ``--with-ft ulfm`` on 5.x): a worker that dies
+or stalls is dropped by the parameter server and the job finishes without a restart
+(see :mod:`mpitrain.train.asynchronous`); only the server's loss needs one. MPICH
+cannot keep a job running after a rank died: there any loss costs a restart.
+
+What is never restarted: success (exit 0), a usage error (2: the same
+arguments would fail again), a run stopped by a signal (143), and anything
+after the launcher itself was asked to stop. Signals: SIGUSR1, SIGTERM and
+SIGINT to the launcher are passed to mpirun as SIGUSR1, which mpirun forwards
+to every rank and then waits, so the ranks stop at one step and checkpoint
+(SLURM's ``--signal=B:TERM@60`` ends here); a second signal, or no exit
+within ``STOP_GRACE`` seconds, kills the job's whole process group. mpirun
+runs in a session of its own that the launcher kills on any exit, so no rank
+outlives it.
+
+While mpirun runs, the launcher follows the attempt's status.json
+(:mod:`mpitrain.launch.watch`: when the run ended by its own word, or its rank 0 is
+gone, mpirun gets ``TEARDOWN_GRACE`` seconds to exit), and every attempt keeps its
+runs.csv row.
+
+Exit codes: 0 the run finished (after N restarts, printed); 1 it still failed
+after the last restart, or failed before writing any checkpoint twice; 2 usage
+error; 74 its results could not be written (a full or read-only disk: never
+restarted); 143 stopped by a signal (resume with ``--resume`` or launch again).
+
+``mpitrain launch -np N SCRIPT.py ARGS`` runs the user's own script instead (one
+written against :mod:`mpitrain.horovod`): every failure short of a usage error (2) is
+restarted with the same command, up to ``--max-restarts`` times, and the script
+resumes from its own checkpoints; its telemetry, if on, is followed in
+``$MPITRAIN_RESULTS_DIR``.
+
+The run directory of a failed attempt is found as the one new directory under
+``--results-dir`` (rank 0 writes it; on a multi-host cluster the results
+directory must be on the launcher's host or a shared filesystem, as for
+``mpitrain report``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, cast
+
+from . import dialect
+from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
+                      MpitrainError, ResultsError, UsageError)
+from .watch import RunWatch, describe, kill_tree, restartable, run_dirs
+from ..run.checkpoint import CHECKPOINT
+from ..run.signals import STOP_SIGNALS
+from ..results.run_dir import (ATTEMPT_ENV, EXIT_CODE_OF_STATUS, record_lost_attempt,
+                               run_rows)
+from . import hostfile
+
+PROG = "mpitrain launch"
+#: seconds the job gets to checkpoint and exit after a stop signal before it is killed
+STOP_GRACE = 120.0
+#: seconds mpirun gets to exit once the run's status.json says the run ended, before it
+#: is killed. What follows that write in a healthy job: rank 0 writes its telemetry and
+#: runs.csv row (a second or less) and aborts the job, which mpirun ends in seconds
+#: (docs/architecture.md, "Ending a job through mpirun"), or, after a
+#: run that succeeded, every rank finalizes (well under a second). 15 s is several times
+#: that, on a loaded host too, and rank 0 has long written its files by then; it is small
+#: against the minutes Open MPI can spend tearing down a job with a daemon on a lost host.
+TEARDOWN_GRACE = 15.0
+#: seconds between two looks at mpirun (and at the run's status.json)
+POLL_INTERVAL = 1.0
+
+
+def add_parser(commands) -> None:
+    """The ``launch`` sub-command's options (the same launch shape as ``check``)."""
+    launch = commands.add_parser(
+        "launch", help="run a training job under mpirun, restarting it from its checkpoint "
+        "when it fails",
+        description="Preflight the launch, run 'mpirun ... python -m mpitrain MODEL "
+        "[OPTIONS]', and when the job fails restart it with --resume from its last "
+        "checkpoint, up to --max-restarts times. Run it as 'mpitrain launch -np 4 -hostfile "
+        "hostfiles/cluster2 lr --async' (no mpirun). Exit codes: 0 done, 1 failed after "
+        "the last restart, 2 usage error, 143 stopped by a signal.")
+    launch.add_argument("-np", "--np", dest="np", type=int, default=None,
+                        help="ranks (default: $SLURM_NTASKS inside a SLURM allocation, else 1)")
+    launch.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE")
+    launch.add_argument("--oversubscribe", action="store_true",
+                        help="allow more ranks than slots (as mpirun --oversubscribe)")
+    launch.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                        help="restarts after failures before giving up (default 3)")
+    launch.add_argument("--mpirun-arg", action="append", default=[], metavar="ARG",
+                        help="an extra argument for mpirun, e.g. --mpirun-arg=--bind-to "
+                        "--mpirun-arg=none (repeatable)")
+    launch.add_argument("training", nargs="...", metavar="MODEL [OPTIONS] | SCRIPT.py [ARGS]",
+                        help="the training command (as after 'python -m mpitrain'), or your "
+                        "script (a mpitrain.horovod one: restarted as it is, it resumes from "
+                        "its own checkpoints)")
+
+
+def is_script(training: Sequence[str]) -> bool:
+    """Whether the training command is the user's own script (``SCRIPT.py [ARGS]``, e.g. one
+    written against mpitrain.horovod) rather than mpitrain's (a model name, or a
+    ``FILE.py:FUNCTION`` spec)."""
+    return bool(training) and training[0].endswith(".py") and Path(training[0]).is_file()
+
+
+def world_size(args) -> int:
+    """-np, or the task count of the SLURM allocation the launcher runs in, or 1."""
+    return args.np if args.np is not None else int(os.environ.get("SLURM_NTASKS", "1"))
+
+
+def run(args, cfg) -> int:
+    """Entry point for ``mpitrain launch`` once the training arguments parsed as ``cfg``
+    (None for a script, :func:`is_script`: mpitrain's defaults; its telemetry, if on,
+    goes to $MPITRAIN_RESULTS_DIR)."""
+    script = cfg is None
+    if script:
+        from ..config import Config
+
+        cfg = Config.of(results_dir=os.environ.get("MPITRAIN_RESULTS_DIR", "results"))
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
+    from .preflight import check_launch
+
+    np_ = world_size(args)
+    placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode,
+                             cfg.asynchronous.servers)
+    in_slurm = args.hostfile is None and bool(os.environ.get("SLURM_JOB_ID"))
+    if in_slurm:
+        placement = [f"{np_} ranks on the SLURM allocation of job {os.environ['SLURM_JOB_ID']}"]
+    runner = launcher_for_this_python()
+    if script:  # every rank of a script trains: no parameter server
+        placement = [re.sub(r": (parameter server|worker|single) on ", ": on ", line)
+                     for line in placement]
+    for line in placement:
+        say(line)
+    hosts = hostfile.read(args.hostfile) if args.hostfile else None
+    # no hostfile and no allocation: every rank on this host, as many as -np asks for
+    oversubscribe = args.oversubscribe or (hosts is None and not in_slurm)
+    job = Job(np_, hosts, args.hostfile, oversubscribe, list(args.mpirun_arg), cfg.async_mode,
+              runner, keep_binding=cfg.keep_cpu_binding,
+              recovery=cfg.async_mode and runner.supports_recovery)
+    if cfg.async_mode and np_ > 2 and not runner.supports_recovery:
+        say(f"note: {runner.impl.name} cannot keep a job running after one of its ranks "
+            "died, so a lost worker costs a restart from the last checkpoint (Open MPI "
+            "keeps the others training)")
+    require_reachable(job.hosts, job.mpirun_args, runner)
+    if script:
+        job.program = [str(Path(args.training[0]).resolve())]
+    launcher = Launcher(job, list(args.training[script:]), Path(cfg.results_dir), cfg.resume,
+                        args.max_restarts, script=script)
+    return launcher.run()
+
+
+def launcher_for_this_python() -> dialect.Mpirun:
+    """The mpirun to start ranks of this Python with (see :func:`.dialect.find_mpirun`);
+    UsageError when there is none, or when it is not of the MPI this Python's mpi4py
+    loads (their ranks would each start alone: N single-rank runs instead of one job)."""
+    try:
+        runner = dialect.mpirun()
+    except FileNotFoundError:
+        raise UsageError("mpirun not found: install Open MPI or MPICH (bash setup.sh installs "
+                         "Open MPI), or set MPITRAIN_MPIRUN to your launcher") from None
+    problem = dialect.mismatch(runner, dialect.library_of(sys.executable))
+    if problem:
+        raise UsageError(problem)
+    return runner
+
+
+def require_reachable(hosts: Optional[Sequence[hostfile.Host]], mpirun_args: Sequence[str],
+                      runner: dialect.Mpirun) -> None:
+    """Before a run begins: every host of the hostfile must be reachable (mpirun starts
+    ``true`` there), or the launch fails with one line naming the host. A run that has
+    not begun is never rescaled: a typo in a host name must not silently make it a
+    smaller run."""
+    if not hosts:
+        return
+    gone = unreachable(hosts, mpirun_args, runner)
+    if gone:
+        why = "; ".join(f"{h}: {reason}" for h, reason in gone.items())
+        raise MpitrainError(f"host(s) {', '.join(gone)} cannot be reached: mpirun cannot "
+                            f"start a process there ({why}); fix the host name in the "
+                            "hostfile, or the host (ssh, the same environment path), or leave "
+                            "it out of the hostfile")
+
+
+@dataclass
+class Job:
+    """What mpirun is asked to run: ranks, hosts and its options. After a failure the
+    hosts mpirun can no longer start a process on are left out (:meth:`without_lost_hosts`)."""
+
+    np: int
+    hosts: Optional[List[hostfile.Host]]  # None: no hostfile (this machine, or SLURM's)
+    hostfile: Optional[str]
+    oversubscribe: bool
+    mpirun_args: List[str]
+    async_mode: bool
+    runner: dialect.Mpirun = field(default_factory=dialect.mpirun)  # (the one found here)
+    keep_binding: bool = False  # --keep-cpu-binding: mpirun's own binding
+    recovery: bool = False  # an async job whose mpirun keeps the others after a rank died
+    program: List[str] = field(default_factory=lambda: ["-m", "mpitrain"])  # or a script
+
+    def command(self) -> List[str]:
+        """mpirun in its own dialect (see :mod:`mpitrain.launch.dialect`), then the program."""
+        given = (hostfile.for_launcher(self.hostfile, self.runner.hostfile_format)
+                 if self.hostfile else None)
+        # the async server goes on without a lost worker instead of the job ending
+        cmd = self.runner.command(self.np, given, self.oversubscribe, self.keep_binding,
+                                  self.recovery and self.np > 2,
+                                  export=[ATTEMPT_ENV],  # the attempt's token, for rank 0
+                                  extra=self.mpirun_args)
+        return cmd + [sys.executable, *self.program]
+
+    def without_lost_hosts(self, write_to: Path) -> Optional[str]:
+        """Probe every host; if some are gone, leave them out (a hostfile of the others
+        written at ``write_to``) and lower -np to the slots left. Returns what changed
+        (None if nothing); UsageError if too few ranks are left for the mode."""
+        if not self.hosts:
+            return None
+        gone = unreachable(self.hosts, self.mpirun_args, self.runner)
+        if not gone:
+            return None
+        left = [h for h in self.hosts if h.name not in gone]
+        slots = hostfile.total_slots(left)
+        np_ = self.np if self.oversubscribe else min(self.np, slots)
+        why = "; ".join(f"{h}: {reason}" for h, reason in gone.items())
+        if not left or (self.async_mode and np_ < 2):
+            raise UsageError(f"host(s) {', '.join(gone)} cannot be reached ({why}) and the "
+                             f"hosts left offer {slots} slot(s): too few to continue the run "
+                             "(fix the hosts, then launch again with --resume)")
+        write_to.write_text(hostfile.render(left, self.runner.hostfile_format))
+        before, self.np, self.hosts, self.hostfile = self.np, np_, left, str(write_to)
+        fewer = f"; -np {before} -> {np_}, the run resumes with fewer workers" \
+            if np_ < before else ""
+        return (f"host(s) {', '.join(gone)} cannot be reached (mpirun cannot start a "
+                f"process there: {why}): left out ({write_to}){fewer}")
+
+
+#: seconds mpirun gets to start ``true`` on a host before the host counts as gone
+PROBE_TIMEOUT = 30.0
+
+
+def unreachable(hosts: Sequence[hostfile.Host], mpirun_args: Sequence[str],
+                runner: dialect.Mpirun) -> Dict[str, str]:
+    """{host: why} for the hosts on which mpirun (with the job's own options: its launch
+    agent) cannot run ``true`` within PROBE_TIMEOUT, twice in a row (one transient failure,
+    e.g. an ssh hiccup, does not cost a host its place; a lost host fails both). Hosts are
+    probed all at once."""
+    failed = _probe([h.name for h in hosts], mpirun_args, runner)
+    return _probe(list(failed), mpirun_args, runner) if failed else failed
+
+
+def _probe(names: Sequence[str], mpirun_args: Sequence[str],
+           runner: dialect.Mpirun) -> Dict[str, str]:
+    probes = {name: subprocess.Popen(
+        runner.probe(name, mpirun_args),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdin=subprocess.DEVNULL, env=dialect.launch_environment())
+        for name in names}
+    deadline, gone = time.monotonic() + PROBE_TIMEOUT, {}
+    for name, probe in probes.items():
+        try:
+            _, err = probe.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_tree(probe.pid)
+            probe.communicate()
+            gone[name] = f"no answer within {PROBE_TIMEOUT:g} s"
+            continue
+        if probe.returncode != 0:
+            first = next((line.strip() for line in err.splitlines()
+                          if line.strip() and not line.startswith("---")), "")
+            gone[name] = f"exit {probe.returncode}" + (f": {first}" if first else "")
+    return gone
+
+
+class Launcher:
+    """Runs one job to completion through restarts; see the module docstring."""
+
+    def __init__(self, job: Job, training: List[str], results_dir: Path,
+                 resume: Optional[str], max_restarts: int, script: bool = False):
+        self.job, self.training = job, training
+        #: a script of the user's: restarted as it is (it resumes from its own checkpoints)
+        self.script = script
+        self.results_dir, self.resume = results_dir, resume
+        self.max_restarts = max_restarts
+        self.proc: Optional[subprocess.Popen] = None
+        self.stop_signal: Optional[int] = None
+        self.kill_at: Optional[float] = None
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            return self._attempts()
+        finally:
+            self._kill_job()  # whatever happened: no rank outlives the launcher
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _attempts(self) -> int:
+        started, without_checkpoint = time.monotonic(), 0
+        for attempt in range(self.max_restarts + 1):
+            before = run_dirs(self.results_dir)
+            argv = self.training + (["--resume", self.resume] if self.resume else [])
+            token = uuid.uuid4().hex
+            # the run's rows so far: the attempt has its own once there is one more
+            rows_before = self._rows_of(Path(self.resume)) if self.resume else 0
+            code, watched = self._run_job(argv, token)
+            self._kill_job()  # a rank that outlived mpirun must not hold on to its shard
+            if code == 0:
+                if attempt:
+                    say(f"the run finished after {attempt} restart(s) "
+                        f"({time.monotonic() - started:.0f} s in all)")
+                return 0
+            if self.stop_signal is not None or code == EXIT_INTERRUPTED:
+                say(f"stopped (exit {code}); the run can be resumed" +
+                    (f" with --resume {self.resume}" if self.resume else ""))
+                return EXIT_INTERRUPTED
+            if code == EXIT_USAGE:
+                return EXIT_USAGE
+            run_dir = self._failed_run_dir(before, watched)
+            if run_dir is not None and record_lost_attempt(  # each attempt keeps its row
+                    run_dir, f"the job ended (mpirun exit {code}) before rank 0 recorded how: "
+                    "a rank was killed, or its host lost", resumed=self.resume is not None,
+                    token=token, rows_before=rows_before):
+                say("rank 0 did not record this attempt's end: its runs.csv row written")
+            if code == EXIT_CANNOT_WRITE or not restartable(run_dir):
+                say(f"the job failed (exit {code}) writing its results: a restart would fail "
+                    "the same way; giving up (see the error above)")
+                return EXIT_CANNOT_WRITE
+            if self.script:
+                pass  # the same command again: the script resumes from its own checkpoints
+            elif run_dir is not None and (run_dir / CHECKPOINT).is_file():
+                self.resume = str(run_dir)
+            elif self.resume is None:
+                without_checkpoint += 1  # nothing saved yet: start it again from scratch
+                if without_checkpoint > 1:
+                    say(f"the job failed (exit {code}) twice before its first checkpoint; "
+                        "giving up (see the error above)")
+                    return EXIT_FAILURE
+            left = self.max_restarts - attempt
+            if left == 0:
+                say(f"the job failed (exit {code}) and no restarts are left "
+                    f"(--max-restarts {self.max_restarts}); giving up")
+                return EXIT_FAILURE
+            try:
+                if self.resume:
+                    changed = self.job.without_lost_hosts(self._hostfile_path())
+                else:  # nothing to resume: a smaller run from scratch is not this run
+                    require_reachable(self.job.hosts, self.job.mpirun_args, self.job.runner)
+                    changed = None
+            except MpitrainError as e:
+                say(f"the job failed (exit {code}); {e}")
+                return EXIT_FAILURE
+            if changed:
+                say(changed)
+            where = (f"from the checkpoint in {self.resume}" if self.resume else
+                     "the script (it resumes from its own checkpoints)" if self.script
+                     else "from scratch")
+            say(f"the job failed (exit {code}); restarting {where} ({left} restart(s) left)")
+        return EXIT_FAILURE
+
+    def _hostfile_path(self) -> Path:
+        """Where the hostfile of the hosts left is written: the run directory (it records
+        where the run went on), else the results directory."""
+        where = Path(self.resume) if self.resume else self.results_dir
+        where.mkdir(parents=True, exist_ok=True)
+        return where / "hostfile.launch"
+
+    def _failed_run_dir(self, before: set, watched: Optional[Path]) -> Optional[Path]:
+        """The run directory the failed attempt wrote in (its own, or the resumed one):
+        the one its token marked (``watched``, see RunWatch), else the newest new one
+        (an attempt that failed before rank 0 said running)."""
+        if self.resume:
+            return Path(self.resume)
+        if watched is not None:
+            return watched
+        new = sorted(run_dirs(self.results_dir) - before)
+        return new[-1] if new else None
+
+    @staticmethod
+    def _rows_of(run_dir: Path) -> int:
+        """The run's rows in runs.csv (see :func:`run_rows`); 0 if it cannot be read (no
+        row can be added to it then either)."""
+        try:
+            return run_rows(run_dir)
+        except ResultsError:
+            return 0
+
+    def _run_job(self, argv: Sequence[str], token: str) -> Tuple[int, Optional[Path]]:
+        """Run one attempt with its ``token``: its exit code (or, when mpirun outlived the
+        run's own end, or rank 0, by TEARDOWN_GRACE and was killed: the code of the run's
+        status, or 1), and the run directory its token marked (None if rank 0 never said
+        running)."""
+        command = self.job.command() + list(argv)
+        say("$ " + " ".join(command))
+        watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
+        # a session of its own: one killpg reaches mpirun and every local rank
+        self.proc = subprocess.Popen(command, start_new_session=True,
+                                     env=dialect.launch_environment(**{ATTEMPT_ENV: token}))
+        code = self._watch_job(watch)
+        watch.poll()  # (a run that ended between two looks)
+        return code, watch.run_dir
+
+    def _watch_job(self, watch: "RunWatch") -> int:
+        """Wait for mpirun, looking at the run's status.json once a second (see run)."""
+        proc = cast(subprocess.Popen, self.proc)  # (started by the caller)
+        while True:
+            try:
+                return proc.wait(timeout=POLL_INTERVAL)
+            except subprocess.TimeoutExpired:
+                if self.kill_at is not None and time.monotonic() >= self.kill_at:
+                    say(f"the job did not stop within {STOP_GRACE:g} s; killing it")
+                    self._kill_job()
+                    continue  # the wait returns its exit code at once
+                watch.poll()
+                # (either is only ever true of a status read)
+                if watch.overdue(TEARDOWN_GRACE):
+                    return self._kill_after_the_run_ended(cast(dict, watch.status))
+                if watch.writer_gone_overdue(TEARDOWN_GRACE):
+                    return self._kill_after_rank_0_is_gone(
+                        cast(dict, watch.status)["writer"]["pid"])
+
+    def _kill_after_the_run_ended(self, status: dict) -> int:
+        """Kill a job whose run has ended but whose mpirun has not exited; the exit code
+        mpirun would have given for that end."""
+        say(f"the run ended ({describe(status)}) but mpirun did not exit within "
+            f"{TEARDOWN_GRACE:g} s; killing it")
+        self._kill_job()
+        return EXIT_CODE_OF_STATUS[status["status"]]
+
+    def _kill_after_rank_0_is_gone(self, pid: int) -> int:
+        """Kill a job whose rank 0 died without recording an end and whose mpirun has not
+        exited; a failure."""
+        say(f"rank 0 (pid {pid}) is gone but mpirun did not exit within "
+            f"{TEARDOWN_GRACE:g} s; killing it")
+        self._kill_job()
+        return EXIT_FAILURE
+
+    def _on_signal(self, signum, frame) -> None:
+        first = self.stop_signal is None
+        self.stop_signal = signum
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if first:
+            say(f"{signal.Signals(signum).name}: asking every rank to stop and checkpoint")
+            self.proc.send_signal(signal.SIGUSR1)  # mpirun forwards it and waits
+            self.kill_at = time.monotonic() + STOP_GRACE
+        else:
+            self._kill_job()
+
+    def _kill_job(self) -> None:
+        """Kill the job's session: mpirun if alive, and any rank it left behind."""
+        if self.proc is None:
+            return
+        kill_tree(self.proc.pid)
+        self.proc.wait()
+
+
+def say(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,253 @@
+"""Resuming a run (``--resume RUN_DIR``).
+
+* :func:`resumed_config`: the configuration of a run being resumed, the saved one with
+  only the settings that may change between sessions taken from the command line.
+* :class:`Rescale`: a run resumed on a different number of ranks (a host was lost): how
+  its batch and learning rate follow, and where in training it resumes
+  (:func:`remap_position`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple, cast
+
+from ..config import SETTINGS, Config, scaled
+from ..config.model_names import same_model
+from ..data.shards import batches_per_epoch
+from ..errors import UsageError
+from ..userfiles import read_bounded
+from .checkpoint import Checkpoint, geometry
+
+#: settings a resumed run may change; every other one must match the saved run
+RESUMABLE_CHANGES = ("epochs", "eval_every", "checkpoint_every", "checkpoint_steps",
+                     "quiet", "timeout", "start_timeout", "servers", "compiler",
+                     "liveness_floor",
+                     "sample_interval", "threads", "keep_cpu_binding", "data_dir", "resume",
+                     "steps", "dry_run")
+
+
+def saved_config(run_dir: Path) -> dict:
+    """The ``config`` section of a run's config.json."""
+    path = Path(run_dir) / "config.json"
+    try:
+        saved = json.loads(read_bounded(path, error=UsageError))["config"]
+    except FileNotFoundError:
+        raise UsageError(f"--resume {run_dir}: not a run directory (no config.json)") from None
+    except UsageError as e:
+        raise UsageError(f"--resume {e}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--resume {run_dir}: cannot read {path} ({e})") from None
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume {run_dir}: {path} holds no settings (its config is a "
+                         f"{type(saved).__name__}); fix the file or start a new run")
+    return saved
+
+
+#: settings added since a run's config.json may have been written, as such a run trained
+#: (their defaults differ): no warm-up, no staleness compensation
+TRAINED_BEFORE = {"warmup_epochs": 0.0, "staleness_compensation": "none"}
+
+
+def resumed_config(cli: Config, explicit: set, world_size: int
+                   ) -> Tuple[Config, Optional["Rescale"]]:
+    """The configuration to resume ``cli.resume`` with, and how it was rescaled.
+
+    Settings given explicitly on the command line must equal the saved run's,
+    except those in RESUMABLE_CHANGES (more epochs, another timeout...);
+    UsageError naming the first mismatch otherwise. On another number of ranks
+    than the saved run's, the batch and learning rate follow :class:`Rescale`
+    (returned, else None).
+    """
+    run_dir = Path(cast(str, cli.resume))  # (called for a --resume)
+    saved = saved_config(run_dir)
+    # older files: fewer keys; a setting added since takes what such a run trained with
+    base = {**TRAINED_BEFORE, **{k: v for k, v in saved.items() if k in SETTINGS}}
+    if not same_model(cli.model, str(base.get("model"))):
+        raise UsageError(f"--resume {cli.resume}: that run trained {base.get('model')}, "
+                         f"not {cli.model}")  # a user's model: the saved absolute spec loads
+    for key in sorted(explicit):
+        if key in RESUMABLE_CHANGES or key == "model":
+            continue
+        if cli.setting(key) != base.get(key):
+            raise UsageError(f"--resume {cli.resume}: {SETTINGS[key].label} was "
+                             f"{base.get(key)!r} in that run, not {cli.setting(key)!r}; "
+                             "resume with the same setting")
+    changes = {key: cli.setting(key) for key in RESUMABLE_CHANGES if key in explicit}
+    changes["resume"] = cli.resume
+    # the servers of the session that wrote the checkpoint (a resumed session may have
+    # changed them); they stay unless --servers is given
+    saved_cfg = Config.of(**base)
+    saved_servers = _last_servers(run_dir, saved_cfg.asynchronous.servers)
+    changes.setdefault("servers", saved_servers)
+    original = _checked_saved(saved_cfg.replace(**changes), cli.resume)
+    # the rules between settings hold at this job's size (another -np, other --servers)
+    if original.world_size == world_size and original.asynchronous.servers == saved_servers:
+        return _checked_saved(original, cli.resume, rules=True), None
+    # another number of ranks, or of --servers: the workers are others
+    rescale = Rescale.between(original.replace(servers=saved_servers), world_size,
+                              original.asynchronous.servers)
+    return _checked_saved(rescale.config.replace(**changes), cli.resume, rules=True), rescale
+
+
+def _last_servers(run_dir: Path, first: int) -> int:
+    """--servers of the run's last session: its newest resumed-*.json's, else ``first``
+    (config.json's)."""
+    for path in sorted(run_dir.glob("resumed-*.json"), reverse=True):
+        try:
+            return int(json.loads(path.read_text())["config"]["servers"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # (unreadable, or written before --servers existed)
+    return first
+
+
+def _checked_saved(cfg: Config, run_dir, rules: bool = False) -> Config:
+    """A resumed run's settings (its config.json's, with this session's changes) checked
+    as strictly as typed ones (:meth:`Config.checked`), and with ``rules`` validated
+    (:meth:`Config.validate`, at this job's size): the file may have been edited."""
+    path = Path(run_dir) / "config.json"
+    try:
+        checked = cfg.checked(lambda s: f"{s.key} in {path}", complete=True)
+        return checked.validate() if rules else checked
+    except UsageError as e:
+        raise UsageError(f"--resume {run_dir}: {e}; fix the file or start a new run") \
+            from None
+
+
+@dataclass(frozen=True)
+class Rescale:
+    """A run resumed on ``config.world_size`` ranks instead of ``original.world_size``.
+
+    Sync keeps the global batch (workers x per-worker batch) by changing the
+    per-worker batch: exactly where it divides, else to the nearest batch, and
+    the learning rate then follows the run's scaling rule (the global batch's ratio,
+    or its square root; unchanged under ``--lr-scaling none``). With
+    ``--batches-per-epoch`` the steps per epoch are kept instead (the batch follows
+    the shard) and so is the learning rate. Async keeps batch and learning rate (every update is one
+    worker's batch either way); the remaining updates are shared by the workers
+    there are. Always relative to the run's first session, so rescaling twice
+    does not compound roundings. :func:`remap_position` moves a checkpoint's position.
+    """
+
+    original: Config
+    config: Config
+    rule: str  # one line for the console and the run's records
+
+    @classmethod
+    def between(cls, original: Config, world_size: int,
+                servers: Optional[int] = None) -> "Rescale":
+        """``original`` continued on ``world_size`` ranks, ``servers`` of them parameter
+        servers (async; default: as many as before)."""
+        servers = original.asynchronous.servers if servers is None else servers
+        moved = original.replace(world_size=world_size, servers=servers)
+        if moved.async_mode and world_size < servers + 1:
+            raise UsageError(f"--resume: an async run needs its parameter server(s) and a "
+                             f"worker; -np {world_size} cannot continue it with --servers "
+                             f"{servers} (use -np {servers + 1} or more)")
+        how = f"-np {original.world_size} -> {world_size} ({original.workers} -> " \
+              f"{moved.workers} workers)"
+        if servers != original.asynchronous.servers:
+            how = f"--servers {original.asynchronous.servers} -> {servers}, {how}"
+        if original.async_mode:
+            return cls(original, moved, f"{how}: batch {original.batch_size} per worker and "
+                       f"lr {original.effective_lr:g} kept; the workers share the updates left")
+        if original.batches_per_epoch:
+            kept = cls._with_effective_lr(moved, original.effective_lr)
+            return cls(original, kept, f"{how}: {original.batches_per_epoch} batches per "
+                       f"epoch kept (the batch follows the shard), lr "
+                       f"{original.effective_lr:g} kept")
+        target = original.global_batch
+        batch = max(1, round(target / moved.workers))
+        moved = moved.replace(batch_size=batch)
+        ratio = moved.global_batch / target
+        lr = original.effective_lr * scaled(original.optimizer.scaling, ratio)
+        moved = cls._with_effective_lr(moved, lr)
+        if ratio == 1:
+            rule = f"global batch {target} kept (per-worker batch {original.batch_size} -> " \
+                   f"{batch}), lr {lr:g} kept"
+        else:
+            rule = f"global batch {target} does not divide by {moved.workers}: per-worker " \
+                   f"batch {original.batch_size} -> {batch}, global batch " \
+                   f"{moved.global_batch}, lr {original.effective_lr:g} -> {lr:g} " + \
+                   (f"({original.optimizer.scaling} scaling)"
+                    if original.optimizer.scaling != "none" else "kept (--lr-scaling none)")
+        return cls(original, moved, f"{how}: {rule}")
+
+    @staticmethod
+    def _with_effective_lr(cfg: Config, effective_lr: float) -> Config:
+        """``cfg`` with --lr set so that its effective (scaled) learning rate is this."""
+        return cfg.replace(lr=effective_lr * cast(float, cfg.optimizer.lr) / cfg.effective_lr)
+
+    def as_dict(self) -> dict:
+        o, n = self.original, self.config
+        return {"from_np": o.world_size, "to_np": n.world_size, "from_workers": o.workers,
+                "to_workers": n.workers, "batch_size": [o.batch_size, n.batch_size],
+                "effective_lr": [o.effective_lr, n.effective_lr], "rule": self.rule}
+
+
+def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
+                   original: Optional[Config] = None) -> Checkpoint:
+    """``ckpt`` with its position in ``cfg``'s units, when it was written on another
+    number of ranks or batch size (its ``geometry``; one without is in the units of
+    the run's first session, ``original``, default ``cfg``). The same fraction of the same
+    epoch for sync; for async the updates done are spread over ``cfg``'s workers. The
+    optimizer state carries over as it is (it holds no per-rank entries)."""
+    was = ckpt.extra.get("geometry") or geometry(original or cfg)
+    old_servers = int(was.get("servers", 1))
+    old_workers = cfg.replace(world_size=int(was["world_size"]), servers=old_servers).workers
+    old_batch = int(was["batch_size"])
+    if old_workers == cfg.workers and old_batch == cfg.batch_size:
+        if old_servers == cfg.asynchronous.servers:
+            return ckpt
+        # the same workers at other ranks: the worker of index i was rank old_servers + i
+        return _moved_workers(ckpt, cfg.asynchronous.servers - old_servers, geometry(cfg))
+    extra = {**ckpt.extra, "geometry": geometry(cfg)}
+    if cfg.async_mode:
+        done = sum(ckpt.worker_steps.values()) or ckpt.step
+        share, left = divmod(done, cfg.workers)
+        first = cfg.asynchronous.servers  # the first worker's rank
+        steps = {first + i: share + (1 if i < left else 0) for i in range(cfg.workers)}
+        extra["extra_steps"] = {}  # the plan starts over: total_steps each, minus done
+        extra["updates_short"] = 0  # (and with it what a lost worker left undone)
+        extra["staleness"] = _fold_staleness(
+            _shifted(ckpt.extra.get("staleness", {}), cfg.asynchronous.servers - old_servers),
+            first, cfg.workers)
+        return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
+    old_per_epoch = batches_per_epoch(train_size // old_workers, old_batch)
+    new_per_epoch = batches_per_epoch(train_size // cfg.workers, cast(int, cfg.batch_size))
+    epoch, within = divmod(ckpt.step, old_per_epoch)
+    step = epoch * new_per_epoch + within * new_per_epoch // old_per_epoch
+    extra["rng"] = {r: row for r, row in (ckpt.extra.get("rng") or {}).items()
+                    if int(r) < cfg.world_size}
+    return dataclasses.replace(ckpt, step=step, extra=extra)
+
+
+def _fold_staleness(by_rank: Dict[str, Dict], first: int, workers: int) -> Dict[str, Dict]:
+    """Staleness counts of ranks that are gone go to the nearest worker there is (ranks
+    ``first``..``first + workers - 1``), so the run's histogram (the sum over workers)
+    stays whole."""
+    out: Dict[str, Dict] = {}
+    for rank, counts in by_rank.items():
+        into = out.setdefault(str(min(max(int(rank), first), first + workers - 1)), {})
+        for s, c in counts.items():
+            into[s] = into.get(s, 0) + c
+    return out
+
+
+def _shifted(by_rank: Dict, offset: int) -> Dict[str, Any]:
+    """``by_rank`` (worker rank -> anything, keys int or str) with every rank + offset."""
+    return {str(int(rank) + offset): value for rank, value in by_rank.items()}
+
+
+def _moved_workers(ckpt: Checkpoint, offset: int, new_geometry: Dict[str, int]) -> Checkpoint:
+    """``ckpt`` with every worker's counts ``offset`` ranks on (another --servers at the
+    same number of workers: the same workers, numbered after the servers)."""
+    extra = {**ckpt.extra, "geometry": new_geometry}
+    for key in ("staleness", "extra_steps"):
+        if key in extra:
+            extra[key] = _shifted(extra[key], offset)
+    steps = {rank + offset: n for rank, n in ckpt.worker_steps.items()}
+    return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
