@@ -17,8 +17,7 @@
    same for all three: at 20,000 a run of mpitrain's lasts 0.3 s, of which its
    fixed start and end (mapping the shared message memory, the background
    evaluator's first and last evaluations, the first 25 steps before a worker
-   pipelines) were a fifth of it (docs/benchmarks.md, the Summary's async_ps
-   row; the raw echo's rate is the same at both). Ratio mpitrain / bound
+   pipelines) were a fifth of it (docs/benchmarks.md, "Async parameter server"; the raw echo's rate is the same at both). Ratio mpitrain / bound
    (target >= 0.5). mpitrain runs without staleness compensation, as the echo
    applies nothing; ``mpitrain_default_per_s`` is the same with the default
    (delay compensation for LR: one more fused pass and a copy of the weights per

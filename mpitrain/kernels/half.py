@@ -1,5 +1,5 @@
 """float32 <-> float16 for gradient compression (``--compression fp16``): one fused pass
-each, in C with the x86 F16C instructions (``mpitrain/_half.c``, built by ``pip install``)
+each, in C with the x86 F16C instructions (``mpitrain/kernels/_half.c``, built by ``pip install``)
 where it was built and the CPU has them, in numpy otherwise. Both round to nearest even
 (IEEE), so they give the same bits; numpy converts float16 one value at a time, about
 an order of magnitude slower (docs/architecture.md, "float16 conversions in C").

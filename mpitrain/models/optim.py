@@ -16,7 +16,7 @@ same chain as on the Keras path (:class:`mpitrain.models.replica.Replica`): clip
 ``clip_norm`` by global L2 norm (``--clip-grad-norm``), then the update, so
 every mode (single, sync, async) transforms gradients the same way.
 
-Each update is one fused pass in C (``mpitrain/models/_optim.c``, built by ``pip
+Each update is one fused pass in C (``mpitrain/kernels/_optim.c``, built by ``pip
 install``) where it was built, else numpy; both give the same bits (the C code
 makes numpy's float32 operations in numpy's order); the C pass takes a fraction of
 numpy's time (docs/architecture.md, "Flat optimizers in C").

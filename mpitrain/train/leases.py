@@ -164,8 +164,9 @@ class Pipelining:
 
     Pipelined, the worker computes its next gradient while its push and the reply
     travel, so the round trip is hidden; but each gradient it pushes is then at
-    least one of its own updates older, which costs accuracy (docs/benchmarks.md,
-    section 3). So 'auto' pipelines only where the round trip is worth hiding. The
+    least one of its own updates older, which costs accuracy (docs/architecture.md,
+    "Pipelining only where it pays"). So 'auto' pipelines only where the round trip is
+    worth hiding. The
     worker starts with one push in flight and measures each window of ``WINDOW``
     steps (the first step, which traces the model, not counted): its median wait
     for a reply over its median compute. From the ``JUDGED``-th window on, while it

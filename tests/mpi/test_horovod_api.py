@@ -161,7 +161,7 @@ def test_broadcasts():
     assert np.all(in_graph(tf.fill([2, 2], me())).numpy() == 1.0)
     assert hvd.broadcast_object(("from", hvd.rank()), root_rank=root) == ("from", root)
     assert hvd.broadcast_object_fn(root_rank=0)(hvd.rank()) == 0
-    with pytest.raises(hvd.runtime.UsageError, match="root_rank"):
+    with pytest.raises(hvd.world.UsageError, match="root_rank"):
         hvd.broadcast(tf.ones([1]), root_rank=n())
 
 

@@ -155,11 +155,6 @@ LINE_BREAK = r"\s*\n\s*(?:#|\*(?!/))?\s*"
 #: the form that renumbering broke: docs/NAME.md section N, NAME.md, sections N and M
 SECTION_NUMBER = (r"\b[\w-]+\.md`?\)?,?(?:\s|#|\*)+\(?(?:the )?sections? \d"
                   r"|\bsections? \d+ of (?:docs/)?[\w-]+\.md")
-#: files another change is rewriting: their old "section N" references are replaced
-#: when it lands (each heading they should name exists already); none may be added
-PENDING = {"mpitrain/train/leases.py", "mpitrain/train/asynchronous/post.py"}
-
-
 def doc_named(name: str, where: Path) -> Path:
     """The doc a reference names: docs/NAME.md, or README.md at the top."""
     return REPO / name if name == "README.md" else REPO / "docs" / name
@@ -185,7 +180,6 @@ def test_no_reference_names_a_section_by_its_number():
     """A section's number changes whenever one is added or removed: references name
     its heading instead (docs/NAME.md, "Heading")."""
     numbered = [f"{path.relative_to(REPO)}: {m.group(0)}" for path in REFERRING
-                if str(path.relative_to(REPO)) not in PENDING
                 for m in re.finditer(SECTION_NUMBER, path.read_text())]
     assert not numbered, numbered
 

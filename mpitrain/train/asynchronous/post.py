@@ -59,7 +59,7 @@ class Post:
         self.sharing = [box for box in self.boxes if box.shared_push]
         # (with one server the weights are rank 0's lease buffers themselves: their views
         # made once, not per step; with no compute a worker steps tens of thousands of
-        # times a second, docs/benchmarks.md section 7)
+        # times a second, docs/architecture.md, "The async hot path")
         self._views = None if self.others else [lease[SLOTS:SLOTS + self.n]
                                                 for lease in self.zero.leases]
 

@@ -43,7 +43,8 @@ class PollPolicy:
     When a worker's step (its compute between pushes, which it reports) is shorter
     than the server's sleep, every sleep would add its whole length to each update;
     when steps are long, polling would burn the CPU the workers need and the
-    pipeline hides a sleep behind their compute (docs/benchmarks.md, async_ps).
+    pipeline hides a sleep behind their compute (docs/architecture.md, "The async
+    server's sleep between pushes").
 
     Pipelined workers (their pushes say PIPELINED) need the reply to push k only when
     they would push k+2, two steps after push k: so the server's first sleep lasts
