@@ -13,14 +13,16 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, cast
+from typing import Dict, Optional, Tuple, TypeVar, cast
 
 from ..config import SETTINGS, Config, scaled
 from ..config.model_names import same_model
 from ..data.shards import batches_per_epoch
 from ..errors import UsageError
 from ..userfiles import read_bounded
-from .checkpoint import Checkpoint, geometry
+from .checkpoint import Checkpoint, Geometry, Histograms, geometry
+
+V = TypeVar("V")
 
 #: settings a resumed run may change; every other one must match the saved run
 RESUMABLE_CHANGES = ("epochs", "eval_every", "checkpoint_every", "checkpoint_steps",
@@ -195,59 +197,56 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
     the run's first session, ``original``, default ``cfg``). The same fraction of the same
     epoch for sync; for async the updates done are spread over ``cfg``'s workers. The
     optimizer state carries over as it is (it holds no per-rank entries)."""
-    was = ckpt.extra.get("geometry") or geometry(original or cfg)
-    old_servers = int(was.get("servers", 1))
-    old_workers = cfg.replace(world_size=int(was["world_size"]), servers=old_servers).workers
-    old_batch = int(was["batch_size"])
-    if old_workers == cfg.workers and old_batch == cfg.batch_size:
-        if old_servers == cfg.asynchronous.servers:
+    was = ckpt.meta.geometry or geometry(original or cfg)
+    old_workers = cfg.replace(world_size=was.world_size, servers=was.servers).workers
+    if old_workers == cfg.workers and was.batch_size == cfg.batch_size:
+        if was.servers == cfg.asynchronous.servers:
             return ckpt
-        # the same workers at other ranks: the worker of index i was rank old_servers + i
-        return _moved_workers(ckpt, cfg.asynchronous.servers - old_servers, geometry(cfg))
-    extra = {**ckpt.extra, "geometry": geometry(cfg)}
+        # the same workers at other ranks: the worker of index i was rank was.servers + i
+        return _moved_workers(ckpt, cfg.asynchronous.servers - was.servers, geometry(cfg))
     if cfg.async_mode:
         done = sum(ckpt.worker_steps.values()) or ckpt.step
         share, left = divmod(done, cfg.workers)
         first = cfg.asynchronous.servers  # the first worker's rank
         steps = {first + i: share + (1 if i < left else 0) for i in range(cfg.workers)}
-        extra["extra_steps"] = {}  # the plan starts over: total_steps each, minus done
-        extra["updates_short"] = 0  # (and with it what a lost worker left undone)
-        extra["staleness"] = _fold_staleness(
-            _shifted(ckpt.extra.get("staleness", {}), cfg.asynchronous.servers - old_servers),
-            first, cfg.workers)
-        return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
-    old_per_epoch = batches_per_epoch(train_size // old_workers, old_batch)
+        meta = dataclasses.replace(
+            ckpt.meta, geometry=geometry(cfg),
+            extra_steps={},  # the plan starts over: total_steps each, minus done
+            updates_short=0,  # (and with it what a lost worker left undone)
+            staleness=_fold_staleness(_shifted(ckpt.meta.staleness, first - was.servers),
+                                      first, cfg.workers))
+        return dataclasses.replace(ckpt, worker_steps=steps, meta=meta)
+    old_per_epoch = batches_per_epoch(train_size // old_workers, was.batch_size)
     new_per_epoch = batches_per_epoch(train_size // cfg.workers, cast(int, cfg.batch_size))
     epoch, within = divmod(ckpt.step, old_per_epoch)
     step = epoch * new_per_epoch + within * new_per_epoch // old_per_epoch
-    extra["rng"] = {r: row for r, row in (ckpt.extra.get("rng") or {}).items()
-                    if int(r) < cfg.world_size}
-    return dataclasses.replace(ckpt, step=step, extra=extra)
+    meta = dataclasses.replace(ckpt.meta, geometry=geometry(cfg), rng={
+        r: row for r, row in ckpt.meta.rng.items() if r < cfg.world_size})
+    return dataclasses.replace(ckpt, step=step, meta=meta)
 
 
-def _fold_staleness(by_rank: Dict[str, Dict], first: int, workers: int) -> Dict[str, Dict]:
+def _fold_staleness(by_rank: Histograms, first: int, workers: int) -> Histograms:
     """Staleness counts of ranks that are gone go to the nearest worker there is (ranks
     ``first``..``first + workers - 1``), so the run's histogram (the sum over workers)
     stays whole."""
-    out: Dict[str, Dict] = {}
+    out: Histograms = {}
     for rank, counts in by_rank.items():
-        into = out.setdefault(str(min(max(int(rank), first), first + workers - 1)), {})
+        into = out.setdefault(min(max(rank, first), first + workers - 1), {})
         for s, c in counts.items():
             into[s] = into.get(s, 0) + c
     return out
 
 
-def _shifted(by_rank: Dict, offset: int) -> Dict[str, Any]:
-    """``by_rank`` (worker rank -> anything, keys int or str) with every rank + offset."""
-    return {str(int(rank) + offset): value for rank, value in by_rank.items()}
+def _shifted(by_rank: Dict[int, V], offset: int) -> Dict[int, V]:
+    """``by_rank`` (worker rank -> anything) with every rank + offset."""
+    return {rank + offset: value for rank, value in by_rank.items()}
 
 
-def _moved_workers(ckpt: Checkpoint, offset: int, new_geometry: Dict[str, int]) -> Checkpoint:
+def _moved_workers(ckpt: Checkpoint, offset: int, new_geometry: Geometry) -> Checkpoint:
     """``ckpt`` with every worker's counts ``offset`` ranks on (another --servers at the
     same number of workers: the same workers, numbered after the servers)."""
-    extra = {**ckpt.extra, "geometry": new_geometry}
-    for key in ("staleness", "extra_steps"):
-        if key in extra:
-            extra[key] = _shifted(extra[key], offset)
+    meta = dataclasses.replace(ckpt.meta, geometry=new_geometry,
+                               staleness=_shifted(ckpt.meta.staleness, offset),
+                               extra_steps=_shifted(ckpt.meta.extra_steps, offset))
     steps = {rank + offset: n for rank, n in ckpt.worker_steps.items()}
-    return dataclasses.replace(ckpt, worker_steps=steps, extra=extra)
+    return dataclasses.replace(ckpt, worker_steps=steps, meta=meta)

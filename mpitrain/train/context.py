@@ -20,7 +20,7 @@ from ..comm import Comm, Role
 from ..config import Config
 from ..data.shards import Dataset, batches_per_epoch, epoch_batches
 from ..errors import Divergence, Interrupted
-from ..run.checkpoint import Checkpoint, geometry
+from ..run.checkpoint import Checkpoint, Geometry, geometry
 from ..run.signals import StopRequest
 from ..models.optim import Schedule
 from ..models.replica import Replica
@@ -100,8 +100,8 @@ class Context:
     ends_process: bool = False
 
     @property
-    def geometry(self) -> Dict[str, int]:
-        """The units of this session's checkpoint positions (see lifecycle.remap_position)."""
+    def geometry(self) -> Geometry:
+        """The units of this session's checkpoint positions (see resume.remap_position)."""
         return geometry(self.cfg)
 
     @property

@@ -63,7 +63,7 @@ import numpy as np
 
 from ..comm import IDLE, Comm, Role
 from ..errors import Interrupted
-from ..run.checkpoint import Checkpoint, optimizer_mismatch
+from ..run.checkpoint import Checkpoint, CheckpointMeta, optimizer_mismatch
 from ..exchange import plan
 from ..models.replica import checksum
 from .context import Context, Summary, is_checkpoint_point, is_eval_point, worker_batches
@@ -128,8 +128,8 @@ def _start(ctx: Context):
 
 def _rng_table(ckpt, size: int, width: int) -> np.ndarray:
     table = np.zeros((size, width), np.int64)
-    for rank, row in ((ckpt.extra.get("rng") or {}).items() if ckpt else ()):
-        table[int(rank)] = row
+    for rank, row in (ckpt.meta.rng.items() if ckpt else ()):
+        table[rank] = row
     return table
 
 
@@ -246,10 +246,9 @@ class LocalEvaluation:
         checkpoint = None
         if flags & SAVE:
             rng = replica.rng_state()
+            meta = CheckpointMeta.sync(self.ctx.geometry, {0: rng.tolist()} if rng.size else {})
             checkpoint = Checkpoint(replica.weights(), replica.optimizer_state(), step, now,
-                                    extra={"rng": {0: rng.tolist()} if rng.size else {},
-                                           "geometry": self.ctx.geometry},
-                                    buffers=replica.buffers())
+                                    meta=meta, buffers=replica.buffers())
         evaluate_and_save(self.ctx, (lambda: self.evaluator.record(step, train_loss, now))
                           if flags & EVALUATE else None, checkpoint)
 

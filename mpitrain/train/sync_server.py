@@ -15,7 +15,7 @@ import numpy as np
 
 from ..comm import IDLE
 from ..errors import Divergence, ReplicaDrift
-from ..run.checkpoint import Checkpoint
+from ..run.checkpoint import Checkpoint, CheckpointMeta
 from ..models.replica import checksum
 from .context import Context, Summary, diverged, interrupted
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
@@ -184,7 +184,7 @@ class SyncServer:
             optimizer, rng = state
             n = ctx.replica.n_params
             checkpoint = Checkpoint(self.weights[:n].copy(), optimizer, step, wall,
-                                    extra={"rng": rng, "geometry": ctx.geometry},
+                                    meta=CheckpointMeta.sync(ctx.geometry, rng),
                                     buffers=self.weights[n:].copy())
         evaluate_and_save(ctx, (lambda: self.evaluator.record(step, train_loss, wall))
                           if union & EVALUATE else None, checkpoint)

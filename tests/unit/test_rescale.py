@@ -7,7 +7,7 @@ import pytest
 
 from mpitrain.config import Config
 from mpitrain.errors import UsageError
-from mpitrain.run.checkpoint import Checkpoint, geometry
+from mpitrain.run.checkpoint import Checkpoint, CheckpointMeta, Geometry, geometry
 from mpitrain.run.resume import Rescale, remap_position, resumed_config
 
 MNIST_TRAIN = 60000
@@ -18,9 +18,9 @@ def sync(world_size=4, **kw):
                      "epochs": 4, "optimizer": "sgd", "dataset": "mnist", **kw})
 
 
-def checkpoint(step, cfg, **extra):
+def checkpoint(step, cfg, rng=None):
     return Checkpoint(np.zeros(3, np.float32), {}, step, 12.5,
-                      extra={"geometry": geometry(cfg), **extra})
+                      meta=CheckpointMeta.sync(geometry(cfg), rng or {}))
 
 
 def test_sync_keeps_the_global_batch_where_it_divides():
@@ -73,8 +73,8 @@ def test_sync_position_is_the_same_fraction_of_the_same_epoch():
     rng = {0: [1, 2], 1: [3, 4], 3: [5, 6]}
     moved = remap_position(checkpoint(step, before, rng=rng), after.config, MNIST_TRAIN)
     assert moved.step == 2 * per_epoch_after + per_epoch_after // 2
-    assert moved.extra["geometry"] == {"world_size": 3, "batch_size": 8, "servers": 1}
-    assert sorted(moved.extra["rng"]) == [0, 1]  # rank 3 is gone
+    assert moved.meta.geometry == Geometry(world_size=3, batch_size=8, servers=1)
+    assert sorted(moved.meta.rng) == [0, 1]  # rank 3 is gone
     assert moved.wall_time_s == 12.5  # the clock continues
 
 
@@ -91,13 +91,16 @@ def test_a_checkpoint_in_this_sessions_units_is_left_alone():
 def test_async_position_spreads_the_updates_done_over_the_workers_left():
     before = sync(4, async_mode=True)
     after = Rescale.between(before, 3).config
-    ckpt = Checkpoint(np.zeros(3, np.float32), {}, 1001, 3.0, worker_steps={1: 400, 2: 300,
-                      3: 301}, extra={"geometry": geometry(before), "extra_steps": {"1": 5},
-                                      "staleness": {"1": {"0": 2}, "3": {"0": 1, "2": 4}}})
+    meta = CheckpointMeta.asynchronous(
+        geometry(before), staleness={1: {0: 2}, 3: {0: 1, 2: 4}}, retired_staleness={},
+        extra_steps={1: 5}, updates_short=3, lost_workers=[])
+    ckpt = Checkpoint(np.zeros(3, np.float32), {}, 1001, 3.0,
+                      worker_steps={1: 400, 2: 300, 3: 301}, meta=meta)
     moved = remap_position(ckpt, after, MNIST_TRAIN)
     assert moved.worker_steps == {1: 501, 2: 500} and moved.step == 1001
-    assert moved.extra["extra_steps"] == {}
-    assert moved.extra["staleness"] == {"1": {"0": 2}, "2": {"0": 1, "2": 4}}
+    assert moved.meta.extra_steps == {} and moved.meta.updates_short == 0
+    assert moved.meta.staleness == {1: {0: 2}, 2: {0: 1, 2: 4}}
+    assert moved.meta.geometry == geometry(after)
 
 
 def test_resumed_config_rescales_from_the_first_session(tmp_path):

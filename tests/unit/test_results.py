@@ -121,7 +121,7 @@ def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
     from mpitrain.train.asynchronous.accounts import WorkerAccount, report
 
     from mpitrain.config import Config
-    from mpitrain.run.checkpoint import Checkpoint
+    from mpitrain.run.checkpoint import Checkpoint, CheckpointMeta
 
     results = RunResults(tmp_path, "lr-async-np3")
     ctx = SimpleNamespace(results=results, console=NullConsole(), lost=[], resume_from=None,
@@ -143,10 +143,10 @@ def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
     assert not list(results.dir.glob("*.tmp"))
     # resumed from --servers 2 onto one server: the other server's counts, which no
     # server of this session goes on with, stay in the file (and in its checkpoints)
-    saved = {"1": {"2": {"0": 7}}}
-    ctx.resume_from = Checkpoint(np.zeros(1, np.float32), {}, 0, 0.0, {}, {
-        "partition_staleness": saved})
+    saved = {1: {2: {0: 7}}}
+    ctx.resume_from = Checkpoint(np.zeros(1, np.float32), {}, 0, 0.0, {},
+                                 CheckpointMeta(partition_staleness=saved))
     assert session({2: {0: 9}}) == [(0, 2, 0, 9), (1, 2, 0, 7)]
-    ctx.resume_from = Checkpoint(np.zeros(1, np.float32), {}, 0, 0.0, {}, {
-        "retired_staleness": saved})  # a checkpoint of that resumed session
+    ctx.resume_from = Checkpoint(np.zeros(1, np.float32), {}, 0, 0.0, {}, CheckpointMeta(
+        retired_staleness=saved))  # a checkpoint of that resumed session
     assert session({2: {0: 9}}) == [(0, 2, 0, 9), (1, 2, 0, 7)]

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ...run.checkpoint import Checkpoint
+from ...run.checkpoint import Checkpoint, CheckpointMeta, Histograms
 from ...results.schema import STALENESS_COLUMNS
 from ..leases import Quotas
 from ..priority import niceness
@@ -58,19 +58,18 @@ def restore(workers: Dict[int, WorkerAccount], quotas: Quotas, ckpt: Checkpoint)
     """Go on counting from ``ckpt``: each worker's steps and staleness, the steps of lost
     workers given to others (relative to the run's steps per worker: ``--epochs`` may
     change on resume). Returns the workers the run had lost."""
-    extra = ckpt.extra.get("extra_steps", {})
+    meta = ckpt.meta
     for rank, w in workers.items():
         w.start_step = w.steps = ckpt.worker_steps.get(rank, 0)
-        for s, c in ckpt.extra.get("staleness", {}).get(str(rank), {}).items():
-            w.staleness[int(s)] += c
-        quotas.of[rank] += extra.get(str(rank), 0)
+        w.staleness.update(meta.staleness.get(rank, {}))
+        quotas.of[rank] += meta.extra_steps.get(rank, 0)
     # steps a lost worker left with nobody to take them (the run was stopping): the
     # workers there are now take them, so the resumed run makes the planned updates
-    quotas.share(ckpt.extra.get("updates_short", 0), workers)
-    return list(ckpt.extra.get("lost_workers", []))
+    quotas.share(meta.updates_short, workers)
+    return [dict(w) for w in meta.lost_workers]
 
 
-def retired_staleness(ctx) -> Dict[str, dict]:
+def retired_staleness(ctx) -> Dict[int, Histograms]:
     """The staleness counts of the servers an earlier session had and this one has not
     (resumed onto fewer ``--servers``), by server: its checkpoint's, kept in every
     checkpoint after, so that staleness.csv, which each session writes whole, still
@@ -79,9 +78,8 @@ def retired_staleness(ctx) -> Dict[str, dict]:
     if ckpt is None:
         return {}
     servers = ctx.cfg.asynchronous.servers
-    saved = {**ckpt.extra.get("retired_staleness", {}),
-             **ckpt.extra.get("partition_staleness", {})}
-    return {s: counts for s, counts in saved.items() if int(s) >= servers}
+    saved = {**ckpt.meta.retired_staleness, **ckpt.meta.partition_staleness}
+    return {s: counts for s, counts in saved.items() if s >= servers}
 
 
 def latest_buffers(workers: Dict[int, WorkerAccount]) -> List[np.ndarray]:
@@ -93,14 +91,13 @@ def checkpoint(store, workers: Dict[int, WorkerAccount], quotas: Quotas, total_s
                wall: float, ctx) -> Checkpoint:
     """The server's checkpoint: its ``store``'s parameters and optimizer state, and the
     counts :func:`restore` reads back."""
-    extra = {"staleness": {str(w.rank): dict(w.staleness) for w in workers.values()},
-             "retired_staleness": retired_staleness(ctx),
-             "extra_steps": {str(r): q - total_steps for r, q in quotas.of.items()},
-             "updates_short": quotas.short,
-             "lost_workers": list(ctx.lost),
-             "geometry": ctx.geometry}
+    meta = CheckpointMeta.asynchronous(
+        ctx.geometry, staleness={w.rank: w.staleness for w in workers.values()},
+        retired_staleness=retired_staleness(ctx),
+        extra_steps={r: q - total_steps for r, q in quotas.of.items()},
+        updates_short=quotas.short, lost_workers=ctx.lost)
     return Checkpoint(store.weights.copy(), store.optimizer.state(), store.version, wall,
-                      {w.rank: w.steps for w in workers.values()}, extra,
+                      {w.rank: w.steps for w in workers.values()}, meta,
                       store.average_buffers(latest_buffers(workers)))
 
 
@@ -126,9 +123,7 @@ def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
     runs.csv."""
     rows, all_staleness = [], collections.Counter()
     by_server = {0: {w.rank: w.staleness for w in workers.values()}}
-    by_server.update({int(server): {int(w): {int(k): c for k, c in counts.items()}
-                                    for w, counts in histograms.items()}
-                      for server, histograms in retired_staleness(ctx).items()})
+    by_server.update(retired_staleness(ctx))
     applied = {0: sum(w.applied for w in workers.values())}
     for server, final in sorted((others or {}).items()):  # --servers K: the others' own
         by_server[server] = final["staleness"]

@@ -167,15 +167,16 @@ class Server:
         resumed with as many servers)."""
         ckpt, part = self.ctx.resume_from, partition_of(self.ctx)
         weights = self.ctx.replica.weights() if ckpt is None else None
-        saved = (ckpt.extra.get("partition_staleness", {}) if ckpt is not None and
-                 int(ckpt.extra.get("geometry", {}).get("servers", 1)) == part.servers
-                 else {})
+        # (the counts are theirs only if the checkpoint had as many servers)
+        was = ckpt.meta.geometry if ckpt is not None else None
+        saved = ckpt.meta.partition_staleness if ckpt is not None and was is not None \
+            and was.servers == part.servers else {}
         positions = {r: w.steps for r, w in self.workers.items()}
         return {s: {"state": (fresh_share_state(self.ctx, weights, part.share(s)) if ckpt
                               is None else share_of_checkpoint(ckpt, part.share(s))),
                     "positions": positions,
-                    "staleness": {int(w): {int(k): c for k, c in counts.items()}
-                                  for w, counts in saved.get(str(s), {}).items()}}
+                    "staleness": {w: dict(counts)
+                                  for w, counts in saved.get(s, {}).items()}}
                 for s in self.peers.ranks}
 
     # ---- the loop ---------------------------------------------------------------------

@@ -220,11 +220,8 @@ def completed(ckpt: Checkpoint, whole: dict) -> Checkpoint:
     server's staleness counts (a run resumed with as many servers goes on counting)."""
     state = whole["state"]
     optimizer = {k: v for k, v in state.items() if k not in ("weights", "version")}
-    extra = {**ckpt.extra, "partition_staleness": {
-        str(s): {str(w): {str(k): c for k, c in counts.items()} for w, counts in st.items()}
-        for s, st in whole["staleness"].items()}}
     return dataclasses.replace(ckpt, weights=state["weights"], optimizer=optimizer,
-                               extra=extra)
+                               meta=ckpt.meta.with_partition_staleness(whole["staleness"]))
 
 
 def raise_if_lost(servers: PartitionServers) -> None:
