@@ -72,7 +72,7 @@ def test_every_rank_ends_together_with_identical_replicas_and_the_curve_recorded
         assert [row["step"] for row in written.curve] == [0, 4, 8]  # initial + every epoch
         assert summary.test_accuracy == written.curve[-1]["test_accuracy"]
         final = written.checkpoints[-1]
-        assert final.step == 8 and final.extra["geometry"]["world_size"] == comm.size
+        assert final.step == 8 and final.meta.geometry.world_size == comm.size
         assert checksum(final.weights) == checksum(replica.weights())
     comm.barrier()
 
