@@ -104,7 +104,7 @@ def rank_side(mode: str, updates: int) -> None:
             def grad_at(self, *args):
                 return zeros, 0.0, 0.0
 
-        ctx = Context(cfg, comm, comm.role, replica if comm.rank == 0 else NoCompute(),
+        ctx = Context(cfg, comm, comm.assign_roles(1), replica if comm.rank == 0 else NoCompute(),
                       data, NullResults(), NullConsole(), shard_size=10**6,
                       worker_index=max(0, comm.rank - 1))
         comm.barrier()

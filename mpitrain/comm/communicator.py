@@ -71,8 +71,9 @@ class Comm(ObjectExchanges):
         self._sum_in_place = functools.partial(mpi_comm.Allreduce, _load_mpi().IN_PLACE)
         #: process id of every rank (world communicator only; for fencing a lost rank)
         self.pids: List[int] = []
-        #: the run's parameter servers, ranks 0..servers-1 (async --servers; see role)
-        self.servers = 1
+        #: the run's parameter servers, ranks 0..servers-1 (async --servers): None until
+        #: the run's configuration gives them (:meth:`assign_roles`)
+        self.servers: Optional[int] = None
         #: cores other processes kept busy on this rank's host as the job started
         #: (world only; None where it was not measured: see _decide_waits)
         self.others_busy: Optional[float] = None
@@ -159,10 +160,22 @@ class Comm(ObjectExchanges):
         """Every wait derived from this communicator's ``timeout`` (:class:`Bounds`)."""
         return Bounds(self.timeout)
 
+    def assign_roles(self, servers: int) -> Role:
+        """Decide every rank's role once, from the run's ``servers`` (``--servers``: the
+        ranks 0..servers-1 serve); returns this rank's. Local (every rank decides alike)."""
+        self.servers = servers
+        return self.role
+
     @property
     def role(self) -> Role:
-        """This rank's role in the run (:attr:`servers` set by the session first)."""
-        return Role.of(self.rank, self.size, self.servers)
+        """This rank's role in the run; an error before :meth:`assign_roles` (a role read
+        before the run's servers are known would be wrong under ``--servers K``)."""
+        return Role.of(self.rank, self.size, self._assigned_servers())
+
+    def _assigned_servers(self) -> int:
+        if self.servers is None:
+            raise RuntimeError("Comm roles read before assign_roles (the run's --servers)")
+        return self.servers
 
     @property
     def workers(self) -> Optional["Comm"]:
@@ -198,7 +211,8 @@ class Comm(ObjectExchanges):
 
     def workers_on_host(self) -> List[int]:
         """Ranks on this rank's host that train (workers, or the single rank)."""
-        return [r for r in self.ranks_on_host() if Role.of(r, self.size, self.servers).trains]
+        servers = self._assigned_servers()
+        return [r for r in self.ranks_on_host() if Role.of(r, self.size, servers).trains]
 
     # ---- waiting ----------------------------------------------------------------------
     def wait(self, pending: Pending, backoff: Backoff = HOT,

@@ -63,10 +63,15 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
 
     ``explicit`` names the settings given on the command line (for --resume);
     ``ends_process``: the process ends with this run (the CLI's last run), so what the
-    run changes about the process need not be undone (:mod:`.train.priority`).
+    run changes about the process need not be undone (:mod:`mpitrain.train.priority`).
     ``model`` and ``arrays`` are what ``mpitrain.fit`` hands over in memory: the model
     to train instead of loading ``cfg.model`` by name, the data instead of reading
     ``cfg.data.path`` (see :func:`mpitrain.data.given_arrays`).
+
+    The phases, in the same order on every rank: MPI and the run's configuration (a
+    resumed run's from its directory), the model's spec and the version checks, the
+    rank's role and CPU placement, the data (before TensorFlow: a bad file fails in a
+    second), the replica, the results, then training and its records.
     """
     stop = StopRequest().install()  # first, so a signal during setup is not lost
     comm = Comm.world(cfg.faults.timeout, cfg.sync.allreduce_wait, cfg.faults.start_timeout)
@@ -78,14 +83,11 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     spec = model if model is not None else load_model(cfg.model, comm)
     collectively(comm, lambda: preflight_checks.check_engine(cfg.sync.allreduce))
     preflight_checks.check_ranks(comm, preflight_checks.local_versions(library_versions()["mpi"]))
-    comm.servers = cfg.asynchronous.servers
-    role = comm.role
+    role = comm.assign_roles(cfg.asynchronous.servers)
     console: ConsoleOutput = Console(cfg.quiet) if role.serves else NullConsole()
     threads = placement.place(cfg.keep_cpu_binding, len(comm.workers_on_host()), role.trains,
                               cfg.threads)
 
-    # Data before TensorFlow: a missing or corrupt file fails in a second, not
-    # after every rank has spent seconds importing TensorFlow.
     cfg, dataset, shard_size, worker_index = load_data(cfg, comm, spec, arrays)
     for line in data.describe(dataset):
         (console.note if line == dataset.note else console.info)(line)
@@ -96,18 +98,7 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
         console.note(f"resumed on another number of ranks, {rescale.rule}")
 
     init_tensorflow(threads, cfg.seed + comm.rank)  # rank 0's seed draws the initial model
-    replica = collectively(comm, lambda: Replica(
-        spec, dataset.input_shape, dataset.num_classes, cast(str, cfg.optimizer.name),
-        cfg.effective_lr,
-        cfg.optimizer.clip_grad_norm, lr_schedule(cfg, shard_size),
-        from_logits=cfg.outputs == "logits",
-        applies=role.trains and not cfg.async_mode,  # the ranks that run Keras' optimizer
-        compiler=cfg.compiler), spec)
-    if cfg.outputs == "probabilities" and not ends_in_softmax(replica.model,
-                                                              dataset.input_shape):
-        console.note(f"--outputs probabilities, but the outputs of {cfg.model} are not "
-                     "probabilities (rows that sum to 1): they are taken as probabilities as "
-                     "they are (end it with a softmax, or pass --outputs logits)")
+    replica = build_replica(cfg, comm, spec, dataset, shard_size, role, console)
     ranks = comm.allgather_objects(rank_facts(threads, comm))
     hint = onednn_hint(ranks)
     if hint:
@@ -125,17 +116,48 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
                   resume_from=checkpoint, run_dir=run_dir, shard_size=shard_size,
                   worker_index=worker_index, rescaled=rescale.rule if rescale else "",
                   ends_process=ends_process)
-    trained = check_resumable(ctx, comm)  # a run killed after its final checkpoint
-    train = trainer(cfg.async_mode)
+    summary = train_and_record(ctx, spec)
+    console.summary(summary_lines(cfg, summary, results.path))
+    summary.run_dir = str(results.path) if results.path else None
+    return summary
+
+
+def build_replica(cfg: Config, comm: Comm, spec, dataset, shard_size: int, role: Role,
+                  console: ConsoleOutput) -> Replica:
+    """The model as this rank's :class:`Replica` (built collectively: a model that fails
+    to build on one rank fails the job, named, on all), with a note when outputs said
+    to be probabilities are not."""
+    replica = collectively(comm, lambda: Replica(
+        spec, dataset.input_shape, dataset.num_classes, cast(str, cfg.optimizer.name),
+        cfg.effective_lr,
+        cfg.optimizer.clip_grad_norm, lr_schedule(cfg, shard_size),
+        from_logits=cfg.outputs == "logits",
+        applies=role.trains and not cfg.async_mode,  # the ranks that run Keras' optimizer
+        compiler=cfg.compiler), spec)
+    if cfg.outputs == "probabilities" and not ends_in_softmax(replica.model,
+                                                              dataset.input_shape):
+        console.note(f"--outputs probabilities, but the outputs of {cfg.model} are not "
+                     "probabilities (rows that sum to 1): they are taken as probabilities as "
+                     "they are (end it with a softmax, or pass --outputs logits)")
+    return replica
+
+
+def train_and_record(ctx: Context, spec) -> Summary:
+    """Train (or, for a run killed after its final checkpoint, only finish its records)
+    and write what the run has: on success its telemetry, runs.csv row and status ok;
+    on an error the same with the reason (:func:`record_failure`), then the error.
+    Collective; every request of the run is freed before it returns or raises."""
+    comm, cfg, results = ctx.comm, ctx.cfg, ctx.results
+    trained = check_resumable(ctx, comm)
     sampler = start_sampler(cfg, comm)
-    if role is Role.SERVER:
+    if ctx.role is Role.SERVER:
         comm.listen_for_failures()
     try:
         try:
             # kept in every later status: `mpitrain launch` finds its attempt's run by
             # the token and tells whether rank 0 is gone by the writer
             results.set_status("running", **attempt_facts())
-            summary = final_results(ctx) if trained else train(ctx)
+            summary = final_results(ctx) if trained else trainer(cfg.async_mode)(ctx)
         except Exception as error:  # the user's model raising in a step is the user's
             blamed = models.blame_user_code(spec, error)
             if blamed is None:
@@ -148,16 +170,14 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
         comm.stop_listening()
         comm.free_requests()
     try:
-        gathered = telemetry.collect(comm, role.value, sampler, ctx.timer, results,
+        gathered = telemetry.collect(comm, ctx.role.value, sampler, ctx.timer, results,
                                      lost=lost_in_this_job(ctx.lost, comm.pids))
-        results.add_run_row({**run_row(cfg, dataset, summary, rescaled=ctx.rescaled),
+        results.add_run_row({**run_row(cfg, ctx.data, summary, rescaled=ctx.rescaled),
                              **telemetry.node_summary(gathered, comm.hosts)})
         results.set_status("ok")
     except WriteError as error:  # rank 0's alone: the others are done
         record_failure(ctx, error, sampler, summary)
         raise
-    console.summary(summary_lines(cfg, summary, results.path))
-    summary.run_dir = str(results.path) if results.path else None
     return summary
 
 
@@ -167,7 +187,7 @@ def preflight(cfg: Config) -> None:
     cfg = at_job_size(cfg, comm)
     spec = load_model(cfg.model, comm)
     collectively(comm, lambda: preflight_checks.check_engine(cfg.sync.allreduce))
-    comm.servers = cfg.asynchronous.servers
+    comm.assign_roles(cfg.asynchronous.servers)
     versions = preflight_checks.local_versions(library_versions()["mpi"])
     preflight_checks.check_ranks(comm, versions)
     cfg, dataset, shard_size, _ = load_data(cfg, comm, spec)

@@ -66,7 +66,7 @@ def context(comm, replica, steps, staleness=None, results=None, shared_memory="a
                             steps=steps, staleness=staleness, shared_memory=shared_memory,
                             servers=servers, **settings),
                   models.get("lr").defaults, comm.size)
-    comm.servers = servers
+    comm.assign_roles(servers)
     data = synthetic_shard(comm.rank, SHARD, comm.size - servers)
     return Context(cfg, comm, comm.role, replica, data, results or NullResults(), NullConsole(),
                    shard_size=SHARD, worker_index=max(0, comm.rank - servers))

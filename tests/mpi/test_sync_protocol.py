@@ -55,7 +55,7 @@ def context(comm, replica, epochs, results, **settings):
     cfg = resolve(Config.of(model="lr", epochs=epochs, batch_size=BATCH, eval_every=1, **settings),
                   models.get("lr").defaults, comm.size)
     data = synthetic_shard(comm.rank, SHARD, comm.size - 1)
-    return Context(cfg, comm, comm.role, replica, data, results, NullConsole(),
+    return Context(cfg, comm, comm.assign_roles(1), replica, data, results, NullConsole(),
                    shard_size=SHARD, worker_index=max(0, comm.rank - 1))
 
 
