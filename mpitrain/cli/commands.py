@@ -106,7 +106,7 @@ def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
                                  "RESULTS_DIR and RESULTS_DIR/report/report.md.")
     report.add_argument("results_dir", type=Path, metavar="RESULTS_DIR")
     check = commands.add_parser(
-        "check", help="preflight a launch without training",
+        "check", help="preflight a launch without training", allow_abbrev=False,
         description="Check a launch without training: the hostfile (syntax, slots), -np "
         "against the slots and the mode, then a short job on those hosts that compares "
         "every rank's versions and loads the data on every host. Run it as "
@@ -118,7 +118,9 @@ def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
     check.add_argument("--no-launch", action="store_true",
                        help="only the checks that need no MPI job")
     check.add_argument("--in-job", action="store_true", help=argparse.SUPPRESS)
-    check.add_argument("training", nargs=argparse.REMAINDER, metavar="MODEL [OPTIONS]",
+    # check's own options may come before or after the model; every other option is the
+    # training command's (parse_args: what check does not know is the training's)
+    check.add_argument("training", nargs="*", metavar="MODEL [OPTIONS]",
                        help="the training command to check (default: lr)")
     sweep = commands.add_parser(
         "sweep", help="run a grid of trainings (models x modes x -np x batch sizes)",
@@ -194,9 +196,21 @@ def run_sweep(args) -> int:
     return 1 if failed else 0
 
 
+def parse_args(argv: List[str]):
+    """The command line parsed; ``check``'s training command (``args.training``) is its
+    model and every option check does not know, in their order, wherever check's own
+    options stand (``mpitrain check -np 2 ./m.py:build --no-launch --async``)."""
+    parser = build_parser(user_model_in(argv))
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "command", None) != "check":
+        return parser.parse_args(argv) if unknown else args  # (its usual error)
+    args.training = list(args.training) + unknown
+    return args
+
+
 def run_check(args) -> int:
     """``mpitrain check``: launch-side checks, then a short job that checks every rank."""
-    training = _check_options_after_model(args, list(args.training)) or ["lr"]
+    training = list(args.training) or ["lr"]
     # usage errors in its options; inside the job (no -np given), at the job's size
     cfg = parse_config(training, world_size=None if args.in_job else args.np)
     if args.in_job:
@@ -233,31 +247,6 @@ def run_check(args) -> int:
                          "is unreachable or a rank is stuck starting") from None
 
 
-def _check_options_after_model(args, training: List[str]) -> List[str]:
-    """``check``'s own options written after the training command (``mpitrain check
-    -np 2 ./m.py:build --no-launch``) taken out of it: no training option has their names."""
-    flags = {"--no-launch": "no_launch", "--oversubscribe": "oversubscribe"}
-    valued = {"-np": ("np", int), "--np": ("np", int), "-hostfile": ("hostfile", str),
-              "--hostfile": ("hostfile", str)}
-    rest, i = [], 0
-    while i < len(training):
-        token = training[i]
-        if token in flags and not args.in_job:
-            setattr(args, flags[token], True)
-        elif token in valued and i + 1 < len(training) and not args.in_job:
-            name, kind = valued[token]
-            try:
-                setattr(args, name, kind(training[i + 1]))
-            except ValueError:
-                raise UsageError(f"check: {token} {training[i + 1]}: expected a number") \
-                    from None
-            i += 1
-        else:
-            rest.append(token)
-        i += 1
-    return rest
-
-
 def parse_config(argv: List[str], args=None, world_size: Optional[int] = None) -> Config:
     """The run's Config from ``argv``, built once (see :func:`mpitrain.config.resolve`);
     UsageError on bad arguments.
@@ -267,7 +256,7 @@ def parse_config(argv: List[str], args=None, world_size: Optional[int] = None) -
     is what the command line asks of the run; the session builds the run's config
     from its config.json (only rank 0 may see the run directory).
     """
-    args = args or build_parser(user_model_in(argv)).parse_args(argv)
+    args = args or parse_args(argv)
     if args.command in TOOLS:
         raise UsageError(f"expected a model to train, not {args.command!r}")
     user_model = models.is_spec(args.command)
@@ -302,7 +291,7 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = True) -> int:
     :func:`mpitrain.run.session.run`)."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser(user_model_in(argv)).parse_args(argv)
+        args = parse_args(argv)
         if args.command in TOOLS:
             return run_tool(args)
         cfg = parse_config(argv, args)

@@ -210,11 +210,14 @@ def test_run_directory_name_is_safe(cnn):
 
 
 def test_check_options_may_follow_the_model(cnn):
-    args = cli.build_parser().parse_args(["check", f"{cnn}:build", "--no-launch", "-np", "3",
-                                          "--async", "--hostfile", "h"])
-    assert cli._check_options_after_model(args, list(args.training)) == [f"{cnn}:build",
-                                                                           "--async"]
+    args = cli.parse_args(["check", f"{cnn}:build", "--no-launch", "-np", "3", "--async",
+                           "--lr", "-0.5", "--hostfile", "h", "--epochs", "2"])
+    assert args.training == [f"{cnn}:build", "--async", "--lr", "-0.5", "--epochs", "2"]
     assert (args.no_launch, args.np, args.hostfile) == (True, 3, "h")
+    before = cli.parse_args(["check", "-np", "2", "--oversubscribe", "lr", "--async"])
+    assert before.training == ["lr", "--async"] and (before.np, before.oversubscribe) == (2, True)
+    with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
+        cli.parse_args(["lr", "--bogus"])  # a training command knows all of its options
 
 
 # ---- --resume: the saved, absolute spec is what loads -------------------------------------
