@@ -88,11 +88,10 @@ class Server:
     :class:`.worker_states.WorkerStates` (moved only along its table); lost workers are
     :class:`.recovery.Recovery`'s.
 
-    Termination: the loop ends when no worker is awaited (every one DONE, PARKED or
-    LOST: its FINAL push applied, or lost); every push has been matched by a receive
-    and every reply received, so no request is pending at MPI_Finalize. Every wait is
-    bounded: a lease holder silent for ``--timeout`` is named (or, under recovery,
-    dropped at its liveness bound).
+    Termination: the loop ends when no worker is awaited (each DONE, PARKED or LOST);
+    every push has been matched by a receive and every reply received, so no request
+    is pending at MPI_Finalize. Every wait is bounded: a lease holder silent for
+    ``--timeout`` is named (or, under recovery, dropped at its liveness bound).
 
     Why one class of this size (over the ~250 lines we hold classes to): it is the
     server's event loop, and each method is one thing the loop does with a push
@@ -401,10 +400,10 @@ class Server:
             if not self.ending:
                 return
             self.cut = None  # (the run ends: its last state is saved instead)
-        state_of = self._state_of
-        for rank in self.leases.next_waiting(self.store.version, force=bool(self.ending)):
+        version = self.store.version  # (no update is applied while leases are granted)
+        for rank in self.leases.next_waiting(version, force=bool(self.ending)):
             w = self.workers[rank]
-            if state_of[rank] is RECALLED:  # it pushed FINAL: no farewell will come
+            if self._state_of[rank] is RECALLED:  # it pushed FINAL: no farewell will come
                 if self.ending:  # (it was to go on with a lost one's steps)
                     self._finish(w)
                     continue
@@ -412,7 +411,7 @@ class Server:
             if self.ending or (w.applied == 0 and w.steps >= self.quotas.of[rank]):
                 self._dismiss(w)  # stopping, or resumed with its steps done: no lease
                 continue
-            self.leases.grant(rank, self.store.version)
+            self.leases.grant(rank, version)
             self.silence.heard(rank)
             self.ends[rank].listen()
             self._reply(w, with_weights=True)
