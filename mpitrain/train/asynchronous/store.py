@@ -22,8 +22,9 @@ class ParameterStore:
     evaluations and checkpoints) and the version (updates applied so far).
 
     A push carries this server's share of the gradient, then the gradient's global
-    norm (:func:`.mailbox.norm_slots`, with K > 1), then (server 0) the worker's statistics: every server clips its
-    share by the same factor, so clipping means what it means with one server.
+    norm (:func:`.mailbox.norm_slots`, with K > 1), then (server 0) the worker's
+    statistics: every server clips its share by the same factor, so clipping means what
+    it means with one server.
     """
 
     def __init__(self, ctx, server: int = 0):
