@@ -62,7 +62,8 @@ from . import reductions
 from .runtime import (FINALIZE_BOUND, Role, abort_world, bound_finalize,
                       finalize, launcher_rank, launcher_world_size, library_versions,
                       recovery_enabled, world_rank_if_running, world_size_if_running)
-from .shared import SharedMemorySum, one_host, share_with_server, shares_with_server
+from .shared import (PeerSlots, SharedMemorySum, one_host, share_with_server,
+                     shares_with_server)
 from .traffic import Traffic
 from .tuning import LargeAllreduceRing
 from .pending import Pending, Persistent
@@ -70,7 +71,7 @@ from .waiting import HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, blocking_c
 
 __all__ = [
     "Comm", "spins", "PeerProcesses", "SharedMemorySum", "one_host", "share_with_server",
-    "shares_with_server", "Role",
+    "shares_with_server", "PeerSlots", "Role",
     "Traffic", "Pending", "Persistent", "Backoff", "HOT",
     "IDLE", "SERVING",
     "CommTimeout", "PeerFailure", "LargeAllreduceRing", "blocking_call_bound",

@@ -37,7 +37,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ...comm import IDLE, share_with_server
+from ...comm import IDLE, PeerSlots, Pending, Persistent, share_with_server
 from ...errors import UsageError
 from ...exchange import ErrorFeedback
 from ...kernels.half import widen_
@@ -89,7 +89,7 @@ class PushCodec:
 
     def encode(self, grad: np.ndarray, slots: np.ndarray) -> None:
         """Write ``grad`` into the message's gradient ``slots`` (worker)."""
-        if self.half:
+        if self.feedback is not None:  # (fp16: see half)
             self.feedback.encode(grad, slots.view(np.float16))
         else:
             slots[:] = grad
@@ -191,6 +191,25 @@ class Mailbox:
         return boxes
 
 
+class _NotPosted(Pending):
+    """:attr:`ServerEnd.posted` while no receive is posted (before the end's first listen,
+    once it hung up): done, so that a listen posts one and a cancel has nothing to do;
+    tested, it raises, as a test of the None it stands for did: the server waits only
+    for the workers it listened to."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(None, "nothing: no receive posted", None, "push")
+        self.done = True
+
+    def test(self) -> bool:
+        raise RuntimeError("a test of a worker's next push with no receive posted for it")
+
+
+NOT_POSTED = _NotPosted()
+
+
 class ServerEnd:
     """The server's end of one worker's mailbox: where the worker's pushes land, the
     replies it is sent, and the requests that move them. Transport only: what the
@@ -206,18 +225,21 @@ class ServerEnd:
     through the worker's file (:attr:`release`)."""
 
     def __init__(self, comm, rank: int, layout: Layout,
-                 slots: Optional[List[np.ndarray]] = None, pools: Optional[Pools] = None):
+                 slots: Optional[PeerSlots] = None, pools: Optional[Pools] = None):
         self.comm, self.rank = comm, rank
         whole = slots is None
         #: pooled through MPI: the pools its pushes land in and its leases leave from
         self.pools = pools if whole else None
-        #: pooled in shared memory: its slots (a PeerSlots), the pages of a push dropped
-        #: once applied, leases written through the file
+        #: pooled in shared memory: its slots, the pages of a push dropped once applied,
+        #: leases written through the file
         self.release = slots if pools is not None and not whole else None
         #: its push and lease slots when it shares this host's memory (headers travel)
-        self.pushes, self.leases = (None, None) if whole else layout.split(slots)
+        self.pushes: Optional[List[np.ndarray]]
+        self.leases: Optional[list]  # (arrays; FileWindows with release)
+        self.pushes, self.leases = (None, None) if slots is None else layout.split(slots)
         if self.release is not None:
-            self.leases = [slots.window(i) for i in range(layout.depth, len(slots))]
+            self.leases = [self.release.window(i)
+                           for i in range(layout.depth, len(self.release))]
         own = whole and self.pools is None  # its whole messages in buffers of its own
         self.head = new_message()  # a header alone (pooled: a message without payload)
         #: the message that arrived: [header | gradient | buffers], its header alone
@@ -235,9 +257,11 @@ class ServerEnd:
         self.receive = None if self.pools else comm.recv_init(self.recv, rank, TAG_GRADIENT,
                                                                 "push", self.what)
         self.replying = [self._reply_op(0)]  # the persistent send of each of ``sends``
-        self.sending: List[object] = [None]  # the pending send from each of ``sends``
+        self.sending: List[Optional[Pending]] = [None]  # the pending send from each of ``sends``
         self.last_reply = 0  # which of ``sends`` went last
-        self.posted = None  # the started receive of its next push
+        #: the started receive of its next push (until the first listen, and once hung
+        #: up, NOT_POSTED: typed so, the server's loop tests it with no check for None)
+        self.posted: Pending = NOT_POSTED
         self.reply_to = 0  # the lease slot its next reply goes to (its last push said)
         self.reading: Optional[int] = None  # the push slot being applied (release)
         #: pooled: its pushes are left with it, not received, for now (see pause)
@@ -258,7 +282,7 @@ class ServerEnd:
                 ends = {r: cls(comm, r, layout, shared.get(r), pools) for r in workers}
         return ends
 
-    def _reply_op(self, i: int):
+    def _reply_op(self, i: int) -> Persistent:
         """The persistent send of reply buffer ``i`` with its weights."""
         return self.comm.send_init(self.sends[i], self.rank, TAG_WEIGHTS, "pull",
                                    self.takes_weights)
@@ -270,7 +294,7 @@ class ServerEnd:
             self.what = what
             if self.receive is not None:
                 self.receive.what = what
-        if self.posted is None or self.posted.done or self.posted.failed:
+        if self.posted.done or self.posted.failed:  # (NOT_POSTED is done)
             self.posted = self.comm.start(self.receive) if self.pools is None else \
                 self.comm.matched_recv(self.rank, TAG_GRADIENT, "push", self.what, self._lend)
 
@@ -282,9 +306,12 @@ class ServerEnd:
         elif self.paused:
             return None
         else:
-            buffer = self.pools.receives.lend()
-            if buffer is None:
+            pools = self.pools
+            assert pools is not None  # (only a pooled end's receive lends: see listen)
+            lent = pools.receives.lend()
+            if lent is None:
                 return None
+            buffer = lent
         self.recv = buffer
         return buffer
 
@@ -365,13 +392,13 @@ class ServerEnd:
             pending += self.pools.replies.pending_to(self.rank)
         self.comm.wait_all(pending, IDLE)
 
-    def hang_up(self, tell: bool):
+    def hang_up(self, tell: bool) -> Optional[Pending]:
         """The worker is lost: its pending receive is cancelled (pooled: a buffer lent to
         it leaves the pool, as do those of its replies still pending) and, if ``tell``
         (its process is still there), a FINAL|DROPPED reply sent in case it comes back
         (it then leaves). Returns that reply's send, or None."""
         self.comm.cancel(self.posted, peer_lost=True)
-        self.posted = None
+        self.posted = NOT_POSTED
         if self.pools is not None:
             if self.recv is not self.head:  # (MPI may still write into it)
                 self.pools.receives.lose(self.recv)

@@ -42,11 +42,11 @@ another, so a loss costs at most the buffers it held.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from ...comm import IDLE
+from ...comm import IDLE, Pending
 from ..protocol import TAG_WEIGHTS
 
 #: bytes of message buffers a server may keep as every worker's own (about three
@@ -115,10 +115,10 @@ class ReplyPool:
     def __init__(self, comm, length: int, most: int, new: Callable[[int], np.ndarray] = _new):
         self.comm, self.length, self.most, self._new = comm, length, max(2, most), new
         self.buffers: List[np.ndarray] = []
-        self.sends: List[Optional[object]] = []  # the pending send from each buffer
+        self.sends: List[Optional[Pending]] = []  # the pending send from each buffer
         self.to: List[int] = []  # the worker it goes to
         #: (buffer, send) of lost workers' replies: MPI may still read them
-        self.lost: list = []
+        self.lost: List[Tuple[np.ndarray, Optional[Pending]]] = []
 
     @classmethod
     def of(cls, comm, length: int, budget: Optional[int] = None) -> "ReplyPool":
@@ -127,7 +127,7 @@ class ReplyPool:
         budget = REPLY_BUDGET if budget is None else budget
         return cls(comm, length, budget // (4 * length))
 
-    def send(self, rank: int, what: str, write: Callable[[np.ndarray], None]):
+    def send(self, rank: int, what: str, write: Callable[[np.ndarray], None]) -> Pending:
         """Write a reply with ``write(buffer)`` into a free buffer and send it to ``rank``
         (``what``: what the wait for it is, in a timeout message). Returns the send."""
         i = self._free()
@@ -146,6 +146,7 @@ class ReplyPool:
             if sending is None or sending.test():
                 return i
         for i, sending in enumerate(sends):  # (ULFM said its worker died: never completes)
+            assert sending is not None  # (a None would be free: the loop above took it)
             if sending.failed:
                 self._lose(i)
                 return self._grow()
@@ -163,7 +164,7 @@ class ReplyPool:
         self.lost.append((self.buffers.pop(i), self.sends.pop(i)))
         self.to.pop(i)
 
-    def pending_to(self, rank: int) -> list:
+    def pending_to(self, rank: int) -> List[Pending]:
         """The sends to ``rank`` not known to be complete."""
         return [s for s, r in zip(self.sends, self.to) if r == rank and s is not None
                 and not s.done]
