@@ -33,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import struct
 import time
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional,
+                    Sequence, Tuple)
 
 import numpy as np
 
@@ -162,7 +163,7 @@ class SilentPeers:
     stayed silent instead of waiting forever.
     """
 
-    def __init__(self, comm, peers: Sequence[int]):
+    def __init__(self, comm, peers: Iterable[int]):
         self.comm = comm
         now = time.monotonic()
         self.since: Dict[int, float] = {p: now for p in peers}

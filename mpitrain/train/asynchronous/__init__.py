@@ -50,6 +50,7 @@ The rooms:
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 from ...comm import PeerProcesses, Role, recovery_enabled
 from ...errors import CommTimeout
@@ -80,21 +81,23 @@ def train(ctx: Context) -> Summary:
             return PartitionServer(ctx, clock).run()
         return work(ctx, clock)
     except CommTimeout:
-        dead = [s for s in servers if not peers.alive(s)] if comm.while_waiting else []
-        if dead:
-            _one_voice(comm, peers, dead[0])
+        # (watched only with peers, under recovery, when a server shares this host)
+        if peers is not None and comm.while_waiting:
+            dead = [s for s in servers if not peers.alive(s)]
+            if dead:
+                _one_voice(comm, peers, dead[0])
         raise
     finally:
         comm.while_waiting = None
 
 
-def _watch(peers: PeerProcesses, servers):
+def _watch(peers: PeerProcesses, servers) -> Optional[Callable[[], None]]:
     """A check for :attr:`Comm.while_waiting` that raises once one of the parameter
     ``servers`` on this host has died; None when none runs here."""
-    checks = [peers.watch(s, "the parameter server" if s == 0 else
-                          "a parameter server (of a share of the parameters)")
-              for s in servers]
-    checks = [check for check in checks if check is not None]
+    watches = [peers.watch(s, "the parameter server" if s == 0 else
+                           "a parameter server (of a share of the parameters)")
+               for s in servers]
+    checks = [check for check in watches if check is not None]
     if len(checks) < 2:
         return checks[0] if checks else None
 

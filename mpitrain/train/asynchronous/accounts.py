@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -121,8 +121,11 @@ def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
            others: Optional[Dict[int, dict]] = None) -> dict:
     """Write staleness.csv and print the async line; return the run's async columns of
     runs.csv."""
-    rows, all_staleness = [], collections.Counter()
-    by_server = {0: {w.rank: w.staleness for w in workers.values()}}
+    rows: List[dict] = []
+    all_staleness: collections.Counter[int] = collections.Counter()
+    # (server -> worker -> staleness -> count: this server's counters, the others' dicts)
+    by_server: Dict[int, Mapping[int, Mapping[int, int]]] = {
+        0: {w.rank: w.staleness for w in workers.values()}}
     by_server.update(retired_staleness(ctx))
     applied = {0: sum(w.applied for w in workers.values())}
     for server, final in sorted((others or {}).items()):  # --servers K: the others' own

@@ -33,7 +33,9 @@ class Milestones:
         self.checkpoint_steps = (ctx.cfg.checkpoint.steps or 0) * workers
         self.losses: List[float] = []  # of the pushes applied since the last evaluation
         self.last_loss = float("nan")  # the latest push's, once its evaluation took them
-        self.next_point = 0  # the next version to evaluate or save at (see start)
+        #: the next version to evaluate or save at (see start); math.inf once there is
+        #: none (with other servers, the end's is made of their final shares: .server)
+        self.next_point: float = 0
         self.evaluations = BackgroundEvaluator(Evaluator(
             ctx, clock, self.updates_per_epoch, ctx.cfg.batch_size, workers * ctx.total_steps))
 

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ...comm import PeerProcesses, recovery_enabled
+from ...comm import PeerProcesses, Pending, recovery_enabled
 from ...errors import MpitrainError
 from ..leases import Liveness
 
@@ -50,7 +50,8 @@ class _Fence:
     """A dropped worker, until it is gone or killed."""
 
     at: float  # when the server kills it if it is still alive (its host only)
-    dismissal: object = None  # the pending FINAL|DROPPED reply (its buffer kept with it)
+    #: the pending FINAL|DROPPED reply (its buffer kept with it)
+    dismissal: Optional[Pending] = None
     done: bool = False
     #: why it is killed then, for the console
     why: str = f"it was still alive {FENCE_GRACE:g} s after it was dropped"
@@ -75,6 +76,12 @@ class Recovery:
         self.parked: Dict[int, float] = {}
         self.keepalive_every = self.comm.bounds.keepalive
 
+    def _processes(self) -> PeerProcesses:
+        """The workers' processes, watched only when :attr:`enabled`: what asks for them
+        runs only then (a drop follows a loss :meth:`lost` found, a fence a drop)."""
+        assert self.processes is not None, "recovery is not enabled"
+        return self.processes
+
     def due(self) -> bool:
         """Whether it is time to check the lease holders (once every
         LIVENESS_CHECK_EVERY, also while the others push: one silent worker among busy
@@ -87,7 +94,7 @@ class Recovery:
         dropped workers whose grace is over."""
         self.next_check = time.monotonic() + LIVENESS_CHECK_EVERY
         self.fence()
-        return silence.lost(posted, self.liveness, self.processes.alive)
+        return silence.lost(posted, self.liveness, self._processes().alive)
 
     def drop(self, end, why_kill: Optional[str] = None) -> None:
         """Hang up on ``end``'s worker (its :class:`.mailbox.ServerEnd`) and fence it
@@ -95,7 +102,7 @@ class Recovery:
         fence = self.fences[end.rank] = _Fence(time.monotonic() + FENCE_GRACE)
         if why_kill:
             fence.why = why_kill
-        fence.dismissal = end.hang_up(tell=self.processes.alive(end.rank))
+        fence.dismissal = end.hang_up(tell=self._processes().alive(end.rank))
 
     def park(self, rank: int) -> None:
         """``rank`` finished its steps while others train (it was sent PARKED)."""
@@ -125,13 +132,14 @@ class Recovery:
         is bounded, but a stopped one can neither take its last reply nor leave: it
         would keep mpirun (and the telemetry's gather) waiting for ever. Waits only
         when one is stopped."""
-        if not self.enabled:
+        processes = self.processes
+        if processes is None:  # (not enabled)
             return []
-        stopped = [rank for rank in ranks if self.processes.stopped(rank)]
+        stopped = [rank for rank in ranks if processes.stopped(rank)]
         deadline = time.monotonic() + FENCE_GRACE
         while stopped and time.monotonic() < deadline:
             time.sleep(0.2)
-            stopped = [rank for rank in stopped if self.processes.stopped(rank)]
+            stopped = [rank for rank in stopped if processes.stopped(rank)]
         return [(rank, f"stopped as the run ended, still stopped {FENCE_GRACE:g} s later")
                 for rank in stopped]
 
@@ -165,10 +173,11 @@ class Recovery:
             if fence.done or not (at_end or now >= fence.at):
                 continue
             fence.done = True
-            if not self.processes.alive(rank):
+            processes = self._processes()
+            if not processes.alive(rank):
                 continue
             name, pid = self.comm.name(rank), self.comm.pids[rank]
-            if self.processes.kill(rank):
+            if processes.kill(rank):
                 self.ctx.console.note(f"killed lost {name} (pid {pid}): {fence.why}")
             else:
                 self.ctx.console.note(f"lost {name} may still be alive (pid {pid} there): "

@@ -140,7 +140,9 @@ class Server:
 
     def _restore(self, ckpt: Checkpoint) -> None:
         self.clock.offset = ckpt.wall_time_s  # the run's clock goes on, as a sync run's does
-        self.store.restore(ckpt, self.ctx.cfg.resume)
+        run_dir = self.ctx.cfg.resume
+        assert run_dir is not None  # (a checkpoint is resumed from --resume's run)
+        self.store.restore(ckpt, run_dir)
         self.ctx.lost.extend(accounts.restore(self.workers, self.quotas, ckpt))
 
     def checkpoint(self) -> Checkpoint:
@@ -165,14 +167,18 @@ class Server:
         of the checkpoint, each worker's position, and its own staleness counts (a run
         resumed with as many servers)."""
         ckpt, part = self.ctx.resume_from, partition_of(self.ctx)
-        weights = self.ctx.replica.weights() if ckpt is None else None
+        if ckpt is None:
+            weights = self.ctx.replica.weights()
+            states = {s: fresh_share_state(self.ctx, weights, part.share(s))
+                      for s in self.peers.ranks}
+        else:
+            states = {s: share_of_checkpoint(ckpt, part.share(s)) for s in self.peers.ranks}
         # (the counts are theirs only if the checkpoint had as many servers)
         was = ckpt.meta.geometry if ckpt is not None else None
         saved = ckpt.meta.partition_staleness if ckpt is not None and was is not None \
             and was.servers == part.servers else {}
         positions = {r: w.steps for r, w in self.workers.items()}
-        return {s: {"state": (fresh_share_state(self.ctx, weights, part.share(s)) if ckpt
-                              is None else share_of_checkpoint(ckpt, part.share(s))),
+        return {s: {"state": states[s],
                     "positions": positions,
                     "staleness": {w: dict(counts)
                                   for w, counts in saved.get(s, {}).items()}}
@@ -264,11 +270,11 @@ class Server:
             if ends[rank].posted.test():  # busy): taken without setting up a wait
                 return self._arrived(rank)
         wait = self.polling.backoff(holders, self.workers, self.silence.since)
-        rank = self.silence.first({r: ends[r].posted for r in holders}, wait,
+        came = self.silence.first({r: ends[r].posted for r in holders}, wait,
                                   wake_every=self.recovery.wake_every,  # for the next check
                                   tested=True)  # (just above)
-        if rank is not None:
-            return self._arrived(rank)
+        if came is not None:
+            return self._arrived(came)
         late = None if self.recovery.enabled else self.silence.overdue(holders)
         if late is not None:  # (under recovery, dropped above instead)
             raise stalled(self.comm, late, f"has not pushed a gradient for "
@@ -366,7 +372,7 @@ class Server:
         if point >= self.milestones.evaluations.evaluator.total_updates:
             milestones.next_point = math.inf  # (the end: every server's final share)
             return
-        self.cut = _Cut(*milestones.due(point))
+        self.cut = _Cut(*milestones.due(int(point)))  # (finite: below the last, just above)
 
     def _cutting(self) -> None:
         """Make the cut once drained; take the shares of the one being gathered."""
@@ -381,6 +387,7 @@ class Server:
         share there. Rank 0 records its own, tells the others (once they acked, it
         replies again), and evaluates and/or saves when their shares are in."""
         cut, self.cut = self.cut, None
+        assert cut is not None  # (_cutting makes the cut being drained for)
         version, wall = self.store.version, self.clock()
         checkpoint = self.checkpoint() if cut.save else None  # (rank 0's share: completed)
         buffers = self.store.average_buffers(accounts.latest_buffers(self.workers))

@@ -80,10 +80,10 @@ class PartitionServer:
                 self._lease(rank)
         self.heard = self.clock()
         while self.states.awaited:
-            rank = self._next()
-            if rank is not None:
-                self._take(rank)
-            if self.positions is not None and self._reached():
+            came = self._next()
+            if came is not None:
+                self._take(came)
+            if self.positions is not None and self._reached(self.positions):
                 self._share()
         self._report()
         return Summary(self.clock(), 0, 0.0, math.nan, math.nan, math.nan)
@@ -124,7 +124,7 @@ class PartitionServer:
             self.positions = {int(r): int(p) for r, p in pairs if r > 0 and p != GONE}
             self.cut = argument
             for rank in self.states.ranks(TRAINING):  # (those with every push of the cut in)
-                self._pause_past_cut(rank)
+                self._pause_past_cut(rank, self.positions)
             ack = control_message(self.comm)
             ack[:2] = ACK, argument
             self.comm.wait(self.comm.isend(ack, 0, TAG_CONTROL, "control",
@@ -153,7 +153,7 @@ class PartitionServer:
     def _apply(self, w: WorkerAccount, end: ServerEnd, header: Header) -> None:
         w.steps, w.elapsed = header.step, header.elapsed
         if self.positions is not None:
-            self._pause_past_cut(w.rank)
+            self._pause_past_cut(w.rank, self.positions)
         payload = end.payload(header)  # (shared memory: says where the reply goes)
         if not header.flags & DIVERGED and math.isfinite(header.loss):
             w.staleness[self.store.version - header.version] += 1
@@ -206,17 +206,19 @@ class PartitionServer:
         self._grant_leases()
 
     # ---- cuts and the end -------------------------------------------------------------
-    def _pause_past_cut(self, rank: int) -> None:
-        """While a cut is made: a worker with every push of the cut applied sends only
-        pushes past it next, held until the cut is made; pooled, they are left with it
-        until then (:meth:`.mailbox.ServerEnd.pause`), so that held pushes cannot take
-        every buffer of the pool from the pushes the cut still waits for."""
-        if self.workers[rank].steps >= self.positions.get(rank, float("inf")):
+    def _pause_past_cut(self, rank: int, positions: Dict[int, int]) -> None:
+        """While a cut is made (at ``positions``, :attr:`positions`): a worker with every
+        push of the cut applied sends only pushes past it next, held until the cut is
+        made; pooled, they are left with it until then (:meth:`.mailbox.ServerEnd.pause`),
+        so that held pushes cannot take every buffer of the pool from the pushes the cut
+        still waits for."""
+        if self.workers[rank].steps >= positions.get(rank, float("inf")):
             self.ends[rank].pause(True)
 
-    def _reached(self) -> bool:
-        """Whether every worker still here has every push of the cut applied."""
-        return all(self.workers[r].steps >= p for r, p in self.positions.items()
+    def _reached(self, positions: Dict[int, int]) -> bool:
+        """Whether every worker still here has every push of the cut (at ``positions``,
+        :attr:`positions`) applied."""
+        return all(self.workers[r].steps >= p for r, p in positions.items()
                    if self.states.of.get(r) is TRAINING)
 
     def _share(self) -> None:

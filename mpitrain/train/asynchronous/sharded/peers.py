@@ -27,11 +27,11 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ....comm import IDLE, PeerProcesses, recovery_enabled
+from ....comm import IDLE, PeerProcesses, Pending, recovery_enabled
 from ....errors import CommTimeout
 from ....run.checkpoint import Checkpoint
 from ...protocol import TAG_CONTROL, TAG_SHARE
@@ -111,7 +111,8 @@ class PartitionServers:
         self.inbox: Dict[int, ObjectIn] = {}
         self.received: Dict[int, dict] = {}
         self.finals: Dict[int, dict] = {}
-        self._out: List[object] = []  # control sends not yet known complete
+        #: control sends not yet known complete, each with its buffer
+        self._out: List[Tuple[np.ndarray, Pending]] = []
         self.processes = PeerProcesses(self.comm, self.ranks) \
             if self.enabled and recovery_enabled() else None
 
