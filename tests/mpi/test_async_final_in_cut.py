@@ -6,25 +6,12 @@ import time
 
 import pytest
 
-from mpitrain import models
-from mpitrain.comm import Comm, Role
-from mpitrain.models.replica import Replica, init_tensorflow
+from mpitrain.comm import Role
 from mpitrain.train import asynchronous
 from mpitrain.train.evaluation import Stopwatch
-from test_async_protocol import context, run_sharded, slowed
+from test_async_protocol import comm, context, replica, run_sharded, slowed  # noqa: F401 (fixtures)
 
 NEEDS_TWO_WORKERS = "two servers and two workers: runs under mpirun -np 4+ (test_mpi_tier)"
-
-
-@pytest.fixture(scope="module")
-def comm():
-    return Comm.world(timeout=60.0)
-
-
-@pytest.fixture(scope="module")
-def replica():
-    init_tensorflow(1, 0)
-    return Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
 
 
 def first_step_late(ctx, seconds: float):
