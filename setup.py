@@ -37,13 +37,13 @@ setup(
     entry_points={"console_scripts": ["mpitrain=mpitrain.cli.commands:main"]},
     # float16 conversions with F16C for --compression fp16 (mpitrain/kernels/half.py); optional:
     # without a compiler the install goes on and numpy converts (slower, same bits)
-    ext_modules=[Extension("mpitrain.kernels._half", ["mpitrain/_half.c"], optional=True,
+    ext_modules=[Extension("mpitrain.kernels._half", ["mpitrain/kernels/_half.c"], optional=True,
                            extra_compile_args=["-O3"]),
                  # the async server's fused optimizer updates (mpitrain/models/optim.py);
                  # optional the same way (numpy does them: slower, same bits). No fused
                  # multiply-adds: each product is rounded as numpy rounds it; no errno
                  # from sqrtf (never negative here), so Adam's square roots vectorize
-                 Extension("mpitrain.kernels._optim", ["mpitrain/models/_optim.c"],
+                 Extension("mpitrain.kernels._optim", ["mpitrain/kernels/_optim.c"],
                            optional=True,
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"])],
 )
