@@ -38,14 +38,16 @@ before these rules, given as options (``BEFORE``).
 ``--ranks 3,5,9,17,33``: at each -np one launch of LR for one epoch, sync then async,
 timed on every rank (:func:`rank_side`: the real runs, with hooks that only read the
 clock): start-up (mpirun's start to the last rank's process, and to the last rank in
-its trainer: MPI, data, TensorFlow and the model up), rank 0's final evaluation and
-checkpoint (``finish_s``), rank 0's end-of-run gather of every rank's telemetry and
-its writing, the size of the run's telemetry files, mpirun's exit after the last run,
-``mpitrain check`` (the preflight job) and the launcher's probe of the hostfile's
-host; each against -np with its growth exponent fitted (``value ~ np^b``, least
-squares on the logs: b <= 1 is linear or better). On one host every rank's CPU shares
-two cores, so per-rank work alone grows wall time linearly here; the exponent is what
-tells a per-rank cost (b near 1) from one that grows faster. A -np needs about
+its trainer: MPI, data, TensorFlow and the model up; and the CPU a rank spent on it),
+rank 0's final evaluation and checkpoint (``finish_s``), rank 0's end-of-run gather
+of every rank's telemetry and its writing, the size and rows of the run's telemetry
+files, mpirun's exit after the last run, ``mpitrain check`` (the preflight job) and
+the launcher's probe of the hostfile's host; each against -np with its growth
+exponent fitted (``value ~ np^b``, least squares on the logs: b <= 1 is linear or
+better). On one host every rank's CPU shares two cores, so per-rank work alone grows
+wall time linearly here; the exponent is what tells a per-rank cost (b near 1) from
+one that grows faster, and a rank's own CPU (b near 0) what one rank pays. A -np
+needs about
 ``RANK_MB`` of free memory a rank: one that does not fit is left out and named.
 ``--quick`` reports its own launch's timings (one -np, no exponent).
 
@@ -224,7 +226,8 @@ def rank_side(runs_json: str, times: str) -> None:
     cli_runs helper (one after another, as :func:`bench.common.train_many` runs them),
     this rank's moments written to ``times``/rank-R.json after each run: its Python's
     start, each run's entry into its trainer (start-up is over: MPI, the data,
-    TensorFlow and the model are up on this rank) and the start and end of each run's
+    TensorFlow and the model are up on this rank; with the CPU seconds used by the
+    first) and the start and end of each run's
     telemetry gather (on rank 0: waiting for every rank's rows, then writing the files).
     The real functions run; the hooks only read the clock. No collective of its own."""
     import runpy
@@ -240,6 +243,7 @@ def rank_side(runs_json: str, times: str) -> None:
 
         def timed(ctx):
             moments["train"].append(time.time())
+            moments.setdefault("train_cpu", time.process_time())  # the first run's
             return train(ctx)
         return timed
 
@@ -259,7 +263,9 @@ def rank_side(runs_json: str, times: str) -> None:
 def launch_moments(times: Path, np_: int, began: float, ended: float) -> Dict:
     """A timed launch's costs from its ranks' moments (:func:`rank_side`) and mpirun's
     start and exit (``began``, ``ended``): the seconds to the last rank's Python running
-    (``spawn_s``) and to the last rank in the first run's trainer (``startup_s``); for
+    (``spawn_s``) and to the last rank in the first run's trainer (``startup_s``), the
+    CPU seconds a rank had used by then (``startup_cpu_s``, the ranks' mean: what each
+    rank's start-up costs, whoever else shares its cores); for
     each run, rank 0's wait in its telemetry gather for the last rank to call it
     (``gather_wait_s``: that rank's own end of the run) and the gather from then to the
     files written (``gather_s``); and from the last rank's last gather to mpirun's exit
@@ -273,6 +279,7 @@ def launch_moments(times: Path, np_: int, began: float, ended: float) -> Dict:
     last_in = [max(r["gather"][i][0] for r in ranks) for i in range(len(zero["gather"]))]
     return {"spawn_s": round(max(r["python"] for r in ranks) - began, 3),
             "startup_s": round(max(r["train"][0] for r in ranks) - began, 3),
+            "startup_cpu_s": round(sum(r["train_cpu"] for r in ranks) / len(ranks), 3),
             "gather_s": [round(end - max(start, last), 3)
                          for (start, end), last in zip(zero["gather"], last_in)],
             "gather_wait_s": [round(max(0.0, last - start), 3)
@@ -316,15 +323,15 @@ def ranks_section(args, out: Path, command: str, sections: Dict[str, str],
                             + md(fits, list(fits[0])) if fits else "") + note + "\n")
 
 
-RANKS_COLUMNS = ["np", "run", "startup_s", "spawn_s", "train_s", "finish_s", "gather_wait_s",
-                 "gather_s",
-                 "telemetry_kb", "telemetry_rows", "sampled_s", "telemetry_kb_per_sampled_s",
-                 "exit_s", "check_s", "probe_s", "accuracy", "status"]
+RANKS_COLUMNS = ["np", "run", "startup_s", "startup_cpu_s", "spawn_s", "train_s", "finish_s",
+                 "gather_wait_s", "gather_s", "telemetry_kb", "samples", "sampled_s",
+                 "samples_per_rank_s", "timing_rows", "comm_rows", "staleness_rows", "exit_s",
+                 "check_s", "probe_s", "accuracy", "status"]
 #: the costs whose growth with -np is fitted: the launch's (on one run of each -np), and
 #: each run's (fitted for each mode apart)
-LAUNCH_COSTS = ("startup_s", "spawn_s", "exit_s", "check_s", "probe_s")
-RUN_COSTS = ("gather_wait_s", "gather_s", "finish_s", "telemetry_kb",
-             "telemetry_kb_per_sampled_s")
+LAUNCH_COSTS = ("startup_s", "startup_cpu_s", "spawn_s", "exit_s", "check_s", "probe_s")
+RUN_COSTS = ("gather_wait_s", "gather_s", "finish_s", "telemetry_kb", "samples_per_rank_s",
+             "timing_rows", "comm_rows", "staleness_rows")
 
 
 def launch_rows(np_: int, done: Dict[str, Dict[str, str]], moments: Dict,
@@ -334,34 +341,39 @@ def launch_rows(np_: int, done: Dict[str, Dict[str, str]], moments: Dict,
     mpirun's exit: the last)."""
     rows = []
     for i, (name, row) in enumerate(done.items()):
-        size, lines, sampled = telemetry_size(Path(row["run_dir"]))
         rows.append({"np": np_, "run": name.split("-", 1)[1], "train_s": float(row["wall_time_s"]),
                      "finish_s": float(row["finish_s"] or 0), "gather_s": moments["gather_s"][i],
                      "gather_wait_s": moments["gather_wait_s"][i],
-                     "telemetry_kb": round(size / 1024, 1), "telemetry_rows": lines,
-                     "sampled_s": sampled,
-                     "telemetry_kb_per_sampled_s": round(size / 1024 / max(sampled, 1e-3), 3),
+                     **telemetry_size(Path(row["run_dir"]), np_),
                      "accuracy": round(float(row["test_accuracy"]), 4),
                      "status": row["status"]})
-    rows[0].update(startup_s=moments["startup_s"], spawn_s=moments["spawn_s"])
+    rows[0].update(startup_s=moments["startup_s"], spawn_s=moments["spawn_s"],
+                   startup_cpu_s=moments["startup_cpu_s"])
     rows[-1]["exit_s"] = moments["exit_s"]
     if check_s is not None:
         rows[0].update(check_s=check_s, probe_s=probe)
     return rows
 
 
-def telemetry_size(run_dir: Path) -> Tuple[int, int, float]:
-    """The run's telemetry files: bytes, rows, and the seconds telemetry.csv's samples
-    span (the rows of a rank's sampler grow with the run's length, not only the ranks)."""
-    size, lines = 0, 0
+def telemetry_size(run_dir: Path, np_: int) -> Dict:
+    """The run's telemetry files: their kilobytes, and the rows of each. telemetry.csv's
+    ``samples`` grow with the run's length as well as the ranks (each rank samples
+    itself every second, and once at its end): ``samples_per_rank_s`` divides them by
+    the ranks and by the seconds sampled (plus that last sample's one)."""
+    size, rows = 0, {}
     for name in TELEMETRY_FILES:
         path = run_dir / name
         if path.is_file():
             size += path.stat().st_size
             with open(path, newline="") as f:
-                lines += sum(1 for _ in f) - 1
-    samples = run_table(run_dir, "telemetry")
-    return size, lines, round(float(samples["time_s"].max()), 3) if samples["time_s"].size else 0.0
+                rows[name] = sum(1 for _ in f) - 1
+    times = run_table(run_dir, "telemetry")["time_s"]
+    sampled = round(float(times.max()), 3) if times.size else 0.0
+    samples = rows.get("telemetry.csv", 0)
+    return {"telemetry_kb": round(size / 1024, 1), "samples": samples, "sampled_s": sampled,
+            "samples_per_rank_s": round(samples / np_ / (1 + sampled), 3),
+            "timing_rows": rows.get("timing.csv", ""), "comm_rows": rows.get("comm.csv", ""),
+            "staleness_rows": rows.get("staleness.csv", "")}
 
 
 def growth_rows(rows: List[Dict]) -> List[Dict]:

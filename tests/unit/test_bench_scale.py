@@ -30,14 +30,18 @@ def test_launch_costs_sit_once_per_np_and_run_costs_per_mode():
 
 def test_a_launch_s_costs_come_from_every_rank_s_moments(tmp_path):
     began = 100.0
-    moments = [  # rank: its Python up, trainer entries, gathers (start, end) of two runs
-        {"python": 101.0, "train": [130.0, 140.0], "gather": [[138.0, 138.5], [150.0, 150.2]]},
-        {"python": 102.5, "train": [131.0, 141.0], "gather": [[137.0, 138.5], [149.0, 150.2]]},
-        {"python": 101.5, "train": [133.0, 142.0], "gather": [[138.1, 138.5], [149.5, 150.3]]}]
+    moments = [  # rank: its Python up, trainer entries (and the CPU seconds at the first),
+        # gathers (start, end) of two runs
+        {"python": 101.0, "train": [130.0, 140.0], "train_cpu": 4.0,
+         "gather": [[138.0, 138.5], [150.0, 150.2]]},
+        {"python": 102.5, "train": [131.0, 141.0], "train_cpu": 5.0,
+         "gather": [[137.0, 138.5], [149.0, 150.2]]},
+        {"python": 101.5, "train": [133.0, 142.0], "train_cpu": 6.0,
+         "gather": [[138.1, 138.5], [149.5, 150.3]]}]
     for rank, m in enumerate(moments):
         (tmp_path / f"rank-{rank}.json").write_text(json.dumps(m))
     costs = launch_moments(tmp_path, 3, began, ended=151.0)
-    assert costs == {"spawn_s": 2.5, "startup_s": 33.0,
+    assert costs == {"spawn_s": 2.5, "startup_s": 33.0, "startup_cpu_s": 5.0,
                      # run 1: rank 2 came last, 0.1 s after rank 0; run 2: rank 0 came last
                      "gather_wait_s": [0.1, 0.0], "gather_s": [0.4, 0.2], "exit_s": 0.7}
     with pytest.raises(RuntimeError, match="moments of 3 rank"):
