@@ -71,9 +71,10 @@ class Comm(ObjectExchanges):
         self._sum_in_place = functools.partial(mpi_comm.Allreduce, _load_mpi().IN_PLACE)
         #: process id of every rank (world communicator only; for fencing a lost rank)
         self.pids: List[int] = []
-        #: the run's parameter servers, ranks 0..servers-1 (async --servers): None until
-        #: the run's configuration gives them (:meth:`assign_roles`)
-        self.servers: Optional[int] = None
+        #: the run's parameter servers, ranks 0..servers-1 (async --servers), set once by
+        #: :meth:`assign_roles`; 1 before it (a communicator of its own, the workers' one,
+        #: is read so: raising there stopped rank 0 naming a stalled sync worker)
+        self.servers: int = 1
         #: cores other processes kept busy on this rank's host as the job started
         #: (world only; None where it was not measured: see _decide_waits)
         self.others_busy: Optional[float] = None
@@ -168,14 +169,8 @@ class Comm(ObjectExchanges):
 
     @property
     def role(self) -> Role:
-        """This rank's role in the run; an error before :meth:`assign_roles` (a role read
-        before the run's servers are known would be wrong under ``--servers K``)."""
-        return Role.of(self.rank, self.size, self._assigned_servers())
-
-    def _assigned_servers(self) -> int:
-        if self.servers is None:
-            raise RuntimeError("Comm roles read before assign_roles (the run's --servers)")
-        return self.servers
+        """This rank's role in the run (the session calls :meth:`assign_roles` first)."""
+        return Role.of(self.rank, self.size, self.servers)
 
     @property
     def workers(self) -> Optional["Comm"]:
@@ -211,8 +206,7 @@ class Comm(ObjectExchanges):
 
     def workers_on_host(self) -> List[int]:
         """Ranks on this rank's host that train (workers, or the single rank)."""
-        servers = self._assigned_servers()
-        return [r for r in self.ranks_on_host() if Role.of(r, self.size, servers).trains]
+        return [r for r in self.ranks_on_host() if Role.of(r, self.size, self.servers).trains]
 
     # ---- waiting ----------------------------------------------------------------------
     def wait(self, pending: Pending, backoff: Backoff = HOT,
