@@ -304,8 +304,8 @@ def ranks_section(args, out: Path, command: str, sections: Dict[str, str],
             hostfile = slots_file(out, np_)
             done, moments = launch_timed(np_, {"lr-sync": base, "lr-async": [*base, "--async"]},
                                          out / f"ranks-np{np_}", hostfile)
-            rows += launch_rows(np_, done, moments, preflight_s(np_, hostfile),
-                                probe_s(hostfile))
+            rows += launch_rows(np_, done, moments,
+                                {**preflight_s(np_, hostfile), "probe_s": probe_s(hostfile)})
     else:
         for launch in accuracy:
             rows += launch_rows(launch["np"], launch["done"], launch["moments"])
@@ -326,19 +326,20 @@ def ranks_section(args, out: Path, command: str, sections: Dict[str, str],
 RANKS_COLUMNS = ["np", "run", "startup_s", "startup_cpu_s", "spawn_s", "train_s", "finish_s",
                  "gather_wait_s", "gather_s", "telemetry_kb", "samples", "sampled_s",
                  "samples_per_rank_s", "timing_rows", "comm_rows", "staleness_rows", "exit_s",
-                 "check_s", "probe_s", "accuracy", "status"]
+                 "check_s", "check_cpu_s", "probe_s", "accuracy", "status"]
 #: the costs whose growth with -np is fitted: the launch's (on one run of each -np), and
 #: each run's (fitted for each mode apart)
-LAUNCH_COSTS = ("startup_s", "startup_cpu_s", "spawn_s", "exit_s", "check_s", "probe_s")
+LAUNCH_COSTS = ("startup_s", "startup_cpu_s", "spawn_s", "exit_s", "check_s", "check_cpu_s",
+                "probe_s")
 RUN_COSTS = ("gather_wait_s", "gather_s", "finish_s", "telemetry_kb", "samples_per_rank_s",
              "timing_rows", "comm_rows", "staleness_rows")
 
 
 def launch_rows(np_: int, done: Dict[str, Dict[str, str]], moments: Dict,
-                check_s: Optional[float] = None, probe: Optional[float] = None) -> List[Dict]:
+                launcher: Optional[Dict[str, float]] = None) -> List[Dict]:
     """One row per run of a timed launch: its own costs; the launch's (start-up, mpirun's
-    exit, the preflight and the probe) on the run they belong to (start-up: the first;
-    mpirun's exit: the last)."""
+    exit) on the run they belong to (start-up: the first; mpirun's exit: the last), and
+    the ``launcher``'s (the preflight and the probe at this -np) on the first."""
     rows = []
     for i, (name, row) in enumerate(done.items()):
         rows.append({"np": np_, "run": name.split("-", 1)[1], "train_s": float(row["wall_time_s"]),
@@ -350,8 +351,7 @@ def launch_rows(np_: int, done: Dict[str, Dict[str, str]], moments: Dict,
     rows[0].update(startup_s=moments["startup_s"], spawn_s=moments["spawn_s"],
                    startup_cpu_s=moments["startup_cpu_s"])
     rows[-1]["exit_s"] = moments["exit_s"]
-    if check_s is not None:
-        rows[0].update(check_s=check_s, probe_s=probe)
+    rows[0].update(launcher or {})
     return rows
 
 
@@ -405,19 +405,28 @@ def exponent(points: Sequence[Tuple[float, float]]) -> Optional[float]:
     return round(slope, 2)
 
 
-def preflight_s(np_: int, hostfile: Path) -> float:
-    """Seconds ``mpitrain check -np NP`` takes on ``hostfile`` (the launch preflight and
-    its short job: every rank's versions compared, the data loaded on every host)."""
+def preflight_s(np_: int, hostfile: Path) -> Dict[str, float]:
+    """``mpitrain check -np NP`` on ``hostfile`` (the launch preflight and its short job:
+    every rank's versions compared, the data loaded on every host): its seconds
+    (``check_s``) and the CPU seconds of its processes per rank (``check_cpu_s``: mpirun
+    waits for its ranks, so their CPU is in this process's children's once it ends)."""
+    import resource
+
     from .common import REPO, mpi_env
 
-    began = time.time()
+    def children_cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    began, cpu = time.time(), children_cpu()
     result = subprocess.run(
         [sys.executable, "-m", "mpitrain", "check", "-np", str(np_), "-hostfile", str(hostfile),
          "lr", "--data-dir", mnist_dir()], capture_output=True, text=True, cwd=REPO,
         env=mpi_env(), timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"mpitrain check -np {np_} failed:\n{result.stderr[-2000:]}")
-    return round(time.time() - began, 3)
+    return {"check_s": round(time.time() - began, 3),
+            "check_cpu_s": round((children_cpu() - cpu) / np_, 3)}
 
 
 def probe_s(hostfile: Path, hosts: Optional[int] = None,
