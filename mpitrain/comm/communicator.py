@@ -72,8 +72,9 @@ class Comm(ObjectExchanges):
         #: process id of every rank (world communicator only; for fencing a lost rank)
         self.pids: List[int] = []
         #: the run's parameter servers, ranks 0..servers-1 (async --servers), set once by
-        #: :meth:`assign_roles`; 1 before it (a communicator of its own, the workers' one,
-        #: is read so: raising there stopped rank 0 naming a stalled sync worker)
+        #: :meth:`assign_roles`; 1 before it. (Raising on a read before it instead made
+        #: rank 0 fail to name a stopped sync worker in test_faults' sync-spin case; which
+        #: read did that is not yet found.)
         self.servers: int = 1
         #: cores other processes kept busy on this rank's host as the job started
         #: (world only; None where it was not measured: see _decide_waits)
