@@ -79,8 +79,9 @@ jobs_started=()
 editable() {  # pip install -e of this tree into the venv of $1, extras $2
     flock "$logs/editable.lock" "$1/bin/python" -m pip install -q --no-compile -e ".[$2]"
 }
-start_job() {  # start_job NAME COMMAND...: COMMAND in the background, logged
-    ( set -euo pipefail; "${@:2}" ) > "$logs/$1.log" 2>&1 &
+start_job() {  # start_job NAME COMMAND...: COMMAND in the background, logged and timed
+    ( set -euo pipefail; "${@:2}"; echo "$SECONDS" > "$logs/$1.seconds" ) \
+        > "$logs/$1.log" 2>&1 &
     jobs_started+=("$1:$!")
 }
 wait_for_jobs() {  # wait for every job; a failed one's log, and setup fails
@@ -91,6 +92,8 @@ wait_for_jobs() {  # wait for every job; a failed one's log, and setup fails
             echo "setup: ${job%%:*} failed:" >&2
             tail -n 40 "$logs/${job%%:*}.log" >&2
             failed=1
+        else
+            echo "setup: ${job%%:*} ready after $(cat "$logs/${job%%:*}.seconds") s"
         fi
     done
     return "$failed"
@@ -98,6 +101,7 @@ wait_for_jobs() {  # wait for every job; a failed one's log, and setup fails
 
 make_venv .venv "$PYTHON"
 editable .venv test,lint
+echo "setup: .venv ready after $SECONDS s"
 
 # Horovod (--allreduce horovod), built against TensorFlow 2.18.1 and the Open MPI
 # installed above (~90 s on 2 cores; pip caches the wheel, so a rerun takes seconds).
