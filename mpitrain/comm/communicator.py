@@ -59,7 +59,7 @@ class Comm(ObjectExchanges):
         #: world rank of every rank of this communicator (for messages that name ranks)
         self.world_ranks: List[int] = list(world_ranks)
         self.host: str = self.hosts[self.rank]
-        self._workers: Optional[Comm] = None
+        self._worker_comm: Optional[Comm] = None
         #: called about once a second while this rank is blocked in a wait, so a
         #: protocol can tell a watcher "alive, waiting" (the sync workers do)
         self.while_waiting: Optional[Callable[[], None]] = None
@@ -102,7 +102,7 @@ class Comm(ObjectExchanges):
         hosts = node_names(names, nodes)
         world = cls(c, timeout, bootstrap.traffic, hosts, range(c.Get_size()))
         world.pids = list(pids)
-        world._workers = world._split_workers()
+        world._worker_comm = world._split_workers()
         world._decide_waits(allreduce_wait, cpus, thread_multiple)
         return world
 
@@ -123,7 +123,7 @@ class Comm(ObjectExchanges):
                                             for a in args.values()):
             self.others_busy = others_busy_cores()
             loads = self.allgather_objects(self.others_busy, kind="control")
-        for comm, name in ((self, "world"), (self._workers, "workers")):
+        for comm, name in ((self, "world"), (self._worker_comm, "workers")):
             if comm is not None and spins(allreduce_wait, *args[name], loads[ranks[name]]):
                 comm._spin = spin_watch(comm.name(comm.rank))
 
@@ -175,8 +175,10 @@ class Comm(ObjectExchanges):
 
     @property
     def workers(self) -> Optional["Comm"]:
-        """The training ranks' communicator; None on the parameter server."""
-        return self._workers
+        """The communicator of the worker ranks (the ranks that train); None on the
+        parameter server. Its users name it ``worker_comm``; the attribute keeps its
+        short name, which tests and benchmarks read."""
+        return self._worker_comm
 
     @property
     def spinning(self) -> bool:

@@ -51,10 +51,10 @@ PAGE = mmap.PAGESIZE
 KIND = "shared"
 
 
-def one_host(workers) -> bool:
-    """Whether every worker of ``workers`` (a :class:`~.communicator.Comm`) runs on one
+def one_host(worker_comm) -> bool:
+    """Whether every worker of ``worker_comm`` (a :class:`~.communicator.Comm`) runs on one
     host: only then can they share memory."""
-    return workers.size > 1 and len(set(workers.hosts)) == 1
+    return worker_comm.size > 1 and len(set(worker_comm.hosts)) == 1
 
 
 class SharedMemorySum:
@@ -64,11 +64,11 @@ class SharedMemorySum:
     A region is summed through the segment when it lies in this worker's slot
     (:meth:`fused_buffer`) and has ``min_bytes`` or more; any other buffer, and
     every sum when the segment could not be mapped, goes through MPI on
-    ``workers``, so the engine never changes what a caller gets, only how.
+    ``worker_comm``, so the engine never changes what a caller gets, only how.
     """
 
-    def __init__(self, workers, min_bytes: int = SHARED_MIN_BYTES):
-        self.workers = workers
+    def __init__(self, worker_comm, min_bytes: int = SHARED_MIN_BYTES):
+        self.worker_comm = worker_comm
         self.min_bytes = min_bytes
         self.slots: List[np.ndarray] = []  # every worker's buffer, by worker rank
         self._scratch = np.empty(BLOCK, np.float32)
@@ -77,8 +77,8 @@ class SharedMemorySum:
         """This worker's fused buffer: ``size`` float32 in the shared segment, page
         aligned, zeroed; None (on every worker) when the workers could not map one, or
         there is one worker (nobody to share with). Collective over the workers, once."""
-        self.slots = map_segment(self.workers, size) if self.workers.size > 1 else []
-        return self.slots[self.workers.rank] if self.slots else None
+        self.slots = map_segment(self.worker_comm, size) if self.worker_comm.size > 1 else []
+        return self.slots[self.worker_comm.rank] if self.slots else None
 
     def allreduce_sum_(self, buf: np.ndarray, what: str = "the gradient allreduce",
                        kind: str = "allreduce", computing: bool = False) -> np.ndarray:
@@ -86,21 +86,21 @@ class SharedMemorySum:
         bit-identical on every worker. Collective over the workers."""
         lo = self._offset(buf)
         if lo is None or buf.nbytes < self.min_bytes:
-            return self.workers.allreduce_sum_(buf, what, kind, computing)
-        workers, size = self.workers, buf.size
-        workers.barrier(f"{what} (every worker's gradient written)", HOT, KIND)
-        rank, count = workers.rank, workers.size
+            return self.worker_comm.allreduce_sum_(buf, what, kind, computing)
+        worker_comm, size = self.worker_comm, buf.size
+        worker_comm.barrier(f"{what} (every worker's gradient written)", HOT, KIND)
+        rank, count = worker_comm.rank, worker_comm.size
         sum_into_all(self.slots, lo + rank * size // count, lo + (rank + 1) * size // count,
                      self._scratch)
-        workers.barrier(f"{what} (every worker's chunk summed)", HOT, KIND)
-        workers.traffic.add_exchanged(KIND, buf.nbytes, 0.0)
+        worker_comm.barrier(f"{what} (every worker's chunk summed)", HOT, KIND)
+        worker_comm.traffic.add_exchanged(KIND, buf.nbytes, 0.0)
         return buf
 
     def _offset(self, buf: np.ndarray) -> Optional[int]:
         """Where ``buf`` starts in this worker's slot, or None if it is not in it."""
         if not self.slots or buf.dtype != np.float32 or not buf.flags.c_contiguous:
             return None
-        mine = self.slots[self.workers.rank]
+        mine = self.slots[self.worker_comm.rank]
         start = buf.ctypes.data - mine.ctypes.data
         if start < 0 or start % 4 or start // 4 + buf.size > mine.size:
             return None
@@ -126,7 +126,7 @@ def slot_stride(size: int) -> int:
     return -(-size * 4 // PAGE) * PAGE
 
 
-def map_segment(workers, size: int) -> List[np.ndarray]:
+def map_segment(worker_comm, size: int) -> List[np.ndarray]:
     """Every worker's slot of ``size`` float32 in one segment all of them map: worker
     0 makes it, the others open it (:func:`new_memory_file`). Empty on every worker if
     one could not. Collective over the workers."""
@@ -134,21 +134,21 @@ def map_segment(workers, size: int) -> List[np.ndarray]:
     fd, segment = -1, None
     where = np.zeros(2, np.int64)  # worker 0's pid and the file's descriptor
     try:
-        if workers.rank == 0:
-            fd, segment = new_memory_file("mpitrain-gradients", stride * workers.size)
+        if worker_comm.rank == 0:
+            fd, segment = new_memory_file("mpitrain-gradients", stride * worker_comm.size)
             where[:] = os.getpid(), fd
     except OSError:  # no memfd here: worker 0 says -1
         where[:] = -1
-    workers.bcast_(where, 0, "control", IDLE)
-    if workers.rank != 0 and where[0] >= 0:
-        fd, segment = open_memory_file(int(where[0]), int(where[1]), stride * workers.size)
+    worker_comm.bcast_(where, 0, "control", IDLE)
+    if worker_comm.rank != 0 and where[0] >= 0:
+        fd, segment = open_memory_file(int(where[0]), int(where[1]), stride * worker_comm.size)
     mapped = np.array([1.0 if segment is not None else 0.0], np.float32)
-    workers.allreduce_sum_(mapped, "the shared gradient segment's set-up", "control")
+    worker_comm.allreduce_sum_(mapped, "the shared gradient segment's set-up", "control")
     if fd >= 0:  # every worker has mapped it (or given up): the mappings keep it
         os.close(fd)
-    if mapped[0] != workers.size or segment is None:  # (mapped everywhere: not None)
+    if mapped[0] != worker_comm.size or segment is None:  # (mapped everywhere: not None)
         return []
-    return [np.frombuffer(segment, np.float32, size, k * stride) for k in range(workers.size)]
+    return [np.frombuffer(segment, np.float32, size, k * stride) for k in range(worker_comm.size)]
 
 
 def share_with_server(comm, lengths: Sequence[int], server: int = 0,

@@ -37,21 +37,21 @@ class Dataset:
     classes: Optional[List[str]] = None  # class names, where the data names them
 
 
-def shard_range(n_examples: int, workers: int, index: int) -> Tuple[int, int]:
+def shard_range(n_examples: int, n_workers: int, index: int) -> Tuple[int, int]:
     """[start, stop) of worker ``index``'s shard: disjoint, equal sizes, remainder dropped."""
-    size = n_examples // workers
+    size = n_examples // n_workers
     return index * size, (index + 1) * size
 
 
-def check_shards(n_examples: int, workers: int, batch_size: int) -> int:
+def check_shards(n_examples: int, n_workers: int, batch_size: int) -> int:
     """Shard size per worker; UsageError if a worker would get no data or less than a batch."""
-    size = n_examples // workers
+    size = n_examples // n_workers
     if size == 0:
-        raise UsageError(f"{workers} workers but only {n_examples} training examples: every "
+        raise UsageError(f"{n_workers} workers but only {n_examples} training examples: every "
                          "worker would get no data; use fewer ranks (mpirun -np)")
     if batch_size > size:
         raise UsageError(f"--batch-size {batch_size} is larger than a worker's shard "
-                         f"({size} examples = {n_examples} / {workers} workers); use "
+                         f"({size} examples = {n_examples} / {n_workers} workers); use "
                          f"--batch-size {size} or less")
     return size
 

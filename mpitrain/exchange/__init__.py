@@ -25,7 +25,7 @@ its sum through shared memory where every worker runs on one host),
 :class:`~.real_horovod.HorovodEngine`, and :class:`~.fp16.HalfPrecisionEngine`, which
 moves any of them as float16 with error feedback.
 
-**The plan** (:mod:`.plan`): ``with plan(cfg, replica, workers, tail) as exchange:``
+**The plan** (:mod:`.plan`): ``with plan(cfg, replica, worker_comm, tail) as exchange:``
 decides, once and alike on every worker, which engine sums, whether it moves
 float16, and whether the gradient goes whole after back-propagation or in buckets
 while it runs (:mod:`.overlap`), and builds the exchange the sync loop uses:

@@ -33,9 +33,9 @@ class MpiEngine:
     parts of its fused buffer large enough (its ``min_bytes``). Also moves float16
     (``allreduce_sum_half_``, for :class:`~.fp16.HalfPrecisionEngine`)."""
 
-    def __init__(self, workers, shared: Optional[SharedMemorySum] = None):
-        self.workers, self.shared, self.size = workers, shared, workers.size
-        self._sum = (shared or workers).allreduce_sum_
+    def __init__(self, worker_comm, shared: Optional[SharedMemorySum] = None):
+        self.worker_comm, self.shared, self.size = worker_comm, shared, worker_comm.size
+        self._sum = (shared or worker_comm).allreduce_sum_
 
     def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,
                        what: str = "the gradient allreduce", kind: str = "allreduce",
@@ -46,7 +46,7 @@ class MpiEngine:
     def allreduce_sum_half_(self, half: np.ndarray, out: np.ndarray,
                             what: str = "the gradient allreduce",
                             kind: str = "allreduce") -> np.ndarray:
-        return self.workers.allreduce_sum_half_(half, out, what, kind)
+        return self.worker_comm.allreduce_sum_half_(half, out, what, kind)
 
     def fused_buffer(self, size: int) -> Optional[np.ndarray]:
         return self.shared.fused_buffer(size) if self.shared is not None else None

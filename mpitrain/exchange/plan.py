@@ -33,9 +33,9 @@ class Plan:
     every_part: bool = False
 
     @classmethod
-    def of(cls, cfg, bounds: Sequence[Tuple[int, int]], workers) -> "Plan":
+    def of(cls, cfg, bounds: Sequence[Tuple[int, int]], worker_comm) -> "Plan":
         """The plan for ``cfg``, a gradient in ``bounds`` (of ``--bucket-mb``) and
-        ``workers`` (their communicator: its ``size`` and ``hosts``). UsageError where
+        ``worker_comm`` (their communicator: its ``size`` and ``hosts``). UsageError where
         ``--shared-memory on`` cannot be kept. Overlap:
         'on', or ``--shared-memory on`` (which sums the buckets), or 'auto' where the
         gradient fills two buckets or more on the mpi engine and no XLA step (which
@@ -44,10 +44,10 @@ class Plan:
         half = cfg.transport.compression == "fp16"
         engine = "horovod" if sync.allreduce == "horovod" else "mpi"
         if engine == "mpi" and shared_memory != "off" and not half:
-            if one_host(workers):
+            if one_host(worker_comm):
                 engine = "shared"
             elif shared_memory == "on":
-                hosts = sorted(set(workers.hosts))
+                hosts = sorted(set(worker_comm.hosts))
                 raise UsageError(f"--shared-memory on needs every worker on one host; these "
                                  f"run on {len(hosts)} ({', '.join(hosts)}): use "
                                  "--shared-memory auto")
@@ -58,26 +58,26 @@ class Plan:
 
 
 @contextmanager
-def plan(cfg, replica, workers, tail: int, run_dir: Optional[str] = None
+def plan(cfg, replica, worker_comm, tail: int, run_dir: Optional[str] = None
          ) -> Iterator[FusedExchange]:
-    """``with plan(cfg, replica, workers, tail) as exchange:`` the sync exchange of
-    ``replica``'s gradient and a status tail of ``tail`` values over ``workers`` (the
+    """``with plan(cfg, replica, worker_comm, tail) as exchange:`` the sync exchange of
+    ``replica``'s gradient and a status tail of ``tail`` values over ``worker_comm`` (the
     workers' communicator), as :meth:`Plan.of` decides, for one run: each worker's
     gradient scaled by 1 / workers (so the sum is the mean); for Horovod, recording the
     run's timeline into ``run_dir`` while inside if ``--horovod-timeline``. Collective
     over the workers (the shared segment, Horovod's start)."""
-    decided = Plan.of(cfg, replica.gradient_buckets(cfg.sync.bucket_mb * 2**20), workers)
-    with _engine(decided, cfg, workers, run_dir) as engine:
+    decided = Plan.of(cfg, replica.gradient_buckets(cfg.sync.bucket_mb * 2**20), worker_comm)
+    with _engine(decided, cfg, worker_comm, run_dir) as engine:
         if decided.half:
             engine = HalfPrecisionEngine(engine, replica.n_params, replica.n_params + tail)
-        scale = 1.0 / workers.size
+        scale = 1.0 / worker_comm.size
         if decided.buckets is None:
             exchange = FusedExchange(replica, engine, tail, scale)
         else:
             # it only catches a thread gone: each bucket's own wait is bounded
             bound = cfg.faults.bounds.bucket_thread(len(decided.buckets))
             exchange = BucketedExchange(replica, engine, tail, scale, decided.buckets, bound,
-                                        workers.name(workers.rank))
+                                        worker_comm.name(worker_comm.rank))
         try:
             yield exchange
         finally:
@@ -85,16 +85,16 @@ def plan(cfg, replica, workers, tail: int, run_dir: Optional[str] = None
 
 
 @contextmanager
-def _engine(decided: Plan, cfg, workers, run_dir: Optional[str]):
+def _engine(decided: Plan, cfg, worker_comm, run_dir: Optional[str]):
     if decided.engine != "horovod":
         shared = None if decided.engine != "shared" else (
-            SharedMemorySum(workers, min_bytes=0) if decided.every_part
-            else SharedMemorySum(workers))
-        yield MpiEngine(workers, shared)
+            SharedMemorySum(worker_comm, min_bytes=0) if decided.every_part
+            else SharedMemorySum(worker_comm))
+        yield MpiEngine(worker_comm, shared)
         return
     from .real_horovod import HorovodEngine
 
-    engine = HorovodEngine(workers, cfg.faults.bounds)
+    engine = HorovodEngine(worker_comm, cfg.faults.bounds)
     with engine.timeline(f"{run_dir}/horovod-timeline.json" if cfg.sync.horovod_timeline
                          else None):
         yield engine

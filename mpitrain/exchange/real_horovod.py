@@ -27,7 +27,7 @@ class HorovodEngine:
     its latency floor), HOROVOD_FUSION_THRESHOLD. A run's timeline is :meth:`timeline`.
     """
 
-    def __init__(self, workers: Comm, bounds: Bounds):
+    def __init__(self, worker_comm: Comm, bounds: Bounds):
         # Horovod starts once per process (a second hvd.init does nothing) and reads
         # HOROVOD_TIMELINE only then: DYNAMIC lets every run of the process (mpitrain.fit
         # called twice) start and stop a timeline file of its own
@@ -40,8 +40,8 @@ class HorovodEngine:
         import horovod.tensorflow as hvd
         import tensorflow as tf
 
-        hvd.init(comm=workers.mpi4py_comm)
-        self.hvd, self.tf, self.workers = hvd, tf, workers
+        hvd.init(comm=worker_comm.mpi4py_comm)
+        self.hvd, self.tf, self.worker_comm = hvd, tf, worker_comm
         self.size = hvd.size()
 
     @contextmanager
@@ -64,8 +64,8 @@ class HorovodEngine:
         total = self.hvd.allreduce(self.tf.constant(buf), op=self.hvd.Sum,
                                    name="mpitrain_gradient")
         buf[:] = total.numpy()
-        self.workers.traffic.add_sent(kind, buf.nbytes)
-        self.workers.traffic.add_recv(kind, buf.nbytes)
+        self.worker_comm.traffic.add_sent(kind, buf.nbytes)
+        self.worker_comm.traffic.add_recv(kind, buf.nbytes)
         return buf
 
     def fused_buffer(self, size: int) -> Optional[np.ndarray]:
@@ -79,6 +79,6 @@ class HorovodEngine:
         total = self.hvd.allreduce(self.tf.constant(half), op=self.hvd.Sum,
                                    name="mpitrain_gradient_half")
         out[:] = total.numpy()[:out.size]
-        self.workers.traffic.add_sent(kind, half.nbytes)
-        self.workers.traffic.add_recv(kind, half.nbytes)
+        self.worker_comm.traffic.add_sent(kind, half.nbytes)
+        self.worker_comm.traffic.add_recv(kind, half.nbytes)
         return out

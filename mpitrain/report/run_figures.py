@@ -62,8 +62,8 @@ def save_figure(fig: Figure, path: Path) -> Path:
 
 
 def _run_title(run: Run, what: str) -> str:
-    workers = f"{run.workers} worker{'s' if run.workers != 1 else ''}"
-    return f"{what}\n{run.model.upper()} {run.label()} ({workers}) · {run.name}"
+    how_many = f"{run.workers} worker{'s' if run.workers != 1 else ''}"
+    return f"{what}\n{run.model.upper()} {run.label()} ({how_many}) · {run.name}"
 
 
 def from_zero(ax, top: Optional[float] = None) -> None:
@@ -343,19 +343,19 @@ def fig_staleness(run: Run) -> Optional[Figure]:
     stale = run.tables.get("staleness")
     if stale is None or len(stale) == 0 or stale["count"].sum() <= 0:
         return None
-    workers = sorted(int(w) for w in stale.values("worker"))
+    worker_ranks = sorted(int(w) for w in stale.values("worker"))
     cutoff = staleness_cutoff(stale)
     bins = np.arange(cutoff + 2)  # 0..cutoff, then one bin for everything above
-    width = 0.8 / len(workers)
+    width = 0.8 / len(worker_ranks)
     fig, (ax,) = new_figure(_run_title(run, "Staleness of applied gradients per worker"),
                             size=(9, 5))
-    for i, worker in enumerate(workers):
+    for i, worker in enumerate(worker_ranks):
         mine = stale.where(stale["worker"] == worker)
         n = mine["count"].sum()
         share = np.array([mine["count"][mine["staleness"] == s].sum() for s in bins[:-1]]
                          + [mine["count"][mine["staleness"] > cutoff].sum()]) / n * 100
         mean = (mine["staleness"] * mine["count"]).sum() / n
-        ax.bar(bins + (i - (len(workers) - 1) / 2) * width, share, width,
+        ax.bar(bins + (i - (len(worker_ranks) - 1) / 2) * width, share, width,
                label=f"worker {worker}: n={n:.0f}, mean {mean:.1f}, "
                      f"max {mine['staleness'].max():.0f}")
     bound = run.setting("staleness")

@@ -225,13 +225,13 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
     return dataclasses.replace(ckpt, step=step, meta=meta)
 
 
-def _fold_staleness(by_rank: Histograms, first: int, workers: int) -> Histograms:
+def _fold_staleness(by_rank: Histograms, first: int, n_workers: int) -> Histograms:
     """Staleness counts of ranks that are gone go to the nearest worker there is (ranks
-    ``first``..``first + workers - 1``), so the run's histogram (the sum over workers)
+    ``first``..``first + n_workers - 1``), so the run's histogram (the sum over workers)
     stays whole."""
     out: Histograms = {}
     for rank, counts in by_rank.items():
-        into = out.setdefault(min(max(rank, first), first + workers - 1), {})
+        into = out.setdefault(min(max(rank, first), first + n_workers - 1), {})
         for s, c in counts.items():
             into[s] = into.get(s, 0) + c
     return out

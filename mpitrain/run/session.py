@@ -432,13 +432,13 @@ def rank_facts(threads: int, comm: Comm) -> dict:
     import numpy
     import tensorflow as tf
 
-    workers = comm.workers
+    worker_comm = comm.workers
     facts = {"host": platform.node(), "pid": os.getpid(), "threads": threads,
              "python": platform.python_version(), "tensorflow": tf.__version__,
              "numpy": numpy.__version__, "mpitrain": __version__,
              "onednn": onednn_enabled(),
-             "allreduce_wait": None if workers is None else
-             "spin" if workers.spinning else "poll", "others_busy_cores": comm.others_busy}
+             "allreduce_wait": None if worker_comm is None else
+             "spin" if worker_comm.spinning else "poll", "others_busy_cores": comm.others_busy}
     facts.update(library_versions())
     return facts
 

@@ -110,7 +110,8 @@ class Context:
         return batches_per_epoch(self.shard_size, cast(int, self.cfg.batch_size))
 
     @property
-    def workers(self) -> int:
+    def n_workers(self) -> int:
+        """The run's number of workers (``cfg.workers``)."""
         return self.cfg.workers
 
     @property

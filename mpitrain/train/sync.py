@@ -137,17 +137,17 @@ def _rng_table(ckpt, size: int, width: int) -> np.ndarray:
 # Workers
 # ---------------------------------------------------------------------------------------
 def _work(ctx: Context, link, start_step: int) -> Summary:
-    workers = cast(Comm, ctx.comm.workers)  # (a worker's)
-    if workers.size == 1:  # nothing to average: use the fused one-call step
+    worker_comm = cast(Comm, ctx.comm.workers)  # (a worker's)
+    if worker_comm.size == 1:  # nothing to average: use the fused one-call step
         return _steps(ctx, link, start_step, None)
-    tail = 1 + workers.size  # the status tail: a stop flag, a loss per worker
-    with plan(ctx.cfg, ctx.replica, workers, tail, ctx.run_dir) as exchange:
+    tail = 1 + worker_comm.size  # the status tail: a stop flag, a loss per worker
+    with plan(ctx.cfg, ctx.replica, worker_comm, tail, ctx.run_dir) as exchange:
         return _steps(ctx, link, start_step, exchange)
 
 
 def _steps(ctx: Context, link, start_step: int, exchange) -> Summary:
-    replica, workers, timer = ctx.replica, cast(Comm, ctx.comm.workers), ctx.timer
-    n, me, alone = replica.n_params, workers.rank, exchange is None
+    replica, worker_comm, timer = ctx.replica, cast(Comm, ctx.comm.workers), ctx.timer
+    n, me, alone = replica.n_params, worker_comm.rank, exchange is None
     loss_sum, n_batches, step = 0.0, 0, start_step
     timer.restart()  # every second of an epoch is accounted from here on
     for epoch, step, x, y, end_of_epoch in worker_batches(ctx, start_step):
@@ -173,7 +173,7 @@ def _steps(ctx: Context, link, start_step: int, exchange) -> Summary:
         with timer(link.accounted_as):
             link.after_step(step, loss_sum / n_batches)
             if flags & (EVALUATE | SAVE) and not (alone or nonfinite):
-                average_buffers(replica, workers)  # every worker: the same step, the same flags
+                average_buffers(replica, worker_comm)  # every worker: the same step, the same flags
             if flags:
                 link.report(step, loss_sum / n_batches, flags)
         if end_of_epoch or flags & FINAL:
@@ -205,7 +205,7 @@ def _flags(ctx: Context, epoch: int, step: int, end_of_epoch: bool, stop: bool,
     return flags
 
 
-def average_buffers(replica, workers) -> None:
+def average_buffers(replica, worker_comm) -> None:
     """Make every worker's BatchNorm statistics their mean across the workers.
 
     Each replica updates its moving statistics from its own batches, so between
@@ -217,7 +217,7 @@ def average_buffers(replica, workers) -> None:
     models without buffers.
     """
     if replica.n_buffers:
-        replica.set_buffers(workers.allreduce_mean_(replica.buffers(), "the buffers allreduce",
+        replica.set_buffers(worker_comm.allreduce_mean_(replica.buffers(), "the buffers allreduce",
                                                     kind="buffers"))
 
 

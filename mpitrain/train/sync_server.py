@@ -80,11 +80,11 @@ class SyncServer:
     def __init__(self, ctx: Context, clock: Stopwatch, optimizer_layout):
         self.ctx, self.clock, self.comm = ctx, clock, ctx.comm
         self.optimizer_layout = optimizer_layout  # what worker 1 checkpoints
-        self.workers = list(range(1, self.comm.size))
+        self.worker_ranks = list(range(1, self.comm.size))
         self.evaluator = Evaluator.for_sync(ctx, clock)
-        self.headers = {w: new_message() for w in self.workers}
-        self.posted = {w: self._post(w) for w in self.workers}
-        self.silence = SilentPeers(self.comm, self.workers)
+        self.headers = {w: new_message() for w in self.worker_ranks}
+        self.posted = {w: self._post(w) for w in self.worker_ranks}
+        self.silence = SilentPeers(self.comm, self.worker_ranks)
         self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.faults.liveness_floor)
         self.next_liveness_check = 0.0
         self.weights = np.empty(ctx.replica.n_state, np.float32)  # weights, then buffers
@@ -106,7 +106,7 @@ class SyncServer:
 
     def _serve(self) -> None:
         try:
-            while len(self.finished) < len(self.workers):
+            while len(self.finished) < len(self.worker_ranks):
                 self._maybe_forward_stop()
                 w = self._next_message()
                 if w is None:  # a quiet second: check for a stop request again
@@ -125,11 +125,11 @@ class SyncServer:
             self._send_stops(stop=False)  # exactly one per worker, also when failing
 
     def _maybe_forward_stop(self) -> None:
-        if self.ctx.stop and len(self.stop_sent) < len(self.workers):
+        if self.ctx.stop and len(self.stop_sent) < len(self.worker_ranks):
             self._send_stops(stop=True)
 
     def _send_stops(self, stop: bool) -> None:
-        for w in self.workers:
+        for w in self.worker_ranks:
             if w not in self.stop_sent:
                 buf = np.array([1.0 if stop else 0.0])
                 self.stop_sent[w] = (self.comm.isend(buf, w, TAG_STOP, "control",
@@ -142,7 +142,7 @@ class SyncServer:
     def _next_message(self) -> Optional[int]:
         """The worker whose message arrived, or None after a quiet second; raises the
         error naming a worker silent past its liveness bound (see :class:`SyncServer`)."""
-        live = [w for w in self.workers if w not in self.finished]
+        live = [w for w in self.worker_ranks if w not in self.finished]
         with self.ctx.timer("wait"):
             w = self.silence.first({v: self.posted[v] for v in live}, IDLE, wake_every=1.0)
         if time.monotonic() >= self.next_liveness_check:  # (the others may keep talking)
@@ -160,7 +160,7 @@ class SyncServer:
 
     def _handle_complete_reports(self) -> None:
         for step in sorted(self.reports):
-            if len(self.reports[step]) < len(self.workers):
+            if len(self.reports[step]) < len(self.worker_ranks):
                 return
             self._handle_step(step, self.reports.pop(step))
 
@@ -200,7 +200,7 @@ class SyncServer:
         rng = {}
         width = replica.rng_state().size
         if width:
-            for w in self.workers:
+            for w in self.worker_ranks:
                 row = np.empty(width, np.int64)
                 comm.wait(comm.irecv(row, w, TAG_RNG, "checkpoint", "the generator state"),
                           IDLE)

@@ -63,7 +63,7 @@ def test_a_final_push_while_a_cut_drains_ends_the_worker(comm, replica, shared_m
     else:
         server, summary = run_sharded(ctx)
     counts = comm.allgather_objects(
-        {r: w.applied for r, w in server.workers.items()} if server else summary.steps)
+        {r: w.applied for r, w in server.accounts.items()} if server else summary.steps)
     assert counts[0] == counts[1] == {2: 16, 3: 16}, counts
     assert counts[2] == counts[3] == 16
     if ctx.role is Role.SERVER:

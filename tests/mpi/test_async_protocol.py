@@ -158,7 +158,7 @@ def test_every_push_applied_exactly_once_with_unequal_batches(comm, replica, sha
                                                            if shared else 0)
     if server is not None:
         for rank, worker_steps in filter(None, reports):
-            ledger = server.workers[rank]
+            ledger = server.accounts[rank]
             assert ledger.applied == worker_steps == 5 + 3 * rank
             assert ledger.done and sum(ledger.staleness.values()) == worker_steps
             # (every rank runs on this host)
@@ -199,7 +199,7 @@ def test_staleness_bound_holds_and_holds_fast_workers_back(comm, replica, bound)
     server, summary = run_protocol(context(comm, replica, steps, staleness=bound), delay)
     elapsed = comm.allgather_objects(None if server else summary.wall_time_s)
     if server is not None:
-        seen = [s for w in server.workers.values() for s in w.staleness]
+        seen = [s for w in server.accounts.values() for s in w.staleness]
         assert max(seen) <= bound
         if bound == 0:
             assert set(seen) == {0}
@@ -246,10 +246,10 @@ def test_a_stop_dismisses_every_worker_and_leaves_no_push_unmatched(comm, replic
         server = stopping_server(ctx, 6)
         with pytest.raises(Interrupted, match="stopped by SIGTERM after"):
             server.run()
-        assert all(w.done and w.dismissed for w in server.workers.values())
+        assert all(w.done and w.dismissed for w in server.accounts.values())
         assert server.dismissed == []
-        assert server.version == sum(w.applied for w in server.workers.values())
-        assert all(w.applied == w.steps for w in server.workers.values())
+        assert server.version == sum(w.applied for w in server.accounts.values())
+        assert all(w.applied == w.steps for w in server.accounts.values())
         assert 6 <= server.version <= 6 + 2 * (comm.size - 1)  # in flight: two a worker
         assert all(len(end.sends) <= asynchronous.PIPELINE_DEPTH for end in server.ends.values())
         if pooled:
@@ -301,7 +301,7 @@ def test_two_servers_apply_every_push_once_to_each_share(comm, replica, shared_m
                   servers=2, eval_every=1, pipeline="off")
     server, summary = run_sharded(ctx)
     counts = comm.allgather_objects(
-        {r: w.applied for r, w in server.workers.items()} if server else summary.steps)
+        {r: w.applied for r, w in server.accounts.items()} if server else summary.steps)
     worker_steps = {r: s for r, s in enumerate(counts) if r >= 2}
     for s in (0, 1):  # each server applied each worker's every push, once
         assert counts[s] == worker_steps, (s, counts)
@@ -335,7 +335,7 @@ def test_each_server_holds_the_staleness_bound(comm, replica):
         ctx = slowed(ctx, delay)
     server, summary = run_sharded(ctx)
     seen = comm.allgather_objects(
-        sorted({s for w in server.workers.values() for s in w.staleness}) if server else None)
+        sorted({s for w in server.accounts.values() for s in w.staleness}) if server else None)
     assert max(seen[0]) <= 1 and max(seen[1]) <= 1, seen
     comm.barrier()
 
@@ -353,10 +353,10 @@ def test_a_stop_with_two_servers_leaves_every_share_alike(comm, replica):
                 server.run()
         finally:
             comm.servers = 1
-        applied = {r: w.applied for r, w in server.workers.items()}
+        applied = {r: w.applied for r, w in server.accounts.items()}
     elif ctx.role is Role.PARTITION:
         server, _ = run_sharded(ctx)
-        applied = {r: w.applied for r, w in server.workers.items()}
+        applied = {r: w.applied for r, w in server.accounts.items()}
     else:
         with pytest.raises(Interrupted, match="stopped"):
             run_sharded(ctx)

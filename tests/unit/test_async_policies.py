@@ -70,7 +70,7 @@ def test_parked_workers_hear_from_the_server_every_half_timeout(monkeypatch):
     monkeypatch.setattr(recovery.time, "monotonic", lambda: now[0])
     ctx = SimpleNamespace(comm=SimpleNamespace(timeout=10.0, bounds=Bounds(10.0)),
                           cfg=Config.of(liveness_floor=1.0))
-    parking = recovery.Recovery(ctx, clock=lambda: 0.0, workers=2)
+    parking = recovery.Recovery(ctx, clock=lambda: 0.0, n_workers=2)
     parking.park(1)
     now[0] += 4.0
     parking.park(2)

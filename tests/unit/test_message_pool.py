@@ -51,13 +51,13 @@ class FakeComm:
 def test_a_server_pools_once_every_workers_own_buffers_exceed_the_budget():
     budget = pool.RESIDENT_BUDGET
     lr = 8 + 7850  # LR's push and lease, float32
-    assert not pooled(lr, lr, workers=64)  # 6 MB in all: each worker keeps its own
+    assert not pooled(lr, lr, n_workers=64)  # 6 MB in all: each worker keeps its own
     alexnet = 8 + 61_100_840
-    assert pooled(alexnet, alexnet, workers=1)  # one worker's three messages: 0.7 GB
+    assert pooled(alexnet, alexnet, n_workers=1)  # one worker's three messages: 0.7 GB
     # the boundary: three messages a worker, summed over the workers
     per_worker = budget // 4 // 3
-    assert not pooled(per_worker, per_worker, workers=1)
-    assert pooled(per_worker, per_worker, workers=2)
+    assert not pooled(per_worker, per_worker, n_workers=1)
+    assert pooled(per_worker, per_worker, n_workers=2)
     assert Pools.of(FakeComm(), lr, lr, 64) is None
     assert isinstance(Pools.of(FakeComm(), alexnet, alexnet, 2), Pools)
 

@@ -54,18 +54,18 @@ def open_accounts(ranks, life: WorkerStates) -> Dict[int, WorkerAccount]:
     return {r: WorkerAccount(r, life=life) for r in ranks}
 
 
-def restore(workers: Dict[int, WorkerAccount], quotas: Quotas, ckpt: Checkpoint) -> List[dict]:
+def restore(accounts: Dict[int, WorkerAccount], quotas: Quotas, ckpt: Checkpoint) -> List[dict]:
     """Go on counting from ``ckpt``: each worker's steps and staleness, the steps of lost
     workers given to others (relative to the run's steps per worker: ``--epochs`` may
     change on resume). Returns the workers the run had lost."""
     meta = ckpt.meta
-    for rank, w in workers.items():
+    for rank, w in accounts.items():
         w.start_step = w.steps = ckpt.worker_steps.get(rank, 0)
         w.staleness.update(meta.staleness.get(rank, {}))
         quotas.of[rank] += meta.extra_steps.get(rank, 0)
     # steps a lost worker left with nobody to take them (the run was stopping): the
     # workers there are now take them, so the resumed run makes the planned updates
-    quotas.share(meta.updates_short, workers)
+    quotas.share(meta.updates_short, accounts)
     return [dict(w) for w in meta.lost_workers]
 
 
@@ -82,23 +82,23 @@ def retired_staleness(ctx) -> Dict[int, Histograms]:
     return {s: counts for s, counts in saved.items() if s >= servers}
 
 
-def latest_buffers(workers: Dict[int, WorkerAccount]) -> List[np.ndarray]:
+def latest_buffers(accounts: Dict[int, WorkerAccount]) -> List[np.ndarray]:
     """The workers' latest BatchNorm statistics (of those that sent any)."""
-    return [w.buffers for w in workers.values() if w.buffers is not None]
+    return [w.buffers for w in accounts.values() if w.buffers is not None]
 
 
-def checkpoint(store, workers: Dict[int, WorkerAccount], quotas: Quotas, total_steps: int,
+def checkpoint(store, accounts: Dict[int, WorkerAccount], quotas: Quotas, total_steps: int,
                wall: float, ctx) -> Checkpoint:
     """The server's checkpoint: its ``store``'s parameters and optimizer state, and the
     counts :func:`restore` reads back."""
     meta = CheckpointMeta.asynchronous(
-        ctx.geometry, staleness={w.rank: w.staleness for w in workers.values()},
+        ctx.geometry, staleness={w.rank: w.staleness for w in accounts.values()},
         retired_staleness=retired_staleness(ctx),
         extra_steps={r: q - total_steps for r, q in quotas.of.items()},
         updates_short=quotas.short, lost_workers=ctx.lost)
     return Checkpoint(store.weights.copy(), store.optimizer.state(), store.version, wall,
-                      {w.rank: w.steps for w in workers.values()}, meta,
-                      store.average_buffers(latest_buffers(workers)))
+                      {w.rank: w.steps for w in accounts.values()}, meta,
+                      store.average_buffers(latest_buffers(accounts)))
 
 
 class CpuShare:
@@ -116,7 +116,7 @@ class CpuShare:
                 "server_nice": niceness()}  # (it keeps its priority: ..priority)
 
 
-def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
+def report(ctx, accounts: Dict[int, WorkerAccount], version: int, wall: float,
            bound: Optional[int], cpu_share: Dict[str, float], short: int,
            others: Optional[Dict[int, dict]] = None) -> dict:
     """Write staleness.csv and print the async line; return the run's async columns of
@@ -125,9 +125,9 @@ def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
     all_staleness: collections.Counter[int] = collections.Counter()
     # (server -> worker -> staleness -> count: this server's counters, the others' dicts)
     by_server: Dict[int, Mapping[int, Mapping[int, int]]] = {
-        0: {w.rank: w.staleness for w in workers.values()}}
+        0: {w.rank: w.staleness for w in accounts.values()}}
     by_server.update(retired_staleness(ctx))
-    applied = {0: sum(w.applied for w in workers.values())}
+    applied = {0: sum(w.applied for w in accounts.values())}
     for server, final in sorted((others or {}).items()):  # --servers K: the others' own
         by_server[server] = final["staleness"]
         applied[server] = sum(final["applied"].values())
@@ -144,11 +144,11 @@ def report(ctx, workers: Dict[int, WorkerAccount], version: int, wall: float,
         "staleness_mean": round(mean, 3),
         "staleness_max": max(all_staleness) if all_staleness else 0,
         "staleness_bound": "" if bound is None else bound,
-        "pushes": sum(w.steps - w.start_step for w in workers.values()),
-        "applied": sum(w.applied for w in workers.values()),
+        "pushes": sum(w.steps - w.start_step for w in accounts.values()),
+        "applied": sum(w.applied for w in accounts.values()),
         "server_updates_per_s": round(version / max(1e-9, wall), 1),
         "worker_steps_per_s": round(float(np.mean(
-            [w.steps / max(1e-9, w.elapsed) for w in workers.values()])), 1),
+            [w.steps / max(1e-9, w.elapsed) for w in accounts.values()])), 1),
         **cpu_share,
         "lost_workers": "; ".join(f"rank {w['rank']} on {w['host']} at update "
                                   f"{w['update']} ({w['reason']})" for w in ctx.lost),

@@ -49,12 +49,12 @@ TABLE = 4096
 DC_BUDGET = RESIDENT_BUDGET
 
 
-def chosen(setting: str, n_params: int, workers: int) -> str:
+def chosen(setting: str, n_params: int, n_workers: int) -> str:
     """--staleness-compensation as it applies to a server of ``n_params`` parameters and
-    ``workers`` workers: auto resolved (dc within DC_BUDGET, else sqrt)."""
+    ``n_workers`` workers: auto resolved (dc within DC_BUDGET, else sqrt)."""
     if setting != "auto":
         return setting
-    return "dc" if 4 * n_params * workers <= DC_BUDGET else "sqrt"
+    return "dc" if 4 * n_params * n_workers <= DC_BUDGET else "sqrt"
 
 
 class Compensation:

@@ -137,16 +137,16 @@ def share_mailboxes(ctx, lengths: List[int], server: int = 0) -> tuple:
     comm, mode = ctx.comm, ctx.cfg.transport.shared_memory
     if mode == "off":
         return [], {}
-    workers = range(ctx.cfg.asynchronous.servers, comm.size)
+    worker_ranks = range(ctx.cfg.asynchronous.servers, comm.size)
     host = comm.hosts[server]
-    if mode == "on" and any(comm.hosts[r] != host for r in workers):
-        away = sorted({comm.hosts[r] for r in workers} - {host})
+    if mode == "on" and any(comm.hosts[r] != host for r in worker_ranks):
+        away = sorted({comm.hosts[r] for r in worker_ranks} - {host})
         raise UsageError(f"--shared-memory on needs every worker on rank {server}'s host "
                          f"({host}); workers run on {', '.join(away)}: use --shared-memory "
                          "auto")
     mine, theirs, sharing = share_with_server(comm, lengths, server,
-                                              [r for r in workers if comm.hosts[r] == host])
-    if mode == "on" and len(sharing) < len(workers):
+                                              [r for r in worker_ranks if comm.hosts[r] == host])
+    if mode == "on" and len(sharing) < len(worker_ranks):
         raise UsageError(f"--shared-memory on: the workers' message memory could not be "
                          f"mapped by rank {server} (no memfd, or /proc/PID/fd not readable): "
                          "use --shared-memory auto")
@@ -273,13 +273,13 @@ class ServerEnd:
         this host's memory, pooled above the budget (:func:`.pool.pooled`). Collective with
         :meth:`Mailbox.open_all` on the workers (and this call on the other servers)."""
         comm, me, ends = ctx.comm, ctx.comm.rank, {}
-        workers = range(ctx.cfg.asynchronous.servers, comm.size)
+        worker_ranks = range(ctx.cfg.asynchronous.servers, comm.size)
         for server in range(ctx.cfg.asynchronous.servers):
             layout = Layout.of(ctx, server)
             _, shared = share_mailboxes(ctx, layout.lengths, server)
             if server == me:
-                pools = Pools.of(comm, layout.push, layout.lease, len(workers))
-                ends = {r: cls(comm, r, layout, shared.get(r), pools) for r in workers}
+                pools = Pools.of(comm, layout.push, layout.lease, len(worker_ranks))
+                ends = {r: cls(comm, r, layout, shared.get(r), pools) for r in worker_ranks}
         return ends
 
     def _reply_op(self, i: int) -> Persistent:

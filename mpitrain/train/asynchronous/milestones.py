@@ -22,22 +22,22 @@ class Milestones:
     applies tens of thousands of updates a second when workers push zeros.
     """
 
-    def __init__(self, ctx, clock, workers: int, snapshot: Callable[[], np.ndarray],
+    def __init__(self, ctx, clock, n_workers: int, snapshot: Callable[[], np.ndarray],
                  checkpoint: Callable[[], Checkpoint]):
         self.clock, self.snapshot, self.checkpoint = clock, snapshot, checkpoint
         #: an epoch of updates: every worker's pass over its shard
-        self.updates_per_epoch = workers * ctx.steps_per_epoch
+        self.updates_per_epoch = n_workers * ctx.steps_per_epoch
         self.eval_interval = ctx.cfg.eval_every * self.updates_per_epoch
         self.checkpoint_interval = ctx.cfg.checkpoint.every * self.updates_per_epoch
         # --checkpoint-steps counts each worker's steps: N of theirs are N x workers updates
-        self.checkpoint_steps = (ctx.cfg.checkpoint.steps or 0) * workers
+        self.checkpoint_steps = (ctx.cfg.checkpoint.steps or 0) * n_workers
         self.losses: List[float] = []  # of the pushes applied since the last evaluation
         self.last_loss = float("nan")  # the latest push's, once its evaluation took them
         #: the next version to evaluate or save at (see start); math.inf once there is
         #: none (with other servers, the end's is made of their final shares: .server)
         self.next_point: float = 0
         self.evaluations = BackgroundEvaluator(Evaluator(
-            ctx, clock, self.updates_per_epoch, ctx.cfg.batch_size, workers * ctx.total_steps))
+            ctx, clock, self.updates_per_epoch, ctx.cfg.batch_size, n_workers * ctx.total_steps))
 
     def start(self, version: int, fresh: bool) -> None:
         """Training starts at ``version``; a ``fresh`` run's (not resumed) with the initial

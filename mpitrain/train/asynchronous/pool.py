@@ -60,11 +60,11 @@ REPLY_BUDGET = 1 << 30
 RECEIVE_BUFFERS = 2
 
 
-def pooled(push: int, lease: int, workers: int) -> bool:
-    """Whether a server of ``workers`` workers pools their messages' memory: when their
+def pooled(push: int, lease: int, n_workers: int) -> bool:
+    """Whether a server of ``n_workers`` workers pools their messages' memory: when their
     own buffers (a push and two leases each, of ``push`` and ``lease`` float32) would
     together exceed :data:`RESIDENT_BUDGET`."""
-    return workers * (push + 2 * lease) * 4 > RESIDENT_BUDGET
+    return n_workers * (push + 2 * lease) * 4 > RESIDENT_BUDGET
 
 
 def _new(length: int) -> np.ndarray:
@@ -188,10 +188,10 @@ class Pools:
         self.replies = ReplyPool.of(comm, lease)
 
     @classmethod
-    def of(cls, comm, push: int, lease: int, workers: int) -> Optional["Pools"]:
-        """The pools of a server of ``workers`` workers whose messages are ``push`` and
+    def of(cls, comm, push: int, lease: int, n_workers: int) -> Optional["Pools"]:
+        """The pools of a server of ``n_workers`` workers whose messages are ``push`` and
         ``lease`` float32 long, or None: their own buffers fit in the budget."""
-        return cls(comm, push, lease) if pooled(push, lease, workers) else None
+        return cls(comm, push, lease) if pooled(push, lease, n_workers) else None
 
 
 __all__ = ["RESIDENT_BUDGET", "REPLY_BUDGET", "RECEIVE_BUFFERS", "pooled", "ReceivePool",

@@ -62,9 +62,9 @@ class Recovery:
     Disabled (every method a no-op, :meth:`lost` None) without ``--enable-recovery``
     or with one worker (no one would be left to take its steps)."""
 
-    def __init__(self, ctx, clock, workers: int):
+    def __init__(self, ctx, clock, n_workers: int):
         self.ctx, self.comm, self.clock = ctx, ctx.comm, clock
-        self.enabled = recovery_enabled() and workers > 1
+        self.enabled = recovery_enabled() and n_workers > 1
         self.liveness = Liveness(self.comm.timeout, floor=ctx.cfg.faults.liveness_floor)
         self.processes = PeerProcesses(self.comm) if self.enabled else None
         #: how long the server may wait for a push before it looks again (None: timeout)

@@ -63,12 +63,12 @@ class PollPolicy:
         self.step_time = 0.8 * self.step_time + 0.2 * think
         self.last_think = think
 
-    def backoff(self, holders: List[int], workers: Dict[int, WorkerAccount],
+    def backoff(self, holders: List[int], accounts: Dict[int, WorkerAccount],
                 since: Dict[int, float]) -> Backoff:
         """The wait for a push from ``holders``, whose leases were granted at ``since``."""
         if self.step_time < FAST_STEP:
             return POLLING
-        if not all(workers[r].pipelined for r in holders):
+        if not all(accounts[r].pipelined for r in holders):
             return SERVING
         # (the smaller of the mean and the last: a slow first step, which traces the
         # model, must not hold the mean up for the next twenty)
@@ -112,16 +112,16 @@ class Server:
         #: told to stop whose FINAL push has not come yet (_dismiss), bound once
         self.states = WorkerStates(self.ends)
         self._state_of, self.dismissed = self.states.of, self.states.dismissed
-        self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends, self.states)
-        self.leases = Leases(ctx.cfg.asynchronous.staleness, self.workers)
+        self.accounts: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends, self.states)
+        self.leases = Leases(ctx.cfg.asynchronous.staleness, self.accounts)
         # a worker's silence starts when it is granted a lease (then it owes a push)
-        self.silence = SilentPeers(self.comm, self.workers)
+        self.silence = SilentPeers(self.comm, self.accounts)
         self.polling = PollPolicy()
-        self.milestones = Milestones(ctx, clock, len(self.workers), self._snapshot,
+        self.milestones = Milestones(ctx, clock, len(self.accounts), self._snapshot,
                                      self.checkpoint)
-        self.recovery = Recovery(ctx, clock, len(self.workers))
+        self.recovery = Recovery(ctx, clock, len(self.accounts))
         self.total_steps = ctx.total_steps  # (a property: read once, not per reply)
-        self.quotas = Quotas(self.workers, self.total_steps)
+        self.quotas = Quotas(self.accounts, self.total_steps)
         #: the other parameter servers (--servers K; see .peers): with them, evaluations
         #: and checkpoints are made at cuts (see _milestone), and at the end from every
         #: server's final share (``whole``)
@@ -129,7 +129,7 @@ class Server:
         self.cut: Optional[_Cut] = None
         self.whole: Optional[dict] = None
         #: how many updates before a point a cut starts draining (0: none, one server)
-        self.lookahead = PIPELINE_DEPTH * len(self.workers) if self.peers.enabled else 0
+        self.lookahead = PIPELINE_DEPTH * len(self.accounts) if self.peers.enabled else 0
         if ctx.resume_from is not None:
             self._restore(ctx.resume_from)
 
@@ -143,19 +143,19 @@ class Server:
         run_dir = self.ctx.cfg.resume
         assert run_dir is not None  # (a checkpoint is resumed from --resume's run)
         self.store.restore(ckpt, run_dir)
-        self.ctx.lost.extend(accounts.restore(self.workers, self.quotas, ckpt))
+        self.ctx.lost.extend(accounts.restore(self.accounts, self.quotas, ckpt))
 
     def checkpoint(self) -> Checkpoint:
         """The run's checkpoint now; with other servers, rank 0's share unless the
         whole state is in (the end: :attr:`whole`; a cut completes it: _make_cut)."""
-        ckpt = accounts.checkpoint(self.store, self.workers, self.quotas, self.total_steps,
+        ckpt = accounts.checkpoint(self.store, self.accounts, self.quotas, self.total_steps,
                                    self.clock(), self.ctx)
         return completed(ckpt, self.whole) if self.whole is not None else ckpt
 
     def _snapshot(self) -> np.ndarray:
         """The weights and statistics to evaluate: all of them on rank 0 with one server;
         with others, the run's initial weights or (the end) :attr:`whole`'s."""
-        latest = accounts.latest_buffers(self.workers)
+        latest = accounts.latest_buffers(self.accounts)
         if not self.peers.enabled:
             return self.store.snapshot(latest)
         weights = self.ctx.replica.weights() if self.whole is None else \
@@ -177,7 +177,7 @@ class Server:
         was = ckpt.meta.geometry if ckpt is not None else None
         saved = ckpt.meta.partition_staleness if ckpt is not None and was is not None \
             and was.servers == part.servers else {}
-        positions = {r: w.steps for r, w in self.workers.items()}
+        positions = {r: w.steps for r, w in self.accounts.items()}
         return {s: {"state": states[s],
                     "positions": positions,
                     "staleness": {w: dict(counts)
@@ -209,7 +209,7 @@ class Server:
             if rank is None:  # a worker was dropped instead
                 continue
             end = self.ends[rank]
-            self._apply(self.workers[rank], end)
+            self._apply(self.accounts[rank], end)
             if pooled:  # (its memory: see .pool)
                 end.taken()
             timer.lap()
@@ -226,7 +226,7 @@ class Server:
                 milestones.progress(version)
         for rank in self.recovery.release():  # the run is over: no more steps to give
             states.move(rank, DONE)
-            self._reply(self.workers[rank])
+            self._reply(self.accounts[rank])
         self._fence_stopped()
         for rank, state in states.of.items():
             # a lost worker's last reply may never be taken; Open MPI finalizes with it
@@ -239,7 +239,7 @@ class Server:
             self.whole = self.peers.whole_final({"state": self.store.state()})
         self.milestones.finish(self.version, wall, record=not self.ending & DIVERGED)
         summary = self.milestones.summary(wall, **accounts.report(
-            self.ctx, self.workers, self.version, wall, self.leases.bound, cpu_share,
+            self.ctx, self.accounts, self.version, wall, self.leases.bound, cpu_share,
             self.quotas.short, self.peers.finals))
         if self.ending & DIVERGED:
             raise diverged(", ".join(self.diverged_at), summary)
@@ -261,7 +261,7 @@ class Server:
         if self.recovery.enabled and self.recovery.due():
             raise_if_lost(self.peers)  # (a share of the model went with it: restart)
             for rank in self.recovery.keepalives():
-                self._reply(self.workers[rank], flags=PARKED_FLAG)
+                self._reply(self.accounts[rank], flags=PARKED_FLAG)
             lost = self.recovery.lost(self.silence, {r: ends[r].posted for r in holders})
             if lost is not None:
                 self._drop(*lost)
@@ -269,7 +269,7 @@ class Server:
         for rank in holders:  # a push already here (the usual case when workers are
             if ends[rank].posted.test():  # busy): taken without setting up a wait
                 return self._arrived(rank)
-        wait = self.polling.backoff(holders, self.workers, self.silence.since)
+        wait = self.polling.backoff(holders, self.accounts, self.silence.since)
         came = self.silence.first({r: ends[r].posted for r in holders}, wait,
                                   wake_every=self.recovery.wake_every,  # for the next check
                                   tested=True)  # (just above)
@@ -289,7 +289,7 @@ class Server:
     def _drop(self, rank: int, why: str) -> None:
         """Go on without ``rank``: no request of its left to match, its steps reassigned
         (to the workers still awaited, and the parked ones, which are recalled)."""
-        w, states = self.workers[rank], self.states
+        w, states = self.accounts[rank], self.states
         self.leases.drop(rank)
         states.move(rank, LOST)
         self.recovery.drop(self.ends[rank])
@@ -320,7 +320,7 @@ class Server:
             self.states.move(rank, LOST)
             self.recovery.drop(self.ends[rank], why_kill=why)
             self.peers.drop(rank)
-            self.recovery.record(rank, self.version, self.workers[rank].steps, why, {}, 0, 0, 0)
+            self.recovery.record(rank, self.version, self.accounts[rank].steps, why, {}, 0, 0, 0)
 
     def _apply(self, w: WorkerAccount, end: ServerEnd) -> None:
         header = Header.read(end.recv)  # (the push's header is always there)
@@ -390,8 +390,8 @@ class Server:
         assert cut is not None  # (_cutting makes the cut being drained for)
         version, wall = self.store.version, self.clock()
         checkpoint = self.checkpoint() if cut.save else None  # (rank 0's share: completed)
-        buffers = self.store.average_buffers(accounts.latest_buffers(self.workers))
-        positions = {r: GONE if w.state is LOST else w.steps for r, w in self.workers.items()}
+        buffers = self.store.average_buffers(accounts.latest_buffers(self.accounts))
+        positions = {r: GONE if w.state is LOST else w.steps for r, w in self.accounts.items()}
 
         def then(whole: dict) -> None:
             state = np.concatenate([whole["state"]["weights"], buffers]) \
@@ -409,7 +409,7 @@ class Server:
             self.cut = None  # (the run ends: its last state is saved instead)
         version = self.store.version  # (no update is applied while leases are granted)
         for rank in self.leases.next_waiting(version, force=bool(self.ending)):
-            w = self.workers[rank]
+            w = self.accounts[rank]
             if self._state_of[rank] is RECALLED:  # it pushed FINAL: no farewell will come
                 if self.ending:  # (it was to go on with a lost one's steps)
                     self._finish(w)

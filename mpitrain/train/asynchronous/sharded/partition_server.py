@@ -48,7 +48,7 @@ class PartitionServer:
         #: each worker's state: here only TRAINING (it has not said farewell), DONE (it
         #: has) and LOST (rank 0 dropped it); see .worker_states
         self.states = WorkerStates(self.ends)
-        self.workers: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends, self.states)
+        self.accounts: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends, self.states)
         self.bounded = ctx.cfg.asynchronous.staleness is not None
         # (bounded: a worker waits once it asks)
         self.leases = Leases(ctx.cfg.asynchronous.staleness, [])
@@ -69,11 +69,11 @@ class PartitionServer:
         comm = self.comm
         start = ObjectIn(comm, 0, "rank 0's start: this server's share").wait()
         self.store.load(start["state"])
-        for rank, w in self.workers.items():
+        for rank, w in self.accounts.items():
             w.start_step = w.steps = start["positions"].get(rank, 0)
             w.staleness.update(start["staleness"].get(rank, {}))
         comm.start(self.listen_to_rank0)
-        for rank in self.workers:
+        for rank in self.accounts:
             if self.bounded:
                 self._listen(rank, "a request for its lease")
             else:
@@ -134,7 +134,7 @@ class PartitionServer:
         self.comm.start(self.listen_to_rank0)
 
     def _take(self, rank: int) -> None:
-        end, w = self.ends[rank], self.workers[rank]
+        end, w = self.ends[rank], self.accounts[rank]
         header = Header.read(end.recv)
         if header.flags & FAREWELL:
             self._finish(w)
@@ -176,7 +176,7 @@ class PartitionServer:
     def _lease(self, rank: int) -> None:
         end = self.ends[rank]
         self._listen(rank, "a gradient")
-        w = self.workers[rank]
+        w = self.accounts[rank]
         end.reply(Header(self.store.version, w.steps, 0, 0.0, 0.0, 0.0, 0, 0),
                   self._write_lease)
 
@@ -212,13 +212,13 @@ class PartitionServer:
         made; pooled, they are left with it until then (:meth:`.mailbox.ServerEnd.pause`),
         so that held pushes cannot take every buffer of the pool from the pushes the cut
         still waits for."""
-        if self.workers[rank].steps >= positions.get(rank, float("inf")):
+        if self.accounts[rank].steps >= positions.get(rank, float("inf")):
             self.ends[rank].pause(True)
 
     def _reached(self, positions: Dict[int, int]) -> bool:
         """Whether every worker still here has every push of the cut (at ``positions``,
         :attr:`positions`) applied."""
-        return all(self.workers[r].steps >= p for r, p in positions.items()
+        return all(self.accounts[r].steps >= p for r, p in positions.items()
                    if self.states.of.get(r) is TRAINING)
 
     def _share(self) -> None:
@@ -235,8 +235,8 @@ class PartitionServer:
 
     def _state(self) -> dict:
         return {"cut": self.cut, "state": self.store.state(),
-                "staleness": {r: dict(w.staleness) for r, w in self.workers.items()},
-                "applied": {r: w.applied for r, w in self.workers.items()}}
+                "staleness": {r: dict(w.staleness) for r, w in self.accounts.items()},
+                "applied": {r: w.applied for r, w in self.accounts.items()}}
 
     def _report(self) -> None:
         """The final share to rank 0; then every reply taken (bounded)."""
