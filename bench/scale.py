@@ -92,13 +92,15 @@ MODELS = {
                "args": ["--dataset", "mnist"]},
 }
 #: the defaults before the large-batch rules, as options: sync without warm-up (and
-#: LR's constant rate), async uncompensated and (LR) pipelined, as 'auto' then chose
+#: LR's constant rate), async uncompensated, with the optimizer's own momentum and (LR)
+#: pipelined, as 'auto' then chose
 BEFORE = {
     "lr": {"sync": ["--warmup-epochs", "0", "--lr-schedule", "constant"],
            "async": ["--staleness-compensation", "none", "--pipeline", "on",
                      "--lr-schedule", "constant"]},
     "lenet": {"sync": ["--warmup-epochs", "0"],
-              "async": ["--staleness-compensation", "none", "--pipeline", "off"]},
+              "async": ["--staleness-compensation", "none", "--pipeline", "off",
+                        "--momentum-correction", "off"]},
 }
 #: docs/scaling.md's generated block (``--write-docs``) lies between these lines
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"

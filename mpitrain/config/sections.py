@@ -181,6 +181,12 @@ class AsyncSettings:
         "where the weights kept for every worker fit in 256 MB, else sqrt)", "auto",
         flag="--staleness-compensation", key="staleness_compensation",
         choices=COMPENSATIONS)
+    momentum_correction: str = option(
+        "async only: the server's momentum (momentum SGD's 0.9, Adam's beta_1) lowered by "
+        "the momentum that N asynchronous workers add by themselves, 1 - 1/N (Mitliagkas "
+        "et al. 2016, 'Asynchrony begets momentum'): on, or off (the optimizer's own)",
+        "on", flag="--momentum-correction", key="momentum_correction",
+        choices=("on", "off"))
     dc_lambda: float = option(
         "with --staleness-compensation dc: the variance control lambda_0 (the paper's 2)",
         2.0, flag="--dc-lambda", type=float, metavar="L",
@@ -189,6 +195,9 @@ class AsyncSettings:
     def check(self, run) -> None:  # run: the whole Config
         if self.compensation not in ("auto", "none") and not run.async_mode:
             raise UsageError(f"--staleness-compensation {self.compensation} is for the "
+                             "async parameter server: add --async")
+        if self.momentum_correction != "on" and not run.async_mode:
+            raise UsageError(f"--momentum-correction {self.momentum_correction} is for the "
                              "async parameter server: add --async")
         if self.dc_lambda != 2.0 and self.compensation not in ("dc", "auto"):
             raise UsageError(f"--dc-lambda sets delay compensation, not "

@@ -300,9 +300,18 @@ def _in_form(length: int, count, rate, slots: list, per_weight: int,
               for i in range(len(sizes)) for j in range(per_weight))]
 
 
+#: the momentum of each optimizer that has one (Adam's is its beta_1), as Keras' defaults
+MOMENTUM = {"momentum": 0.9, "adam": 0.9}
+
+
 def make(name: str, n_params: int, lr: float, schedule: Optional[Schedule] = None,
-         clip_norm: Optional[float] = None) -> FlatOptimizer:
+         clip_norm: Optional[float] = None, momentum: Optional[float] = None) -> FlatOptimizer:
     """The flat optimizer for ``--optimizer name`` (its learning rate ``lr`` following
-    ``schedule``, gradients clipped to ``clip_norm``)."""
-    return {"sgd": SGD, "momentum": Momentum, "adam": Adam}[name](n_params, lr, schedule,
-                                                                  clip_norm)
+    ``schedule``, gradients clipped to ``clip_norm``); ``momentum`` replaces its
+    :data:`MOMENTUM` (an async server's, :mod:`mpitrain.train.asynchronous.momentum`)."""
+    if momentum is None or name not in MOMENTUM:
+        return {"sgd": SGD, "momentum": Momentum, "adam": Adam}[name](n_params, lr, schedule,
+                                                                      clip_norm)
+    if name == "adam":
+        return Adam(n_params, lr, schedule, clip_norm, beta_1=momentum)
+    return Momentum(n_params, lr, schedule, clip_norm, momentum=momentum)

@@ -78,7 +78,7 @@ RUNS_NUMERIC = frozenset({
     "test_accuracy", "test_loss", "train_loss", "mpi_bytes", "staleness_mean",
     "staleness_max", "staleness_bound", "pushes", "applied", "server_updates_per_s",
     "worker_steps_per_s", "server_cpu_share", "server_loop_cpu_share", "updates_short",
-    "finish_s", "server_nice", "servers"})
+    "finish_s", "server_nice", "servers", "server_momentum"})
 #: runs.csv: per-node columns node<i>_<metric> (numbers, except node<i>_host)
 NODE_COLUMN = re.compile(r"node(\d+)_(\w+)")
 

@@ -50,8 +50,10 @@ def saved_config(run_dir: Path) -> dict:
 
 
 #: settings added since a run's config.json may have been written, as such a run trained
-#: (their defaults differ): no warm-up, no staleness compensation
-TRAINED_BEFORE = {"warmup_epochs": 0.0, "staleness_compensation": "none"}
+#: (their defaults differ): no warm-up, no staleness compensation, the optimizer's own
+#: momentum
+TRAINED_BEFORE = {"warmup_epochs": 0.0, "staleness_compensation": "none",
+                  "momentum_correction": "off"}
 
 
 def resumed_config(cli: Config, explicit: set, world_size: int

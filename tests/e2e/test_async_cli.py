@@ -24,6 +24,7 @@ def test_async_dry_run(np_, shared_run):
     curve = read_rows(run_dir / "curve.csv")
     assert curve[0]["step"] == "0" and curve[-1]["step"] == str(2 * workers)
     assert float(run["server_updates_per_s"]) > 0 and float(run["worker_steps_per_s"]) > 0
+    assert run["server_momentum"] == ""  # LR's plain SGD has no momentum to lower
     # the async server applies every update: it keeps the launcher's priority
     # (train/priority.py), also after the sync run before it in this process lowered it
     # for that run (the shared launch)

@@ -35,6 +35,8 @@ def test_user_file_trains_on_mnist(mode, shared_run):
     meta = json.loads((run_dir / "config.json").read_text())
     assert meta["config"]["model"] == spec and meta["model"]["parameters"] == 13610
     assert (meta["config"]["optimizer"], meta["config"]["batch_size"]) == ("adam", 64)
+    # the async server's Adam keeps beta_1 0.9 less 2 workers' own momentum, 1 - 1/2
+    assert run.get("server_momentum", "") == ("0.4" if mode == "async" else "")
 
 
 @pytest.mark.slow

@@ -239,15 +239,15 @@ def test_the_command_line_gives_the_configs_and_errors_it_gave_before_sections()
 
 
 def since_large_batch_defaults(case: dict) -> dict:
-    """A saved case as the large-batch defaults changed it, and nothing else: the new
-    settings at their defaults, lr's cosine schedule, and the derived warm-up (its rule:
+    """A saved case as the large-batch and async defaults changed it, and nothing else: the
+    new settings at their defaults, lr's cosine schedule, and the derived warm-up (its rule:
     test_the_warm_up_and_the_scaling_follow_the_rule)."""
     case = json.loads(json.dumps(case))
     kind = "config" if "config" in case else "settings" if "settings" in case else None
     if kind is None:
         return case
     values, argv = case[kind], case["argv"]
-    values.update(staleness_compensation="auto", dc_lambda=2.0)
+    values.update(staleness_compensation="auto", dc_lambda=2.0, momentum_correction="on")
     if argv[0] == "lr" and "--lr-schedule" not in argv:
         values["lr_schedule"] = "cosine"
     # the default warm-up is fixed in the config as it is built

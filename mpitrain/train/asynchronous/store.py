@@ -10,6 +10,7 @@ from ...run.checkpoint import Checkpoint, optimizer_mismatch
 from ...models import optim
 from ..protocol import SLOTS
 from .compensation import Compensation, chosen
+from .momentum import server_momentum
 from .mailbox import PushCodec, norm_slots
 from .sharded.partition import partition_of
 
@@ -35,8 +36,7 @@ class ParameterStore:
         self.weights = np.ascontiguousarray(replica.weights()[self.share])
         # the workers' mean at the last evaluation; only server 0 holds them
         self.buffers = replica.buffers() if server == 0 else np.zeros(0, np.float32)
-        self.optimizer = optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.lr_schedule,
-                                    cfg.optimizer.clip_grad_norm)
+        self.optimizer = optimizer_of(ctx, n)
         self.codec = PushCodec(cfg.transport.compression, n)
         self.norm_slots = norm_slots(cfg)
         self.gradient_end = SLOTS + self.codec.slots  # a push's gradient, its norm, buffers
@@ -110,13 +110,18 @@ class ParameterStore:
         self.load(share_of_checkpoint(ckpt, self.share))
 
 
+def optimizer_of(ctx, n: int) -> optim.FlatOptimizer:
+    """A server's optimizer over ``n`` parameters: the run's, its momentum lowered by
+    asynchrony's own (:mod:`.momentum`)."""
+    cfg = ctx.cfg
+    return optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.lr_schedule,
+                      cfg.optimizer.clip_grad_norm, server_momentum(cfg))
+
+
 def fresh_share_state(ctx, weights: np.ndarray, share: slice) -> Dict[str, np.ndarray]:
     """The :meth:`ParameterStore.state` of the parameters ``share`` of ``weights`` (the
     initial model) before any update."""
-    cfg = ctx.cfg
-    n = share.stop - share.start
-    optimizer = optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.lr_schedule,
-                           cfg.optimizer.clip_grad_norm)
+    optimizer = optimizer_of(ctx, share.stop - share.start)
     return {"weights": np.ascontiguousarray(weights[share]), "version": np.array(0),
             **optimizer.state()}
 

@@ -1,0 +1,43 @@
+"""Momentum under asynchrony (``--momentum-correction``): the server's optimizer keeps
+only the momentum that the asynchrony of its workers does not already add.
+
+Mitliagkas, Zhang, Hadjis and Ré (2016, "Asynchrony begets momentum, with an
+application to deep learning") show that with N workers whose gradients are applied
+as they arrive, asynchronous SGD behaves in expectation like momentum SGD with
+momentum 1 - 1/N. An optimizer's own momentum (momentum SGD's 0.9, Adam's beta_1)
+comes on top of it, so the total grows with the cluster and overshoots; they tune
+the explicit momentum down as N grows. The server's optimizer gets
+
+    max(0, m - (1 - 1/N))
+
+for its momentum m: with 0.9, 0.4 at 2 workers, 0.15 at 4, none from 10 workers. The
+workers compute gradients only; they hold no optimizer, so nothing changes on them.
+Measured effect: docs/scaling.md.
+
+Contract: every server of a run (``--servers K``) computes the same value from the
+run's config, so every share of the parameters is updated alike; a run resumed onto
+another number of workers gets that number's value (the optimizer's slots carry over
+unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ...models import optim
+
+
+def corrected(momentum: float, n_workers: int) -> float:
+    """``momentum`` less the implicit momentum of ``n_workers`` asynchronous workers,
+    1 - 1/N, and never below zero."""
+    return max(0.0, momentum - (1.0 - 1.0 / max(1, n_workers)))
+
+
+def server_momentum(cfg) -> Optional[float]:
+    """The momentum of an async server's optimizer for ``cfg`` (a resolved Config):
+    None leaves the optimizer its own (--momentum-correction off, or an optimizer
+    without momentum)."""
+    own = optim.MOMENTUM.get(cfg.optimizer.name)
+    if own is None or cfg.asynchronous.momentum_correction == "off":
+        return None
+    return corrected(own, cfg.workers)
