@@ -11,7 +11,8 @@ def last_run(results_dir):
     return read_rows(results_dir / "runs.csv")[-1]
 
 
-@pytest.mark.parametrize("np_", [2, 3, 4])
+# -np 4 in the whole suite, with test_cli's dry run at -np 4 (one launch)
+@pytest.mark.parametrize("np_", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_async_dry_run(np_, shared_run):
     run_dir, run, _ = shared_run(np_, "async-dry")
     workers = np_ - 1

@@ -154,8 +154,9 @@ def colour_data(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_resnet_trains(colour_data, tmp_path):
-    """Quick at -np 2 (one worker); BatchNorm across two workers: the tests above; resnet
+    """At -np 2 (one worker); BatchNorm across two workers: the tests above; resnet
     at -np 3, sync and async: test_your_model's CIFAR-10 test."""
     result = mpirun(2, "resnet", "--data", colour_data, "--steps", "30", "--batch-size", "32",
                     "--results-dir", tmp_path, "--quiet", timeout=300)

@@ -18,7 +18,8 @@ def error_lines(result):
     return [line for line in result.stderr.splitlines() if line.startswith("mpitrain: error")]
 
 
-@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+# -np 4 (oversubscribed) in the whole suite: the quick tier's largest launch
+@pytest.mark.parametrize("np_", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_dry_run_writes_results(np_, shared_run):
     run_dir, run, stdout = shared_run(np_, "dry")
     mode = "single" if np_ == 1 else "sync"
@@ -111,6 +112,7 @@ def test_corrupt_idx_file(tmp_path, mnist):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_offline_auto_falls_back_to_digits(tmp_path):
     env_args = dict(HOME=tmp_path, MPITRAIN_MNIST_URL="http://127.0.0.1:9/mnist.npz")
     from conftest import mpi_env
