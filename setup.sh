@@ -173,19 +173,27 @@ fi
 versions() {
     "$1" -c 'import platform, tensorflow as tf; print(f"Python {platform.python_version()}, TensorFlow {tf.__version__}", end="")' 2>/dev/null
 }
+other_mpi() {  # the MPI library the mpi4py of venv $1 loads
+    "$1/bin/python" -c 'import mpi4py; mpi4py.rc.initialize = False
+from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].split(",")[0].strip())'
+}
+# Each line imports TensorFlow in its environment (compiling the bytecode of what it
+# imports, which the installs skipped): the environments at once, printed in order.
 echo "setup: done: .venv: $(.venv/bin/python -m mpitrain --version), $(versions .venv/bin/python);" \
-     "$(mpirun --version | head -1)"
-for venv in .venv-openmpi5 .venv-mpich; do
-    if [ -x "$venv/bin/python" ]; then
-        echo "setup: $venv: $("$venv/bin/python" -c 'import mpi4py; mpi4py.rc.initialize = False
-from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].split(",")[0].strip())')," \
-             "$(versions "$venv/bin/python")"
+     "$(mpirun --version | head -1)" > "$logs/report.1" &
+for venv in 2:.venv-openmpi5 3:.venv-mpich; do
+    if [ -x "${venv#*:}/bin/python" ]; then
+        echo "setup: ${venv#*:}: $(other_mpi "${venv#*:}"), $(versions "${venv#*:}/bin/python")" \
+            > "$logs/report.${venv%%:*}" &
     fi
 done
 if [ -x .venv-horovod/bin/python ]; then
     echo "setup: .venv-horovod: $(versions .venv-horovod/bin/python)," \
-         "Horovod $(.venv-horovod/bin/python -c 'import horovod; print(horovod.__version__)')"
+         "Horovod $(.venv-horovod/bin/python -c 'import horovod; print(horovod.__version__)')" \
+         > "$logs/report.4" &
 fi
+wait
+cat "$logs"/report.*
 
 if [ "${1:-}" != "--no-run" ]; then
     echo "setup: running the main job: mpirun -np 4 -hostfile hostfiles/local python -m mpitrain lr"
