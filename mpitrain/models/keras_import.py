@@ -58,12 +58,6 @@ def import_keras():
     return sys.modules["keras"]
 
 
-def import_tensorflow():
-    """Import TensorFlow as :func:`import_keras` does (once per process) and return it."""
-    import_keras()
-    return sys.modules["tensorflow"]
-
-
 def onednn_enabled():
     """Whether this process's TensorFlow runs oneDNN's kernels (None if it cannot tell)."""
     try:
