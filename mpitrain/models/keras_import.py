@@ -58,6 +58,12 @@ def import_keras():
     return sys.modules["keras"]
 
 
+def import_tensorflow():
+    """Import TensorFlow as :func:`import_keras` does (once per process) and return it."""
+    import_keras()
+    return sys.modules["tensorflow"]
+
+
 def onednn_enabled():
     """Whether this process's TensorFlow runs oneDNN's kernels (None if it cannot tell)."""
     try:
@@ -170,6 +176,12 @@ _RUNNING = threading.RLock()
 
 
 class _LazyModule(types.ModuleType):
+    def __dir__(self):
+        """Its names bound or not yet bound (``vars()`` holds only the bound ones)."""
+        with _RUNNING:
+            pending = _reexports(self) if type(self) is _LazyModule else {}
+        return sorted(set(self.__dict__) | set(pending))
+
     def __getattr__(self, name):
         with _RUNNING:
             if type(self) is _LazyModule and name not in self.__dict__:  # not bound yet

@@ -108,6 +108,21 @@ def test_a_package_of_reexports_binds_one_name_at_a_time(tmp_path, monkeypatch):
             sys.modules.pop(name, None)
 
 
+def test_dir_of_a_lazy_package_lists_the_names_it_will_bind(tmp_path, monkeypatch):
+    """dir() shows every name, bound or not (vars() only the bound ones): what code that
+    looks for a package's classes by name relies on (mpitrain.horovod.keras.load_model
+    finds Keras' optimizers so)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    api = lazy_package(tmp_path, "api_dir_pkg", "from json import dumps as to_json\n"
+                       "from json import loads\n")
+    try:
+        assert "to_json" not in vars(api) and {"to_json", "loads"} <= set(dir(api))
+        assert api.to_json([1]) == "[1]" and "to_json" in vars(api)
+    finally:
+        for name in ("api_dir_pkg", "api_dir_pkg.sub"):
+            sys.modules.pop(name, None)
+
+
 def test_a_package_that_does_more_than_import_runs_whole(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     api = lazy_package(tmp_path, "compat_pkg", "from json import dumps\nFLAG = 1\n")

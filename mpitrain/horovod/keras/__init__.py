@@ -51,7 +51,11 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     ``custom_optimizers`` lists optimizer classes of your own to make distributed too."""
     import keras
 
-    classes = [c for c in vars(keras.optimizers).values()
+    # dir, not vars: keras.optimizers may be one of mpitrain's lazy API packages
+    # (models/keras_import.py), whose names are bound on first use
+    found = (getattr(keras.optimizers, name) for name in dir(keras.optimizers)
+             if not name.startswith("_"))
+    classes = [c for c in found
                if isinstance(c, type) and issubclass(c, keras.optimizers.Optimizer)]
     classes += list(custom_optimizers or [])
     reducer = GradientReducer(compression)
