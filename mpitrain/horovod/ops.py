@@ -13,15 +13,22 @@ mpitrain's own sync trainer takes. A numpy function cannot run inside XLA
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import numpy as np
-import tensorflow as tf
 
+from ..models.keras_import import import_tensorflow
 from . import world as runtime
 from .compression import Compression
 from .collectives import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (re-exported)
 from .world import STATE, unsupported
+
+# the quick way unless the script imported TensorFlow already: on every rank, half the
+# CPU of a plain import (mpitrain/models/keras_import.py)
+if TYPE_CHECKING:
+    import tensorflow as tf
+else:
+    tf = import_tensorflow()
 
 #: the default process set: the only one there is
 global_process_set = None
