@@ -84,7 +84,7 @@ CASES = {model: both_sides(*spec) for model, spec in ALGORITHMS.items()}
 QUICK = {"lr": ["--steps", "20"], "lenet": ["--steps", "10"], "alexnet": ["--steps", "2"]}
 #: interleaved rounds per model (every side once a round), each side's median kept
 #: (the lower of an even count): AlexNet's 1-epoch runs move between single rounds as
-#: much as the gap to its target (docs/benchmarks.md, "A shared two-core machine")
+#: much as the gap to its target (docs/benchmarks.md, "Known limits")
 ROUNDS = {"lr": 1, "lenet": 1, "alexnet": 2}
 TARGET_HOROVOD = 0.6
 TARGET_MWMS = 0.9

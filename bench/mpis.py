@@ -72,8 +72,7 @@ def rank_side(iterations: int) -> None:
                 times.append(time.perf_counter() - t0)
             found[f"{name} {way}"] = statistics.median(times)
     # how many sessions the ranks run in: Linux's autogroup scheduling (on by default)
-    # makes each session one scheduling group (docs/benchmarks.md, "Sessions and autogroup
-    # scheduling")
+    # makes each session one scheduling group (docs/benchmarks.md, "Known limits")
     sessions = len(set(comm.allgather(os.getsid(0))))
     if comm.Get_rank() == 0:
         print(json.dumps({**found, "sessions": sessions}), flush=True)

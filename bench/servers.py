@@ -49,7 +49,7 @@ SERVER_NODES = 3  # node0..node2 serve; node3.. hold one worker each
 COMMON = ["--pipeline", "on", "--eval-every", "100", "--checkpoint-every", "100"]
 #: Open MPI 4.1's TCP transport moves a large message only while its rank is inside MPI
 #: unless this thread does it: without it a pipelined worker's push waits for its next
-#: compute to end (docs/benchmarks.md, "Open MPI's TCP progress thread"), and no pipeline
+#: compute to end (docs/benchmarks.md, "Known limits"), and no pipeline
 #: hides a transfer
 PROGRESS_THREAD = ["--mca", "btl_tcp_progress_thread", "1"]
 SYNTHETIC = ["--dataset", "synthetic"]  # (LeNet: 28x28x1, 10 classes; ResNet: 32x32x3)

@@ -199,7 +199,7 @@ def test_the_benchmark_of_the_three_runs():
         assert float(row["lr sync s/epoch"]) > 0 and float(row["allreduce lr blocking us"]) > 0
         assert float(row["lr async s/epoch / best"]) >= 1.0
     # Open MPI's ranks share mpirun's session; Hydra gives each rank one of its own
-    # (docs/benchmarks.md, "Sessions and autogroup scheduling": what decides its figures
+    # (docs/benchmarks.md, "Known limits", on sessions: what decides its figures
     # on a loaded host)
     assert [row["rank sessions at -np 2"] for row in rows] == ["1", "1", "2"], rows
     waits = read_rows(summary.parent / "mpis-waits.csv")  # spin and poll, one launch each
