@@ -178,9 +178,8 @@ _RUNNING = threading.RLock()
 class _LazyModule(types.ModuleType):
     def __dir__(self):
         """Its names bound or not yet bound (``vars()`` holds only the bound ones)."""
-        with _RUNNING:
-            pending = _reexports(self) if type(self) is _LazyModule else {}
-        return sorted(set(self.__dict__) | set(pending))
+        with _RUNNING:  # (a module that ran whole is a plain module: no longer here)
+            return sorted(set(self.__dict__) | set(_reexports(self)))
 
     def __getattr__(self, name):
         with _RUNNING:

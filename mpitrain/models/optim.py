@@ -93,6 +93,10 @@ class Schedule:
         return cosine_factor(step - warm, max(1, self.decay_steps - warm))
 
 
+#: the momentum of each optimizer that has one (Adam's is its beta_1), as Keras' defaults
+MOMENTUM = {"momentum": 0.9, "adam": 0.9}
+
+
 class FlatOptimizer:
     """Base: in-place update of a flat weight vector from a flat gradient."""
 
@@ -172,7 +176,8 @@ class SGD(FlatOptimizer):
 class Momentum(FlatOptimizer):
     """Keras SGD(momentum=m): v = m * v - lr * g; w += v"""
 
-    def __init__(self, n_params, lr, schedule=None, clip_norm=None, momentum=0.9):
+    def __init__(self, n_params, lr, schedule=None, clip_norm=None,
+                 momentum=MOMENTUM["momentum"]):
         super().__init__(n_params, lr, schedule, clip_norm)
         self.momentum = np.float32(momentum)
         self.velocity = np.zeros(n_params, np.float32)
@@ -195,7 +200,7 @@ class Momentum(FlatOptimizer):
 class Adam(FlatOptimizer):
     """Keras Adam: bias-corrected step size, epsilon outside the square root."""
 
-    def __init__(self, n_params, lr, schedule=None, clip_norm=None, beta_1=0.9,
+    def __init__(self, n_params, lr, schedule=None, clip_norm=None, beta_1=MOMENTUM["adam"],
                  beta_2=0.999, epsilon=1e-7):
         super().__init__(n_params, lr, schedule, clip_norm)
         self.beta_1, self.beta_2 = np.float32(beta_1), np.float32(beta_2)
@@ -298,10 +303,6 @@ def _in_form(length: int, count, rate, slots: list, per_weight: int,
     return [count, *([rate] if lead == 2 else []),
             *(slots[j][offsets[i]:offsets[i + 1]]
               for i in range(len(sizes)) for j in range(per_weight))]
-
-
-#: the momentum of each optimizer that has one (Adam's is its beta_1), as Keras' defaults
-MOMENTUM = {"momentum": 0.9, "adam": 0.9}
 
 
 def make(name: str, n_params: int, lr: float, schedule: Optional[Schedule] = None,

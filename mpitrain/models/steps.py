@@ -35,7 +35,7 @@ def make_optimizer(name: str, lr: float, schedule: Optional[optim.Schedule] = No
     if name == "sgd":
         return keras.optimizers.SGD(lr)
     if name == "momentum":
-        return keras.optimizers.SGD(lr, momentum=0.9)
+        return keras.optimizers.SGD(lr, momentum=optim.MOMENTUM["momentum"])
     if name == "adam":
         return keras.optimizers.Adam(lr)
     raise ValueError(f"unknown optimizer {name}")

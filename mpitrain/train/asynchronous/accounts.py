@@ -155,8 +155,9 @@ def report(ctx, accounts: Dict[int, WorkerAccount], version: int, wall: float,
                                   f"{w['update']} ({w['reason']})" for w in ctx.lost),
         "updates_short": short,
         "servers": ctx.cfg.asynchronous.servers,
-        # the servers' optimizer momentum, lowered by asynchrony's own ('' if it has none)
-        "server_momentum": _blank_if_none(server_momentum(ctx.cfg)),
+        # the servers' optimizer momentum, lowered by asynchrony's own (None, written
+        # blank, if it has none)
+        "server_momentum": server_momentum(ctx.cfg),
         # each server's updates (with --servers K, each push updates every share once)
         "applied_by_server": " ".join(f"{s}:{n}" for s, n in applied.items()),
     }
@@ -167,7 +168,3 @@ def report(ctx, accounts: Dict[int, WorkerAccount], version: int, wall: float,
         f"{100 * cpu_share['server_cpu_share']:.1f}% of a core (protocol loop "
         f"{100 * cpu_share['server_loop_cpu_share']:.1f}%, the rest evaluation)")
     return extra
-
-
-def _blank_if_none(value: Optional[float]):
-    return "" if value is None else round(value, 4)
