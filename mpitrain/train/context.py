@@ -110,11 +110,6 @@ class Context:
         return batches_per_epoch(self.shard_size, cast(int, self.cfg.batch_size))
 
     @property
-    def n_workers(self) -> int:
-        """The run's number of workers (``cfg.workers``)."""
-        return self.cfg.workers
-
-    @property
     def lr_schedule(self) -> Optional[Schedule]:
         return lr_schedule(self.cfg, self.shard_size)
 
