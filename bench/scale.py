@@ -18,8 +18,7 @@ its default data, ``--dataset synthetic``, is random images with random labels, 
 no model learns (test accuracy stays at chance), and CIFAR-10 needs a download; MNIST
 is the real image set a machine without the internet has. Its 16 runs cost more than
 LR's and LeNet's together, so the default ``--models lr,lenet`` leaves it out:
-``--models lr,lenet,resnet`` (or ``--models resnet``) adds it. It has no "(before)"
-rows: its defaults did not change.
+``--models lr,lenet,resnet`` (or ``--models resnet``) adds it.
 
 The model (no run: arithmetic, its inputs printed beside it) is for a real cluster,
 one worker per node: a worker's compute per step ``c`` (measured at 2 workers: the
@@ -32,8 +31,10 @@ update); past ``n* = k B (c + 2 M/B + 2 alpha) / (2 M)`` workers the server is t
 bottleneck and async stops scaling.
 
 Async runs with each ``--staleness-compensation``: auto (the default: dc for these
-models), sqrt and none; and, marked "(before)", sync and async with the defaults
-before these rules, given as options (``BEFORE``).
+models), sqrt and none; marked "(before)", sync and async with the defaults before
+these rules, given as options (``BEFORE``); and for the Adam models, marked
+"(warm-up)", sync with the warm-up the default gives only SGD and momentum
+(``WARMED_UP``), the measurement behind that rule.
 
 ``--ranks 3,5,9,17,33``: at each -np one launch of LR for one epoch, sync then async,
 timed on every rank (:func:`rank_side`: the real runs, with hooks that only read the
@@ -76,6 +77,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from mpitrain.config.sections import WARMUP_FRACTION
+
 from .common import (RUNS_IN_ONE_LAUNCH, bench_parser, launch_mpitrain, last_run, mnist_dir,
                      on_every_rank, out_dir, run_table, runs_in_one_launch, table, train_many,
                      write_block, write_csv)
@@ -98,10 +101,12 @@ BEFORE = {
     "lr": {"sync": ["--warmup-epochs", "0", "--lr-schedule", "constant"],
            "async": ["--staleness-compensation", "none", "--pipeline", "on",
                      "--lr-schedule", "constant"]},
-    "lenet": {"sync": ["--warmup-epochs", "0"],
-              "async": ["--staleness-compensation", "none", "--pipeline", "off",
-                        "--momentum-correction", "off"]},
+    "lenet": {"async": ["--staleness-compensation", "none", "--pipeline", "off",
+                        "--momentum-correction", "off"]},  # (its sync: as now, no warm-up)
 }
+#: models whose optimizer (Adam) gets no warm-up by default: their sync runs again with the
+#: warm-up SGD and momentum get (a fifth of the run)
+WARMED_UP = ("lenet", "resnet")
 #: docs/scaling.md's generated block (``--write-docs``) lies between these lines
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
 BEGIN, END = "<!-- bench scale: begin -->", "<!-- bench scale: end -->"
@@ -188,9 +193,14 @@ def model_runs(model: str, quick: bool) -> Dict[str, List[str]]:
     runs = {f"{model}-sync": base}
     for comp in spec["compensations"][:1] if quick else spec["compensations"]:
         runs[f"{model}-async-{comp}"] = [*base, "--async", "--staleness-compensation", comp]
-    if not quick and model in BEFORE:  # the same runs with the defaults before these rules
-        runs[f"{model}-sync-before"] = [*base, *BEFORE[model]["sync"]]
-        runs[f"{model}-async-before"] = [*base, "--async", *BEFORE[model]["async"]]
+    if quick:
+        return runs
+    for mode, before in BEFORE.get(model, {}).items():  # the defaults before these rules
+        runs[f"{model}-{mode}-before"] = [*base, *(["--async"] if mode == "async" else []),
+                                         *before]
+    if model in WARMED_UP:
+        runs[f"{model}-sync-warmup"] = [*base, "--warmup-epochs",
+                                        f"{WARMUP_FRACTION * spec['epochs']:g}"]
     return runs
 
 
@@ -545,8 +555,8 @@ def slots_file(out: Path, np_: int) -> Path:
 def point(name: str, workers: int, row: Dict[str, str]) -> Dict:
     """One run's row: accuracy, when it reached the target, staleness, rank 0's memory."""
     model, mode, *comp = name.split("-")
-    if comp == ["before"]:
-        mode, comp = f"{mode} (before)", []
+    if comp in (["before"], ["warmup"]):
+        mode, comp = f"{mode} ({'before' if comp == ['before'] else 'warm-up'})", []
     target = MODELS[model]["target"]
     run_dir = Path(row["run_dir"])
     reached = first_reached(run_dir / "curve.csv", target)

@@ -25,9 +25,9 @@ from typing import Any, Callable, Dict, List, Optional, cast
 
 from ..errors import UsageError
 from .settings import COUNT, Number, Setting, checked_value, option
-from .sections import (COMPILERS, OUTPUTS, WARMUP_FRACTION, WARMUP_MAX_EPOCHS, AsyncSettings,
-                       CheckpointSettings, DataSettings, FaultSettings, OptimizerSettings,
-                       SyncSettings, TelemetrySettings, TransportSettings)
+from .sections import (COMPILERS, OUTPUTS, WARMED_UP, WARMUP_FRACTION, WARMUP_MAX_EPOCHS,
+                       AsyncSettings, CheckpointSettings, DataSettings, FaultSettings,
+                       OptimizerSettings, SyncSettings, TelemetrySettings, TransportSettings)
 
 
 def _section(kind, title: str):
@@ -184,10 +184,10 @@ class Config:
     @property
     def warmup(self) -> float:
         """Epochs of gradual warm-up: --warmup-epochs, or by default a fifth of the run
-        (at most 5) where the rate is scaled up, else none."""
+        (at most 5) where the rate of an optimizer in WARMED_UP is scaled up, else none."""
         if self.optimizer.warmup_epochs is not None:
             return self.optimizer.warmup_epochs
-        if self.lr_scale <= 1.0:
+        if self.lr_scale <= 1.0 or self.optimizer.name not in WARMED_UP:
             return 0.0
         return min(WARMUP_MAX_EPOCHS, WARMUP_FRACTION * cast(int, self.epochs))
 

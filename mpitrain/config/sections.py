@@ -19,6 +19,11 @@ DATASETS = ("auto", "mnist", "digits", "synthetic")
 LR_SCALINGS = ("linear", "sqrt", "none")
 #: values of --staleness-compensation (see mpitrain.train.asynchronous.compensation)
 COMPENSATIONS = ("auto", "none", "inverse", "sqrt", "dc")
+#: the optimizers whose scaled learning rate is warmed up by default: those whose step
+#: is the rate times the gradient (Goyal et al.'s setting). Adam's is not: it already
+#: bounds each parameter's step by the rate, and warming it up cost accuracy at 16 workers
+#: (docs/scaling.md, "Sync: a global batch that grows with the cluster")
+WARMED_UP = ("sgd", "momentum")
 #: the warm-up of a scaled learning rate by default: this fraction of the run's epochs...
 WARMUP_FRACTION = 0.2
 #: ...and at most this many epochs (Goyal et al.'s five)
@@ -93,7 +98,8 @@ class OptimizerSettings:
     warmup_epochs: Optional[float] = option(
         "sync: epochs over which a scaled learning rate rises linearly from one "
         "worker's (--lr) to the scaled one (gradual warm-up, Goyal et al. 2017); default: "
-        "a fifth of the run's epochs, at most 5, whenever the rate is scaled up; 0 = none",
+        "a fifth of the run's epochs, at most 5, whenever the rate of sgd or momentum is "
+        "scaled up (adam: none); 0 = none",
         flag="--warmup-epochs", type=float, metavar="E",
         number=Number(False, 0, 1_000_000))
     schedule: Optional[str] = option(

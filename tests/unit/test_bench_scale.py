@@ -54,13 +54,19 @@ def test_the_cluster_hostfile_leaves_node0_to_rank_0(tmp_path):
     assert "node8 slots=2\n" in cluster_hostfile(tmp_path, 16).read_text()
 
 
-def test_resnet_trains_on_mnist_without_rows_before_the_rules():
+def test_resnet_trains_on_mnist_and_adam_models_show_the_warm_up_they_do_without():
     runs = model_runs("resnet", quick=False)
     assert set(runs) == {"resnet-sync", "resnet-async-auto", "resnet-async-sqrt",
-                         "resnet-async-none"}
+                         "resnet-async-none", "resnet-sync-warmup"}
     assert all(args[:3] == ["resnet", "--epochs", "2"] and "mnist" in args
                for args in runs.values())
-    assert "lr-sync-before" in model_runs("lr", quick=False)
+    assert runs["resnet-sync-warmup"][-2:] == ["--warmup-epochs", "0.4"]  # a fifth of 2
+    lenet = model_runs("lenet", quick=False)
+    assert "lenet-sync-warmup" in lenet and "lenet-sync-before" not in lenet
+    assert "--async" in lenet["lenet-async-before"]
+    lr = model_runs("lr", quick=False)
+    assert {"lr-sync-before", "lr-async-before"} <= set(lr) and "lr-sync-warmup" not in lr
+    assert "--async" not in lr["lr-sync-before"]
     assert set(model_runs("lr", quick=True)) == {"lr-sync", "lr-async-auto"}
 
 

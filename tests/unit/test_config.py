@@ -259,7 +259,8 @@ def since_large_batch_defaults(case: dict) -> dict:
     (1, "sgd", "linear", 10, None, 0.5, 0.0),  # one worker: nothing scaled, no warm-up
     (3, "sgd", "linear", 10, None, 1.0, 2.0),  # x2; a fifth of the epochs
     (17, "sgd", "linear", 30, None, 8.0, 5.0),  # x16; at most 5 epochs (Goyal et al.)
-    (17, "adam", "linear", 3, None, 0.016, 0.6),
+    (17, "adam", "linear", 3, None, 0.016, 0.0),  # adam: no warm-up by default...
+    (17, "adam", "linear", 3, 0.5, 0.016, 0.5),  # ...unless asked for
     (17, "sgd", "sqrt", 3, None, 2.0, 0.6),  # x sqrt(16)
     (17, "sgd", "none", 3, None, 0.5, 0.0),  # nothing scaled up: no warm-up
     (17, "sgd", "linear", 3, 0.0, 8.0, 0.0),  # --warmup-epochs 0: none
