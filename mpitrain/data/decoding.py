@@ -156,6 +156,8 @@ def _user_dataset(kind: str, source: Union[str, Path], arrays: Dict[str, np.ndar
         if x.ndim < 2:
             raise DataError(f"{source}: {key} must hold one array per example (got shape "
                             f"{x.shape})")
+        if 0 in x.shape[1:]:
+            raise DataError(no_features(source, key, x.shape))
         if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)
                 or x.dtype == np.bool_):
             raise DataError(f"{source}: {key} holds {x.dtype}, not numbers; give pixels "
@@ -177,6 +179,13 @@ def _finite_as_float32(x: np.ndarray) -> bool:
         return False
     top = np.finfo(np.float32).max
     return x.dtype.itemsize <= 4 or not x.size or (x.max() <= top and x.min() >= -top)
+
+
+def no_features(source, key: str, shape: Tuple[int, ...]) -> str:
+    """The error of examples with no values (a zero in their shape): no kernel takes them,
+    and oneDNN aborts the process on them instead of raising."""
+    return (f"{source}: {key} is shaped {tuple(shape)}: its examples hold no values; "
+            "each needs at least one feature or pixel")
 
 
 def _npz_headers(npz) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
@@ -208,6 +217,8 @@ def _check_npz_shapes(path: Path, shapes: Dict[str, Tuple[int, ...]]) -> None:
                             f"(N, H, W), (N, H, W, C) or (N, D) (got shape {x})")
         if len(y) and y[0] != x[0]:
             raise DataError(f"{path}: {x[0]} {split} examples but {y[0]} labels")
+        if 0 in x[1:]:
+            raise DataError(no_features(path, f"x_{split}", x))
     if shapes["x_train"][1:] != shapes["x_test"][1:]:
         raise DataError(f"{path}: training examples are shaped {shapes['x_train'][1:]} but "
                         f"test examples {shapes['x_test'][1:]}; both splits must share one "
@@ -220,6 +231,11 @@ def _user_npz(path: Path, splits, budget: MemoryBudget) -> Dataset:
         with open_regular(path, DataError) as file, np.load(file, allow_pickle=False) as f:
             # every rank checks all four arrays' headers, so all ranks fail alike
             headers = _npz_headers(f)
+            pickled = [name for name, (_, dtype) in headers.items() if dtype.hasobject]
+            if pickled:
+                raise DataError(f"{path}: {', '.join(pickled)} holds Python objects (a "
+                                "pickled object array), which mpitrain does not unpickle; "
+                                "save numeric arrays (np.asarray(x, np.float32))")
             _check_npz_shapes(path, {name: shape for name, (shape, _) in headers.items()})
             budget.check(sum(budget.array(*headers[key], key) for key in keys),
                          f"--data {path}: the arrays this rank reads", "data larger than memory "

@@ -18,6 +18,9 @@ import pytest
 from conftest import mnist_dir
 from mpitrain import data
 from mpitrain.data import sources
+from mpitrain.data.decoding import GIVEN_ARRAYS, given_arrays, read_user
+from mpitrain.data.memory import MemoryBudget
+from mpitrain.data.shards import SPLITS
 from mpitrain.errors import DataError
 from unit.test_data import OneRank
 
@@ -144,6 +147,10 @@ def test_each_rank_loads_only_its_split(tmp_path):
      "missing array 'x_test'"),
     (dict(x_train=np.zeros(8), y_train=np.zeros(8, int), x_test=np.zeros(2),
           y_test=np.zeros(2, int)), "x_train must hold one array per example"),
+    # no features: oneDNN would abort every worker (SIGABRT) on them
+    (dict(x_train=np.zeros((8, 0)), y_train=np.zeros(8, int), x_test=np.zeros((2, 0)),
+          y_test=np.zeros(2, int)), r"x_train is shaped \(8, 0\): its examples hold no "
+                                    r"values; each needs at least one feature or pixel"),
 ])
 def test_npz_shape_errors_are_the_same_on_every_rank(tmp_path, arrays, message):
     path = npz(tmp_path / "bad.npz", **arrays)
@@ -169,6 +176,22 @@ def test_npz_content_errors(tmp_path, change, message):
     with pytest.raises(DataError, match=message) as error:
         data.read_user_data(str(path))
     assert str(path) in str(error.value)
+
+
+def test_examples_without_values_given_as_arrays_are_refused():
+    with pytest.raises(DataError, match=r"x_test is shaped \(2, 4, 0\): its examples hold"):
+        arrays = given_arrays((np.zeros((8, 4, 4)), np.array([0, 1] * 4)),
+                              (np.zeros((2, 4, 0)), np.array([0, 1])))
+        read_user(GIVEN_ARRAYS, SPLITS, None, MemoryBudget(2**30), arrays)
+
+
+def test_an_npz_of_pickled_objects_is_named_as_such_not_as_corrupt(tmp_path):
+    path = tmp_path / "objects.npz"
+    np.savez(path, x_train=np.array([{"a": 1}] * 8, dtype=object), y_train=np.zeros(8, int),
+             x_test=np.zeros((2, 3)), y_test=np.zeros(2, int))
+    message = both_ranks_raise(path, "x_train holds Python objects .* mpitrain does not "
+                                     "unpickle; save numeric arrays")
+    assert "corrupt" not in message
 
 
 def test_truncated_npz_names_the_file_on_every_rank(tmp_path):
