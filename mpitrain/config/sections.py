@@ -282,8 +282,10 @@ class FaultSettings:
     start_timeout: float = option(
         "seconds a rank waits for every rank of the job to start MPI: a rank that never "
         "does (it exited before, e.g. under a wrapper script, or is stuck before it) "
-        "ends the job with an error naming this", 120.0,
-        flag="--start-timeout", type=float, metavar="S", number=SECONDS)
+        "ends the job with an error naming this; at least 1", 120.0,
+        flag="--start-timeout", type=float, metavar="S",
+        # a floor: below it even ranks that all start are called never started
+        number=Number(False, 1.0, MAX_SECONDS, unit="of seconds"))
     liveness_floor: float = option(
         "the least time a silent worker gets before rank 0 counts it as lost: async "
         "under mpirun --enable-recovery drops it and goes on, sync names it and ends "

@@ -117,7 +117,8 @@ def add_parser(commands) -> None:
         "[OPTIONS]', and when the job fails restart it with --resume from its last "
         "checkpoint, up to --max-restarts times. Run it as 'mpitrain launch -np 4 -hostfile "
         "hostfiles/cluster2 lr --async' (no mpirun). Exit codes: 0 done, 1 failed after "
-        "the last restart, 2 usage error, 143 stopped by a signal.")
+        "the last restart, 2 usage error, 74 results could not be written (never "
+        "restarted), 143 stopped by a signal.")
     launch.add_argument("-np", "--np", dest="np", type=int, default=None,
                         help="ranks (default: $SLURM_NTASKS inside a SLURM allocation, else 1)")
     launch.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE")

@@ -29,14 +29,28 @@ def read_runs(results_dir: Path) -> List[dict]:
     """The rows of ``results_dir/runs.csv`` (one per run, first occurrence of a name wins)."""
     path = results_dir / "runs.csv"
     if not path.is_file():
-        hint = ("it is a run directory: plot it with mpitrain plot"
-                if (results_dir / "curve.csv").exists() else
-                "pass the directory given to mpitrain as --results-dir (default results/)")
-        raise results_error(path, "missing, so this is not a results directory", hint)
+        if (results_dir / "curve.csv").exists():
+            raise results_error(path, "missing, so this is not a results directory",
+                                "it is a run directory: plot it with mpitrain plot")
+        if any((run / "status.json").is_file() for run in _subdirectories(results_dir)):
+            # runs.csv gains its first row when the first run ends
+            raise results_error(results_dir, "no run has finished here yet (runs.csv is "
+                                "written as each run ends)", "report it once one has, or "
+                                "plot a run that is training with mpitrain plot RUN_DIR")
+        raise results_error(path, "missing, so this is not a results directory",
+                            "pass the directory given to mpitrain as --results-dir "
+                            "(default results/)")
     rows: Dict[str, dict] = {}
     for row in read_table(path, runs_columns).rows():
         rows.setdefault(str(row["run"]), row)
     return list(rows.values())
+
+
+def _subdirectories(path: Path) -> List[Path]:
+    try:
+        return [child for child in path.iterdir() if child.is_dir()]
+    except OSError:
+        return []
 
 
 def _load_listed_runs(results_dir: Path, rows: Sequence[dict]) -> Tuple[List[Run], List[str]]:

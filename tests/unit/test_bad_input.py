@@ -81,8 +81,10 @@ def test_the_command_line_refuses_what_the_config_refuses(setting, value):
     (["--seed", "-1"], "--seed must be 0 or a positive integer (got -1)"),
     (["--timeout", "inf"], "--timeout must be a positive number of seconds, at most "
                            "1,000,000 (got inf)"),
-    (["--start-timeout", "inf"], "--start-timeout must be a positive number of seconds, at "
-                                 "most 1,000,000 (got inf)"),
+    (["--start-timeout", "inf"], "--start-timeout must be a number of seconds of at least 1, "
+                                 "at most 1,000,000 (got inf)"),
+    (["--start-timeout", "0.001"], "--start-timeout must be a number of seconds of at least "
+                                   "1, at most 1,000,000 (got 0.001)"),  # issue 53, item 7
     (["--sample-interval", "inf"], "--sample-interval must be 0 (off) or a number of seconds "
                                    "of at least 0.01, at most 1,000,000 (got inf)"),
     (["--liveness-floor", "nan"], "--liveness-floor must be a positive number of seconds, at "

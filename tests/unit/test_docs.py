@@ -192,3 +192,16 @@ def test_link_anchors_lead_to_a_heading(doc):
         linked = (doc.parent / target) if target else doc
         assert anchor in {slug(h) for h in headings(linked)}, \
             f"{doc.relative_to(REPO)} links to {target}#{anchor}: no such heading"
+
+
+def test_launch_help_lists_every_exit_code_the_docs_give(capsys):
+    """docs/faults.md's exit codes of `mpitrain launch` are all in its --help too."""
+    faults = (REPO / "docs" / "faults.md").read_text()
+    documented = set(re.findall(r"\b(0|1|2|74|143) (?:the run|it still|usage|its results|"
+                                r"when the results|results could|stopped)", faults))
+    assert {"2", "74", "143"} <= documented, documented
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["launch", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for code in documented:
+        assert re.search(rf"\b{code} [a-z]", text.split("Exit codes:")[1]), code

@@ -61,6 +61,14 @@ def test_precheck_errors_name_the_spec(tmp_path, text, function, message):
         models.precheck(spec)
 
 
+def test_a_missing_file_without_a_function_is_named_missing(tmp_path):
+    """``mpitrain launch -np 4 train.py`` without a train.py: not a request for the
+    builder function's name."""
+    with pytest.raises(UsageError, match=r"^.*absent.py: no such file \(give the path of "
+                                         r"your script, or of your model's file"):
+        models.precheck(str(tmp_path / "absent.py"))
+
+
 @pytest.mark.parametrize("text", [
     "from helpers import *\n",                       # may bind anything
     "build = lambda shape, classes: None\n",          # assigned, not def

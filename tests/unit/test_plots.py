@@ -307,6 +307,17 @@ def test_report_errors_name_runs_csv(tmp_path):
         write_report(root)
 
 
+def test_a_report_before_any_run_has_finished_says_so(tmp_path):
+    """The first run of a results directory still training: no runs.csv yet, which is
+    not 'not a results directory' (issue 53, item 7)."""
+    run = tmp_path / "results" / "20260101-000000-lr-sync-np3"
+    run.mkdir(parents=True)
+    (run / "status.json").write_text('{"status": "running"}')
+    with pytest.raises(ResultsError, match=r"results: no run has finished here yet "
+                                           r"\(runs.csv is written as each run ends\)"):
+        write_report(tmp_path / "results")
+
+
 # --------------------------------------------------------------------------- written by mpitrain
 
 
