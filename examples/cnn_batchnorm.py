@@ -1,6 +1,6 @@
 """A small CNN with BatchNorm on your own .npz, trained with mpitrain.fit.
 
-    mpirun -np 3 python examples/cnn_batchnorm.py my.npz [--mode async] [--epochs 3]
+    mpirun -np 3 -hostfile hostfiles/local python examples/cnn_batchnorm.py my.npz [--mode async] [--epochs 3]
 
 The .npz holds x_train, y_train, x_test, y_test (images, integer labels); make one
 from MNIST with `python examples/make_npz.py ../shared/data/mnist mnist.npz`.

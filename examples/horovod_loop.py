@@ -1,7 +1,7 @@
 """A custom training loop written against Horovod's API (the shape of Horovod's
 tensorflow2_mnist.py), run by mpitrain.horovod on TensorFlow 2.16+ and Keras 3.
 
-    mpirun -np 3 python examples/horovod_loop.py mnist.npz [--steps 300]
+    mpirun -np 3 -hostfile hostfiles/local python examples/horovod_loop.py mnist.npz [--steps 300]
 
 ``import mpitrain.horovod as hvd`` where Horovod's script has ``import
 horovod.tensorflow as hvd``; the rest is Horovod's calls: the DistributedGradientTape

@@ -1,6 +1,6 @@
 """Keras model.fit, data-parallel over MPI, with mpitrain.horovod's Horovod API.
 
-    mpirun -np 3 python examples/keras_fit.py mnist.npz --checkpoint-dir ckpt
+    mpirun -np 3 -hostfile hostfiles/local python examples/keras_fit.py mnist.npz --checkpoint-dir ckpt
     mpitrain launch -np 3 examples/keras_fit.py mnist.npz --checkpoint-dir ckpt
 
 Every rank trains on its own shard of the training set (``dataset.shard``) and

@@ -1,6 +1,6 @@
 """A custom MLP on feature vectors, trained with mpitrain.fit: data made in the script.
 
-    mpirun -np 3 python examples/mlp.py [--mode async]
+    mpirun -np 3 -hostfile hostfiles/local python examples/mlp.py [--mode async]
 
 The data is a synthetic 4-class problem on 20 features (two informative
 directions plus noise), generated identically on every rank from one seed: the

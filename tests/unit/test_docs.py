@@ -205,3 +205,18 @@ def test_launch_help_lists_every_exit_code_the_docs_give(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for code in documented:
         assert re.search(rf"\b{code} [a-z]", text.split("Exit codes:")[1]), code
+
+
+def test_shown_commands_of_more_ranks_than_cores_give_slots():
+    """A shown ``mpirun -np N python ...`` with N > 2 gives slots (a hostfile or
+    --oversubscribe): on a 2-core machine Open MPI refuses it otherwise."""
+    from mpitrain.cli.commands import EPILOG
+
+    texts = {str(p.relative_to(REPO)): p.read_text()
+             for p in [REPO / "README.md", *(REPO / "docs").glob("*.md"),
+                       *(REPO / "examples").glob("*.py")]}
+    texts["mpitrain --help"] = EPILOG
+    bare = [(where, line.strip()) for where, text in texts.items()
+            for line in text.splitlines()
+            if re.search(r"mpirun -np (?:[3-9]|\d\d+) python", line)]
+    assert not bare, bare
