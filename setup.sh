@@ -56,6 +56,15 @@ if [ ${#packages[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${packages[@]}" >/dev/null
 fi
 
+# The data directory set-up was given, kept in the activate script of venv $1 (absolute,
+# quoted, replacing an earlier one) so the commands after set-up train on it too.
+keep_data_dir() {
+    local dir
+    dir=$(cd "$MPITRAIN_DATA_DIR" 2>/dev/null && pwd) || dir=$MPITRAIN_DATA_DIR
+    sed -i '/^export MPITRAIN_DATA_DIR=/d' "$1/bin/activate"
+    echo "export MPITRAIN_DATA_DIR=$(printf '%q' "$dir")" >> "$1/bin/activate"
+}
+
 # A venv at $1 made with Python $2, with pip up to date.
 make_venv() {
     [ -x "$1/bin/python" ] || "$2" -m venv "$1"
@@ -168,6 +177,11 @@ if [ "$(id -u)" -eq 0 ]; then
             echo 'export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1' \
                 >> "$venv/bin/activate"
         fi
+    done
+fi
+if [ -n "${MPITRAIN_DATA_DIR:-}" ]; then
+    for venv in .venv .venv-horovod .venv-openmpi5 .venv-mpich; do
+        [ -f "$venv/bin/activate" ] && keep_data_dir "$venv"
     done
 fi
 versions() {
