@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from ..results.run_dir import process_identity, run_ended
+from ..results.run_dir import is_running, process_identity, run_ended, writer_visible
 from ..userfiles import read_json_object
 
 
@@ -108,16 +108,6 @@ def is_attempts(status: Optional[dict], token: str) -> bool:
     return bool(status and status.get("launch_attempt") == token)
 
 
-def writer_visible(writer, here: dict) -> bool:
-    """True if the process ``writer`` (status.json's, see :func:`process_identity`) is
-    one this process could see: the same boot, the same pid namespace (``here``: this
-    process's identity)."""
-    return (isinstance(writer, dict) and isinstance(writer.get("pid"), int)
-            and here["boot_id"] is not None and here["pid_ns"] is not None
-            and writer.get("boot_id") == here["boot_id"]
-            and writer.get("pid_ns") == here["pid_ns"])
-
-
 def writer_gone(status: Optional[dict], here: dict) -> bool:
     """True if ``status`` says running and its writer is a process visible from here that
     no longer runs (exited, or a zombie). False where that cannot be told (a writer on
@@ -126,7 +116,7 @@ def writer_gone(status: Optional[dict], here: dict) -> bool:
         return False
     writer = status.get("writer")
     return (writer is not None and writer_visible(writer, here)
-            and not _is_running(writer["pid"]))
+            and not is_running(writer["pid"]))
 
 
 def restartable(run_dir: Optional[Path]) -> bool:
@@ -155,18 +145,6 @@ def _listing(directory: Path) -> set:
         return set(os.listdir(directory))
     except OSError:
         return set()
-
-
-def _is_running(pid: int) -> bool:
-    """True if process ``pid`` exists here and is not a zombie."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:  # ZombieProcess is one too
-        return False
-    except psutil.Error:  # AccessDenied: it is there
-        return True
 
 
 def kill_tree(pid: int) -> None:

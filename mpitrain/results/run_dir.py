@@ -25,7 +25,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, cast
 
 from ..atomic import atomic_file, write_json_atomic, write_text_atomic
 from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ResultsError, WriteError
@@ -429,3 +429,37 @@ def process_identity() -> dict:
     except OSError:
         pid_ns = None
     return {"pid": os.getpid(), "boot_id": boot_id, "pid_ns": pid_ns}
+
+
+def writer_visible(writer, here: dict) -> bool:
+    """True if the process ``writer`` (status.json's, see :func:`process_identity`) is
+    one this process could see: the same boot, the same pid namespace (``here``: this
+    process's identity)."""
+    return (isinstance(writer, dict) and isinstance(writer.get("pid"), int)
+            and here["boot_id"] is not None and here["pid_ns"] is not None
+            and writer.get("boot_id") == here["boot_id"]
+            and writer.get("pid_ns") == here["pid_ns"])
+
+
+def is_running(pid: int) -> bool:
+    """True if process ``pid`` exists here and is not a zombie."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # ZombieProcess is one too
+        return False
+    except psutil.Error:  # AccessDenied: it is there
+        return True
+
+
+def live_writer(status: Optional[dict]) -> Optional[int]:
+    """The pid of the process still writing the run whose status.json says ``status``: it
+    says running and names a writer visible from here that runs. None where the run
+    ended, its writer is gone, or cannot be seen (another host, another container)."""
+    writer = status.get("writer") if isinstance(status, dict) else None
+    if not status or status.get("status") != "running" or \
+            not writer_visible(writer, process_identity()):
+        return None
+    pid = cast(dict, writer)["pid"]
+    return pid if pid != os.getpid() and is_running(pid) else None

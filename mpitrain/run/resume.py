@@ -19,7 +19,8 @@ from ..config import SETTINGS, Config, scaled
 from ..config.model_names import same_model
 from ..data.shards import batches_per_epoch
 from ..errors import UsageError
-from ..userfiles import read_bounded
+from ..results.run_dir import live_writer
+from ..userfiles import read_bounded, read_json_object
 from .checkpoint import Checkpoint, Geometry, Histograms, geometry
 
 V = TypeVar("V")
@@ -49,6 +50,17 @@ def saved_config(run_dir: Path) -> dict:
     return saved
 
 
+def refuse_a_live_writer(run_dir: Path) -> None:
+    """UsageError if a job is still writing ``run_dir`` (its status.json says running and
+    names a writer that runs here): two jobs would write one run directory, each
+    overwriting the other's checkpoint, curve and status."""
+    pid = live_writer(read_json_object(run_dir / "status.json"))
+    if pid is not None:
+        raise UsageError(f"--resume {run_dir}: that run is still training (pid {pid} writes "
+                         f"it); stop it first (kill -TERM {pid}: it checkpoints) or wait "
+                         "for it to end")
+
+
 #: settings added since a run's config.json may have been written, as such a run trained
 #: (their defaults differ): no warm-up, no staleness compensation, the optimizer's own
 #: momentum
@@ -68,6 +80,7 @@ def resumed_config(cli: Config, explicit: set, world_size: int
     """
     run_dir = Path(cast(str, cli.resume))  # (called for a --resume)
     saved = saved_config(run_dir)
+    refuse_a_live_writer(run_dir)
     # older files: fewer keys; a setting added since takes what such a run trained with
     base = {**TRAINED_BEFORE, **{k: v for k, v in saved.items() if k in SETTINGS}}
     if not same_model(cli.model, str(base.get("model"))):

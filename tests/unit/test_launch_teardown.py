@@ -16,8 +16,9 @@ import pytest
 from mpitrain.launch import job as launch
 from mpitrain.launch.job import Job, Launcher
 from mpitrain.launch.watch import (RunWatch, describe, is_attempts, teardown_overdue,
-                                   writer_gone, writer_visible)
-from mpitrain.results.run_dir import ATTEMPT_ENV, attempt_facts, process_identity, run_ended
+                                   writer_gone)
+from mpitrain.results.run_dir import (ATTEMPT_ENV, attempt_facts, process_identity, run_ended,
+                                     writer_visible)
 from mpitrain.userfiles import read_json_object
 
 def write_json(path: Path, obj) -> None:

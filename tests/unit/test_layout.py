@@ -99,7 +99,7 @@ ALLOWED = {
     "comm": LEAVES,
     **{io: LEAVES for io in IO},
     "run.checkpoint": LEAVES | {"data"},
-    "run.resume": LEAVES | {"data", "run.checkpoint"},
+    "run.resume": LEAVES | {"data", "run.checkpoint", "results"},
     "models": LEAVES,
     "exchange": LEAVES | {"comm"},
     "train": LEAVES | {"comm", "exchange", "models", "run.checkpoint", "run.signals", "data"},

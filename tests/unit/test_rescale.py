@@ -113,3 +113,34 @@ def test_resumed_config_rescales_from_the_first_session(tmp_path):
     fewer, rescale = resumed_config(cli_cfg, {"resume"}, 3)
     assert fewer.world_size == 3 and fewer.batch_size == 8 and fewer.resume == str(run)
     assert rescale.original.world_size == 4
+
+
+def test_a_run_another_job_still_writes_is_not_resumed(tmp_path):
+    """Issue 53 item 3: ``--resume RUN`` while RUN trains had both jobs write one run
+    directory. A status.json that says running, written by a process that runs here,
+    refuses the resume; once that process is gone, the run resumes."""
+    import subprocess
+    import sys
+
+    from mpitrain.results.run_dir import process_identity
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"config": sync(4).to_dict()}))
+    cli_cfg = Config.of(model="lr", resume=str(run))
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        status = {"status": "running", "writer": {**process_identity(), "pid": writer.pid}}
+        (run / "status.json").write_text(json.dumps(status))
+        with pytest.raises(UsageError, match=rf"that run is still training \(pid "
+                                             rf"{writer.pid} writes it\); stop it first"):
+            resumed_config(cli_cfg, {"resume"}, 4)
+        # a writer on another host (another boot) cannot be told: not refused
+        other = {**status, "writer": {**status["writer"], "boot_id": "another-host"}}
+        (run / "status.json").write_text(json.dumps(other))
+        assert resumed_config(cli_cfg, {"resume"}, 4)[0].world_size == 4
+        (run / "status.json").write_text(json.dumps(status))
+    finally:
+        writer.kill()
+        writer.wait()
+    assert resumed_config(cli_cfg, {"resume"}, 4)[0].world_size == 4  # its writer is gone
