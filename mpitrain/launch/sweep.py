@@ -24,8 +24,10 @@ the report (:func:`mpitrain.report.markdown.write_report`).
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -172,6 +174,7 @@ class Sweep:
         raises :class:`Interrupted`; running the sweep again resumes it.
         """
         self.stopping: Optional[str] = None
+        lock = self._lock()
         previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM,
                                                                      signal.SIGINT)}
         try:
@@ -179,6 +182,26 @@ class Sweep:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            os.close(lock)
+
+    def _lock(self) -> int:
+        """The results directory's sweep.lock, held (an open descriptor) for the sweep:
+        two sweeps into one directory would run every point twice. The kernel's lock
+        (flock) ends with its process, so a killed sweep leaves no stale lock; the file
+        names the holder's pid for the message."""
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.results_dir / "sweep.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError(f"{self.results_dir}: another mpitrain sweep (pid {holder}) is "
+                             "running into this results directory; wait for it to end, or "
+                             "give another --results-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
 
     def _stop(self, signum, frame) -> None:
         self.stopping = signal.Signals(signum).name

@@ -30,6 +30,29 @@ def test_grid_expansion_drops_and_merges():
         "lenet", "--async", "--epochs", "2", "--batch-size", "64", "--steps", "5", "--quiet"]
 
 
+def test_a_second_sweep_into_one_results_directory_is_refused(tmp_path):
+    """Issue 53 item 3: the same sweep started twice at once ran every point twice. The
+    first holds the directory's lock; the second is refused before it runs anything, and
+    once the first has ended (killed, here) the lock is free again."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); "
+        "print('held', flush=True); time.sleep(60)"), str(tmp_path / "sweep.lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = sweep.Sweep(sweep.expand({"model": ["lr"], "np": [1]}), tmp_path, {})
+        with pytest.raises(UsageError, match=rf"another mpitrain sweep \(pid {holder.pid}\) "
+                                             "is running into this results directory"):
+            second.run()
+        assert not (tmp_path / "manifest.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    fd = second._lock()  # the kernel let the lock go with its process
+    os.close(fd)
+
+
 def test_experiment_specs_expand():
     for spec in sorted((REPO / "experiments").glob("*.toml")):
         runs = sweep.expand(sweep.load_spec(spec)["grid"])
