@@ -59,15 +59,11 @@ error; 74 its results could not be written (a full or read-only disk: never
 restarted); 143 stopped by a signal (resume with ``--resume`` or launch again).
 
 ``mpitrain launch -np N SCRIPT.py ARGS`` runs the user's own script instead (one
-written against :mod:`mpitrain.horovod`): every failure short of a usage error (2) is
-restarted with the same command, up to ``--max-restarts`` times, and the script
-resumes from its own checkpoints; its telemetry, if on, is followed in
-``$MPITRAIN_RESULTS_DIR``.
-
-The run directory of a failed attempt is found as the one new directory under
-``--results-dir`` (rank 0 writes it; on a multi-host cluster the results
-directory must be on the launcher's host or a shared filesystem, as for
-``mpitrain report``).
+written against :mod:`mpitrain.horovod`): a failure short of a usage error (2) is
+restarted with the same command (the script resumes from its own checkpoints), up to
+``--max-restarts`` times, unless it failed the same way twice (:class:`ErrorTail`).
+A failed attempt's run directory is the one its token marks (:mod:`.watch`); on a
+multi-host cluster the results directory must be on the launcher's host.
 """
 
 from __future__ import annotations
@@ -81,12 +77,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, cast
+from typing import IO, Dict, List, Optional, Sequence, Tuple, cast
 
 from . import dialect
 from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
                       MpitrainError, ResultsError, UsageError)
-from .watch import RunWatch, describe, kill_tree, restartable, run_dirs
+from .watch import ErrorTail, RunWatch, describe, kill_tree, restartable, run_dirs
 from ..run.checkpoint import CHECKPOINT
 from ..run.signals import STOP_SIGNALS
 from ..results.run_dir import (ATTEMPT_ENV, EXIT_CODE_OF_STATUS, record_lost_attempt,
@@ -97,12 +93,9 @@ PROG = "mpitrain launch"
 #: seconds the job gets to checkpoint and exit after a stop signal before it is killed
 STOP_GRACE = 120.0
 #: seconds mpirun gets to exit once the run's status.json says the run ended, before it
-#: is killed. What follows that write in a healthy job: rank 0 writes its telemetry and
-#: runs.csv row (a second or less) and aborts the job, which mpirun ends in seconds
-#: (docs/architecture.md, "Ending a job through mpirun"), or, after a
-#: run that succeeded, every rank finalizes (well under a second). 15 s is several times
-#: that, on a loaded host too, and rank 0 has long written its files by then; it is small
-#: against the minutes Open MPI can spend tearing down a job with a daemon on a lost host.
+#: is killed: several times what a healthy job takes then (rank 0's last files, then an
+#: abort or every rank's finalize: docs/architecture.md, "Ending a job through mpirun"),
+#: small against the minutes Open MPI can spend tearing down a job on a lost host.
 TEARDOWN_GRACE = 15.0
 #: seconds between two looks at mpirun (and at the run's status.json)
 POLL_INTERVAL = 1.0
@@ -322,6 +315,7 @@ class Launcher:
         self.results_dir, self.resume = results_dir, resume
         self.max_restarts = max_restarts
         self.proc: Optional[subprocess.Popen] = None
+        self.tail = ErrorTail()  # a script's stderr
         self.stop_signal: Optional[int] = None
         self.kill_at: Optional[float] = None
 
@@ -365,8 +359,11 @@ class Launcher:
                 say(f"the job failed (exit {code}) writing its results: a restart would fail "
                     "the same way; giving up (see the error above)")
                 return EXIT_CANNOT_WRITE
-            if self.script:
-                pass  # the same command again: the script resumes from its own checkpoints
+            if self.script:  # the same command again: it resumes from its own checkpoints
+                if self.tail.failed_the_same_way(code):
+                    say(f"the script failed the same way twice (exit {code}: "
+                        f"{self.tail.last_error}); a restart cannot help: giving up")
+                    return EXIT_FAILURE
             elif run_dir is not None and (run_dir / CHECKPOINT).is_file():
                 self.resume = str(run_dir)
             elif self.resume is None:
@@ -434,7 +431,10 @@ class Launcher:
         watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
         # a session of its own: one killpg reaches mpirun and every local rank
         self.proc = subprocess.Popen(command, start_new_session=True,
-                                     env=dialect.launch_environment(**{ATTEMPT_ENV: token}))
+                                     env=dialect.launch_environment(**{ATTEMPT_ENV: token}),
+                                     stderr=subprocess.PIPE if self.script else None)
+        if self.script:  # its failure's last line, to tell a restart that cannot help
+            self.tail.follow(cast(IO[bytes], self.proc.stderr))
         code = self._watch_job(watch)
         watch.poll()  # (a run that ended between two looks)
         return code, watch.run_dir

@@ -38,11 +38,15 @@ attempt has its row when the run has one more in runs.csv than when it began
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import IO, List, Optional
 
 from ..results.run_dir import is_running, process_identity, run_ended, writer_visible
 from ..userfiles import read_json_object
@@ -172,3 +176,47 @@ def run_dirs(results_dir: Path) -> set:
     if not results_dir.is_dir():
         return set()
     return {p for p in results_dir.iterdir() if (p / "config.json").is_file()}
+
+
+class ErrorTail:
+    """A script's stderr passed on to the launcher's as it comes, attempt after attempt,
+    its last lines kept: what each failure said, to tell a restart that would fail the
+    same way (the same exit code and the same last error line, twice) from one that may
+    help."""
+
+    KEEP = 40
+
+    def __init__(self) -> None:
+        self.lines: collections.deque = collections.deque(maxlen=self.KEEP)
+        self._thread: Optional[threading.Thread] = None
+        self._failure: Optional[tuple] = None  # the last attempt's (exit code, signature)
+
+    def follow(self, stream: IO[bytes]) -> None:
+        """Pass ``stream`` (a new attempt's stderr) on, keeping its lines."""
+        self.lines.clear()
+        self._thread = threading.Thread(target=self._copy, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _copy(self, stream: IO[bytes]) -> None:
+        out = sys.stderr.buffer
+        for line in iter(stream.readline, b""):
+            out.write(line)
+            out.flush()
+            self.lines.append(line.decode(errors="replace").rstrip())
+        stream.close()
+
+    @property
+    def last_error(self) -> str:
+        """The attempt's last line that reads as an error ('' if none did)."""
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)  # (mpirun has exited: the pipe is closing)
+        return next((line.strip() for line in reversed(self.lines)
+                     if re.search(r"error|exception|abort|killed|fault", line, re.I)), "")
+
+    def failed_the_same_way(self, code: int) -> bool:
+        """True if the attempt that just failed with ``code`` failed as the one before it
+        did: the same code and last error line, its numbers masked (pids, ranks and
+        times differ from one attempt to the next)."""
+        failure = (code, re.sub(r"\d+", "N", self.last_error))
+        same, self._failure = bool(failure[1]) and failure == self._failure, failure
+        return same

@@ -284,3 +284,40 @@ def test_hosts_mpirun_cannot_reach_are_left_out(tmp_path):
         alone.without_lost_hosts(tmp_path / "h")
     crowded = Job(4, hosts, "cluster", True, [], async_mode=False)  # --oversubscribe
     assert "-np" not in crowded.without_lost_hosts(tmp_path / "o") and crowded.np == 4
+
+
+# ---- a script that cannot succeed (issue 53, item 6) ------------------------------------
+#: fails as its state file says: the attempts' errors in turn ('ok': exits 0)
+FAILING_SCRIPT = """
+import os
+import sys
+from pathlib import Path
+state = Path(sys.argv[1])
+outcomes = state.read_text().split(",")
+attempt = len(list(state.parent.glob("attempt-*")))
+Path(state.parent, f"attempt-{attempt}-{os.getpid()}").touch()
+outcome = outcomes[min(attempt, len(outcomes) - 1)]
+if outcome != "ok":
+    raise RuntimeError(outcome)
+"""
+
+
+@pytest.mark.parametrize("outcomes,code,attempts", [
+    # the same error twice: given up after the second attempt, not after --max-restarts
+    ("cannot open data.npz", 1, 2),
+    # another error each time: restarted, and the third attempt succeeds
+    ("disk hiccup at step 7,node lost at step 12,ok", 0, 3)])
+def test_a_script_that_fails_the_same_way_twice_is_not_restarted_again(
+        tmp_path, outcomes, code, attempts):
+    script, state = tmp_path / "crash.py", tmp_path / "state" / "outcomes"
+    script.write_text(FAILING_SCRIPT)
+    state.parent.mkdir()
+    state.write_text(outcomes)
+    result = run_bounded(launch_cmd("-np", 1, "--max-restarts", 5, script, state), 300,
+                         env=mpi_env())
+    assert result.returncode == code, result.stderr[-2000:]
+    assert len(list(state.parent.glob("attempt-*"))) == attempts
+    if code:
+        assert "the script failed the same way twice (exit 1: RuntimeError: cannot open " \
+            "data.npz); a restart cannot help: giving up" in result.stderr
+        assert result.stderr.count("RuntimeError: cannot open data.npz") == 3  # passed on
