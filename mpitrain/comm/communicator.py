@@ -15,7 +15,7 @@ import numpy as np
 from ..config.bounds import Bounds
 from ..errors import CommTimeout
 from ..kernels.half import mean_rows_, widen_
-from .failures import FailureListener
+from .failures import LOOK_EVERY, FailureListener, process_runs, rank_exited, settles
 from .load import others_busy_cores
 from .objects import ObjectExchanges
 from .runtime import Role, _load_mpi
@@ -269,11 +269,26 @@ class Comm(ObjectExchanges):
         """:func:`poll` with this communicator's bound, failure channel and
         while_waiting; a timeout raises CommTimeout (or returns False)."""
         seconds = self.timeout if timeout is None else timeout
+        # a collective (no one peer) cannot complete once any rank has exited: the ranks
+        # on this host are looked at once a second, so one lost during start-up is named
+        # in seconds, not after the timeout (a point-to-point wait's peer is left to the
+        # protocol: async training under recovery goes on without it)
+        look_at = [time.perf_counter() + LOOK_EVERY] if pendings[0].peer is None and \
+            self.pids else None
 
         def check() -> None:
             self._failures.check()
             if all(p.failed for p in pendings):  # nothing left that could complete
                 raise peer_died(pendings, self.name(self.rank), self.name)
+            if look_at is not None and time.perf_counter() >= look_at[0]:
+                look_at[0] = time.perf_counter() + LOOK_EVERY
+                gone = [r for r in self.ranks_on_host() if r != self.rank and
+                        not process_runs(self.pids[r])]
+                # a rank may exit right after its part of the collective: gone only if
+                # the collective still cannot complete, tested again after the exit
+                if gone and not settles(pendings):
+                    raise rank_exited(pendings[0], [(self.name(r), self.pids[r]) for r in gone],
+                                      self.name(self.rank))
 
         if poll(done, pendings[0].kind, backoff, seconds, self.traffic, check,
                 self.while_waiting, tested):

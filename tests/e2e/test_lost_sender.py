@@ -38,3 +38,35 @@ def test_a_receive_from_a_sender_that_died_mid_message_is_abandoned(tmp_path):
     [line] = [x for x in done.stdout.splitlines() if x.startswith("abandoned")]
     assert float(line.split()[2]) < 5, line  # LOST_PEER_CANCEL_BOUND is 1 s
     # and the survivor's MPI_Finalize (at exit) did not wait for the abandoned receive
+
+
+EXITED_IN_A_COLLECTIVE = """
+    import os, signal, time
+    from mpitrain.comm import Comm
+    from mpitrain.errors import CommTimeout
+
+    comm = Comm.world(timeout=60.0)
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # lost during start-up
+    started = time.monotonic()
+    try:
+        comm.allgather_objects(comm.rank)
+    except CommTimeout as e:
+        print(f"after {time.monotonic() - started:.1f} s: {e}", flush=True)
+"""
+
+
+def test_a_rank_lost_in_a_collective_is_named_in_seconds(tmp_path):
+    """Issue 53 item 1: a worker killed during start-up left the others in a metadata
+    exchange for the whole --timeout, and the error named no rank. A collective looks
+    at the ranks on its host once a second."""
+    script = tmp_path / "exited.py"
+    script.write_text(textwrap.dedent(EXITED_IN_A_COLLECTIVE))
+    done = run_bounded(mpirun_cmd(3, script, module=None, flags=["--enable-recovery"]),
+                       timeout=120)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("after")]
+    assert len(lines) == 2, done.stdout + done.stderr[-3000:]  # ranks 0 and 1
+    for line in lines:
+        assert float(line.split()[1]) < 10, line  # not the 60 s timeout
+        assert "rank 2 on " in line and "exited while the job waited for a metadata " \
+            "exchange (sizes)" in line, line
