@@ -1,6 +1,6 @@
 """Shared test helpers: where the real MNIST is, and a bounded real ``mpirun``.
 
-The suite runs two tests at a time (pytest-xdist, ``-n 2 --dist loadfile`` in
+The suite runs three tests at a time (pytest-xdist, ``-n 3 --dist loadfile`` in
 pytest.ini: a file's tests stay on one worker, so module fixtures such as the netns
 cluster, the SLURM daemons or a reference run are made once): most end-to-end time
 is process start-up, TensorFlow imports and waits, which overlap well. Every test
