@@ -15,12 +15,13 @@ import numpy as np
 from ..config.bounds import Bounds
 from ..errors import CommTimeout
 from ..kernels.half import mean_rows_, widen_
-from .failures import LOOK_EVERY, FailureListener, process_runs, rank_exited, settles
+from .failures import FailureListener
 from .load import others_busy_cores
 from .objects import ObjectExchanges
 from .runtime import Role, _load_mpi
 from .traffic import Traffic
 from .tuning import allreduce_algorithm
+from .processes import LOOK_EVERY, PeerProcesses, rank_exited, settles
 from .pending import (FAILED_RANKS, Matched, Pending, Persistent, free_persistent,
                       is_process_failure, note_process_failure)
 from .waiting import (HOT, IDLE, Backoff, SpinWatch, blocking_call_bound, poll, spin_watch,
@@ -275,6 +276,7 @@ class Comm(ObjectExchanges):
         # protocol: async training under recovery goes on without it)
         look_at = [time.perf_counter() + LOOK_EVERY] if pendings[0].peer is None and \
             self.pids else None
+        peers: List[PeerProcesses] = []  # made at the first look
 
         def check() -> None:
             self._failures.check()
@@ -282,8 +284,10 @@ class Comm(ObjectExchanges):
                 raise peer_died(pendings, self.name(self.rank), self.name)
             if look_at is not None and time.perf_counter() >= look_at[0]:
                 look_at[0] = time.perf_counter() + LOOK_EVERY
+                peers[:] = peers or [PeerProcesses(self)]
+                # (a rank on this host whose process it could not find at all: gone too)
                 gone = [r for r in self.ranks_on_host() if r != self.rank and
-                        not process_runs(self.pids[r])]
+                        (r not in peers[0].local or not peers[0].alive(r))]
                 # a rank may exit right after its part of the collective: gone only if
                 # the collective still cannot complete, tested again after the exit
                 if gone and not settles(pendings):

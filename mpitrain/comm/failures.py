@@ -1,17 +1,15 @@
 """The failure side channel: a rank that hits an error only it knows about (a timeout,
 a crash) tells rank 0 why, in one line, before the job is aborted, so rank 0 can record
-the run as failed with the reason. And what a rank can tell of the others on its host
-without MPI: whether their processes still run."""
+the run as failed with the reason."""
 
 from __future__ import annotations
 
-import os
 import time
-from typing import Optional, Sequence, Tuple
+from typing import Optional
 
 import numpy as np
 
-from ..errors import CommTimeout, PeerFailure
+from ..errors import PeerFailure
 from .runtime import _load_mpi, world_size_if_running
 from .pending import Pending, is_process_failure
 
@@ -75,40 +73,3 @@ def report_failure(message: str, grace: float = 3.0) -> None:
         if not is_process_failure(error):  # aborts the job itself
             raise
 
-
-#: seconds between two looks at whether the ranks on this host still run, in a collective
-LOOK_EVERY = 1.0
-
-
-def process_runs(pid: int) -> bool:
-    """True if process ``pid`` exists here and is not a zombie (a rank its launcher has
-    not reaped yet)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc: it exists
-
-
-def settles(pendings: Sequence[Pending], seconds: float = 0.5) -> bool:
-    """True if every one of ``pendings`` completes within ``seconds`` of tests (each
-    drives MPI's progress engine)."""
-    deadline = time.monotonic() + seconds
-    while not all(p.test() for p in pendings):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def rank_exited(pending: Pending, gone: Sequence[Tuple[str, int]], me: str) -> CommTimeout:
-    """The error of a collective that a rank on this host left by exiting."""
-    who = ", ".join(f"{name} (pid {pid})" for name, pid in gone)
-    return CommTimeout(f"{me} stops: {who} exited while the job waited for {pending.what} "
-                       "(a rank was killed or crashed: see its output above)")

@@ -11,10 +11,10 @@ instead of waiting out its reply bound (twice ``--timeout``: ten minutes by defa
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from ..errors import CommTimeout
-from .pending import FAILED_RANKS
+from .pending import FAILED_RANKS, Pending
 
 #: seconds to wait for a killed rank to be reaped, then for its death to reach mpirun
 REAP_WAIT, REAP_SETTLE = 10.0, 1.0
@@ -95,3 +95,25 @@ class PeerProcesses:
                     f"{comm.pids[rank]}), has died (mpitrain launch restarts the run from "
                     "its last checkpoint; by hand: mpitrain ... --resume RUN_DIR)")
         return check
+
+
+#: seconds between two looks at whether the ranks on this host still run, in a collective
+LOOK_EVERY = 1.0
+
+
+def settles(pendings: Sequence[Pending], seconds: float = 0.5) -> bool:
+    """True if every one of ``pendings`` completes within ``seconds`` of tests (each
+    drives MPI's progress engine)."""
+    deadline = time.monotonic() + seconds
+    while not all(p.test() for p in pendings):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def rank_exited(pending: Pending, gone: Sequence[Tuple[str, int]], me: str) -> CommTimeout:
+    """The error of a collective that a rank on this host left by exiting."""
+    who = ", ".join(f"{name} (pid {pid})" for name, pid in gone)
+    return CommTimeout(f"{me} stops: {who} exited while the job waited for {pending.what} "
+                       "(a rank was killed or crashed: see its output above)")

@@ -106,11 +106,6 @@ def user_spec(spec: str) -> ModelSpec:
     """The ModelSpec of a user's ``spec``, its module imported (once a process, as
     Python imports any module); UsageError naming the spec for any problem."""
     target, function = split(spec)
-    if not function and is_file(target) and not stat_mode(Path(target).expanduser()):
-        # a missing script (``mpitrain launch train.py``) or a model file: either way
-        raise UsageError(f"{target}: no such file (give the path of your script, or of "
-                         "your model's file as FILE.py:FUNCTION, relative to this "
-                         "directory or absolute)")
     if not function or not target:
         precheck(spec)  # raises: the spec names no function
     module = _import_file(spec, target) if is_file(target) else _import_module(spec, target)
