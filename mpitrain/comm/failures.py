@@ -72,4 +72,3 @@ def report_failure(message: str, grace: float = 3.0) -> None:
     except Exception as error:  # noqa: BLE001 - rank 0 is dead (ULFM says so): the caller
         if not is_process_failure(error):  # aborts the job itself
             raise
-

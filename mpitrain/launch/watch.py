@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import IO, List, Optional
 
-from ..results.run_dir import is_running, process_identity, run_ended, writer_visible
+from ..results.run_dir import is_running, process_identity, run_ended, running_writer
 from ..userfiles import read_json_object
 
 
@@ -116,11 +116,8 @@ def writer_gone(status: Optional[dict], here: dict) -> bool:
     """True if ``status`` says running and its writer is a process visible from here that
     no longer runs (exited, or a zombie). False where that cannot be told (a writer on
     another host, or none named)."""
-    if not status or status.get("status") != "running":
-        return False
-    writer = status.get("writer")
-    return (writer is not None and writer_visible(writer, here)
-            and not is_running(writer["pid"]))
+    pid = running_writer(status, here)
+    return pid is not None and not is_running(pid)
 
 
 def restartable(run_dir: Optional[Path]) -> bool:

@@ -25,7 +25,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from ..atomic import atomic_file, write_json_atomic, write_text_atomic
 from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ResultsError, WriteError
@@ -453,13 +453,17 @@ def is_running(pid: int) -> bool:
         return True
 
 
-def live_writer(status: Optional[dict]) -> Optional[int]:
-    """The pid of the process still writing the run whose status.json says ``status``: it
-    says running and names a writer visible from here that runs. None where the run
-    ended, its writer is gone, or cannot be seen (another host, another container)."""
-    writer = status.get("writer") if isinstance(status, dict) else None
-    if not status or status.get("status") != "running" or \
-            not writer_visible(writer, process_identity()):
+def running_writer(status: Optional[dict], here: dict) -> Optional[int]:
+    """The pid of the writer ``status`` (a status.json's content) names when it says
+    running and that writer is visible from here (``here``: :func:`process_identity`);
+    None otherwise (an end, no writer named, one on another host or container)."""
+    if not status or status.get("status") != "running":
         return None
-    pid = cast(dict, writer)["pid"]
-    return pid if pid != os.getpid() and is_running(pid) else None
+    return status["writer"]["pid"] if writer_visible(status.get("writer"), here) else None
+
+
+def live_writer(status: Optional[dict]) -> Optional[int]:
+    """The pid of another process still writing the run whose status.json says
+    ``status`` (:func:`running_writer`, and it runs); None otherwise."""
+    pid = running_writer(status, process_identity())
+    return pid if pid is not None and pid != os.getpid() and is_running(pid) else None
