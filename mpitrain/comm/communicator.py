@@ -274,20 +274,19 @@ class Comm(ObjectExchanges):
         # on this host are looked at once a second, so one lost during start-up is named
         # in seconds, not after the timeout (a point-to-point wait's peer is left to the
         # protocol: async training under recovery goes on without it)
-        look_at = [time.perf_counter() + LOOK_EVERY] if pendings[0].peer is None and \
-            self.pids else None
-        peers: List[PeerProcesses] = []  # made at the first look
+        watch_peers = pendings[0].peer is None and bool(self.pids)
+        next_look = time.perf_counter() + LOOK_EVERY
+        peers: Optional[PeerProcesses] = None  # made at the first look
 
         def check() -> None:
+            nonlocal next_look, peers
             self._failures.check()
             if all(p.failed for p in pendings):  # nothing left that could complete
                 raise peer_died(pendings, self.name(self.rank), self.name)
-            if look_at is not None and time.perf_counter() >= look_at[0]:
-                look_at[0] = time.perf_counter() + LOOK_EVERY
-                peers[:] = peers or [PeerProcesses(self)]
-                # (a rank on this host whose process it could not find at all: gone too)
-                gone = [r for r in self.ranks_on_host() if r != self.rank and
-                        (r not in peers[0].local or not peers[0].alive(r))]
+            if watch_peers and time.perf_counter() >= next_look:
+                next_look = time.perf_counter() + LOOK_EVERY
+                peers = peers or PeerProcesses(self)
+                gone = peers.gone()
                 # a rank may exit right after its part of the collective: gone only if
                 # the collective still cannot complete, tested again after the exit
                 if gone and not settles(pendings):

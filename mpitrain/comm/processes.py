@@ -11,7 +11,7 @@ instead of waiting out its reply bound (twice ``--timeout``: ten minutes by defa
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import CommTimeout
 from .pending import FAILED_RANKS, Pending
@@ -28,13 +28,14 @@ class PeerProcesses:
 
         self._psutil, self._comm = psutil, comm
         self.local: Dict[int, Any] = {}  # psutil.Process by rank
+        self.missing: List[int] = []  # ranks on this host with no process left to see
         wanted = range(comm.size) if ranks is None else ranks
         for rank in wanted:
             if rank != comm.rank and comm.hosts[rank] == comm.host:
                 try:
                     self.local[rank] = psutil.Process(comm.pids[rank])
                 except psutil.Error:
-                    pass
+                    self.missing.append(rank)
 
     def alive(self, rank: int) -> bool:
         """False when MPI reported ``rank`` dead (ULFM, on any host), or when it is on this
@@ -48,6 +49,10 @@ class PeerProcesses:
             return proc.is_running() and proc.status() != self._psutil.STATUS_ZOMBIE
         except self._psutil.Error:
             return False
+
+    def gone(self) -> List[int]:
+        """The ranks on this host whose process has exited (or had, when this was made)."""
+        return sorted(self.missing + [r for r in self.local if not self.alive(r)])
 
     def stopped(self, rank: int) -> bool:
         """Whether ``rank`` is a process on this host that is stopped (SIGSTOP, SIGTSTP or
