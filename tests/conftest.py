@@ -565,3 +565,26 @@ def synthetic_shard(rank: int, shard: int, workers: int):
                    y_train=rng.integers(0, 10, shard).astype(np.int32),
                    x_test=rng.random((20, 28, 28, 1), dtype=np.float32),
                    y_test=rng.integers(0, 10, 20).astype(np.int32))
+
+
+#: The benchmarks' smoke runs in three files, so that three pytest workers can share
+#: it: the comparisons with other engines (tests/e2e/test_bench_engines.py), those on the
+#: emulated cluster, which take turns with tests/e2e/test_netns.py to bring it up and down
+#: (tests/e2e/test_bench_cluster.py), and every other one (tests/e2e/test_bench.py).
+ENGINE_COMPARISONS = ("engines", "async_engines", "ddp", "horovod_api")
+ON_THE_EMULATED_CLUSTER = ("netns", "compression", "servers")
+#: benchmarks whose smoke another test file runs, beside what it checks of the same setup
+SMOKED_ELSEWHERE = {"mpis": "tests/e2e/test_mpis.py"}
+
+
+def bench(names, *args, timeout=1500):
+    """``python -m bench NAMES --quick ARGS``: (its output directory, summary.md's text)."""
+    # the benchmarks read MNIST from MPITRAIN_DATA_DIR: the same copy the tests use
+    result = run_bounded([sys.executable, "-m", "bench", ",".join(names), "--quick", *args],
+                         timeout, env=mpi_env(MPITRAIN_DATA_DIR=str(mnist_dir())))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = Path(result.stdout.split("summary: ")[-1].split()[0])
+    text = summary.read_text()
+    # every benchmark ran to its end ("ran to completion: failed" is what a crash leaves)
+    assert f"Minutes per benchmark: {names[0]} " in text and "failed:" not in text
+    return summary.parent, text
