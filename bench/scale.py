@@ -31,7 +31,9 @@ update); past ``n* = k B (c + 2 M/B + 2 alpha) / (2 M)`` workers the server is t
 bottleneck and async stops scaling.
 
 Async runs with each ``--staleness-compensation``: auto (the default: dc for these
-models), sqrt and none; marked "(before)", sync and async with the defaults before
+models), sqrt and none, all under the default staleness bound; where that bound binds
+(more than ``AUTO_STALENESS + 1`` workers), "async unbounded" (``--staleness none``,
+compensation auto) beside them; marked "(before)", sync and async with the defaults before
 these rules, given as options (``BEFORE``); and for the Adam models, marked
 "(warm-up)", sync with the warm-up the default gives only SGD and momentum
 (``WARMED_UP``), the measurement behind that rule.
@@ -77,7 +79,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mpitrain.config.sections import WARMUP_FRACTION
+from mpitrain.config.sections import AUTO_STALENESS, WARMUP_FRACTION
 
 from .common import (RUNS_IN_ONE_LAUNCH, bench_parser, launch_mpitrain, last_run, mnist_dir,
                      on_every_rank, out_dir, run_table, runs_in_one_launch, table, train_many,
@@ -168,7 +170,7 @@ def accuracy_section(args, out: Path, command: str, sections: Dict[str, str],
     for n in workers:
         runs = {}
         for model in models:
-            runs.update(model_runs(model, args.quick))
+            runs.update(model_runs(model, n, args.quick))
         done, moments = launch_timed(n + 1, runs, out / f"np{n + 1}",
                                      slots_file(out, n + 1))
         launches.append({"np": n + 1, "done": done, "moments": moments})
@@ -185,7 +187,7 @@ def accuracy_section(args, out: Path, command: str, sections: Dict[str, str],
     return launches
 
 
-def model_runs(model: str, quick: bool) -> Dict[str, List[str]]:
+def model_runs(model: str, workers: int, quick: bool) -> Dict[str, List[str]]:
     """The accuracy runs of one model at one worker count: {name: mpitrain arguments}."""
     spec = MODELS[model]
     base = [model, "--epochs", "1" if quick else str(spec["epochs"]), "--data-dir",
@@ -195,6 +197,8 @@ def model_runs(model: str, quick: bool) -> Dict[str, List[str]]:
         runs[f"{model}-async-{comp}"] = [*base, "--async", "--staleness-compensation", comp]
     if quick:
         return runs
+    if workers > AUTO_STALENESS + 1:  # where the default bound binds: without it
+        runs[f"{model}-async-unbounded"] = [*base, "--async", "--staleness", "none"]
     for mode, before in BEFORE.get(model, {}).items():  # the defaults before these rules
         runs[f"{model}-{mode}-before"] = [*base, *(["--async"] if mode == "async" else []),
                                          *before]

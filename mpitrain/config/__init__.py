@@ -27,7 +27,8 @@ from ..errors import UsageError
 from .settings import COUNT, Number, Setting, checked_value, option
 from .sections import (COMPILERS, OUTPUTS, WARMED_UP, WARMUP_FRACTION, WARMUP_MAX_EPOCHS,
                        AsyncSettings, CheckpointSettings, DataSettings, FaultSettings,
-                       OptimizerSettings, SyncSettings, TelemetrySettings, TransportSettings)
+                       OptimizerSettings, SyncSettings, TelemetrySettings, TransportSettings,
+                       staleness_bound)
 
 
 def _section(kind, title: str):
@@ -175,6 +176,14 @@ class Config:
         """The factor sync mode scales --lr by: the global batch over one worker's batch
         (the workers), as --lr-scaling says; 1 in the other modes."""
         return scaled(self.optimizer.scaling, self.workers) if self.mode == "sync" else 1.0
+
+    @property
+    def staleness_bound(self) -> Optional[int]:
+        """The async servers' staleness bound (--staleness as it applies to this many
+        workers: :func:`.sections.staleness_bound`); None: unbounded, or not async."""
+        if self.mode != "async":
+            return None
+        return staleness_bound(self.asynchronous.staleness, self.workers)
 
     @property
     def effective_lr(self) -> float:

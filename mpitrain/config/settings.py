@@ -105,7 +105,8 @@ def option(doc: str, default=None, *, flag: Optional[str] = None, key: Optional[
     """A setting's field: its help text (``doc``), its command-line ``flag`` (None: no
     option), its ``key`` (the flat name; default: the field's own name), ``cli``'s extra
     argparse keywords; ``number``: the values a numeric setting accepts; ``accepts``:
-    values a setting with ``choices`` also takes besides them (filled in by
+    the words a numeric setting also takes (--staleness auto), or the values a setting
+    with ``choices`` also takes besides them (filled in by
     :func:`mpitrain.config.resolve`, never typed)."""
     return field(default=default, metadata={"doc": doc, "flag": flag, "key": key, "cli": cli,
                                             "number": number, "accepts": accepts})
@@ -157,7 +158,15 @@ def checked_value(setting: Setting, value, label: str):
     setting accepts (see :class:`Number`, its choices); UsageError naming ``label``."""
     meta = setting.field.metadata
     if setting.number:
-        return setting.number.normalized(value, label)
+        if isinstance(value, str) and value in meta["accepts"]:
+            return value
+        try:
+            return setting.number.normalized(value, label)
+        except UsageError:
+            if not meta["accepts"]:
+                raise
+            raise UsageError(f"{label} must be {', '.join(meta['accepts'])}, or "
+                             f"{setting.number.describe(value)} (got {value!r})") from None
     choices = setting.cli.get("choices")
     if choices:
         if isinstance(value, str) and value in choices + meta["accepts"]:

@@ -160,7 +160,7 @@ ASYNC_COLUMNS: Tuple[Tuple[str, Cell], ...] = (
     ("batch ", lambda r: str(r.batch_size)),
     ("staleness mean ", _col("staleness_mean", 2)),
     ("staleness max ", _col("staleness_max", 0)),
-    ("bound K ", lambda r: _num(r.setting("staleness"), 0).replace("–", "none")),
+    ("bound K ", lambda r: "none" if r.staleness_bound is None else str(r.staleness_bound)),
     ("pushes ", _col("pushes", 0)),
     ("applied ", _col("applied", 0)),
     ("server updates/s ", _col("server_updates_per_s", 1)),

@@ -358,9 +358,9 @@ def fig_staleness(run: Run) -> Optional[Figure]:
         ax.bar(bins + (i - (len(worker_ranks) - 1) / 2) * width, share, width,
                label=f"worker {worker}: n={n:.0f}, mean {mean:.1f}, "
                      f"max {mine['staleness'].max():.0f}")
-    bound = run.setting("staleness")
-    if bound is not None and float(bound) <= cutoff:
-        ax.axvline(float(bound) + 0.5, color="black", ls=":", label=f"bound K={bound}")
+    bound = run.staleness_bound
+    if bound is not None and bound <= cutoff:
+        ax.axvline(bound + 0.5, color="black", ls=":", label=f"bound K={bound}")
     every = 1 if cutoff <= 12 else 2  # keep the tick labels apart
     ax.set_xticks(bins, [str(b) if b % every == 0 or b == cutoff else "" for b in bins[:-1]]
                   + [f">{cutoff}"])

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ..config.sections import staleness_bound
 from ..errors import ResultsError
 from ..results.schema import CURVE, OPTIONAL_TABLES, Column
 from ..userfiles import NotRegular, open_regular
@@ -203,6 +204,14 @@ class Run:
     @property
     def batch_size(self) -> int:
         return _int(self.setting("batch_size", 0))
+
+    @property
+    def staleness_bound(self) -> Optional[int]:
+        """The async run's staleness bound (its --staleness at its workers); None:
+        unbounded."""
+        value = self.setting("staleness")
+        return staleness_bound(value if value in (None, "auto", "none") else _int(value),
+                               self.workers)
 
     def label(self) -> str:
         """How the run is named in legends: mode, np, batch size."""

@@ -61,11 +61,11 @@ def refuse_a_live_writer(run_dir: Path) -> None:
                          "for it to end")
 
 
-#: settings added since a run's config.json may have been written, as such a run trained
-#: (their defaults differ): no warm-up, no staleness compensation, the optimizer's own
-#: momentum
+#: settings added or changed since a run's config.json may have been written, as such a
+#: run trained (their defaults differ): no warm-up, no staleness compensation, the
+#: optimizer's own momentum, no staleness bound (saved as null before auto)
 TRAINED_BEFORE = {"warmup_epochs": 0.0, "staleness_compensation": "none",
-                  "momentum_correction": "off"}
+                  "momentum_correction": "off", "staleness": "none"}
 
 
 def resumed_config(cli: Config, explicit: set, world_size: int
@@ -82,7 +82,8 @@ def resumed_config(cli: Config, explicit: set, world_size: int
     saved = saved_config(run_dir)
     refuse_a_live_writer(run_dir)
     # older files: fewer keys; a setting added since takes what such a run trained with
-    base = {**TRAINED_BEFORE, **{k: v for k, v in saved.items() if k in SETTINGS}}
+    base = {**TRAINED_BEFORE, **{k: v for k, v in saved.items()
+                                 if k in SETTINGS and (v is not None or k not in TRAINED_BEFORE)}}
     if not same_model(cli.model, str(base.get("model"))):
         raise UsageError(f"--resume {cli.resume}: that run trained {base.get('model')}, "
                          f"not {cli.model}")  # a user's model: the saved absolute spec loads

@@ -44,7 +44,7 @@ from ..userfiles import read_bounded
 
 def describe_lr(cfg, n_params: int) -> str:
     """The learning rate as the console's run line gives it: how it was scaled and
-    warmed up (sync), or how stale gradients are damped (async)."""
+    warmed up (sync), or how stale gradients are damped and bounded (async)."""
     lr = f"lr {cfg.effective_lr:g}"
     if cfg.lr_scale > 1:
         lr += f" ({cfg.optimizer.scaling} scaling of {cfg.optimizer.lr:g})"
@@ -53,6 +53,9 @@ def describe_lr(cfg, n_params: int) -> str:
     if cfg.mode == "async":
         lr += ", staleness compensation " + compensation_of(
             cfg.asynchronous.compensation, n_params, cfg.workers)
+        bound = cfg.staleness_bound
+        if bound is not None and bound + 1 < cfg.workers:
+            lr += f", staleness bound {bound} (at most {bound + 1} workers compute at once)"
     return lr
 
 

@@ -25,7 +25,12 @@ def config(model: str, world_size: int, **kw) -> Config:
 def test_the_server_momentum_of_each_optimizer():
     # LeNet: Adam (beta_1 0.9); 4 workers at -np 5
     assert server_momentum(config("lenet", 5)) == pytest.approx(0.15)
-    assert server_momentum(config("lenet", 17)) == 0.0
+    # 16 workers: unbounded, all of them compute at once; under the default bound (4) at
+    # most 5 do, and 5 is what asynchrony's momentum counts
+    assert server_momentum(config("lenet", 17, staleness="none")) == 0.0
+    assert server_momentum(config("lenet", 17)) == pytest.approx(0.1)
+    assert server_momentum(config("lenet", 17, staleness=1)) == pytest.approx(0.4)
+    assert server_momentum(config("lenet", 5, staleness=10)) == pytest.approx(0.15)
     assert server_momentum(config("lenet", 5, optimizer="momentum")) == pytest.approx(0.15)
     # plain SGD has none to lower; off keeps the optimizer's own
     assert server_momentum(config("lr", 5)) is None

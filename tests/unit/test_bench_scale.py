@@ -55,19 +55,22 @@ def test_the_cluster_hostfile_leaves_node0_to_rank_0(tmp_path):
 
 
 def test_resnet_trains_on_mnist_and_adam_models_show_the_warm_up_they_do_without():
-    runs = model_runs("resnet", quick=False)
+    runs = model_runs("resnet", 4, quick=False)
     assert set(runs) == {"resnet-sync", "resnet-async-auto", "resnet-async-sqrt",
                          "resnet-async-none", "resnet-sync-warmup"}
+    # where the default staleness bound binds, async without it too
+    assert model_runs("resnet", 8, quick=False)["resnet-async-unbounded"][-3:] == [
+        "--async", "--staleness", "none"]
     assert all(args[:3] == ["resnet", "--epochs", "2"] and "mnist" in args
                for args in runs.values())
     assert runs["resnet-sync-warmup"][-2:] == ["--warmup-epochs", "0.4"]  # a fifth of 2
-    lenet = model_runs("lenet", quick=False)
+    lenet = model_runs("lenet", 2, quick=False)
     assert "lenet-sync-warmup" in lenet and "lenet-sync-before" not in lenet
     assert "--async" in lenet["lenet-async-before"]
-    lr = model_runs("lr", quick=False)
+    lr = model_runs("lr", 16, quick=False)
     assert {"lr-sync-before", "lr-async-before"} <= set(lr) and "lr-sync-warmup" not in lr
     assert "--async" not in lr["lr-sync-before"]
-    assert set(model_runs("lr", quick=True)) == {"lr-sync", "lr-async-auto"}
+    assert set(model_runs("lr", 2, quick=True)) == {"lr-sync", "lr-async-auto"}
 
 
 def test_the_docs_keep_the_sections_not_measured_again(tmp_path):

@@ -167,10 +167,42 @@ def test_pipeline_options():
     with pytest.raises(UsageError, match="--pipeline on keeps two pushes in flight, which a "
                                          "--staleness bound does not allow"):
         resolved(3, async_mode=True, staleness=2, pipeline="on")
+    # the default bound, where it binds, is one too; unbounded, the pipeline may run
+    with pytest.raises(UsageError, match=r"which the default --staleness bound \(4 with more "
+                                         r"than 5 workers\) does not allow: add --staleness "
+                                         r"none, or drop --pipeline on"):
+        resolved(7, async_mode=True, pipeline="on")
+    assert resolved(7, async_mode=True, pipeline="on", staleness="none").staleness_bound \
+        is None
+    assert resolved(6, async_mode=True, pipeline="on").staleness_bound is None
     with pytest.raises(UsageError, match="--pipeline off is for the async workers: add --async"):
         resolved(3, pipeline="off")
     assert resolved(3, async_mode=True, staleness=2, pipeline="off").asynchronous.pipeline \
         == "off"
+
+
+@pytest.mark.parametrize("world_size,given,bound", [
+    (3, None, None), (6, None, None), (7, None, 4), (17, None, 4), (65, "auto", 4),
+    (17, "none", None), (17, 0, 0), (17, 12, 12), (3, 4, 4)])
+def test_the_staleness_bound_auto_binds_past_five_workers(world_size, given, bound):
+    """--staleness auto (the default) bounds at 4 where more than 5 workers could pass it
+    (at most 5 then compute at once), else not at all; none: never; K: K."""
+    kw = {} if given is None else {"staleness": given}
+    cfg = resolved(world_size, async_mode=True, **kw)
+    assert cfg.staleness_bound == bound
+    assert cfg.asynchronous.staleness == ("auto" if given is None else given)
+
+
+def test_the_staleness_setting_takes_a_bound_or_a_word():
+    for bad in ("x", -1, 2.5, True):
+        with pytest.raises(UsageError, match=r"--staleness must be auto, none, or 0 or a "
+                                             r"positive integer \(got "):
+            resolved(3, async_mode=True, staleness=bad)
+    # sync: no bound, and none can be given
+    assert resolved(17).staleness_bound is None
+    for given in (3, "none"):
+        with pytest.raises(UsageError, match="--staleness bounds the async parameter server"):
+            resolved(3, staleness=given)
 
 
 # ---- sections, keys, one build -----------------------------------------------------------
@@ -240,14 +272,18 @@ def test_the_command_line_gives_the_configs_and_errors_it_gave_before_sections()
 
 def since_large_batch_defaults(case: dict) -> dict:
     """A saved case as the large-batch and async defaults changed it, and nothing else: the
-    new settings at their defaults, lr's cosine schedule, and the derived warm-up (its rule:
-    test_the_warm_up_and_the_scaling_follow_the_rule)."""
+    new settings at their defaults (--staleness auto), lr's cosine schedule, and the
+    derived warm-up (its rule: test_the_warm_up_and_the_scaling_follow_the_rule)."""
     case = json.loads(json.dumps(case))
     kind = "config" if "config" in case else "settings" if "settings" in case else None
-    if kind is None:
+    if kind is None:  # an error; --staleness takes auto and none besides a number now
+        case["error"] = case["error"].replace("--staleness must be 0 or",
+                                              "--staleness must be auto, none, or 0 or")
         return case
     values, argv = case[kind], case["argv"]
     values.update(staleness_compensation="auto", dc_lambda=2.0, momentum_correction="on")
+    if values.get("staleness") is None:  # (not given: now auto, which stays in the config)
+        values["staleness"] = "auto"
     if argv[0] == "lr" and "--lr-schedule" not in argv:
         values["lr_schedule"] = "cosine"
     # the default warm-up is fixed in the config as it is built

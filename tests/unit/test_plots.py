@@ -137,6 +137,19 @@ def test_async_run_has_staleness_histogram(tmp_path):
     assert_png(out / "fig-staleness.png")
 
 
+@pytest.mark.parametrize("np_,staleness,bound", [
+    (4, None, None), (4, "auto", None), (17, "auto", 6), (17, "none", None), (17, 3, 3)])
+def test_a_runs_staleness_bound_is_its_setting_at_its_workers(tmp_path, np_, staleness,
+                                                              bound):
+    """config.json keeps --staleness as given (auto, none, K; null before auto): the report
+    and the histogram's line show the bound it set at the run's workers."""
+    run = make_run(tmp_path, f"20260101-000000-lr-async-np{np_}", "async", np_)
+    meta = json.loads((run / "config.json").read_text())
+    meta["config"]["staleness"] = staleness
+    (run / "config.json").write_text(json.dumps(meta))
+    assert load_run(run).staleness_bound == bound
+
+
 def test_optional_files_missing_skip_their_figures(tmp_path):
     run = make_run(tmp_path, "20260101-000000-lr-sync-np3", "sync", 3)
     for name in ("telemetry.csv", "timing.csv", "comm.csv"):

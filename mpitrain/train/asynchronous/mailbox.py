@@ -60,7 +60,7 @@ SHARED = "shared"
 def pipelining_mode(cfg) -> str:
     """--pipeline as it applies: never under a staleness bound (one gradient per lease),
     and 'auto' never with more than AUTO_PIPELINE_WORKERS workers."""
-    if cfg.asynchronous.staleness is not None:
+    if cfg.staleness_bound is not None:
         return "off"
     mode = cfg.asynchronous.pipeline
     return "off" if mode == "auto" and cfg.workers > AUTO_PIPELINE_WORKERS else mode

@@ -10,8 +10,10 @@ the explicit momentum down as N grows. The server's optimizer gets
 
     max(0, m - (1 - 1/N))
 
-for its momentum m: with 0.9, 0.4 at 2 workers, 0.15 at 4, none from 10 workers. The
-workers compute gradients only; they hold no optimizer, so nothing changes on them.
+for its momentum m: with 0.9, 0.4 at 2 workers, 0.15 at 4, none from 10 workers. N
+counts the workers that compute at once: under a staleness bound K, at most K + 1 (the
+default bound of 4 at more than 5 workers: N = 5, 0.1). The workers compute gradients
+only; they hold no optimizer, so nothing changes on them.
 Measured effect: docs/scaling.md.
 
 Contract: every server of a run (``--servers K``) computes the same value from the
@@ -40,4 +42,11 @@ def server_momentum(cfg) -> Optional[float]:
     own = optim.MOMENTUM.get(cfg.optimizer.name)
     if own is None or cfg.asynchronous.momentum_correction == "off":
         return None
-    return corrected(own, cfg.workers)
+    return corrected(own, concurrent_workers(cfg))
+
+
+def concurrent_workers(cfg) -> int:
+    """The workers that compute at once: all of them, or at most K + 1 under a staleness
+    bound K (:class:`mpitrain.train.leases.Leases`)."""
+    bound = cfg.staleness_bound
+    return cfg.workers if bound is None else min(cfg.workers, bound + 1)

@@ -50,7 +50,7 @@ class Post:
         self.n = part.n
         self.norm_slots = norm_slots(cfg)  # (the gradient's norm after each share, K > 1)
         #: leases of the other servers are asked for, in server order (see the module)
-        self.asks = cfg.asynchronous.staleness is not None and bool(self.others)
+        self.asks = cfg.staleness_bound is not None and bool(self.others)
         self.whole = np.empty(self.n, np.float32) if self.others else None
         self.assembled: Optional[int] = None  # the lease buffer ``whole`` holds
         #: each lease buffer's version from each server (what a push computed there says)

@@ -113,7 +113,7 @@ class Server:
         self.states = WorkerStates(self.ends)
         self._state_of, self.dismissed = self.states.of, self.states.dismissed
         self.accounts: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends, self.states)
-        self.leases = Leases(ctx.cfg.asynchronous.staleness, self.accounts)
+        self.leases = Leases(ctx.cfg.staleness_bound, self.accounts)
         # a worker's silence starts when it is granted a lease (then it owes a push)
         self.silence = SilentPeers(self.comm, self.accounts)
         self.polling = PollPolicy()

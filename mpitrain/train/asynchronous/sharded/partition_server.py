@@ -49,9 +49,9 @@ class PartitionServer:
         #: has) and LOST (rank 0 dropped it); see .worker_states
         self.states = WorkerStates(self.ends)
         self.accounts: Dict[int, WorkerAccount] = accounts.open_accounts(self.ends, self.states)
-        self.bounded = ctx.cfg.asynchronous.staleness is not None
+        self.bounded = ctx.cfg.staleness_bound is not None
         # (bounded: a worker waits once it asks)
-        self.leases = Leases(ctx.cfg.asynchronous.staleness, [])
+        self.leases = Leases(ctx.cfg.staleness_bound, [])
         self.polling = PollPolicy()
         self.listening: set = set()  # workers whose next message a receive is posted for
         self.bound = self.comm.bounds.workers  # rank 0, which names a rank, first
