@@ -47,7 +47,7 @@ PIPELINES = ("auto", "on", "off")
 STALENESS_WORDS = ("auto", "none")
 #: --staleness auto's bound where more workers could exceed it: LeNet (Adam) at 8 and 16
 #: workers kept sync's accuracy under bounds up to 4 in every run, not always under 6, and
-#: lost it unbounded (docs/scaling.md, "Async: staleness")
+#: lost it unbounded (docs/scaling.md, "Async: gradients that are N updates old")
 AUTO_STALENESS = 4
 
 
