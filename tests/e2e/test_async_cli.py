@@ -42,7 +42,8 @@ def test_async_staleness_bound_recorded(mnist, tmp_path):
 
 
 @pytest.mark.parametrize("args,pattern", [
-    (["--async", "--staleness", "-1"], "--staleness must be 0 or a positive integer"),
+    (["--async", "--staleness", "-1"],
+     "--staleness must be auto, none, or 0 or a positive integer"),
     (["--staleness", "2"], "--staleness bounds the async parameter server: add --async"),
 ])
 def test_async_usage_errors(args, pattern):
