@@ -97,15 +97,15 @@ MODELS = {
                "args": ["--dataset", "mnist"]},
 }
 #: the defaults before the large-batch rules, as options: sync without warm-up (and
-#: LR's constant rate), async uncompensated, with the optimizer's own momentum and (LR)
-#: pipelined, as 'auto' then chose
+#: LR's constant rate), async uncompensated and unbounded, with the optimizer's own
+#: momentum and (LR) pipelined, as 'auto' then chose
 BEFORE = {
     "lr": {"sync": ["--warmup-epochs", "0", "--lr-schedule", "constant"],
            "async": ["--staleness-compensation", "none", "--pipeline", "on",
-                     "--lr-schedule", "constant"]},
+                     "--lr-schedule", "constant", "--staleness", "none"]},
     "lenet": {"async": ["--staleness-compensation", "none", "--pipeline", "off",
-                        "--momentum-correction", "off"]},  # (its sync: as now, no warm-up)
-}
+                        "--momentum-correction", "off", "--staleness", "none"]},
+}  # (LeNet's sync: as now, no warm-up)
 #: models whose optimizer (Adam) gets no warm-up by default: their sync runs again with the
 #: warm-up SGD and momentum get (a fifth of the run)
 WARMED_UP = ("lenet", "resnet")
