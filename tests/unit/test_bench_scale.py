@@ -67,6 +67,10 @@ def test_resnet_trains_on_mnist_and_adam_models_show_the_warm_up_they_do_without
     lenet = model_runs("lenet", 2, quick=False)
     assert "lenet-sync-warmup" in lenet and "lenet-sync-before" not in lenet
     assert "--async" in lenet["lenet-async-before"]
+    # the old defaults: unbounded (LR's pipelined async would be refused under the bound)
+    assert all(runs[-2:] == ["--staleness", "none"]
+               for runs in (lenet["lenet-async-before"],
+                            model_runs("lr", 16, quick=False)["lr-async-before"]))
     lr = model_runs("lr", 16, quick=False)
     assert {"lr-sync-before", "lr-async-before"} <= set(lr) and "lr-sync-warmup" not in lr
     assert "--async" not in lr["lr-sync-before"]
