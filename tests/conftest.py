@@ -568,9 +568,10 @@ def synthetic_shard(rank: int, shard: int, workers: int):
 
 
 #: The benchmarks' smoke runs in three files, so that three pytest workers can share
-#: it: the comparisons with other engines (tests/e2e/test_bench_engines.py), those on the
-#: emulated cluster, which take turns with tests/e2e/test_netns.py to bring it up and down
-#: (tests/e2e/test_bench_cluster.py), and every other one (tests/e2e/test_bench.py).
+#: it: the comparisons with other engines (tests/e2e/test_bench_smoke_engines.py), those
+#: on the emulated cluster, which take turns with tests/e2e/test_netns.py to bring it up
+#: and down (tests/e2e/test_bench_smoke_cluster.py), and every other one
+#: (tests/e2e/test_bench.py).
 ENGINE_COMPARISONS = ("engines", "async_engines", "ddp", "horovod_api")
 ON_THE_EMULATED_CLUSTER = ("netns", "compression", "servers")
 #: benchmarks whose smoke another test file runs, beside what it checks of the same setup

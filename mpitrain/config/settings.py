@@ -105,7 +105,8 @@ def option(doc: str, default=None, *, flag: Optional[str] = None, key: Optional[
     """A setting's field: its help text (``doc``), its command-line ``flag`` (None: no
     option), its ``key`` (the flat name; default: the field's own name), ``cli``'s extra
     argparse keywords; ``number``: the values a numeric setting accepts; ``accepts``:
-    the words a numeric setting also takes (--staleness auto), or the values a setting
+    the words a numeric setting also takes (--staleness auto; with none, Python's None
+    means it too), or the values a setting
     with ``choices`` also takes besides them (filled in by
     :func:`mpitrain.config.resolve`, never typed)."""
     return field(default=default, metadata={"doc": doc, "flag": flag, "key": key, "cli": cli,
@@ -158,7 +159,9 @@ def checked_value(setting: Setting, value, label: str):
     setting accepts (see :class:`Number`, its choices); UsageError naming ``label``."""
     meta = setting.field.metadata
     if setting.number:
-        if isinstance(value, str) and value in meta["accepts"]:
+        # (a setting that takes the word none takes Python's None for it too)
+        if isinstance(value, str) and value in meta["accepts"] or \
+                value is None and "none" in meta["accepts"]:
             return value
         try:
             return setting.number.normalized(value, label)

@@ -2,9 +2,9 @@
 and writes its CSVs, figures and summary, so a benchmark that no longer runs fails
 here instead of rotting. They check that the suite runs, not its targets (those are
 measured on a quiet machine: docs/benchmarks.md). The engine comparisons and the
-benchmarks on the emulated cluster have files of their own (test_bench_engines.py,
-test_bench_cluster.py), so three pytest workers share the smoke. And a benchmark rank
-that raises ends its whole job at once."""
+benchmarks on the emulated cluster have files of their own
+(test_bench_smoke_engines.py, test_bench_smoke_cluster.py), so three pytest workers
+share the smoke. And a benchmark rank that raises ends its whole job at once."""
 
 import subprocess
 import sys

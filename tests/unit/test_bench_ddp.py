@@ -3,7 +3,7 @@
 other failure ends the benchmark, and the error names what failed. A stand-in
 interpreter plays torchrun (its report of a failed worker, then a result), so the
 retry logic runs without PyTorch; the DDP runs themselves are smoked in
-tests/e2e/test_bench_engines.py."""
+tests/e2e/test_bench_smoke_engines.py."""
 
 import json
 import subprocess

@@ -198,6 +198,8 @@ def test_the_staleness_setting_takes_a_bound_or_a_word():
         with pytest.raises(UsageError, match=r"--staleness must be auto, none, or 0 or a "
                                              r"positive integer \(got "):
             resolved(3, async_mode=True, staleness=bad)
+    # None is none (as config.json and mpitrain.fit had it before auto)
+    assert resolved(17, async_mode=True, staleness=None).staleness_bound is None
     # sync: no bound, and none can be given
     assert resolved(17).staleness_bound is None
     for given in (3, "none"):

@@ -138,7 +138,7 @@ def test_async_run_has_staleness_histogram(tmp_path):
 
 
 @pytest.mark.parametrize("np_,staleness,bound", [
-    (4, None, None), (4, "auto", None), (17, "auto", 6), (17, "none", None), (17, 3, 3)])
+    (4, None, None), (4, "auto", None), (17, "auto", 4), (17, "none", None), (17, 3, 3)])
 def test_a_runs_staleness_bound_is_its_setting_at_its_workers(tmp_path, np_, staleness,
                                                               bound):
     """config.json keeps --staleness as given (auto, none, K; null before auto): the report
