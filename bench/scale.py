@@ -32,7 +32,7 @@ bottleneck and async stops scaling.
 
 Async runs with each ``--staleness-compensation``: auto (the default: dc for these
 models), sqrt and none, all under the default staleness bound; where that bound binds
-(more than ``AUTO_STALENESS + 1`` workers), "async unbounded" (``--staleness none``,
+(``staleness_bound("auto", workers)``), "async unbounded" (``--staleness none``,
 compensation auto) beside them; marked "(before)", sync and async with the defaults before
 these rules, given as options (``BEFORE``); and for the Adam models, marked
 "(warm-up)", sync with the warm-up the default gives only SGD and momentum
@@ -79,7 +79,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mpitrain.config.sections import AUTO_STALENESS, WARMUP_FRACTION
+from mpitrain.config.sections import WARMUP_FRACTION, staleness_bound
 
 from .common import (RUNS_IN_ONE_LAUNCH, bench_parser, launch_mpitrain, last_run, mnist_dir,
                      on_every_rank, out_dir, run_table, runs_in_one_launch, table, train_many,
@@ -197,7 +197,7 @@ def model_runs(model: str, workers: int, quick: bool) -> Dict[str, List[str]]:
         runs[f"{model}-async-{comp}"] = [*base, "--async", "--staleness-compensation", comp]
     if quick:
         return runs
-    if workers > AUTO_STALENESS + 1:  # where the default bound binds: without it
+    if staleness_bound("auto", workers) is not None:  # where the default bound binds
         runs[f"{model}-async-unbounded"] = [*base, "--async", "--staleness", "none"]
     for mode, before in BEFORE.get(model, {}).items():  # the defaults before these rules
         runs[f"{model}-{mode}-before"] = [*base, *(["--async"] if mode == "async" else []),

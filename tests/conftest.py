@@ -588,4 +588,6 @@ def bench(names, *args, timeout=1500):
     text = summary.read_text()
     # every benchmark ran to its end ("ran to completion: failed" is what a crash leaves)
     assert f"Minutes per benchmark: {names[0]} " in text and "failed:" not in text
+    for name in names:
+        assert f"| {name} |" in text, f"{name}: no check in summary.md"
     return summary.parent, text

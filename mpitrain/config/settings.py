@@ -106,9 +106,8 @@ def option(doc: str, default=None, *, flag: Optional[str] = None, key: Optional[
     option), its ``key`` (the flat name; default: the field's own name), ``cli``'s extra
     argparse keywords; ``number``: the values a numeric setting accepts; ``accepts``:
     the words a numeric setting also takes (--staleness auto; with none, Python's None
-    means it too), or the values a setting
-    with ``choices`` also takes besides them (filled in by
-    :func:`mpitrain.config.resolve`, never typed)."""
+    means it too), or the values a setting with ``choices`` also takes besides them
+    (filled in by :func:`mpitrain.config.resolve`, never typed)."""
     return field(default=default, metadata={"doc": doc, "flag": flag, "key": key, "cli": cli,
                                             "number": number, "accepts": accepts})
 

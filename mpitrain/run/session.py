@@ -38,6 +38,7 @@ from ..results.run_dir import NullResults, RunResults, attempt_facts, run_identi
 from ..train import Context, Summary, lr_schedule, trainer
 from ..train.context import ConsoleOutput, ResultsWriter
 from ..train.asynchronous.compensation import chosen as compensation_of
+from ..train.asynchronous.momentum import concurrent_workers
 from ..train.asynchronous.recovery import lost_in_this_job
 from ..userfiles import read_bounded
 
@@ -53,9 +54,10 @@ def describe_lr(cfg, n_params: int) -> str:
     if cfg.mode == "async":
         lr += ", staleness compensation " + compensation_of(
             cfg.asynchronous.compensation, n_params, cfg.workers)
-        bound = cfg.staleness_bound
-        if bound is not None and bound + 1 < cfg.workers:
-            lr += f", staleness bound {bound} (at most {bound + 1} workers compute at once)"
+        at_once = concurrent_workers(cfg)
+        if at_once < cfg.workers:
+            lr += (f", staleness bound {cfg.staleness_bound} (at most {at_once} workers "
+                   "compute at once)")
     return lr
 
 

@@ -25,9 +25,7 @@ def test_every_quick_benchmark_runs():
     bench/__init__.py is in it by itself)."""
     names = [name for name in BENCHMARKS if name not in ENGINE_COMPARISONS
              and name not in ON_THE_EMULATED_CLUSTER and name not in SMOKED_ELSEWHERE]
-    out, summary = bench(names)
-    for name in names:
-        assert f"| {name} |" in summary, f"{name}: no check in summary.md"
+    out, _ = bench(names)
     assert [r["where"] for r in read_rows(out / "overlap.csv")] == ["shared memory"]
     # bench scale times its launch on every rank: start-up, gathers, telemetry's size
     assert [(r["np"], float(r["gather_s"]) >= 0) for r in read_rows(out / "scale_ranks.csv")] \

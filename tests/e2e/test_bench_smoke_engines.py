@@ -14,8 +14,6 @@ from conftest import ENGINE_COMPARISONS, bench, read_rows
 @pytest.mark.timeout(1800)
 def test_the_engine_comparisons_run():
     out, summary = bench(ENGINE_COMPARISONS)
-    for name in ENGINE_COMPARISONS:
-        assert f"| {name} |" in summary, f"{name}: no check in summary.md"
     # each baseline runs as TensorFlow ships and, where that is not already oneDNN's
     # kernels (as mpitrain runs), with them
     for csv_name, ours, baseline in (("engines.csv", ("mpi", "mpi-horovod-env", "horovod"),
