@@ -85,8 +85,8 @@ from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_US
 from .watch import ErrorTail, RunWatch, describe, kill_tree, restartable, run_dirs
 from ..run.checkpoint import CHECKPOINT
 from ..run.signals import STOP_SIGNALS
-from ..results.run_dir import (ATTEMPT_ENV, EXIT_CODE_OF_STATUS, record_lost_attempt,
-                               run_rows)
+from ..results.lost_run import record_lost_attempt
+from ..results.run_dir import ATTEMPT_ENV, EXIT_CODE_OF_STATUS, run_rows
 from . import hostfile
 
 PROG = "mpitrain launch"

@@ -33,7 +33,7 @@ right after the status; the next attempt rewrites status.json). When rank 0 was
 killed before it wrote the row (also before it wrote the attempt's first status,
 the run's status.json still an earlier attempt's), the launcher writes it: an
 attempt has its row when the run has one more in runs.csv than when it began
-(:func:`mpitrain.results.run_dir.record_lost_attempt`).
+(:func:`mpitrain.results.lost_run.record_lost_attempt`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ import csv
 import errno
 import fcntl
 import io
-import json
 import os
 import stat
 import time
@@ -29,8 +28,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from ..atomic import atomic_file, write_json_atomic, write_text_atomic
 from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, ResultsError, WriteError
+from . import witness
 from .schema import CURVE_COLUMNS
-from ..userfiles import NotRegular, open_regular, read_bounded, read_json_object
+from ..userfiles import NotRegular, open_regular
 
 #: bytes a run directory holds in reserve (``.reserve``) while its run writes: freed as
 #: soon as a write fails, so that the failure can still be recorded there (status.json,
@@ -207,6 +207,8 @@ class RunResults:
         self._tensorboard: Any = None  # tf.summary's writer, made at the first scalars
         self._status_facts: Dict[str, object] = {}
         self._reserve: Optional[Path] = None
+        self._resumed = run_dir is not None
+        self._witness: Any = None  # a Witness from the first running status on
         with self._writing(run_dir or self.results_dir):
             self.dir = run_dir if run_dir is not None else new_run_dir(self.results_dir, stem)
         try:
@@ -239,17 +241,33 @@ class RunResults:
     def set_status(self, status: str, reason: str = "", **facts) -> None:
         """``status.json``: running while training, then ok / failed / interrupted.
 
-        A run whose status.json still says running was killed without warning
-        (SIGKILL, a node lost): its other files hold what it had written.
-        ``facts`` (e.g. ``lost_workers``) are kept in every later status too.
-        Once the run has ended, the directory's reserve is given back.
+        A run whose status.json still says running after its job is gone lost rank 0's
+        host (rank 0 killed otherwise is recorded by its witness): its other files hold
+        what it had written. ``facts`` (e.g. ``lost_workers``) are kept in every later status too.
+        Once the run has ended, the directory's reserve is given back. From the first
+        running status on, a witness records the run should this process die before it
+        records an end (:mod:`mpitrain.results.witness`).
         """
         self._status_facts.update(facts)
         self.write_json("status.json", {"status": status, "reason": reason,
                                         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                         **self._status_facts})
+        if status == "running" and self._witness is None:
+            self._witness = self._start_witness()
+        elif status != "running" and self._status_facts.get("runs_csv") != "pending" \
+                and self._witness:
+            self._witness.dismiss()  # the end and its row are recorded
         if status != "running":
             self._free_reserve()
+
+    def _start_witness(self):
+        if os.environ.get(ATTEMPT_ENV):
+            return False  # mpitrain launch records an attempt whose rank 0 was lost
+        try:
+            rows_before = run_rows(self.dir)
+        except ResultsError:
+            return False  # runs.csv unreadable: there is no row to add to
+        return witness.start(self.dir, self._resumed, rows_before) or False
 
     @classmethod
     def reopen(cls, run_dir: Path) -> "RunResults":
@@ -324,41 +342,6 @@ def run_ended(status: Optional[dict]) -> bool:
     """True if ``status`` (status.json's content) says the run has ended."""
     value = status.get("status") if status else None
     return isinstance(value, str) and value in EXIT_CODE_OF_STATUS
-
-
-def record_lost_attempt(run_dir: Path, reason: str, resumed: bool, token: str,
-                        rows_before: int) -> bool:
-    """For ``mpitrain launch``: write the runs.csv row of an attempt whose rank 0 did not
-    (killed first). Whether it did is told by runs.csv itself: the attempt has its row
-    if the run has more rows than ``rows_before`` (its rows when the attempt began, see
-    :func:`run_rows`), whatever status.json says (rank 0 can be killed between writing
-    its row and saying so). Without one, the row takes the attempt's own ending from
-    status.json (the one carrying the attempt's ``token``: rank 0 killed while it
-    recorded its failure), else says failed with ``reason`` (rank 0 killed while its
-    status said running, or before it wrote any: the status.json is then an earlier
-    attempt's). The row's settings come from config.json (the newest resumed-*.json if
-    the attempt was ``resumed``). True if it recorded; False if there was nothing to
-    record or no room."""
-    run_dir = Path(run_dir)
-    try:
-        if run_rows(run_dir) > rows_before or not (run_dir / "config.json").is_file():
-            return False
-        status = read_json_object(run_dir / "status.json")
-        if not (status and status.get("launch_attempt") == token):
-            status = {"launch_attempt": token}  # an earlier attempt's, or none
-        if not run_ended(status):
-            status = {**status, "status": "failed", "reason": reason}
-        sessions = sorted(run_dir.glob("resumed-*.json")) if resumed else []
-        meta = json.loads(read_bounded(sessions[-1] if sessions else run_dir / "config.json"))
-        row = {"run": run_dir.name, **run_identity(
-            meta["config"], meta["dataset"], status["status"], status.get("reason", ""),
-            (meta.get("rescaled") or {}).get("rule", "")), "resumed": resumed}
-        append_run_row(run_dir.parent / "runs.csv", row)
-        write_json_atomic(run_dir / "status.json", {
-            **status, "runs_csv": "written", "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    except (OSError, ValueError, KeyError, TypeError, ResultsError):
-        return False
-    return True
 
 
 def run_rows(run_dir: Path) -> int:

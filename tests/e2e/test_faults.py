@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from conftest import LOCAL_HOSTFILE, mnist_dir, mnist_shard, mpi_env, mpirun, read_rows
+from mpitrain.results import lost_run
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +106,24 @@ def test_killed_rank_ends_the_job(mnist, tmp_path, mode, rank):
     assert code != 0
     assert f"process rank {rank}" in out and "signal 9" in out, out
     check_results_readable(job.run_dir())
+    # recorded: by rank 0 if it saw the loss before mpirun killed it, else by its witness
+    status = status_once_ended(job.run_dir())
+    assert (status["status"], status.get("runs_csv")) == ("failed", "written"), status
+    if rank == 0:
+        assert status["reason"] == lost_run.REASON
+    assert [row["status"] for row in read_rows(tmp_path / "runs.csv")] == ["failed"]
     job.assert_no_leftovers()
+
+
+def status_once_ended(run_dir: Path, bound: float = 10.0) -> dict:
+    """The run's status.json once it says the run ended (or as it is after ``bound``
+    seconds): rank 0's witness writes it after rank 0's process is gone."""
+    deadline = time.monotonic() + bound
+    while True:
+        status = json.loads((run_dir / "status.json").read_text())
+        if status["status"] != "running" or time.monotonic() > deadline:
+            return status
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("extra", [

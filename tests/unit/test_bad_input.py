@@ -521,7 +521,8 @@ def test_a_killed_attempt_is_recorded_by_the_launcher(tmp_path):
     be killed before it wrote the attempt's first status (status.json is still the
     previous attempt's, ended and recorded) or after its row but before saying so."""
     from mpitrain.launch.watch import restartable
-    from mpitrain.results.run_dir import append_run_row, record_lost_attempt, run_rows
+    from mpitrain.results.lost_run import record_lost_attempt
+    from mpitrain.results.run_dir import append_run_row, run_rows
 
     run = tmp_path / "20261126-lr-sync-np3"
     run.mkdir()
