@@ -54,16 +54,17 @@ OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "
 _MPI_OP = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 
 # the kinds of call, and the header's fields
-ALLREDUCE, ALLGATHER, BROADCAST, BARRIER, JOIN, BROADCAST_OBJECT, ALLGATHER_OBJECT = range(1, 8)
+(ALLREDUCE, ALLGATHER, BROADCAST, BARRIER, JOIN, BROADCAST_OBJECT, ALLGATHER_OBJECT,
+ LEFT) = range(1, 9)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
               BARRIER: "barrier", JOIN: "join", BROADCAST_OBJECT: "broadcast_object",
-              ALLGATHER_OBJECT: "allgather_object"}
+              ALLGATHER_OBJECT: "allgather_object", LEFT: "left"}
 SEQ, KIND, ARG, DTYPE, COUNT, NDIM, SIG, FLAGS = range(8)
 JOINED = 1
 #: the header fields that must agree, by kind (ALLGATHER: not the first dimension)
 MUST_AGREE = {ALLREDUCE: (ARG, DTYPE, COUNT, NDIM, SIG), ALLGATHER: (DTYPE, NDIM, SIG),
               BROADCAST: (ARG, DTYPE, COUNT, NDIM, SIG), BARRIER: (),
-              BROADCAST_OBJECT: (ARG,), ALLGATHER_OBJECT: ()}
+              BROADCAST_OBJECT: (ARG,), ALLGATHER_OBJECT: (), LEFT: ()}
 #: the name a gradient tape's and optimizer's allreduces carry (counted as steps)
 GRADIENTS = "gradients"
 #: the tag of the headers, on the world communicator (mpitrain's protocols use 21-26,
@@ -74,7 +75,10 @@ DTYPES = ("float32", "float64", "float16", "int32", "int64", "int8", "uint8", "i
 
 
 class Mismatch(UsageError):
-    """Ranks disagree about a collective (every rank raises it at the same call)."""
+    """Ranks disagree about a collective (every rank raises it at the same call).
+    ``reporter``: the rank that prints it for the job (the first that did not leave)."""
+
+    reporter = 0
 
 
 def dtype_code(dtype) -> int:
@@ -186,6 +190,17 @@ class Collectives:
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(out[offsets[r]:offsets[r + 1]].tobytes()) for r in range(self.size)]
 
+    def leave(self) -> None:
+        """This rank's process is ending (its script returned or called sys.exit): its
+        header says so at the call it would have made next. Where every rank leaves
+        together (a script's end) that is one exchange of headers; where the others
+        still make calls, they and this rank raise, at the others' next call (or the
+        one they wait in), the Mismatch naming this rank as gone: at once, not after
+        the timeout."""
+        with self._call():
+            self._agree(LEFT, 0, 0, 0, 0, 0,
+                        lambda: "left the job (its script ended or called sys.exit)")
+
     def barrier(self) -> None:
         """Return once every rank has called it (the headers' exchange is the barrier)."""
         with self._call():
@@ -275,11 +290,15 @@ class Collectives:
             groups.setdefault(text, []).append(r)
         parts = "; ".join(f"{self._ranks(ranks)}: {text}" for text, ranks in groups.items())
         if same_call:  # every active rank made the same call: some had joined
-            raise Mismatch(f"collective #{self.seq}: {parts}; while a rank has called "
-                           "hvd.join(), the others may only allreduce and barrier")
-        raise Mismatch(f"the ranks disagree at collective #{self.seq}: {parts}; every rank must "
-                       "make the same collective calls, with the same shapes and dtypes, in "
-                       "the same order")
+            error = Mismatch(f"collective #{self.seq}: {parts}; while a rank has called "
+                             "hvd.join(), the others may only allreduce and barrier")
+        else:
+            error = Mismatch(f"the ranks disagree at collective #{self.seq}: {parts}; every "
+                             "rank must make the same collective calls, with the same shapes "
+                             "and dtypes, in the same order")
+        staying = [r for r in range(self.size) if self.table[r, KIND] != LEFT]
+        error.reporter = staying[0] if staying else 0
+        raise error
 
     def _ranks(self, ranks: List[int]) -> str:
         hosts = sorted({self.comm.hosts[r] for r in ranks})

@@ -121,12 +121,24 @@ def init(comm=None, process_sets=None, *, timeout: Optional[float] = None,
 
 
 def shutdown() -> None:
-    """Stop mpitrain.horovod on this rank (collective when telemetry is on: it writes the
-    run's files). MPI itself ends when the process does; ``init`` may be called again."""
-    if STATE.telemetry is not None:
-        telemetry, STATE.telemetry = STATE.telemetry, None
+    """Stop mpitrain.horovod on this rank (collective: it tells the others, and writes
+    the run's files when telemetry is on); it runs at the process's exit. A rank that
+    leaves while the others still make calls ends the job: they stop at once with one
+    line naming it (:meth:`.collectives.Collectives.leave`), and this rank records the
+    run as failed with them. MPI itself ends when the process does; ``init`` may be
+    called again."""
+    engine, telemetry = STATE.engine, STATE.telemetry
+    STATE.comm = STATE.engine = STATE.topology = STATE.telemetry = None
+    if engine is None:
+        return
+    try:
+        engine.leave()
+    except MpitrainError as error:  # the others had not finished: they report it
+        if telemetry is not None:
+            telemetry.finish("failed", str(error), collective=error.everywhere)
+        return
+    if telemetry is not None:
         telemetry.finish("ok")
-    STATE.comm = STATE.engine = STATE.topology = None
 
 
 def _at_exit() -> None:
@@ -194,11 +206,12 @@ def _excepthook(kind, exc, tb) -> None:
         STATE.telemetry.finish("failed", str(error), collective=error.everywhere)
         STATE.telemetry = None
     if error.everywhere or not running:
-        if rank == 0:
+        reporter = getattr(error, "reporter", 0)
+        if rank == reporter:
             print(f"mpitrain: error: {error}", file=sys.stderr, flush=True)
-        # every rank raised it at the same point: each ends on its own, rank 0 with the
-        # code (others first exiting non-zero could make mpirun drop rank 0's line)
-        _leave(error.exit_code if rank == 0 else 0)
+        # every rank raised it at the same point: each ends on its own, the reporter with
+        # the code (others first exiting non-zero could make mpirun drop its line)
+        _leave(error.exit_code if rank == reporter else 0)
     print(f"mpitrain: error: {error}", file=sys.stderr, flush=True)
     abort_world(error.exit_code)
 

@@ -5,8 +5,10 @@ the per-run figures into each run directory (``fig-*.png``), the comparison
 figures into ``<results>/report/``, and ``<results>/report/report.md``: tables
 of the runs, of resources per node and of async staleness, then every figure,
 linked relatively so the ``report/`` folder can be dropped into a write-up next
-to the run directories. Runs listed in ``runs.csv`` whose directory is gone are
-skipped with a warning in the report; anything unreadable raises ResultsError.
+to the run directories. Runs listed in ``runs.csv`` whose directory is gone, or that
+did not end ok and have nothing to plot (an attempt that failed before its first
+evaluation), are skipped with a warning in the report; anything else unreadable
+raises ResultsError.
 
 Command line: ``mpitrain report RESULTS_DIR``.
 """
@@ -21,6 +23,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 from urllib.parse import quote
 
 from ..atomic import write_text_atomic
+from ..errors import ResultsError
 from ..results.schema import NODE_COLUMN, runs_columns
 from .plots import make_dir, plot_comparison, plot_run
 from .run_files import MB, Run, load_run, read_table, results_error
@@ -54,7 +57,9 @@ def _subdirectories(path: Path) -> List[Path]:
 
 
 def _load_listed_runs(results_dir: Path, rows: Sequence[dict]) -> Tuple[List[Run], List[str]]:
-    """Load every listed run; a missing or unsafe directory name becomes a warning."""
+    """Load every listed run; a missing or unsafe directory name, or a run that did not
+    end ok and cannot be read (it failed before its first evaluation), becomes a
+    warning."""
     runs, warnings = [], []
     for row in rows:
         name = str(row["run"])
@@ -65,7 +70,14 @@ def _load_listed_runs(results_dir: Path, rows: Sequence[dict]) -> Tuple[List[Run
             warnings.append(f"run `{name}` is listed in runs.csv but its directory is missing; "
                             "skipped.")
         else:
-            runs.append(load_run(results_dir / name, row))
+            try:
+                runs.append(load_run(results_dir / name, row))
+            except ResultsError as error:
+                if row.get("status") == "ok":
+                    raise
+                # an attempt that failed early (mpitrain launch records each one)
+                warnings.append(f"run `{name}` ended {row.get('status') or 'unrecorded'} "
+                                f"with nothing to plot ({error}); skipped.")
     return runs, warnings
 
 

@@ -99,7 +99,7 @@ def test_a_stalled_rank_is_named_within_the_timeout():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["dies", "raises"])
+@pytest.mark.parametrize("case", ["dies", "raises", "rank0_exits"])
 def test_a_rank_that_dies_or_raises_ends_the_job(case):
     # the job's end must come from the rank's exit, not from the survivor waiting out its
     # timeout: a timeout far beyond any start-up on a loaded machine, and its message absent
@@ -111,6 +111,13 @@ def test_a_rank_that_dies_or_raises_ends_the_job(case):
     if case == "raises":
         assert "RuntimeError: a bug on one rank" in result.stderr
         assert "mpitrain: rank 1 raised the exception above; ending the job" in result.stderr
+    if case == "rank0_exits":  # its exit announced: the others stop at their next call,
+        # printed once (by rank 1: rank 0 has left), the usage error's code
+        assert result.returncode == 2
+        (line,) = errors(result)
+        assert re.fullmatch(r"mpitrain: error: the ranks disagree at collective #2: rank 0 on "
+                            r"\S+: left the job \(its script ended or called sys.exit\); "
+                            r"rank 1 on \S+: allreduce Average float32 \(3,\); .*", line), line
 
 
 #: runs several scripts one after another in one process, each as ``python SCRIPT ARGS``
@@ -168,11 +175,12 @@ def test_launch_restarts_a_script_which_resumes_and_writes_telemetry(tmp_path):
     assert "restarting the script (it resumes from its own checkpoints)" in result.stderr
     assert "the run finished after 1 restart(s)" in result.stderr
     assert result.stdout.count("trained epochs 2 to 2") == 1, result.stdout
-    rows = read_rows(results / "runs.csv")
-    assert [(r["engine"], r["status"], r["np"]) for r in rows] == [("mpitrain.horovod", "ok",
-                                                                   "2")], rows
-    run = results / rows[0]["run"]
-    assert rows[0]["run"].endswith("hvd_fit_fails_once-horovod-np2")
+    rows = read_rows(results / "runs.csv")  # each attempt keeps its row (the failed one's
+    # written by the launcher: rank 0 was killed when the job ended)
+    assert [(r["engine"], r["status"], r["np"]) for r in rows] == [
+        ("mpitrain.horovod", "failed", "2"), ("mpitrain.horovod", "ok", "2")], rows
+    run = results / rows[1]["run"]
+    assert rows[1]["run"].endswith("hvd_fit_fails_once-horovod-np2")
     assert json.loads((run / "status.json").read_text())["launch_attempt"]
     curve = read_rows(run / "curve.csv")  # the resumed attempt trained epoch 2
     assert [row["epoch"] for row in curve] == ["2"] and float(curve[0]["train_loss"]) > 0

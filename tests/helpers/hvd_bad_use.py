@@ -34,6 +34,10 @@ elif case == "dies":  # the last rank is killed
     if rank == hvd.size() - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     average(tf.ones([3]))
+elif case in ("exits", "rank0_exits"):  # a rank's script ends early (sys.exit(0))
+    if rank == (0 if case == "rank0_exits" else hvd.size() - 1):
+        sys.exit(0)
+    average(tf.ones([3]))
 elif case == "raises":  # the script fails on the last rank only
     if rank == hvd.size() - 1:
         raise RuntimeError("a bug on one rank")

@@ -343,6 +343,25 @@ def test_disagreeing_ranks_all_stop_with_the_same_line():
     hvd.barrier()  # and the ranks go on together
 
 
+def test_a_rank_that_leaves_is_named_at_once_by_every_rank():
+    """The last rank leaves (its script ended) while the others allreduce: all raise the
+    same Mismatch at that call, naming it, to be printed by rank 0 (rank 0 stays)."""
+    if n() == 1:
+        pytest.skip("no other rank to leave")
+    from mpitrain.horovod.world import engine
+
+    with pytest.raises(Mismatch) as raised:
+        if hvd.rank() == n() - 1:
+            engine().leave()
+        else:
+            hvd.allreduce(tf.ones([3]))
+    text = str(raised.value)
+    assert f"rank {n() - 1} on " in text and "left the job (its script ended" in text
+    assert raised.value.reporter == 0
+    assert len(set(hvd.allgather_object(text))) == 1
+    hvd.barrier()  # and the ranks go on together (a rank that really left would not)
+
+
 def test_unprovided_features_name_the_alternative():
     for call in (lambda: hvd.allreduce(tf.ones([1]), process_set=object()),
                  lambda: hvd.alltoall(tf.ones([1])), lambda: hvd.elastic.run,

@@ -228,6 +228,23 @@ def test_report_skips_names_that_are_not_directory_names(tmp_path):
     assert not (tmp_path.parent / "escape").exists()
 
 
+def test_report_skips_a_failed_attempt_with_nothing_to_plot(tmp_path):
+    """``mpitrain launch`` records every attempt: one that failed before its first
+    evaluation is a warning in the report, not the report's failure (an ok run with no
+    curve rows still is: see the errors below)."""
+    ok = make_run(tmp_path, "20260101-000100-lr-sync-np3")
+    failed = tmp_path / "20260101-000000-lr-sync-np3"
+    failed.mkdir()
+    (failed / "config.json").write_text((ok / "config.json").read_text())
+    write_csv(failed / "curve.csv", CURVE_COLUMNS, [])
+    write_csv(tmp_path / "runs.csv", ["run", "mode", "np", "status", "reason"],
+              [[failed.name, "sync", 3, "failed", "rank 1 raised"],
+               ["20260101-000100-lr-sync-np3", "sync", 3, "ok", ""]])
+    text = write_report(tmp_path).read_text()
+    assert f"run `{failed.name}` ended failed with nothing to plot" in text
+    assert "has no rows" in text and "`20260101-000100-lr-sync-np3`" in text
+
+
 # --------------------------------------------------------------------------- errors
 
 
