@@ -191,12 +191,9 @@ class Collectives:
         return [pickle.loads(out[offsets[r]:offsets[r + 1]].tobytes()) for r in range(self.size)]
 
     def leave(self) -> None:
-        """This rank's process is ending (its script returned or called sys.exit): its
-        header says so at the call it would have made next. Where every rank leaves
-        together (a script's end) that is one exchange of headers; where the others
-        still make calls, they and this rank raise, at the others' next call (or the
-        one they wait in), the Mismatch naming this rank as gone: at once, not after
-        the timeout."""
+        """This rank's script has ended: its header says so at its next call. Ranks
+        that all leave together exchange headers once; ranks still calling raise, with
+        this rank, the Mismatch naming it at once, not after the timeout."""
         with self._call():
             self._agree(LEFT, 0, 0, 0, 0, 0,
                         lambda: "left the job (its script ended or called sys.exit)")
