@@ -26,11 +26,13 @@ class MpitrainError(Exception):
     its own and rank 0 alone prints it. Otherwise the raising rank prints it and
     aborts the job, so the other ranks are not left waiting for it. ``summary``: what
     the run had made when it ended so (a :class:`mpitrain.train.Summary`), for its
-    records; None if nothing.
+    records; None if nothing. ``reporter``: where several ranks raise it, the one that
+    prints it for the job (None: rank 0 for an error raised everywhere, else this rank).
     """
 
     exit_code = EXIT_FAILURE
     everywhere = False
+    reporter: Optional[int] = None
 
     def __init__(self, message: str = "", everywhere: Optional[bool] = None, summary=None):
         super().__init__(message)

@@ -75,10 +75,8 @@ DTYPES = ("float32", "float64", "float16", "int32", "int64", "int8", "uint8", "i
 
 
 class Mismatch(UsageError):
-    """Ranks disagree about a collective (every rank raises it at the same call).
-    ``reporter``: the rank that prints it for the job (the first that did not leave)."""
-
-    reporter = 0
+    """Ranks disagree about a collective (every rank raises it at the same call; the
+    first rank that did not leave reports it)."""
 
 
 def dtype_code(dtype) -> int:
@@ -268,7 +266,10 @@ class Collectives:
             comm.wait_all(receives + sends, HOT)
         except CommTimeout:
             late = [p for p, pending in zip(peers, receives) if not pending.test()]
-            raise self._late(late, describe()) from None
+            error = self._late(late, describe())
+            # the ranks whose headers came wait for the same late ones: the first reports
+            error.reporter = min([self.rank] + [p for p in peers if p not in late])
+            raise error from None
 
     def _late(self, late: List[int], what: str) -> CommTimeout:
         names = ", ".join(self.comm.name(r) for r in late) or "a rank"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -29,6 +30,10 @@ from ..errors import EXIT_FAILURE, MpitrainError, UsageError
 DEFAULT_TIMEOUT = 300.0
 #: environment variables that set init's options without changing the script
 TIMEOUT_ENV, RESULTS_ENV = "MPITRAIN_TIMEOUT", "MPITRAIN_RESULTS_DIR"
+#: seconds a rank that timed out waits for the rank that reports the same wait to end
+#: the job, before it prints and ends it itself: the ranks reached the call at times
+#: that differ by about a step
+REPORTER_GRACE = 30.0
 
 
 class NotInitialized(UsageError, ValueError):
@@ -206,12 +211,16 @@ def _excepthook(kind, exc, tb) -> None:
         STATE.telemetry.finish("failed", str(error), collective=error.everywhere)
         STATE.telemetry = None
     if error.everywhere or not running:
-        reporter = getattr(error, "reporter", 0)
+        reporter = error.reporter or 0
         if rank == reporter:
             print(f"mpitrain: error: {error}", file=sys.stderr, flush=True)
         # every rank raised it at the same point: each ends on its own, the reporter with
         # the code (others first exiting non-zero could make mpirun drop its line)
         _leave(error.exit_code if rank == reporter else 0)
+    if error.reporter not in (None, rank):
+        # the reporter waits for the same ranks and ends the job with this line (its wait
+        # began when it reached the call): printed once, unless it does not come
+        time.sleep(REPORTER_GRACE)
     print(f"mpitrain: error: {error}", file=sys.stderr, flush=True)
     abort_world(error.exit_code)
 
