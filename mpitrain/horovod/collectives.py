@@ -79,6 +79,13 @@ class Mismatch(UsageError):
     first rank that did not leave reports it)."""
 
 
+def _ranks_on(hosts: Sequence[str], ranks: List[int]) -> str:
+    """"rank 1 on node0" or "ranks 1, 2 on node0, node1" (``hosts``: every rank's)."""
+    where = f" on {', '.join(sorted({hosts[r] for r in ranks}))}"
+    return (f"rank {ranks[0]}" if len(ranks) == 1 else
+            f"ranks {', '.join(map(str, ranks))}") + where
+
+
 def dtype_code(dtype) -> int:
     name = np.dtype(dtype).name
     if name not in DTYPES:
@@ -266,19 +273,18 @@ class Collectives:
             comm.wait_all(receives + sends, HOT)
         except CommTimeout:
             late = [p for p, pending in zip(peers, receives) if not pending.test()]
-            error = self._late(late, describe())
-            # the ranks whose headers came wait for the same late ones: the first reports
-            error.reporter = min([self.rank] + [p for p in peers if p not in late])
-            raise error from None
+            raise self._late(late, describe()) from None
 
     def _late(self, late: List[int], what: str) -> CommTimeout:
         names = ", ".join(self.comm.name(r) for r in late) or "a rank"
         who = "it is" if len(late) <= 1 else "they are"
-        return CommTimeout(
+        error = CommTimeout(
             f"{self.comm.name(self.rank)} waited {self.comm.timeout:g} s for {names} to reach "
             f"collective #{self.seq} ({what}): {who} stalled or dead, or not making this call "
             "(if a step legitimately takes longer, raise hvd.init(timeout=...) or "
             "$MPITRAIN_TIMEOUT)")
+        error.reporter = min(set(range(self.size)) - set(late))  # all wait for the same
+        return error
 
     def _disagree(self, mine: str, same_call: bool) -> NoReturn:
         """Raise the Mismatch every rank raises at this call, naming what each called."""
@@ -286,7 +292,8 @@ class Collectives:
         groups: Dict[str, List[int]] = {}
         for r, text in enumerate(said):
             groups.setdefault(text, []).append(r)
-        parts = "; ".join(f"{self._ranks(ranks)}: {text}" for text, ranks in groups.items())
+        parts = "; ".join(f"{_ranks_on(self.comm.hosts, ranks)}: {text}"
+                          for text, ranks in groups.items())
         if same_call:  # every active rank made the same call: some had joined
             error = Mismatch(f"collective #{self.seq}: {parts}; while a rank has called "
                              "hvd.join(), the others may only allreduce and barrier")
@@ -297,12 +304,6 @@ class Collectives:
         staying = [r for r in range(self.size) if self.table[r, KIND] != LEFT]
         error.reporter = staying[0] if staying else 0
         raise error
-
-    def _ranks(self, ranks: List[int]) -> str:
-        hosts = sorted({self.comm.hosts[r] for r in ranks})
-        where = f" on {', '.join(hosts)}"
-        return (f"rank {ranks[0]}" if len(ranks) == 1 else
-                f"ranks {', '.join(map(str, ranks))}") + where
 
     def _check_root(self, root: int) -> None:
         if not 0 <= root < self.size:
