@@ -36,7 +36,8 @@ models), sqrt and none, all under the default staleness bound; where that bound 
 compensation auto) beside them; marked "(before)", sync and async with the defaults before
 these rules, given as options (``BEFORE``); and for the Adam models, marked
 "(warm-up)", sync with the warm-up the default gives only SGD and momentum
-(``WARMED_UP``), the measurement behind that rule.
+(``WARMED_UP``), the measurement behind that rule; for LR (plain SGD), marked
+"(momentum)", sync with momentum SGD at a tenth of the rate (``WITH_MOMENTUM``).
 
 ``--ranks 3,5,9,17,33``: at each -np one launch of LR for one epoch, sync then async,
 timed on every rank (:func:`rank_side`: the real runs, with hooks that only read the
@@ -109,6 +110,10 @@ BEFORE = {
 #: models whose optimizer (Adam) gets no warm-up by default: their sync runs again with the
 #: warm-up SGD and momentum get (a fifth of the run)
 WARMED_UP = ("lenet", "resnet")
+#: plain-SGD models whose sync runs again with momentum SGD (0.9) at a tenth of the rate:
+#: the same step once the momentum has built up, and the steps a large global batch lacks
+#: covered faster (async has momentum of its own: Mitliagkas et al. 2016)
+WITH_MOMENTUM = {"lr": ["--optimizer", "momentum", "--lr", "0.1"]}
 #: docs/scaling.md's generated block (``--write-docs``) lies between these lines
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
 BEGIN, END = "<!-- bench scale: begin -->", "<!-- bench scale: end -->"
@@ -205,6 +210,8 @@ def model_runs(model: str, workers: int, quick: bool) -> Dict[str, List[str]]:
     if model in WARMED_UP:
         runs[f"{model}-sync-warmup"] = [*base, "--warmup-epochs",
                                         f"{WARMUP_FRACTION * spec['epochs']:g}"]
+    if model in WITH_MOMENTUM:
+        runs[f"{model}-sync-momentum"] = [*base, *WITH_MOMENTUM[model]]
     return runs
 
 
@@ -559,8 +566,8 @@ def slots_file(out: Path, np_: int) -> Path:
 def point(name: str, workers: int, row: Dict[str, str]) -> Dict:
     """One run's row: accuracy, when it reached the target, staleness, rank 0's memory."""
     model, mode, *comp = name.split("-")
-    if comp in (["before"], ["warmup"]):
-        mode, comp = f"{mode} ({'before' if comp == ['before'] else 'warm-up'})", []
+    if comp in (["before"], ["warmup"], ["momentum"]):
+        mode, comp = f"{mode} ({ {'warmup': 'warm-up'}.get(comp[0], comp[0]) })", []
     target = MODELS[model]["target"]
     run_dir = Path(row["run_dir"])
     reached = first_reached(run_dir / "curve.csv", target)
