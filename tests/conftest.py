@@ -319,6 +319,17 @@ def read_rows(path: Path) -> list:
         return list(csv.DictReader(f))
 
 
+def status_once_ended(run_dir: Path, bound: float = 30.0) -> dict:
+    """A run's status.json once it says the run ended (or as it is after ``bound``
+    seconds): when rank 0 was killed, its witness writes it after the process is gone."""
+    deadline = time.monotonic() + bound
+    while True:
+        status = json.loads((Path(run_dir) / "status.json").read_text())
+        if status["status"] != "running" or time.monotonic() > deadline:
+            return status
+        time.sleep(0.1)
+
+
 def runs_in_one_launch(np_: int, runs, workdir: Path, timeout: float = 900,
                        **kw) -> subprocess.CompletedProcess:
     """Run several ``mpitrain`` command lines (lists of arguments) one after another in

@@ -19,7 +19,8 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import LOCAL_HOSTFILE, mnist_dir, mnist_shard, mpi_env, mpirun, read_rows
+from conftest import (LOCAL_HOSTFILE, mnist_dir, mnist_shard, mpi_env, mpirun, read_rows,
+                      status_once_ended)
 from mpitrain.results import lost_run
 
 pytestmark = pytest.mark.slow
@@ -113,17 +114,6 @@ def test_killed_rank_ends_the_job(mnist, tmp_path, mode, rank):
         assert status["reason"] == lost_run.REASON
     assert [row["status"] for row in read_rows(tmp_path / "runs.csv")] == ["failed"]
     job.assert_no_leftovers()
-
-
-def status_once_ended(run_dir: Path, bound: float = 10.0) -> dict:
-    """The run's status.json once it says the run ended (or as it is after ``bound``
-    seconds): rank 0's witness writes it after rank 0's process is gone."""
-    deadline = time.monotonic() + bound
-    while True:
-        status = json.loads((run_dir / "status.json").read_text())
-        if status["status"] != "running" or time.monotonic() > deadline:
-            return status
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("extra", [

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import REPO, read_rows
+from conftest import REPO, read_rows, status_once_ended
 from mpitrain.results import lost_run
 from mpitrain.results.run_dir import ATTEMPT_ENV
 from unit.test_bad_input import lr_metadata
@@ -46,17 +46,6 @@ def rank0(tmp_path, end, metadata, env=None):
     return proc, tmp_path / os.path.basename(run_dir)
 
 
-def status_once_settled(run_dir, bound=30.0):
-    """status.json once it no longer says running (the witness has written), or as it is
-    after ``bound`` seconds."""
-    deadline = time.monotonic() + bound
-    while True:
-        status = json.loads((run_dir / "status.json").read_text())
-        if status["status"] != "running" or time.monotonic() > deadline:
-            return status
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("metadata", [lr_metadata(), {  # a script's, under mpitrain.horovod
     "config": {"model": "train", "mode": "sync", "world_size": 2, "workers": 2,
                "engine": "mpitrain-horovod", "timeout": 30}}], ids=["cli", "horovod"])
@@ -64,7 +53,7 @@ def test_a_rank_0_killed_while_training_is_recorded_failed(tmp_path, metadata):
     proc, run_dir = rank0(tmp_path, "none", metadata)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
-    status = status_once_settled(run_dir)
+    status = status_once_ended(run_dir)
     assert (status["status"], status["reason"], status["runs_csv"]) == (
         "failed", lost_run.REASON, "written")
     row, = read_rows(tmp_path / "runs.csv")
