@@ -67,8 +67,8 @@ def _identity_of(meta: dict, status: dict) -> dict:
 
 def record_if_lost(run_dir: Path, pid: int, rows_before: int, resumed: bool) -> bool:
     """After process ``pid`` (rank 0) is gone: record the run as
-    :func:`record_lost_attempt` does if that process left it
-    running, or ended without its row. True if it recorded."""
+    :func:`record_lost_attempt` does if that process left it running, or ended without
+    its row. True if it recorded."""
     status = read_json_object(run_dir / "status.json")
     if not status:
         return False
@@ -86,8 +86,8 @@ def main(argv) -> int:
     """The witness: waits for end-of-file on stdin (rank 0's process gone, or its run
     recorded), then records the run if rank 0 could not."""
     run_dir, pid, rows_before, resumed = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3]
-    while sys.stdin.buffer.read(4096):  # nothing is written: returns at rank 0's exit
-        pass
+    while sys.stdin.buffer.read(4096):  # nothing is written: returns once rank 0 has
+        pass  # exited or closed the pipe
     record_if_lost(run_dir, pid, rows_before, resumed == "resumed")
     return 0
 

@@ -15,11 +15,11 @@ do not reach it, holding the write end of a pipe whose read end is the witness's
 The witness blocks reading it, which costs nothing while the run trains, and sees
 end-of-file the moment rank 0's process is gone, however it ended, or when rank 0
 closes it after recording the run's end (a process may train many runs:
-``mpitrain.fit`` in a loop). It then reads the
-run's status.json: if rank 0 had recorded an end with its row, there is nothing to do
-(the usual case); if the status still says running, written by that process, or an
-end whose row was still pending, it records the attempt as failed (or as the end it
-had said) with its row (:mod:`mpitrain.results.lost_run`), and exits.
+``mpitrain.fit`` in a loop). It then reads the run's status.json: if rank 0 had
+recorded an end with its row, there is nothing to do (the usual case); if the status
+still says running, written by that process, or an end whose row was still pending,
+it records the attempt as failed (or as the end it had said) with its row
+(:mod:`mpitrain.results.lost_run`), and exits.
 """
 
 from __future__ import annotations
