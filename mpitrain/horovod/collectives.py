@@ -324,12 +324,8 @@ class Collectives:
             self._sum_half_(flat, what)
         elif flat.dtype == np.float32 and _MPI_OP[op] == "sum":
             self.summing.allreduce_sum_(flat, what=what)
-        elif flat.dtype == np.bool_:
-            view = flat.view(np.uint8)
-            reductions.allreduce_(self.comm, view, "min" if op in (Min, Product) else "max",
-                                  what)
         else:
-            reductions.allreduce_(self.comm, flat, _MPI_OP[op], what)
+            _reduce_through_mpi_(self.comm, flat, op, what)
         factor = postscale / self.size if op == Average else postscale
         if factor != 1.0 and flat.dtype != np.bool_:
             scale_(flat, factor)
@@ -346,6 +342,21 @@ class Collectives:
         half[:n] = flat
         self.summing.allreduce_sum_half_(half, out, what)
         flat[:] = out
+
+
+def _reduce_through_mpi_(comm, flat: np.ndarray, op: int, what: str) -> None:
+    """Reduce ``flat`` in place with MPI's own operation for ``op``: float16 (MPI has no
+    float16 min, max or product) in float32, exact for min and max and rounded once for
+    the product; bool as uint8 (and: min, or: max)."""
+    if flat.dtype == np.float16:
+        wide = flat.astype(np.float32)
+        reductions.allreduce_(comm, wide, _MPI_OP[op], what)
+        flat[:] = wide
+    elif flat.dtype == np.bool_:
+        reductions.allreduce_(comm, flat.view(np.uint8), "min" if op in (Min, Product)
+                              else "max", what)
+    else:
+        reductions.allreduce_(comm, flat, _MPI_OP[op], what)
 
 
 def scale_(flat: np.ndarray, factor: float) -> None:

@@ -68,6 +68,11 @@ def test_allreduce_ops_eagerly_and_in_a_graph():
     for results in ([hvd.allreduce(x, op=op) for op in expected], in_graph(x)):
         for got, want in zip(results, expected.values()):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    # float16, every op (MPI has no float16 min, max or product)
+    for op, want in expected.items():
+        got = hvd.allreduce(tf.cast(x, tf.float16), op=op)
+        assert got.dtype == tf.float16
+        np.testing.assert_allclose(got.numpy(), want, rtol=2e-3)
     # Horovod's scaling: prescale before, postscale after the sum
     got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
     np.testing.assert_allclose(got.numpy(), np.array([1.0, 2.0, 3.0]) * total / 2, rtol=1e-6)
