@@ -302,8 +302,15 @@ def _broadcast_in_graph(group, root: int):
 
 @plain
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
-    """Horovod's in-place broadcast of variables: :func:`broadcast_variables`."""
-    return broadcast_variables(variables, root_rank, process_set)
+    """Horovod's in-place broadcast of variables (:func:`broadcast_variables`); returns
+    their values after it, one tensor per variable, as Horovod does (in a graph, read
+    once the broadcast has run)."""
+    variables = list(variables)
+    done = broadcast_variables(variables, root_rank, process_set)
+    if done is None:  # eagerly: done
+        return [tf.convert_to_tensor(v) for v in variables]
+    with tf.control_dependencies([done]):
+        return [tf.identity(v) for v in variables]
 
 
 @plain

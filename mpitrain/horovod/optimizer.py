@@ -116,6 +116,29 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     return cls.from_config(config)
 
 
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=global_process_set,
+                                scale_local_gradients=True, local_layers=None):
+    """:func:`DistributedOptimizer` whose updates of ``local_layers``' trainable weights
+    (a Keras layer or a list of them) use this rank's own gradients, not averaged over
+    the ranks: Horovod's partial distributed optimizer."""
+    import keras
+
+    distributed = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+    layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) \
+        else list(local_layers or ())
+    for layer in layers:
+        for var in layer.trainable_weights:
+            distributed.register_local_var(var)
+    return distributed
+
+
 def distributed_class(base, reducer: GradientReducer, passes: int = 1,
                       average_aggregated: bool = False):
     """The DistributedOptimizer class of the optimizer class ``base``: its name and module,

@@ -170,6 +170,42 @@ def test_broadcasts():
         hvd.broadcast(tf.ones([1]), root_rank=n())
 
 
+def test_broadcast_in_place_returns_the_values_eagerly_and_in_a_graph():
+    first, second = tf.Variable([me(), me()]), tf.Variable(np.full((2, 2), me()))
+    got = hvd.broadcast_([first, second], root_rank=n() - 1)
+    assert [g.dtype for g in got] == [tf.float32, tf.float64]
+    np.testing.assert_array_equal(got[0].numpy(), [n(), n()])
+    np.testing.assert_array_equal(second.numpy(), np.full((2, 2), float(n())))
+    first.assign([me(), me()])
+    in_graph = tf.function(lambda: hvd.broadcast_([first], root_rank=0))()
+    np.testing.assert_array_equal(in_graph[0].numpy(), [1.0, 1.0])
+    np.testing.assert_array_equal(first.numpy(), [1.0, 1.0])
+
+
+def test_local_layers_and_variables_stay_this_ranks_own():
+    """PartialDistributedOptimizer's local layers are updated with this rank's gradient
+    alone; BroadcastGlobalVariablesCallback(local_variables=...) leaves them out."""
+    shared, local = keras.layers.Dense(2), keras.layers.Dense(2)
+    model = keras.Sequential([keras.Input((3,)), shared, local])
+    callback = hvdk.callbacks.BroadcastGlobalVariablesCallback(
+        0, local_variables=local.trainable_weights)
+    callback.set_model(model)
+    local.kernel.assign(tf.fill([2, 2], me()))
+    callback.on_train_begin()
+    assert same_everywhere(shared.kernel.numpy())
+    np.testing.assert_array_equal(local.kernel.numpy(), np.full((2, 2), me()))
+    optimizer = hvdk.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=local)
+    local.kernel.assign(tf.ones([2, 2]))  # the same everywhere before the step
+    x = tf.fill([4, 3], me())  # each rank its own data: its own gradients
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x) ** 2)
+    variables = model.trainable_variables
+    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    assert same_everywhere(shared.kernel.numpy())
+    if n() > 1:
+        assert not same_everywhere(local.kernel.numpy())
+
+
 def test_broadcast_variables_of_tensorflow_and_keras():
     plain = tf.Variable(tf.fill([4], me()))
     counter = tf.Variable(int(me()))

@@ -14,7 +14,8 @@ from .. import (Average, Compression, ProcessSet, Sum, add_process_set, ccl_buil
                 local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                 remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
 from .. import ops as _ops
-from ..optimizer import DistributedOptimizer, distributed_class  # noqa: F401
+from ..optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # noqa: F401
+                         distributed_class)
 from ..tape import GradientReducer
 from . import callbacks  # noqa: F401
 

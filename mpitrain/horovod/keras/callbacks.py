@@ -30,11 +30,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     when training begins (Keras 3 builds both before that), or after the first batch if
     something was built only then (Horovod's moment)."""
 
-    def __init__(self, root_rank: int = 0, device: str = ""):
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
         self._local: Set[int] = set()
+        for var in local_variables or ():  # Horovod's: left out of the broadcast
+            self.register_local_var(var)
 
     def register_local_var(self, var) -> None:
         """Leave ``var`` out of the broadcast."""
