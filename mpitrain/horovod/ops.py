@@ -20,7 +20,8 @@ import numpy as np
 from ..models.keras_import import import_tensorflow
 from . import world as runtime
 from .compression import Compression
-from .collectives import Adasum, Average, Max, Min, Product, Sum  # noqa: F401 (re-exported)
+from .collectives import (OP_NAMES, Adasum, Average, Max, Min, Product,  # noqa: F401
+                          Sum)  # (re-exported)
 from .world import STATE, unsupported
 
 # the quick way unless the script imported TensorFlow already: on every rank, half the
@@ -159,11 +160,13 @@ def _differentiable_allreduce(t, op, prescale, postscale, name):
 
 
 def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
+    # (Unsupported is a NotImplementedError, as Horovod raises here)
     if op not in (Sum, Average):
-        raise ValueError("only Sum and Average reduce tf.IndexedSlices (pass "
-                         "sparse_as_dense=True for the others)")
+        raise unsupported(f"the {OP_NAMES[op]} reduction of tf.IndexedSlices",
+                          "only Sum and Average reduce them (or pass sparse_as_dense=True)")
     if prescale != 1.0 or postscale != 1.0:
-        raise ValueError("prescale_factor and postscale_factor do not apply to tf.IndexedSlices")
+        raise unsupported("prescale_factor or postscale_factor with tf.IndexedSlices",
+                          "scale the values before or after")
     values = allgather(slices.values, name=name)
     indices = allgather(slices.indices, name=name)
     if op == Average:
@@ -247,11 +250,25 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     runtime.engine()
     t = tf.convert_to_tensor(tensor)
 
-    def run(a):
-        return _call(lambda: runtime.engine().broadcast_(np.array(a), root_rank, name or ""))
-    out = tf.numpy_function(run, [t], t.dtype, stateful=True, name=_op_name("broadcast", name))
-    out.set_shape(t.shape)
-    return out
+    def send(x):
+        def run(a):
+            return _call(lambda: runtime.engine().broadcast_(np.array(a), root_rank,
+                                                             name or ""))
+        out = tf.numpy_function(run, [x], x.dtype, stateful=True,
+                                name=_op_name("broadcast", name))
+        out.set_shape(x.shape)
+        return out
+
+    if not (t.dtype.is_floating and _taped()):
+        return send(t)
+
+    @tf.custom_gradient
+    def differentiable(x):
+        def grad(dy):  # Horovod's: the averaged gradient on the root, zero elsewhere
+            averaged = _fused_allreduce([dy], Average)[0]
+            return averaged if runtime.topology().rank == root_rank else averaged * 0
+        return send(x), grad
+    return differentiable(t)
 
 
 @plain
@@ -322,15 +339,30 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     Reduced whole, then cut: correct, not bandwidth-optimal."""
     if op not in (Sum, Average):
         raise ValueError("reducescatter takes op=Average or Sum")
-    reduced = allreduce(tensor, compression=compression, op=op, name=name,
-                        process_set=process_set, prescale_factor=prescale_factor,
-                        postscale_factor=postscale_factor)
+    _check_process_set(process_set)
     top = runtime.topology()
-    rows = tf.shape(reduced)[0]
-    base, extra = rows // top.size, rows % top.size
-    start = top.rank * base + tf.minimum(top.rank, extra)
-    count = base + tf.cast(top.rank < extra, rows.dtype)
-    return reduced[start:start + count]
+
+    def scatter(x):
+        reduced = allreduce(x, compression=compression, op=op, name=name,
+                            prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        rows = tf.shape(reduced)[0]
+        base, extra = rows // top.size, rows % top.size
+        start = top.rank * base + tf.minimum(top.rank, extra)
+        count = base + tf.cast(top.rank < extra, rows.dtype)
+        return reduced[start:start + count]
+
+    t = tf.convert_to_tensor(tensor)
+    if not (t.dtype.is_floating and _taped()):
+        return scatter(t)
+
+    @tf.custom_gradient
+    def differentiable(x):
+        def grad(dy):  # Horovod's: every rank's rows gathered, times size for a Sum
+            factor = (top.size if op == Sum else 1) * prescale_factor * postscale_factor
+            gathered = allgather(dy, name=name)
+            return gathered * tf.cast(factor, dy.dtype) if factor != 1 else gathered
+        return scatter(x), grad
+    return differentiable(t)
 
 
 @plain

@@ -125,6 +125,10 @@ def test_allreduce_of_indexed_slices_gathers_them():
     assert isinstance(out, tf.IndexedSlices)
     np.testing.assert_allclose(tf.convert_to_tensor(out).numpy(),
                                [[(r + 1) / n()] * 2 for r in range(n())], rtol=1e-6)
+    # what Horovod does not reduce either: its NotImplementedError, our one-line message
+    for bad in (dict(op=hvd.Max), dict(prescale_factor=2.0)):
+        with pytest.raises(NotImplementedError, match="mpitrain.horovod does not provide"):
+            hvd.allreduce(slices, **bad)
 
 
 def test_allreduce_and_allgather_are_differentiable():
@@ -137,6 +141,12 @@ def test_allreduce_and_allgather_are_differentiable():
     np.testing.assert_allclose(tape.gradient(reduced, x).numpy(), [n(), n()])
     # allgather's: this rank's rows of the averaged gradient
     np.testing.assert_allclose(tape.gradient(gathered, x).numpy(), 2 * x.numpy(), rtol=1e-6)
+    # broadcast's (Horovod's): the averaged gradient on the root, zero on the others
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        sent = tf.reduce_sum(hvd.broadcast(x, root_rank=0) * me())
+    want = (n() + 1) / 2 if hvd.rank() == 0 else 0.0
+    np.testing.assert_allclose(tape.gradient(sent, x).numpy(), [want, want], rtol=1e-6)
 
 
 def test_allgather_takes_first_dimensions_that_differ():
@@ -228,6 +238,21 @@ def test_reducescatter_splits_the_first_dimension_as_horovod():
     got = hvd.reducescatter(tf.fill([rows, 2], me()), op=hvd.Sum).numpy()
     mine = rows // n() + (1 if hvd.rank() < rows % n() else 0)
     assert got.shape == (mine, 2) and np.all(got == n() * (n() + 1) / 2)
+    # Horovod's gradient: every rank's output gradient gathered (times size for a Sum)
+    x = tf.fill([rows, 2], me())
+
+    def gradient(op):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(hvd.reducescatter(x, op=op) * me())
+        return tape.gradient(loss, x)
+
+    owners = np.repeat([r + 1.0 for r in range(n())],  # each row's rank's me()
+                       [rows // n() + (r < rows % n()) for r in range(n())])
+    for op, factor in ((hvd.Average, 1), (hvd.Sum, n())):
+        for run in (gradient, tf.function(gradient)):  # eagerly and in a graph
+            np.testing.assert_allclose(run(op).numpy(), factor * np.tile(owners[:, None], 2),
+                                       rtol=1e-6)
 
 
 def test_barrier_and_join():
