@@ -6,6 +6,7 @@ exits with ``error.exit_code``; unexpected exceptions abort the whole MPI job so
 crash on one rank never becomes a hang on the others.
 """
 
+import sys
 from typing import Optional
 
 EXIT_OK = 0
@@ -95,3 +96,13 @@ class Dropped(MpitrainError):
     under ``--enable-recovery``); the run went on without it, so it leaves quietly."""
 
     exit_code = 0
+
+
+def print_line(text: str, stream=None) -> None:
+    """Write ``text`` and its newline in one write, flushed (to stderr by default).
+    ``print`` writes them apart, and where each write is a system call of its own
+    (``PYTHONUNBUFFERED=1``, common under mpirun) two ranks' lines can interleave into
+    one line of the job's output."""
+    stream = sys.stderr if stream is None else stream
+    stream.write(text + "\n")
+    stream.flush()

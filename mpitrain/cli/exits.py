@@ -17,7 +17,7 @@ import traceback
 from typing import NoReturn
 
 from ..comm import abort_world, report_failure, world_rank_if_running, world_size_if_running
-from ..errors import EXIT_FAILURE, Dropped, Interrupted, MpitrainError
+from ..errors import EXIT_FAILURE, Dropped, Interrupted, MpitrainError, print_line
 
 PROG = "mpitrain"
 
@@ -33,7 +33,7 @@ def report(error: MpitrainError) -> int:
     """
     rank = world_rank_if_running()
     if isinstance(error, Dropped):  # the run goes on without this rank: leave quietly
-        print(f"{PROG}: {error}", file=sys.stderr, flush=True)
+        print_line(f"{PROG}: {error}")
         return error.exit_code
     label = "interrupted" if isinstance(error, Interrupted) else "error"
     if error.everywhere or world_size_if_running() <= 1:
@@ -41,11 +41,11 @@ def report(error: MpitrainError) -> int:
             # If every rank exited non-zero at once, mpirun would tear the job down
             # on the first exit and could drop rank 0's line.
             return 0
-        print(f"{PROG}: {label}: {error}", file=sys.stderr, flush=True)
+        print_line(f"{PROG}: {label}: {error}")
         return error.exit_code
     if rank != 0:
         report_failure(str(error))  # returns only if rank 0 did not end the job
-    print(f"{PROG}: {label}: {error}", file=sys.stderr, flush=True)
+    print_line(f"{PROG}: {label}: {error}")
     abort_world(error.exit_code)
     return error.exit_code
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from ..errors import EXIT_FAILURE, MpitrainError, UsageError
+from ..errors import EXIT_FAILURE, MpitrainError, UsageError, print_line
 
 #: seconds any rank waits for another in a collective before the job ends, naming it
 DEFAULT_TIMEOUT = 300.0
@@ -213,7 +213,7 @@ def _excepthook(kind, exc, tb) -> None:
     if error.everywhere or not running:
         reporter = error.reporter or 0
         if rank == reporter:
-            print(f"mpitrain: error: {error}", file=sys.stderr, flush=True)
+            print_line(f"mpitrain: error: {error}")
         # every rank raised it at the same point: each ends on its own, the reporter with
         # the code (others first exiting non-zero could make mpirun drop its line)
         _leave(error.exit_code if rank == reporter else 0)
@@ -221,7 +221,7 @@ def _excepthook(kind, exc, tb) -> None:
         # the reporter waits for the same ranks and ends the job with this line (its wait
         # began when it reached the call): printed once, unless it does not come
         time.sleep(REPORTER_GRACE)
-    print(f"mpitrain: error: {error}", file=sys.stderr, flush=True)
+    print_line(f"mpitrain: error: {error}")
     abort_world(error.exit_code)
 
 

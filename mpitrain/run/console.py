@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Iterable, Optional
 
+from ..errors import print_line
 from ..launch.dialect import launcher_of_this_process
 
 
@@ -90,7 +91,7 @@ class Console:
             if self._line_open:  # end the redrawn progress line before a normal line
                 self.stream.write("\r\033[K")
                 self._line_open = False
-            print(message, file=self.stream, flush=True)
+            print_line(message, self.stream)
 
 
 class NullConsole:

@@ -10,7 +10,7 @@ import textwrap
 from conftest import mpirun_cmd, run_bounded
 
 SCRIPT = """
-    import os, signal, time
+    import os, signal, sys, time
     import numpy as np
     from mpitrain.comm import Comm
 
@@ -41,7 +41,7 @@ def test_a_receive_from_a_sender_that_died_mid_message_is_abandoned(tmp_path):
 
 
 EXITED_IN_A_COLLECTIVE = """
-    import os, signal, time
+    import os, signal, sys, time
     from mpitrain.comm import Comm
     from mpitrain.errors import CommTimeout
 
@@ -52,7 +52,8 @@ EXITED_IN_A_COLLECTIVE = """
     try:
         comm.allgather_objects(comm.rank)
     except CommTimeout as e:
-        print(f"after {time.monotonic() - started:.1f} s: {e}", flush=True)
+        sys.stdout.write(f"after {time.monotonic() - started:.1f} s: {e}\\n")  # one write:
+        sys.stdout.flush()  # two ranks print at once (print writes the newline apart)
 """
 
 
