@@ -186,7 +186,10 @@ def test_slow_worker_does_not_stall_fast_ones_when_unbounded(comm, replica):
     server, summary = run_protocol(context(comm, replica, 12), delay)
     elapsed = comm.allgather_objects(None if server else summary.wall_time_s)
     slow, fast = elapsed[1], max(elapsed[2:])
-    assert fast < 0.5 * slow, f"fast workers took {fast:.2f} s, the slow one {slow:.2f} s"
+    # stalled, the fast workers would finish with the slow one (a ratio near 1, as under
+    # --staleness 0 below); not, they finish far sooner: near 0 on an idle host, up to
+    # about 3/4 where a loaded CI host starves them of CPU
+    assert fast < 0.85 * slow, f"fast workers took {fast:.2f} s, the slow one {slow:.2f} s"
     comm.barrier()
 
 
