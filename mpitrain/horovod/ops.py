@@ -49,6 +49,19 @@ def _taped() -> bool:
     return record.could_possibly_record()
 
 
+def _carrying_gradient(t, forward, gradient):
+    """``forward(t)``, with ``gradient`` (dy -> the gradient of ``t``) as its gradient
+    where a tape may record it and ``t`` is floating; plain otherwise (a custom
+    gradient costs milliseconds a call: :func:`_taped`)."""
+    if not (t.dtype.is_floating and _taped()):
+        return forward(t)
+
+    @tf.custom_gradient
+    def differentiable(x):
+        return forward(x), gradient
+    return differentiable(t)
+
+
 def _check_process_set(process_set) -> None:
     if process_set is not None:
         raise unsupported("process sets", "every collective runs on all ranks; run the "
@@ -214,16 +227,11 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     _check_process_set(process_set)
     top = runtime.topology()
     t = tf.convert_to_tensor(tensor)
-    if not (t.dtype.is_floating and _taped()):
-        return _gather(t, name)
 
-    @tf.custom_gradient
-    def gather(x):
-        def grad(dy):  # Horovod's: the averaged gradient, this rank's rows of it
-            rows = tf.reshape(_gather(tf.reshape(tf.shape(x)[0], [1]), name), [top.size])
-            return tf.split(_fused_allreduce([dy], Average)[0], rows)[top.rank]
-        return _gather(x, name), grad
-    return gather(t)
+    def grad(dy):  # Horovod's: the averaged gradient, this rank's rows of it
+        rows = tf.reshape(_gather(tf.reshape(tf.shape(t)[0], [1]), name), [top.size])
+        return tf.split(_fused_allreduce([dy], Average)[0], rows)[top.rank]
+    return _carrying_gradient(t, lambda x: _gather(x, name), grad)
 
 
 def _gather(t: tf.Tensor, name: Optional[str]) -> tf.Tensor:
@@ -259,16 +267,10 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
         out.set_shape(x.shape)
         return out
 
-    if not (t.dtype.is_floating and _taped()):
-        return send(t)
-
-    @tf.custom_gradient
-    def differentiable(x):
-        def grad(dy):  # Horovod's: the averaged gradient on the root, zero elsewhere
-            averaged = _fused_allreduce([dy], Average)[0]
-            return averaged if runtime.topology().rank == root_rank else averaged * 0
-        return send(x), grad
-    return differentiable(t)
+    def grad(dy):  # Horovod's: the averaged gradient on the root, zero elsewhere
+        averaged = _fused_allreduce([dy], Average)[0]
+        return averaged if runtime.topology().rank == root_rank else averaged * 0
+    return _carrying_gradient(t, send, grad)
 
 
 @plain
@@ -351,18 +353,11 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
         count = base + tf.cast(top.rank < extra, rows.dtype)
         return reduced[start:start + count]
 
-    t = tf.convert_to_tensor(tensor)
-    if not (t.dtype.is_floating and _taped()):
-        return scatter(t)
-
-    @tf.custom_gradient
-    def differentiable(x):
-        def grad(dy):  # Horovod's: every rank's rows gathered, times size for a Sum
-            factor = (top.size if op == Sum else 1) * prescale_factor * postscale_factor
-            gathered = allgather(dy, name=name)
-            return gathered * tf.cast(factor, dy.dtype) if factor != 1 else gathered
-        return scatter(x), grad
-    return differentiable(t)
+    def grad(dy):  # Horovod's: every rank's rows gathered, times size for a Sum
+        factor = (top.size if op == Sum else 1) * prescale_factor * postscale_factor
+        gathered = allgather(dy, name=name)
+        return gathered * tf.cast(factor, dy.dtype) if factor != 1 else gathered
+    return _carrying_gradient(tf.convert_to_tensor(tensor), scatter, grad)
 
 
 @plain
