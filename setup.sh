@@ -71,11 +71,22 @@ make_venv() {
     "$1/bin/python" -m pip install -q --upgrade pip
 }
 
-# pip install into the venv at $1. --no-compile: pip would compile every module of
-# every package (TensorFlow's thousands) to bytecode, most never imported; Python
-# compiles the ones imported on first use (and keeps them). Several times faster.
+# pip install into the venv at $1. --no-compile: pip compiles every module to bytecode
+# one file after another; compile_bytecode does it on every core once the venv is full.
 pip_install() {
     "$1/bin/python" -m pip install -q --no-compile "${@:2}"
+}
+
+# Bytecode for every module of the venv at $1 (and of this tree), on every core. Python
+# would compile a module on first import and keep it, but not where
+# PYTHONDONTWRITEBYTECODE is set (CI sandboxes set it): there every rank of every launch
+# compiled TensorFlow's modules again, twice the CPU of an import from bytecode.
+# compileall's status is not checked: some packages ship files for other Pythons that
+# do not compile, which Python never imports either.
+compile_bytecode() {
+    "$1/bin/python" -m compileall -q -q -j 0 \
+        "$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        mpitrain bench tests examples >/dev/null 2>&1 || true
 }
 
 # The environments after .venv are built at once, each by a job of its own, its output
@@ -110,6 +121,7 @@ wait_for_jobs() {  # wait for every job; a failed one's log, and setup fails
 
 make_venv .venv "$PYTHON"
 editable .venv test,lint
+start_job bytecode compile_bytecode .venv
 echo "setup: .venv ready after $SECONDS s"
 
 # Horovod (--allreduce horovod), built against TensorFlow 2.18.1 and the Open MPI
@@ -121,6 +133,7 @@ horovod_env() {  # (its build needs the TensorFlow it builds against: no isolati
     HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITHOUT_GLOO=1 MAKEFLAGS="-j$(nproc)" \
         pip_install .venv-horovod --no-build-isolation "horovod==0.28.1" "$HOROVOD_TF"
     editable .venv-horovod test,horovod
+    compile_bytecode .venv-horovod
 }
 if [ -n "${MPITRAIN_NO_HOROVOD:-}" ]; then
     echo "setup: Horovod skipped (MPITRAIN_NO_HOROVOD=1)"
@@ -139,6 +152,7 @@ other_mpi_env() {  # other_mpi_env VENV WHEEL
     make_venv "$1" "$PYTHON"
     pip_install "$1" "$2" "mpi4py>=4.1,<5"
     editable "$1" test
+    compile_bytecode "$1"
 }
 if [ -n "${MPITRAIN_NO_OTHER_MPIS:-}" ]; then
     echo "setup: Open MPI 5 and MPICH environments skipped (MPITRAIN_NO_OTHER_MPIS=1)"
@@ -159,6 +173,7 @@ fi
 torch_env() {
     make_venv .venv-torch "$PYTHON"
     pip_install .venv-torch "torch==2.13.0" "numpy>=1.26,<3"
+    compile_bytecode .venv-torch
 }
 if [ -n "${MPITRAIN_NO_TORCH:-}" ]; then
     echo "setup: PyTorch skipped (MPITRAIN_NO_TORCH=1): python -m bench ddp will skip"
@@ -191,8 +206,8 @@ other_mpi() {  # the MPI library the mpi4py of venv $1 loads
     "$1/bin/python" -c 'import mpi4py; mpi4py.rc.initialize = False
 from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].split(",")[0].strip())'
 }
-# Each line imports TensorFlow in its environment (compiling the bytecode of what it
-# imports, which the installs skipped): the environments at once, printed in order.
+# Each line imports TensorFlow in its environment: the environments at once, printed
+# in order.
 echo "setup: done: .venv: $(.venv/bin/python -m mpitrain --version), $(versions .venv/bin/python);" \
      "$(mpirun --version | head -1)" > "$logs/report.1" &
 for venv in 2:.venv-openmpi5 3:.venv-mpich; do
