@@ -1,15 +1,20 @@
 """The collectives of ``mpitrain.horovod`` on numpy buffers.
 
-Each call first agrees with every other rank on what it is: a header of 8 integers
+Each call first agrees with every other rank on what it is: a header of 9 integers
 (the call's sequence number, kind, reduction or root, dtype, element count, rank or
-tensor count, a checksum of the shapes, and whether the rank has joined) goes to
-every other rank point to point, and every rank checks every header. This is
+tensor count, a checksum of the shapes, whether the rank has joined, and a checksum of
+the call's name) goes to every other rank point to point, and every rank checks every
+header. This is
 Horovod's negotiation in one small exchange instead of a coordinator's cycle, and
 it buys four things:
 
 * **Bad use is named, never garbage or a hang.** Ranks whose calls differ (another
-  shape or dtype, another kind of call, a call one rank skipped) all stop at the same
-  call with one line naming the ranks and what each called.
+  shape or dtype, another kind of call, a call one rank skipped, another name) all stop
+  at the same call with one line naming the ranks and what each called. Names are how a
+  TF1 graph's reordering is caught: ``Session.run`` runs independent collectives in any
+  order on each rank, and Horovod pairs them by name where mpitrain pairs them by
+  order, so two same-shaped collectives met in different orders would otherwise be
+  reduced together (:mod:`.ops` names a TF1 graph's collectives after their tensors).
 * **A late rank is named.** A rank that never sends its header within ``timeout``
   (stalled, dead, or stuck elsewhere) is named by the others, which end the job.
 * **Sizes travel with it.** An allgather's first dimensions and an object's pickled
@@ -59,14 +64,21 @@ _MPI_OP = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
               BARRIER: "barrier", JOIN: "join", BROADCAST_OBJECT: "broadcast_object",
               ALLGATHER_OBJECT: "allgather_object", LEFT: "left"}
-SEQ, KIND, ARG, DTYPE, COUNT, NDIM, SIG, FLAGS = range(8)
+SEQ, KIND, ARG, DTYPE, COUNT, NDIM, SIG, FLAGS, NAME = range(9)
 JOINED = 1
 #: the header fields that must agree, by kind (ALLGATHER: not the first dimension)
-MUST_AGREE = {ALLREDUCE: (ARG, DTYPE, COUNT, NDIM, SIG), ALLGATHER: (DTYPE, NDIM, SIG),
-              BROADCAST: (ARG, DTYPE, COUNT, NDIM, SIG), BARRIER: (),
+MUST_AGREE = {ALLREDUCE: (ARG, DTYPE, COUNT, NDIM, SIG, NAME),
+              ALLGATHER: (DTYPE, NDIM, SIG, NAME),
+              BROADCAST: (ARG, DTYPE, COUNT, NDIM, SIG, NAME), BARRIER: (),
               BROADCAST_OBJECT: (ARG,), ALLGATHER_OBJECT: (), LEFT: ()}
 #: the name a gradient tape's and optimizer's allreduces carry (counted as steps)
 GRADIENTS = "gradients"
+#: why calls alike but for their names meet, and the fix
+RENAMED = ("; calls that differ only in their name are what a TF1 graph's Session.run makes "
+           "of independent collectives (it runs them in any order on each rank; a "
+           "collective there is named after its tensor unless given name=): chain them with "
+           "tf.control_dependencies, fetch them in separate runs, or run the step in "
+           "tf.function or eagerly")
 #: the tag of the headers, on the world communicator (mpitrain's protocols use 21-26,
 #: its failure reports and gathers 77-78)
 TAG_HEADER = 80
@@ -113,7 +125,7 @@ class Collectives:
         #: over the world communicator; every rank trains
         self.summing = MpiEngine(comm)
         self.rank, self.size = comm.rank, comm.size
-        self.table = np.zeros((comm.size, 8), np.int64)  # every rank's header, by rank
+        self.table = np.zeros((comm.size, NAME + 1), np.int64)  # every rank's header, by rank
         self.seq = 0
         self.joined = False
         self._joined_at: Dict[int, int] = {}  # rank -> the call at which it was seen joined
@@ -136,7 +148,8 @@ class Collectives:
         with self._call():
             self._agree(ALLREDUCE, op, dtype_code(buf.dtype), buf.size, _ndim(shape),
                         shape_checksum(shape),
-                        lambda: _described(ALLREDUCE, buf.dtype, shape, name, OP_NAMES[op]))
+                        lambda: _described(ALLREDUCE, buf.dtype, shape, name, OP_NAMES[op]),
+                        name)
             self.gradient_exchanges += name == GRADIENTS
             return self._reduce_(buf, op, prescale, postscale, name)
 
@@ -151,7 +164,7 @@ class Collectives:
         with self._call():
             self._agree(ALLGATHER, 0, dtype_code(arr.dtype), arr.shape[0], arr.ndim,
                         shape_checksum(rest),
-                        lambda: _described(ALLGATHER, arr.dtype, arr.shape, name))
+                        lambda: _described(ALLGATHER, arr.dtype, arr.shape, name), name)
             rows = self.table[:, COUNT].copy()
             out = np.empty((int(rows.sum()),) + rest, arr.dtype)
             per_row = int(np.prod(rest, dtype=np.int64))
@@ -167,7 +180,7 @@ class Collectives:
             self._agree(BROADCAST, root, dtype_code(buf.dtype), buf.size, buf.ndim,
                         shape_checksum(buf.shape),
                         lambda: _described(BROADCAST, buf.dtype, buf.shape, name,
-                                           f"from rank {root}"))
+                                           f"from rank {root}"), name)
             return reductions.broadcast_(self.comm, buf, root, _what(BROADCAST, name))
 
     def broadcast_object(self, obj, root: int = 0):
@@ -239,13 +252,14 @@ class Collectives:
                     yield
 
     def _agree(self, kind: int, arg: int, dtype: int, count: int, ndim: int, sig: int,
-               describe: Callable[[], str]) -> List[int]:
+               describe: Callable[[], str], name: str = "") -> List[int]:
         """Exchange this call's header with every rank and check them; the ranks that
         have not joined. Raises :class:`Mismatch` on every rank alike, or CommTimeout
         naming the ranks whose headers did not come."""
         self.seq += 1
         mine = self.table[self.rank]
-        mine[:] = (self.seq, kind, arg, dtype, count, ndim, sig, JOINED if self.joined else 0)
+        mine[:] = (self.seq, kind, arg, dtype, count, ndim, sig, JOINED if self.joined else 0,
+                   zlib.crc32(name.encode()))
         if self.size > 1:
             self._exchange(describe)
         table = self.table
@@ -260,7 +274,8 @@ class Collectives:
         if agreed and (not active or len(active) == self.size
                        or kinds <= {ALLREDUCE, BARRIER}):
             return active
-        self._disagree(describe(), agreed)
+        self._disagree(describe(), agreed, renamed=not agreed and len(kinds) == 1 and all(
+            len({int(table[r, f]) for r in active}) == 1 for f in fields if f != NAME))
 
     def _exchange(self, describe: Callable[[], str]) -> None:
         comm, mine = self.comm, self.table[self.rank]
@@ -286,7 +301,7 @@ class Collectives:
         error.reporter = min(set(range(self.size)) - set(late))  # all wait for the same
         return error
 
-    def _disagree(self, mine: str, same_call: bool) -> NoReturn:
+    def _disagree(self, mine: str, same_call: bool, renamed: bool = False) -> NoReturn:
         """Raise the Mismatch every rank raises at this call, naming what each called."""
         said = self.comm.allgather_objects("hvd.join()" if self.joined else mine)
         groups: Dict[str, List[int]] = {}
@@ -299,8 +314,8 @@ class Collectives:
                              "hvd.join(), the others may only allreduce and barrier")
         else:
             error = Mismatch(f"the ranks disagree at collective #{self.seq}: {parts}; every "
-                             "rank must make the same collective calls, with the same shapes "
-                             "and dtypes, in the same order")
+                             "rank must make the same collective calls, with the same shapes, "
+                             "dtypes and names, in the same order" + (RENAMED if renamed else ""))
         staying = [r for r in range(self.size) if self.table[r, KIND] != LEFT]
         error.reporter = staying[0] if staying else 0
         raise error

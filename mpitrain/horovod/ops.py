@@ -20,8 +20,8 @@ import numpy as np
 from ..models.keras_import import import_tensorflow
 from . import world as runtime
 from .compression import Compression
-from .collectives import (OP_NAMES, Adasum, Average, Max, Min, Product,  # noqa: F401
-                          Sum)  # (re-exported)
+from .collectives import (OP_NAMES, Adasum, Average, Max, Min, Mismatch,  # noqa: F401
+                          Product, Sum)  # (re-exported)
 from .world import STATE, unsupported
 
 # the quick way unless the script imported TensorFlow already: on every rank, half the
@@ -79,14 +79,39 @@ def _op(op, average) -> int:
     return op
 
 
+class MismatchError(Mismatch, tf.errors.FailedPreconditionError):
+    """A :class:`Mismatch` as the caller meets it: TensorFlow's FailedPreconditionError,
+    as Horovod raises it (caught, it leaves the ranks in step: each raised it at the
+    same call). Uncaught, it ends the job with its one line like any Mismatch. Inside a
+    graph TensorFlow reports every Python exception as an UnknownError."""
+
+    def __init__(self, error: Mismatch):
+        tf.errors.FailedPreconditionError.__init__(self, None, None, str(error))
+        self.summary, self.reporter = None, error.reporter
+
+
 def _call(fn):
     """``fn()`` (an engine call); an mpitrain error is remembered first, so that when
     TensorFlow wraps it (inside a graph) the job still ends with its one line."""
     try:
         return fn()
+    except Mismatch as error:
+        STATE.last_error = MismatchError(error)
+        raise STATE.last_error from None
     except runtime.MpitrainError as error:
         STATE.last_error = error
         raise
+
+
+def _matching_name(name: Optional[str], tensor: tf.Tensor) -> str:
+    """The name the ranks pair a collective by: the caller's, or in a TF1 graph its
+    tensor's name, as Horovod names them (``Session.run`` runs independent collectives
+    in any order on each rank: paired by order alone, two alike would be reduced
+    together); '' in eager mode and in ``tf.function``, which run them in program
+    order."""
+    if name or tf.executing_eagerly() or tf.compat.v1.get_default_graph().building_function:
+        return name or ""
+    return tensor.name
 
 
 def _op_name(kind: str, name: Optional[str]) -> str:
@@ -115,6 +140,7 @@ def _fused_allreduce(tensors: Sequence[tf.Tensor], op: int, prescale: float = 1.
 def _allreduce_group(tensors: List[tf.Tensor], op: int, prescale: float, postscale: float,
                      name: Optional[str]) -> List[tf.Tensor]:
     dtype = tensors[0].dtype
+    name = _matching_name(name, tensors[0])
     if len(tensors) == 1:  # the tensor as it is: the engine reduces a copy
         t = tensors[0]
 
@@ -235,6 +261,8 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 
 def _gather(t: tf.Tensor, name: Optional[str]) -> tf.Tensor:
+    name = _matching_name(name, t)
+
     def gather(a):
         return _call(lambda: runtime.engine().allgather(a, name or ""))
     out = tf.numpy_function(gather, [t], t.dtype, stateful=True,
@@ -259,11 +287,13 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     t = tf.convert_to_tensor(tensor)
 
     def send(x):
+        matching = _matching_name(name, x)
+
         def run(a):
             return _call(lambda: runtime.engine().broadcast_(np.array(a), root_rank,
-                                                             name or ""))
+                                                             matching))
         out = tf.numpy_function(run, [x], x.dtype, stateful=True,
-                                name=_op_name("broadcast", name))
+                                name=_op_name("broadcast", matching))
         out.set_shape(x.shape)
         return out
 
