@@ -64,6 +64,30 @@ def allgatherv(comm: "Comm", send: np.ndarray, counts: Sequence[int], out: np.nd
     return out
 
 
+def alltoallv(comm: "Comm", send: np.ndarray, send_counts: np.ndarray,
+              recv_counts: np.ndarray, out: np.ndarray, what: str = "an alltoall",
+              kind: str = "alltoall") -> np.ndarray:
+    """Rank r gets the ``send_counts[r]`` elements of ``send`` that follow those for the
+    ranks before it; ``out`` := what every rank sent this one, in rank order, where
+    ``recv_counts[r]`` elements came from rank r (counts in elements, which must match
+    the senders'). Moves bytes: any dtype, the same on every rank."""
+    sent = np.asarray(send_counts, np.int64) * out.itemsize
+    got = np.asarray(recv_counts, np.int64) * out.itemsize
+    payload = np.ascontiguousarray(send).reshape(-1).view(np.uint8)
+    received = out.reshape(-1).view(np.uint8)
+    if comm.size == 1:
+        received[:] = payload[:got[0]]
+        return out
+    MPI = _load_mpi()
+    comm.wait(Pending(comm.mpi4py_comm.Ialltoallv(
+        [payload, sent, np.concatenate([[0], np.cumsum(sent)[:-1]]), MPI.BYTE],
+        [received, got, np.concatenate([[0], np.cumsum(got)[:-1]]), MPI.BYTE]),
+        what, None, kind), HOT)
+    comm.traffic.add_sent(kind, int(sent.sum()))
+    comm.traffic.add_recv(kind, int(got.sum()))
+    return out
+
+
 def broadcast_(comm: "Comm", buf: np.ndarray, root: int, what: str = "a broadcast",
                kind: str = "broadcast") -> np.ndarray:
     """Overwrite ``buf`` (contiguous, any dtype) on every rank with root's, as bytes."""

@@ -8,11 +8,11 @@ Run a Horovod script with its import line changed, under mpirun as before::
 What is provided: ``init``, ``shutdown`` and the topology (``size``, ``rank``,
 ``local_*``, ``cross_*``); the collectives ``allreduce`` (Average, Sum, Min, Max,
 Product; pre/postscale; compression), ``grouped_allreduce``, ``allgather``,
-``broadcast``, ``broadcast_variables``, ``broadcast_object``, ``allgather_object``,
+``broadcast``, ``broadcast_variables``, ``broadcast_object``, ``allgather_object``, ``alltoall``,
 ``reducescatter``, ``join``, ``barrier``, in eager code and inside ``tf.function``;
 ``DistributedGradientTape``; ``DistributedOptimizer`` for Keras 3 optimizers;
 ``Compression.none``/``fp16``. Keras' callbacks and ``load_model`` are in
-:mod:`mpitrain.horovod.keras`. What is not (process sets, alltoall, elastic
+:mod:`mpitrain.horovod.keras`. What is not (process sets, elastic
 training, GPUs and NCCL, Gloo, ``horovodrun``/``horovod.run``, Adasum, the timeline)
 raises :class:`Unsupported` naming what to use instead. docs/horovod.md has the
 details and the migration table.

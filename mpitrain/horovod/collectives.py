@@ -44,7 +44,7 @@ import contextlib
 import pickle
 import threading
 import zlib
-from typing import Callable, Dict, List, NoReturn, Sequence, Tuple
+from typing import Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -60,15 +60,15 @@ _MPI_OP = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 
 # the kinds of call, and the header's fields
 (ALLREDUCE, ALLGATHER, BROADCAST, BARRIER, JOIN, BROADCAST_OBJECT, ALLGATHER_OBJECT,
- LEFT) = range(1, 9)
+ LEFT, ALLTOALL) = range(1, 10)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
               BARRIER: "barrier", JOIN: "join", BROADCAST_OBJECT: "broadcast_object",
-              ALLGATHER_OBJECT: "allgather_object", LEFT: "left"}
+              ALLGATHER_OBJECT: "allgather_object", LEFT: "left", ALLTOALL: "alltoall"}
 SEQ, KIND, ARG, DTYPE, COUNT, NDIM, SIG, FLAGS, NAME = range(9)
 JOINED = 1
 #: the header fields that must agree, by kind (ALLGATHER: not the first dimension)
 MUST_AGREE = {ALLREDUCE: (ARG, DTYPE, COUNT, NDIM, SIG, NAME),
-              ALLGATHER: (DTYPE, NDIM, SIG, NAME),
+              ALLGATHER: (DTYPE, NDIM, SIG, NAME), ALLTOALL: (DTYPE, NDIM, SIG, NAME),
               BROADCAST: (ARG, DTYPE, COUNT, NDIM, SIG, NAME), BARRIER: (),
               BROADCAST_OBJECT: (ARG,), ALLGATHER_OBJECT: (), LEFT: ()}
 #: the name a gradient tape's and optimizer's allreduces carry (counted as steps)
@@ -170,6 +170,29 @@ class Collectives:
             per_row = int(np.prod(rest, dtype=np.int64))
             return reductions.allgatherv(self.comm, arr, rows * per_row, out,
                                          _what(ALLGATHER, name), "allgather")
+
+    def alltoall(self, arr: np.ndarray, splits: Optional[np.ndarray] = None,
+                 name: str = "") -> Tuple[np.ndarray, np.ndarray]:
+        """Rank r gets ``splits[r]`` rows of ``arr`` (its first dimension, in rank order;
+        ``splits`` None: as many rows to each rank); returns the rows every rank sent this
+        one, in rank order, and how many came from each. The first dimension may differ
+        between ranks, the others may not."""
+        arr = np.ascontiguousarray(arr)
+        splits = alltoall_splits(arr.shape, splits, self.size)
+        rest = arr.shape[1:]
+        with self._call():
+            self._agree(ALLTOALL, 0, dtype_code(arr.dtype), arr.shape[0], arr.ndim,
+                        shape_checksum(rest),
+                        lambda: _described(ALLTOALL, arr.dtype, arr.shape, name), name)
+            every = np.empty((self.size, self.size), np.int64)  # row r: rank r's splits
+            reductions.allgatherv(self.comm, splits, [self.size] * self.size, every,
+                                  "the alltoall's splits", "alltoall")
+            received = every[:, self.rank].copy()
+            per_row = int(np.prod(rest, dtype=np.int64))
+            out = np.empty((int(received.sum()),) + rest, arr.dtype)
+            reductions.alltoallv(self.comm, arr, splits * per_row, received * per_row, out,
+                                 _what(ALLTOALL, name))
+        return out, received.astype(np.int32)
 
     def broadcast_(self, buf: np.ndarray, root: int, name: str = "") -> np.ndarray:
         """Overwrite ``buf`` (contiguous) on every rank with rank ``root``'s, in place."""
@@ -384,6 +407,26 @@ def scale_(flat: np.ndarray, factor: float) -> None:
         np.multiply(flat, float(factor), out=flat, casting="unsafe")
     else:
         np.multiply(flat, factor, out=flat, casting="unsafe")
+
+
+def alltoall_splits(shape: Sequence[int], splits, size: int) -> np.ndarray:
+    """The rows an alltoall of a tensor of ``shape`` sends to each of ``size`` ranks;
+    ValueError (Horovod's InvalidArgumentError) where they cannot be."""
+    if len(shape) == 0:
+        raise ValueError("alltoall needs a tensor of at least one dimension (got a scalar); "
+                         "reshape it to [1]")
+    if splits is None:
+        if shape[0] % size:
+            raise ValueError(f"alltoall without splits sends as many rows to each of the "
+                             f"{size} ranks, but the first dimension is {shape[0]}: pass "
+                             "splits=")
+        return np.full(size, shape[0] // size, np.int64)
+    splits = np.asarray(splits, np.int64).reshape(-1)
+    if splits.size != size or (splits < 0).any() or splits.sum() > shape[0]:
+        raise ValueError(f"alltoall's splits {splits.tolist()} must be {size} counts (one a "
+                         f"rank), none negative, summing to at most the first dimension "
+                         f"({shape[0]})")
+    return splits
 
 
 def _identity(op: int, code: int, count: int) -> np.ndarray:

@@ -21,7 +21,7 @@ from ..models.keras_import import import_tensorflow
 from . import world as runtime
 from .compression import Compression
 from .collectives import (OP_NAMES, Adasum, Average, Max, Min, Mismatch,  # noqa: F401
-                          Product, Sum)  # (re-exported)
+                          Product, Sum, alltoall_splits)  # (re-exported)
 from .world import STATE, unsupported
 
 # the quick way unless the script imported TensorFlow already: on every rank, half the
@@ -40,8 +40,12 @@ plain = tf.autograph.experimental.do_not_convert
 
 
 def _taped() -> bool:
-    """Whether a gradient tape may record what runs now (only then does an allreduce or
-    allgather carry its gradient function: tf.custom_gradient costs milliseconds a call)."""
+    """Whether what is built now may be differentiated: in a graph (``tf.function``, a TF1
+    graph: ``tf.gradients`` may ask), or eagerly where a gradient tape may record. Only
+    then does a collective carry its gradient function (tf.custom_gradient costs
+    milliseconds an eager call; in a graph, once when it is built)."""
+    if not tf.executing_eagerly():
+        return True
     try:
         from tensorflow.python.eager import record
     except ImportError:  # (a TensorFlow that moved it: always differentiable)
@@ -207,7 +211,8 @@ def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
         raise unsupported("prescale_factor or postscale_factor with tf.IndexedSlices",
                           "scale the values before or after")
     values = allgather(slices.values, name=name)
-    indices = allgather(slices.indices, name=name)
+    with tf.control_dependencies([values]):  # (a TF1 graph runs them in this order)
+        indices = allgather(slices.indices, name=name)
     if op == Average:
         values = values / tf.cast(runtime.topology().size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
@@ -255,8 +260,10 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     t = tf.convert_to_tensor(tensor)
 
     def grad(dy):  # Horovod's: the averaged gradient, this rank's rows of it
-        rows = tf.reshape(_gather(tf.reshape(tf.shape(t)[0], [1]), name), [top.size])
-        return tf.split(_fused_allreduce([dy], Average)[0], rows)[top.rank]
+        averaged = _fused_allreduce([dy], Average)[0]
+        with tf.control_dependencies([averaged]):  # (a TF1 graph runs them in this order)
+            rows = tf.reshape(_gather(tf.reshape(tf.shape(t)[0], [1]), name), [top.size])
+        return tf.split(averaged, rows)[top.rank]
     return _carrying_gradient(t, lambda x: _gather(x, name), grad)
 
 
@@ -399,9 +406,56 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
             for t in tensors]
 
 
-def alltoall(*args, **kwargs):
-    raise unsupported("alltoall", "allgather the tensor (hvd.allgather) and keep the rows you "
-                                  "need")
+@plain
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
+             process_set=global_process_set):
+    """Rank r gets ``splits[r]`` rows of ``tensor`` (its first dimension, in rank order;
+    without ``splits`` as many rows to each rank); returns what every rank sent this
+    one, concatenated in rank order, and, where ``splits`` was given, how many rows came
+    from each rank. Collective: the same dtype and dimensions after the first on every
+    rank. Differentiable (the gradient goes back the way the rows came)."""
+    _check_process_set(process_set)
+    size = runtime.topology().size
+    t = tf.convert_to_tensor(tensor)
+    given = splits is not None
+    counts = tf.cast(tf.reshape(splits if given else tf.zeros([0], tf.int32), [-1]), tf.int32)
+    _check_alltoall(t, given, tf.get_static_value(counts) if given else None, size)
+    if not (t.dtype.is_floating and _taped()):
+        out, received = _alltoall(t, counts, given, name)
+    else:
+        @tf.custom_gradient
+        def differentiable(x):
+            out, received = _alltoall(x, counts, given, name)
+
+            def grad(dy, *_):  # Horovod's: the gradient's rows sent back where they came from
+                return _alltoall(dy, received, True, None)[0]
+            return (out, received), grad
+        out, received = differentiable(t)
+    return (out, received) if given else out
+
+
+def _check_alltoall(t: tf.Tensor, given: bool, splits, size: int) -> None:
+    """What can be told before the call, raised as Horovod raises it (InvalidArgumentError);
+    the engine checks what is known only when the graph runs."""
+    shape = t.shape.as_list() if t.shape.rank is not None else None
+    if shape is None or (shape and shape[0] is None) or (given and splits is None):
+        return
+    try:
+        alltoall_splits(shape, splits, size)
+    except ValueError as error:
+        raise tf.errors.InvalidArgumentError(None, None, str(error)) from None
+
+
+def _alltoall(t: tf.Tensor, counts: tf.Tensor, given: bool, name: Optional[str]):
+    matching = _matching_name(name, t)
+
+    def exchange(a, c):
+        return _call(lambda: runtime.engine().alltoall(a, c if given else None, matching))
+    out, received = tf.numpy_function(exchange, [t, counts], [t.dtype, tf.int32],
+                                      stateful=True, name=_op_name("alltoall", matching))
+    out.set_shape([None] + t.shape.as_list()[1:])
+    received.set_shape([runtime.topology().size])
+    return out, received
 
 
 # ---- objects, barrier, join ---------------------------------------------------------------

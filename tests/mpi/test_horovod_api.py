@@ -149,6 +149,53 @@ def test_allreduce_and_allgather_are_differentiable():
     np.testing.assert_allclose(tape.gradient(sent, x).numpy(), [want, want], rtol=1e-6)
 
 
+def test_gradients_in_a_tf1_graph():
+    """tf.gradients through the collectives of a TF1 graph: Horovod's gradients, not None."""
+    with tf.Graph().as_default():
+        x = tf.constant([1.0, 2.0]) * me()
+        reduced = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum))
+        gathered = tf.reduce_sum(hvd.allgather(tf.reshape(x, [1, 2])) ** 2)
+        sent = tf.reduce_sum(hvd.alltoall(tf.tile(x, [n()])) * me())
+        grads = [tf.gradients(y, x)[0] for y in (reduced, gathered, sent)]
+        assert all(g is not None for g in grads)
+        with tf.compat.v1.Session() as session:
+            values = [session.run(g) for g in grads]
+    np.testing.assert_allclose(values[0], [n(), n()])
+    np.testing.assert_allclose(values[1], 2 * me() * np.array([1.0, 2.0]), rtol=1e-6)
+    # alltoall's: each row's gradient comes back from the rank it went to (rank k: k + 1)
+    np.testing.assert_allclose(values[2], [sum(range(1, n() + 1))] * 2, rtol=1e-6)
+
+
+def test_alltoall_sends_each_rank_its_rows():
+    """Rank r sends rank k (r + k + 1) rows of 100 r + k; equal splits without splits=;
+    eagerly and in tf.function; differentiable; Horovod's errors."""
+    k_rows = [hvd.rank() + k + 1 for k in range(n())]
+    mine = tf.constant(np.concatenate([np.full((c, 2), 100.0 * hvd.rank() + k)
+                                       for k, c in enumerate(k_rows)]), tf.float32)
+    expected = np.concatenate([np.full((r + hvd.rank() + 1, 2), 100.0 * r + hvd.rank())
+                               for r in range(n())])
+    for call in (hvd.alltoall, tf.function(hvd.alltoall)):
+        out, received = call(mine, tf.constant(k_rows))
+        np.testing.assert_array_equal(out.numpy(), expected)
+        assert received.numpy().tolist() == [r + hvd.rank() + 1 for r in range(n())]
+    equal = hvd.alltoall(tf.reshape(tf.range(2 * n(), dtype=tf.int64) + 10 * hvd.rank(),
+                                     [2 * n(), 1]))
+    assert equal.numpy().ravel().tolist() == [10 * r + 2 * hvd.rank() + i for r in range(n())
+                                              for i in range(2)]
+    with tf.GradientTape() as tape:
+        tape.watch(mine)
+        out, _ = hvd.alltoall(mine, k_rows)
+        y = tf.reduce_sum(out * me())
+    np.testing.assert_allclose(tape.gradient(y, mine).numpy(),  # the receiver's factor
+                               np.concatenate([np.full((c, 2), k + 1.0)
+                                               for k, c in enumerate(k_rows)]))
+    if n() > 1:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="first dimension is"):
+            hvd.alltoall(tf.ones([n() + 1]))
+        with pytest.raises(tf.errors.FailedPreconditionError, match="alltoall"):
+            hvd.alltoall(tf.ones([n(), 1 + hvd.rank()]))
+
+
 def test_allgather_takes_first_dimensions_that_differ():
     mine = tf.fill([hvd.rank() + 1, 2], me())
 
@@ -454,7 +501,7 @@ def test_a_rank_that_leaves_is_named_at_once_by_every_rank():
 
 def test_unprovided_features_name_the_alternative():
     for call in (lambda: hvd.allreduce(tf.ones([1]), process_set=object()),
-                 lambda: hvd.alltoall(tf.ones([1])), lambda: hvd.elastic.run,
+                 lambda: hvd.elastic.run,
                  lambda: hvd.run(print), lambda: hvd.ProcessSet([0]),
                  lambda: hvd.start_timeline("t.json")):
         with pytest.raises(Unsupported, match="mpitrain.horovod does not provide"):
