@@ -223,12 +223,27 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set,
                       ignore_name_scope=False, name=None):
-    """:func:`allreduce` of each of ``tensors``, fused into one collective per dtype."""
+    """:func:`allreduce` of each of ``tensors``, fused into one collective per dtype.
+    Differentiable (Sum, Average) where every tensor is dense and floating."""
     _check_process_set(process_set)
     if not tensors:
         return tensors
     op = _op(op, average)
-    return reduce_list(list(tensors), op, compression, prescale_factor, postscale_factor, name)
+    tensors = list(tensors)
+    if not (op in (Sum, Average) and _taped() and all(
+            t is not None and not isinstance(t, tf.IndexedSlices)
+            and tf.as_dtype(t.dtype).is_floating for t in tensors)):
+        return reduce_list(tensors, op, compression, prescale_factor, postscale_factor, name)
+
+    @tf.custom_gradient
+    def reduce(*xs):
+        out = reduce_list(list(xs), op, compression, prescale_factor, postscale_factor, name)
+
+        def grad(*dys):  # Horovod's: the same grouped allreduce of the gradients
+            dys = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, out)]
+            return reduce_list(dys, op, compression, prescale_factor, postscale_factor, name)
+        return out, grad
+    return list(reduce(*[tf.convert_to_tensor(t) for t in tensors]))
 
 
 @plain

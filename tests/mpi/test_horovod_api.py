@@ -141,6 +141,12 @@ def test_allreduce_and_allgather_are_differentiable():
     np.testing.assert_allclose(tape.gradient(reduced, x).numpy(), [n(), n()])
     # allgather's: this rank's rows of the averaged gradient
     np.testing.assert_allclose(tape.gradient(gathered, x).numpy(), 2 * x.numpy(), rtol=1e-6)
+    # grouped_allreduce's: the same grouped allreduce of the gradients
+    group = [tf.Variable([1.0, 2.0]), tf.Variable([[3.0]], dtype=tf.float64)]
+    with tf.GradientTape(persistent=True) as tape:
+        summed = hvd.grouped_allreduce(group, op=hvd.Sum)
+    assert [tape.gradient(s, v).numpy().tolist() for s, v in zip(summed, group)] \
+        == [[n(), n()], [[n()]]]
     # broadcast's (Horovod's): the averaged gradient on the root, zero on the others
     with tf.GradientTape() as tape:
         tape.watch(x)
@@ -156,7 +162,8 @@ def test_gradients_in_a_tf1_graph():
         reduced = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum))
         gathered = tf.reduce_sum(hvd.allgather(tf.reshape(x, [1, 2])) ** 2)
         sent = tf.reduce_sum(hvd.alltoall(tf.tile(x, [n()])) * me())
-        grads = [tf.gradients(y, x)[0] for y in (reduced, gathered, sent)]
+        grouped = tf.reduce_sum(hvd.grouped_allreduce([x, 2 * x], op=hvd.Sum)[1])
+        grads = [tf.gradients(y, x)[0] for y in (reduced, gathered, sent, grouped)]
         assert all(g is not None for g in grads)
         with tf.compat.v1.Session() as session:
             values = [session.run(g) for g in grads]
@@ -164,6 +171,7 @@ def test_gradients_in_a_tf1_graph():
     np.testing.assert_allclose(values[1], 2 * me() * np.array([1.0, 2.0]), rtol=1e-6)
     # alltoall's: each row's gradient comes back from the rank it went to (rank k: k + 1)
     np.testing.assert_allclose(values[2], [sum(range(1, n() + 1))] * 2, rtol=1e-6)
+    np.testing.assert_allclose(values[3], [2 * n(), 2 * n()])
 
 
 def test_alltoall_sends_each_rank_its_rows():
