@@ -21,7 +21,7 @@ from .world import unsupported
 from .tape import GradientReducer
 
 
-class _Distributed:
+class _DistributedOptimizer:
     """What DistributedOptimizer adds to the optimizer's class."""
 
     _hvd_reducer: GradientReducer
@@ -143,7 +143,7 @@ def distributed_class(base, reducer: GradientReducer, passes: int = 1,
                       average_aggregated: bool = False):
     """The DistributedOptimizer class of the optimizer class ``base``: its name and module,
     so that a saved model's optimizer loads as ``base``."""
-    return type(base.__name__, (_Distributed, base),
+    return type(base.__name__, (_DistributedOptimizer, base),
                 {"__module__": base.__module__, "__qualname__": base.__qualname__,
                  "_hvd_reducer": reducer, "_hvd_passes": int(passes),
                  "_hvd_average_aggregated": bool(average_aggregated)})

@@ -61,7 +61,7 @@ class GradientReducer:
         return out
 
 
-class _Distributed:
+class _DistributedTape:
     """What DistributedGradientTape adds to the tape's own class."""
 
     _reducer: GradientReducer
@@ -101,7 +101,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     reducer = GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor,
                               scale_local_gradients, groups, num_groups)
     base = type(gradtape)
-    cls = type(base.__name__, (_Distributed, base), {"__module__": base.__module__})
+    cls = type(base.__name__, (_DistributedTape, base), {"__module__": base.__module__})
     tape = cls.__new__(cls)
     # the same recorded tape, not recording through this object (Horovod's copy): the
     # original's ``with`` block, if still open, stops the recording
