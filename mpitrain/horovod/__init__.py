@@ -26,7 +26,8 @@ from .compression import (Compression, Compressor, FP16Compressor,  # noqa: F401
                           NoneCompressor)
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather,  # noqa: F401
                   allgather_object, allreduce, alltoall, barrier, broadcast, broadcast_,
-                  broadcast_object, broadcast_object_fn, broadcast_variables, global_process_set,
+                  broadcast_global_variables, broadcast_object, broadcast_object_fn,
+                  broadcast_variables, global_process_set,
                   grouped_allgather, grouped_allreduce, grouped_reducescatter, join,
                   local_rank_op, local_size_op, rank_op, reducescatter, size_op)
 from .tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
@@ -124,6 +125,3 @@ start_timeline = stop_timeline = _Unprovided(
 SyncBatchNormalization = _Unprovided(
     "SyncBatchNormalization", "use keras.layers.BatchNormalization (each rank normalises "
     "its own batch)")
-broadcast_global_variables = _Unprovided(
-    "broadcast_global_variables (TensorFlow 1)", "hvd.broadcast_variables(model.variables, "
-    "root_rank=0), or the Keras BroadcastGlobalVariablesCallback")

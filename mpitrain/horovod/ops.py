@@ -342,8 +342,23 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
         for group in by_dtype.values():
             _broadcast_eagerly(group, root_rank)
         return None
-    return tf.group(*[a for group in by_dtype.values() for a in _broadcast_in_graph(group,
-                                                                                   root_rank)])
+    assigned: List = []
+    for group in by_dtype.values():
+        with tf.control_dependencies(assigned):  # (a TF1 graph runs them in this order)
+            assigned = assigned + _broadcast_in_graph(group, root_rank)
+    return tf.group(*assigned)
+
+
+@plain
+def broadcast_global_variables(root_rank):
+    """A TF1 graph's global variables (``tf.compat.v1.global_variables()``) assigned rank
+    ``root_rank``'s values: the op that does it (:func:`broadcast_variables`). Eagerly a
+    RuntimeError, as Horovod's."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() is TensorFlow 1's and does not "
+                           "run eagerly: use hvd.broadcast_variables(<model and optimizer "
+                           "variables>, root_rank)")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
 def _broadcast_eagerly(group, root: int) -> None:

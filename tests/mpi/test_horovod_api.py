@@ -271,6 +271,23 @@ def test_local_layers_and_variables_stay_this_ranks_own():
         assert not same_everywhere(local.kernel.numpy())
 
 
+def test_broadcast_global_variables_of_a_tf1_graph():
+    """Every global variable of a TF1 graph takes the root's value, whatever its dtype (one
+    broadcast per dtype, in one order on every rank); eagerly a RuntimeError, as Horovod's."""
+    root = n() - 1
+    with tf.Graph().as_default():
+        floats = tf.compat.v1.Variable([me(), 2 * me()])
+        ints = tf.compat.v1.Variable([hvd.rank()], dtype=tf.int64)
+        doubles = tf.compat.v1.Variable(me(), dtype=tf.float64)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            session.run(hvd.broadcast_global_variables(root))
+            got = session.run([floats, ints, doubles])
+    assert got[0].tolist() == [n(), 2.0 * n()] and got[1].tolist() == [root] and got[2] == n()
+    with pytest.raises(RuntimeError, match="broadcast_variables"):
+        hvd.broadcast_global_variables(0)
+
+
 def test_broadcast_variables_of_tensorflow_and_keras():
     plain = tf.Variable(tf.fill([4], me()))
     counter = tf.Variable(int(me()))
