@@ -117,6 +117,11 @@ class Collectives:
     Thread-safe: calls from several threads run one at a time. ``timer``: a
     :class:`mpitrain.train.protocol.PhaseTimer` whose comm and wait phases every call
     is charged to (telemetry), or None.
+
+    Why one class of this size (over the ~250 lines we hold classes to): each public
+    call is a few lines around the one header exchange (:meth:`_agree`), whose state
+    (the table of every rank's header, the sequence number, who joined, the lock) every
+    call shares; split, the calls would reach into another object's protocol state.
     """
 
     def __init__(self, comm):

@@ -20,7 +20,8 @@ import numpy as np
 
 from .. import world as runtime
 from ..collectives import Average
-from ..ops import _call, broadcast_variables
+from ..ops import _call
+from ..variables import broadcast_variables
 
 import keras
 
