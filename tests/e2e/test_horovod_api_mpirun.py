@@ -82,8 +82,8 @@ def test_ranks_that_disagree_inside_tf_function_stop_with_one_line():
     assert re.fullmatch(
         r"mpitrain: error: the ranks disagree at collective #2: rank 0 on \S+: allreduce "
         r"Average float32 \(2, 4\); rank 1 on \S+: allreduce Average float32 \(4, 2\); "
-        r"every rank must make the same collective calls, with the same shapes and dtypes, "
-        r"in the same order", line), line
+        r"every rank must make the same collective calls, with the same shapes, dtypes and "
+        r"names, in the same order", line), line
     assert "was not stopped" not in result.stdout
 
 
