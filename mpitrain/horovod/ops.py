@@ -13,7 +13,8 @@ mpitrain's own sync trainer takes. A numpy function cannot run inside XLA
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -118,6 +119,19 @@ def _matching_name(name: Optional[str], tensor: tf.Tensor) -> str:
     return tensor.name
 
 
+def _one_after_another(calls: Sequence[Callable[[], Any]]) -> List:
+    """``calls``' results, each call's collectives run after the previous call's results
+    (a TF1 graph runs independent collectives in any order on each rank)."""
+    results: List = []
+    previous: List = []
+    for call in calls:
+        with tf.control_dependencies(previous):
+            results.append(call())
+        previous = [t for t in tf.nest.flatten(results[-1], expand_composites=True)
+                    if t is not None]
+    return results
+
+
 def _op_name(kind: str, name: Optional[str]) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", f"mpitrain_{kind}" + (f"_{name}" if name else ""))
 
@@ -132,12 +146,16 @@ def _fused_allreduce(tensors: Sequence[tf.Tensor], op: int, prescale: float = 1.
     by_dtype: Dict[object, List[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    for dtype, indices in by_dtype.items():
+    def reduce_group(dtype, indices):
         group = [tensors[i] for i in indices]
         if dtype == tf.bfloat16:  # MPI has no bfloat16 arithmetic: reduce in float32
             group = [tf.cast(t, tf.float32) for t in group]
-        for i, t in zip(indices, _allreduce_group(group, op, prescale, postscale, name)):
-            out[i] = tf.cast(t, dtype) if dtype == tf.bfloat16 else t
+        return [tf.cast(t, dtype) if dtype == tf.bfloat16 else t
+                for t in _allreduce_group(group, op, prescale, postscale, name)]
+    reduced = _one_after_another([partial(reduce_group, d, i) for d, i in by_dtype.items()])
+    for indices, group in zip(by_dtype.values(), reduced):
+        for i, t in zip(indices, group):
+            out[i] = t
     return out
 
 
@@ -252,16 +270,19 @@ def reduce_list(tensors: List, op: int, compression, prescale: float = 1.0,
     """Reduce a list of tensors and ``tf.IndexedSlices`` (None entries stay None): the
     slices allgathered, the dense tensors compressed and fused."""
     out = list(tensors)
-    dense = [i for i, t in enumerate(tensors) if t is not None
-             and not isinstance(t, tf.IndexedSlices)]
-    for i, t in enumerate(tensors):
-        if isinstance(t, tf.IndexedSlices):
-            out[i] = _allreduce_sparse(t, op, prescale, postscale, name)
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense = [i for i, t in enumerate(tensors) if t is not None and i not in sparse]
+    compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
+    calls = [partial(_allreduce_sparse, tensors[i], op, prescale, postscale, name)
+             for i in sparse]
     if dense:
-        compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
-        reduced = _fused_allreduce([c for c, _ in compressed], op, prescale, postscale, name)
-        for i, r, (_, ctx) in zip(dense, reduced, compressed):
-            out[i] = compression.decompress(r, ctx)
+        calls.append(partial(_fused_allreduce, [c for c, _ in compressed], op, prescale,
+                             postscale, name))
+    results = _one_after_another(calls)
+    for i, slices in zip(sparse, results):
+        out[i] = slices
+    for i, r, (_, ctx) in zip(dense, results[-1] if dense else [], compressed):
+        out[i] = compression.decompress(r, ctx)
     return out
 
 
@@ -297,7 +318,8 @@ def _gather(t: tf.Tensor, name: Optional[str]) -> tf.Tensor:
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
     """:func:`allgather` of each of ``tensors``, one after another."""
-    return [allgather(t, name=name, process_set=process_set) for t in tensors]
+    return _one_after_another([partial(allgather, t, name=name, process_set=process_set)
+                               for t in tensors])
 
 
 @plain
@@ -357,9 +379,10 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
-    return [reducescatter(t, compression=compression, op=op, process_set=process_set,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-            for t in tensors]
+    return _one_after_another([
+        partial(reducescatter, t, compression=compression, op=op, process_set=process_set,
+                prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        for t in tensors])
 
 
 @plain

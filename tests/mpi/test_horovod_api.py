@@ -155,6 +155,33 @@ def test_allreduce_and_allgather_are_differentiable():
     np.testing.assert_allclose(tape.gradient(sent, x).numpy(), [want, want], rtol=1e-6)
 
 
+def test_grouped_calls_run_in_one_order_in_a_tf1_graph():
+    """A grouped call is several collectives (one per tensor, per dtype, per
+    IndexedSlices): in a TF1 graph they are chained, so Session.run cannot run them in
+    another order on each rank (named alike and shaped alike, they would be mixed)."""
+    with tf.Graph().as_default():
+        parts = [tf.fill([2, 1], me() * (k + 1)) for k in range(8)]
+        gathered = hvd.grouped_allgather(parts)
+        scattered = hvd.grouped_reducescatter([tf.fill([n(), 2], me() * k) for k in range(8)],
+                                              op=hvd.Sum)
+        slices = [tf.IndexedSlices(tf.constant([[me() * k]]), tf.constant([0]),
+                                   tf.constant([1, 1])) for k in range(1, 5)]
+        dtypes = [tf.float32, tf.float64, tf.int32, tf.int64]
+        mixed = hvd.grouped_allreduce([tf.cast([me()], d) for d in dtypes] + slices,
+                                      op=hvd.Sum)
+        with tf.compat.v1.Session() as session:  # each grouped call in a run of its own
+            got = [session.run(fetch) for fetch in (
+                gathered, scattered, mixed[:4] + [t.values for t in mixed[4:]])]
+    ranks = np.arange(1, n() + 1)
+    total = n() * (n() + 1) / 2
+    assert [part.ravel().tolist() for part in got[0]] == [
+        np.repeat(ranks * (k + 1.0), 2).tolist() for k in range(8)]
+    assert [part.tolist() for part in got[1]] == [[[total * k] * 2] for k in range(8)]
+    assert [v.tolist() for v in got[2][:4]] == [[total]] * 4
+    assert [v.ravel().tolist() for v in got[2][4:]] == [(ranks * k).tolist()
+                                                        for k in range(1, 5)]
+
+
 def test_gradients_in_a_tf1_graph():
     """tf.gradients through the collectives of a TF1 graph: Horovod's gradients, not None."""
     with tf.Graph().as_default():
