@@ -25,10 +25,11 @@ from .world import (NotInitialized, Unsupported, init, install_excepthook,  # no
 from .compression import (Compression, Compressor, FP16Compressor,  # noqa: F401
                           NoneCompressor)
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather,  # noqa: F401
-                  allgather_object, allreduce, alltoall, barrier, broadcast,
+                  allgather_object, allreduce, barrier, broadcast,
                   broadcast_object, broadcast_object_fn, global_process_set,
                   grouped_allgather, grouped_allreduce, grouped_reducescatter, join,
                   local_rank_op, local_size_op, rank_op, reducescatter, size_op)
+from .rows import alltoall  # noqa: F401
 from .variables import (broadcast_, broadcast_global_variables,  # noqa: F401
                         broadcast_variables)
 from .tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401

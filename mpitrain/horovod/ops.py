@@ -22,7 +22,7 @@ from ..models.keras_import import import_tensorflow
 from . import world as runtime
 from .compression import Compression
 from .collectives import (OP_NAMES, Adasum, Average, Max, Min, Mismatch,  # noqa: F401
-                          Product, Sum, alltoall_splits)  # (re-exported)
+                          Product, Sum)  # (re-exported)
 from .world import STATE, unsupported
 
 # the quick way unless the script imported TensorFlow already: on every rank, half the
@@ -56,15 +56,29 @@ def _taped() -> bool:
 
 def _carrying_gradient(t, forward, gradient):
     """``forward(t)``, with ``gradient`` (dy -> the gradient of ``t``) as its gradient
-    where a tape may record it and ``t`` is floating; plain otherwise (a custom
-    gradient costs milliseconds a call: :func:`_taped`)."""
-    if not (t.dtype.is_floating and _taped()):
-        return forward(t)
+    where it may be differentiated (:func:`_taped`) and ``t`` is floating."""
+    return _carrying_gradients([t], [(forward, gradient)])[0]
+
+
+def _carrying_gradients(ts, calls):
+    """Each ``forward(t)`` of ``calls``' (forward, gradient) pairs, one after another, and
+    where differentiated their gradients (dy -> the gradient of t) one after another
+    too (:func:`_one_after_another`); plain where a tensor is not floating or no gradient
+    may be asked (a custom gradient costs milliseconds an eager call)."""
+    def forward(xs):
+        return _one_after_another([partial(f, x) for x, (f, _) in zip(xs, calls)])
+    if not (_taped() and all(t.dtype.is_floating for t in ts)):
+        return forward(ts)
 
     @tf.custom_gradient
-    def differentiable(x):
-        return forward(x), gradient
-    return differentiable(t)
+    def differentiable(*xs):
+        outs = forward(xs)
+
+        def grad(*dys):
+            return _one_after_another([partial(g, tf.zeros_like(o) if dy is None else dy)
+                                       for dy, o, (_, g) in zip(dys, outs, calls)])
+        return outs, grad
+    return list(differentiable(*ts))
 
 
 def _check_process_set(process_set) -> None:
@@ -292,15 +306,21 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     """Every rank's ``tensor`` concatenated along the first dimension, in rank order (the
     first dimension may differ between ranks; the others may not). Differentiable."""
     _check_process_set(process_set)
-    top = runtime.topology()
     t = tf.convert_to_tensor(tensor)
+    return _carrying_gradient(t, *_allgather_calls(t, name))
 
-    def grad(dy):  # Horovod's: the averaged gradient, this rank's rows of it
+
+def _allgather_calls(t: tf.Tensor, name: Optional[str]):
+    """An allgather of ``t``: (forward, Horovod's gradient: the averaged gradient, this
+    rank's rows of it)."""
+    top = runtime.topology()
+
+    def grad(dy):
         averaged = _fused_allreduce([dy], Average)[0]
         with tf.control_dependencies([averaged]):  # (a TF1 graph runs them in this order)
             rows = tf.reshape(_gather(tf.reshape(tf.shape(t)[0], [1]), name), [top.size])
         return tf.split(averaged, rows)[top.rank]
-    return _carrying_gradient(t, lambda x: _gather(x, name), grad)
+    return (lambda x: _gather(x, name)), grad
 
 
 def _gather(t: tf.Tensor, name: Optional[str]) -> tf.Tensor:
@@ -317,9 +337,10 @@ def _gather(t: tf.Tensor, name: Optional[str]) -> tf.Tensor:
 @plain
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
-    """:func:`allgather` of each of ``tensors``, one after another."""
-    return _one_after_another([partial(allgather, t, name=name, process_set=process_set)
-                               for t in tensors])
+    """:func:`allgather` of each of ``tensors``, one after another (gradients too)."""
+    _check_process_set(process_set)
+    ts = [tf.convert_to_tensor(t) for t in tensors]
+    return _carrying_gradients(ts, [_allgather_calls(t, name) for t in ts])
 
 
 @plain
@@ -354,87 +375,43 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     """``tensor`` reduced over every rank, and this rank's part of its first dimension
     (split as Horovod splits it: the first dim % size ranks get one row more).
     Reduced whole, then cut: correct, not bandwidth-optimal."""
+    _check_process_set(process_set)
+    t = tf.convert_to_tensor(tensor)
+    return _carrying_gradient(t, *_reducescatter_calls(op, compression, name, prescale_factor,
+                                                       postscale_factor))
+
+
+def _reducescatter_calls(op, compression, name, prescale: float, postscale: float):
+    """A reducescatter: (forward, Horovod's gradient: every rank's rows gathered, times
+    size for a Sum)."""
     if op not in (Sum, Average):
         raise ValueError("reducescatter takes op=Average or Sum")
-    _check_process_set(process_set)
     top = runtime.topology()
 
     def scatter(x):
         reduced = allreduce(x, compression=compression, op=op, name=name,
-                            prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                            prescale_factor=prescale, postscale_factor=postscale)
         rows = tf.shape(reduced)[0]
         base, extra = rows // top.size, rows % top.size
         start = top.rank * base + tf.minimum(top.rank, extra)
         count = base + tf.cast(top.rank < extra, rows.dtype)
         return reduced[start:start + count]
 
-    def grad(dy):  # Horovod's: every rank's rows gathered, times size for a Sum
-        factor = (top.size if op == Sum else 1) * prescale_factor * postscale_factor
+    def grad(dy):
+        factor = (top.size if op == Sum else 1) * prescale * postscale
         gathered = allgather(dy, name=name)
         return gathered * tf.cast(factor, dy.dtype) if factor != 1 else gathered
-    return _carrying_gradient(tf.convert_to_tensor(tensor), scatter, grad)
+    return scatter, grad
 
 
 @plain
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
-    return _one_after_another([
-        partial(reducescatter, t, compression=compression, op=op, process_set=process_set,
-                prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-        for t in tensors])
-
-
-@plain
-def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
-             process_set=global_process_set):
-    """Rank r gets ``splits[r]`` rows of ``tensor`` (its first dimension, in rank order;
-    without ``splits`` as many rows to each rank); returns what every rank sent this
-    one, concatenated in rank order, and, where ``splits`` was given, how many rows came
-    from each rank. Collective: the same dtype and dimensions after the first on every
-    rank. Differentiable (the gradient goes back the way the rows came)."""
     _check_process_set(process_set)
-    size = runtime.topology().size
-    t = tf.convert_to_tensor(tensor)
-    given = splits is not None
-    counts = tf.cast(tf.reshape(splits if given else tf.zeros([0], tf.int32), [-1]), tf.int32)
-    _check_alltoall(t, given, tf.get_static_value(counts) if given else None, size)
-    if not (t.dtype.is_floating and _taped()):
-        out, received = _alltoall(t, counts, given, name)
-    else:
-        @tf.custom_gradient
-        def differentiable(x):
-            out, received = _alltoall(x, counts, given, name)
-
-            def grad(dy, *_):  # Horovod's: the gradient's rows sent back where they came from
-                return _alltoall(dy, received, True, None)[0]
-            return (out, received), grad
-        out, received = differentiable(t)
-    return (out, received) if given else out
-
-
-def _check_alltoall(t: tf.Tensor, given: bool, splits, size: int) -> None:
-    """What can be told before the call, raised as Horovod raises it (InvalidArgumentError);
-    the engine checks what is known only when the graph runs."""
-    shape = t.shape.as_list() if t.shape.rank is not None else None
-    if shape is None or (shape and shape[0] is None) or (given and splits is None):
-        return
-    try:
-        alltoall_splits(shape, splits, size)
-    except ValueError as error:
-        raise tf.errors.InvalidArgumentError(None, None, str(error)) from None
-
-
-def _alltoall(t: tf.Tensor, counts: tf.Tensor, given: bool, name: Optional[str]):
-    matching = _matching_name(name, t)
-
-    def exchange(a, c):
-        return _call(lambda: runtime.engine().alltoall(a, c if given else None, matching))
-    out, received = tf.numpy_function(exchange, [t, counts], [t.dtype, tf.int32],
-                                      stateful=True, name=_op_name("alltoall", matching))
-    out.set_shape([None] + t.shape.as_list()[1:])
-    received.set_shape([runtime.topology().size])
-    return out, received
+    ts = [tf.convert_to_tensor(t) for t in tensors]
+    calls = _reducescatter_calls(op, compression, None, prescale_factor, postscale_factor)
+    return _carrying_gradients(ts, [calls] * len(ts))
 
 
 # ---- objects, barrier, join ---------------------------------------------------------------

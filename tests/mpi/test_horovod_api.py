@@ -162,16 +162,19 @@ def test_grouped_calls_run_in_one_order_in_a_tf1_graph():
     with tf.Graph().as_default():
         parts = [tf.fill([2, 1], me() * (k + 1)) for k in range(8)]
         gathered = hvd.grouped_allgather(parts)
-        scattered = hvd.grouped_reducescatter([tf.fill([n(), 2], me() * k) for k in range(8)],
-                                              op=hvd.Sum)
+        scatter_in = [tf.fill([n(), 2], me() * k) for k in range(8)]
+        scattered = hvd.grouped_reducescatter(scatter_in, op=hvd.Sum)
         slices = [tf.IndexedSlices(tf.constant([[me() * k]]), tf.constant([0]),
                                    tf.constant([1, 1])) for k in range(1, 5)]
         dtypes = [tf.float32, tf.float64, tf.int32, tf.int64]
         mixed = hvd.grouped_allreduce([tf.cast([me()], d) for d in dtypes] + slices,
                                       op=hvd.Sum)
+        # and their gradients: one gradient function, its collectives chained as well
+        grads = [tf.gradients(tf.add_n([tf.reduce_sum(g * me()) for g in gathered]), parts),
+                 tf.gradients(tf.add_n([tf.reduce_sum(g) for g in scattered]), scatter_in)]
         with tf.compat.v1.Session() as session:  # each grouped call in a run of its own
             got = [session.run(fetch) for fetch in (
-                gathered, scattered, mixed[:4] + [t.values for t in mixed[4:]])]
+                gathered, scattered, mixed[:4] + [t.values for t in mixed[4:]], *grads)]
     ranks = np.arange(1, n() + 1)
     total = n() * (n() + 1) / 2
     assert [part.ravel().tolist() for part in got[0]] == [
@@ -180,6 +183,9 @@ def test_grouped_calls_run_in_one_order_in_a_tf1_graph():
     assert [v.tolist() for v in got[2][:4]] == [[total]] * 4
     assert [v.ravel().tolist() for v in got[2][4:]] == [(ranks * k).tolist()
                                                         for k in range(1, 5)]
+    # allgather's gradient: the average of every rank's factor; reducescatter's (Sum): n
+    np.testing.assert_allclose(got[3], np.full((8, 2, 1), total / n()), rtol=1e-6)
+    np.testing.assert_allclose(got[4], np.full((8, n(), 2), n()))
 
 
 def test_gradients_in_a_tf1_graph():
