@@ -75,8 +75,9 @@ def _carrying_gradients(ts, calls):
         outs = forward(xs)
 
         def grad(*dys):
-            return _one_after_another([partial(g, tf.zeros_like(o) if dy is None else dy)
-                                       for dy, o, (_, g) in zip(dys, outs, calls)])
+            with tf.control_dependencies(outs):  # after the forward's collectives (TF1)
+                return _one_after_another([partial(g, tf.zeros_like(o) if dy is None else dy)
+                                           for dy, o, (_, g) in zip(dys, outs, calls)])
         return outs, grad
     return list(differentiable(*ts))
 
@@ -217,21 +218,12 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name)
     t = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(t)
-    if compressed.dtype.is_floating and op in (Sum, Average) and _taped():
-        reduced = _differentiable_allreduce(compressed, op, prescale_factor, postscale_factor,
-                                            name)
-    else:
-        reduced = _fused_allreduce([compressed], op, prescale_factor, postscale_factor, name)[0]
+
+    def reduce(x):  # (and Horovod's gradient of a Sum or Average: the same allreduce of dy)
+        return _fused_allreduce([x], op, prescale_factor, postscale_factor, name)[0]
+    reduced = _carrying_gradient(compressed, reduce, reduce) if op in (Sum, Average) \
+        else reduce(compressed)
     return compression.decompress(reduced, ctx)
-
-
-def _differentiable_allreduce(t, op, prescale, postscale, name):
-    @tf.custom_gradient
-    def reduce(x):
-        def grad(dy):  # Horovod's gradient of an allreduce: the same allreduce of dy
-            return _fused_allreduce([dy], op, prescale, postscale, name)[0]
-        return _fused_allreduce([x], op, prescale, postscale, name)[0], grad
-    return reduce(t)
 
 
 def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
