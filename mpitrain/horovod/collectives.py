@@ -297,13 +297,12 @@ class Collectives:
         active = [r for r in range(self.size) if not table[r, FLAGS] & JOINED]
         kinds = {int(table[r, KIND]) for r in active}
         fields = MUST_AGREE.get(next(iter(kinds)), ()) if len(kinds) == 1 else ()
-        agreed = len(kinds) <= 1 and all(len({int(table[r, f]) for r in active}) == 1
-                                         for f in fields)
+        differ = [f for f in fields if len({int(table[r, f]) for r in active}) > 1]
+        agreed = len(kinds) <= 1 and not differ
         if agreed and (not active or len(active) == self.size
                        or kinds <= {ALLREDUCE, BARRIER}):
             return active
-        self._disagree(describe(), agreed, renamed=not agreed and len(kinds) == 1 and all(
-            len({int(table[r, f]) for r in active}) == 1 for f in fields if f != NAME))
+        self._disagree(describe(), agreed, renamed=differ == [NAME])
 
     def _exchange(self, describe: Callable[[], str]) -> None:
         comm, mine = self.comm, self.table[self.rank]
