@@ -63,21 +63,33 @@ def _carrying_gradient(t, forward, gradient):
 def _carrying_gradients(ts, calls):
     """Each ``forward(t)`` of ``calls``' (forward, gradient) pairs, one after another, and
     where differentiated their gradients (dy -> the gradient of t) one after another
-    too (:func:`_one_after_another`); plain where a tensor is not floating or no gradient
-    may be asked (a custom gradient costs milliseconds an eager call)."""
+    too (:func:`_one_after_another`, :func:`_differentiable`)."""
     def forward(xs):
         return _one_after_another([partial(f, x) for x, (f, _) in zip(xs, calls)])
+
+    def gradient(dys, outs):
+        return _one_after_another([partial(g, dy) for dy, (_, g) in zip(dys, calls)])
+    return _differentiable(ts, forward, gradient)
+
+
+def _differentiable(ts, forward, gradient):
+    """``forward(ts)`` (a list of tensors), with ``gradient(dys, outs)`` (the list of the
+    ``ts``' gradients) as its gradient where it may be differentiated and every t is
+    floating; plain otherwise (a custom gradient costs milliseconds an eager call:
+    :func:`_taped`). An output no gradient reached gets zeros, as Horovod's; the
+    gradient's collectives run after the forward's (a TF1 graph would not order them
+    where the dys do not depend on the outputs)."""
     if not (_taped() and all(t.dtype.is_floating for t in ts)):
         return forward(ts)
 
     @tf.custom_gradient
     def differentiable(*xs):
-        outs = forward(xs)
+        outs = forward(list(xs))
 
         def grad(*dys):
-            with tf.control_dependencies(outs):  # after the forward's collectives (TF1)
-                return _one_after_another([partial(g, tf.zeros_like(o) if dy is None else dy)
-                                           for dy, o, (_, g) in zip(dys, outs, calls)])
+            with tf.control_dependencies(outs):
+                return gradient([tf.zeros_like(o) if dy is None else dy
+                                 for dy, o in zip(dys, outs)], outs)
         return outs, grad
     return list(differentiable(*ts))
 
@@ -136,14 +148,15 @@ def _matching_name(name: Optional[str], tensor: tf.Tensor) -> str:
 
 def _one_after_another(calls: Sequence[Callable[[], Any]]) -> List:
     """``calls``' results, each call's collectives run after the previous call's results
-    (a TF1 graph runs independent collectives in any order on each rank)."""
+    (a TF1 graph runs independent collectives in any order on each rank; eagerly and in
+    ``tf.function`` they run in program order anyway)."""
+    if tf.executing_eagerly():
+        return [call() for call in calls]
     results: List = []
-    previous: List = []
     for call in calls:
-        with tf.control_dependencies(previous):
+        previous = tf.nest.flatten(results[-1], expand_composites=True) if results else []
+        with tf.control_dependencies([t for t in previous if t is not None]):
             results.append(call())
-        previous = [t for t in tf.nest.flatten(results[-1], expand_composites=True)
-                    if t is not None]
     return results
 
 
@@ -234,9 +247,8 @@ def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
     if prescale != 1.0 or postscale != 1.0:
         raise unsupported("prescale_factor or postscale_factor with tf.IndexedSlices",
                           "scale the values before or after")
-    values = allgather(slices.values, name=name)
-    with tf.control_dependencies([values]):  # (a TF1 graph runs them in this order)
-        indices = allgather(slices.indices, name=name)
+    values, indices = _one_after_another([partial(allgather, slices.values, name=name),
+                                          partial(allgather, slices.indices, name=name)])
     if op == Average:
         values = values / tf.cast(runtime.topology().size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
@@ -254,20 +266,13 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
         return tensors
     op = _op(op, average)
     tensors = list(tensors)
-    if not (op in (Sum, Average) and _taped() and all(
-            t is not None and not isinstance(t, tf.IndexedSlices)
-            and tf.as_dtype(t.dtype).is_floating for t in tensors)):
-        return reduce_list(tensors, op, compression, prescale_factor, postscale_factor, name)
 
-    @tf.custom_gradient
-    def reduce(*xs):
-        out = reduce_list(list(xs), op, compression, prescale_factor, postscale_factor, name)
-
-        def grad(*dys):  # Horovod's: the same grouped allreduce of the gradients
-            dys = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, out)]
-            return reduce_list(dys, op, compression, prescale_factor, postscale_factor, name)
-        return out, grad
-    return list(reduce(*[tf.convert_to_tensor(t) for t in tensors]))
+    def reduce(xs, outs=None):  # (and Horovod's gradient: the same grouped allreduce of dy)
+        return reduce_list(xs, op, compression, prescale_factor, postscale_factor, name)
+    if op not in (Sum, Average) or any(t is None or isinstance(t, tf.IndexedSlices)
+                                       for t in tensors):
+        return reduce(tensors)
+    return _differentiable([tf.convert_to_tensor(t) for t in tensors], reduce, reduce)
 
 
 @plain
@@ -277,7 +282,8 @@ def reduce_list(tensors: List, op: int, compression, prescale: float = 1.0,
     slices allgathered, the dense tensors compressed and fused."""
     out = list(tensors)
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
-    dense = [i for i, t in enumerate(tensors) if t is not None and i not in sparse]
+    dense = [i for i, t in enumerate(tensors) if t is not None
+             and not isinstance(t, tf.IndexedSlices)]
     compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
     calls = [partial(_allreduce_sparse, tensors[i], op, prescale, postscale, name)
              for i in sparse]
@@ -308,10 +314,10 @@ def _allgather_calls(t: tf.Tensor, name: Optional[str]):
     top = runtime.topology()
 
     def grad(dy):
-        averaged = _fused_allreduce([dy], Average)[0]
-        with tf.control_dependencies([averaged]):  # (a TF1 graph runs them in this order)
-            rows = tf.reshape(_gather(tf.reshape(tf.shape(t)[0], [1]), name), [top.size])
-        return tf.split(averaged, rows)[top.rank]
+        averaged, rows = _one_after_another([
+            lambda: _fused_allreduce([dy], Average)[0],
+            lambda: _gather(tf.reshape(tf.shape(t)[0], [1]), name)])
+        return tf.split(averaged, tf.reshape(rows, [top.size]))[top.rank]
     return (lambda x: _gather(x, name)), grad
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 from ..models.keras_import import import_tensorflow
 from . import world as runtime
 from .collectives import alltoall_splits
-from .ops import (_call, _check_process_set, _matching_name, _op_name, _taped,
+from .ops import (_call, _check_process_set, _differentiable, _matching_name, _op_name,
                   global_process_set, plain)
 
 if TYPE_CHECKING:
@@ -35,17 +35,12 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     given = splits is not None
     counts = tf.cast(tf.reshape(splits if given else tf.zeros([0], tf.int32), [-1]), tf.int32)
     _check_alltoall(t, given, tf.get_static_value(counts) if given else None, size)
-    if not (t.dtype.is_floating and _taped()):
-        out, received = _alltoall(t, counts, given, name)
-    else:
-        @tf.custom_gradient
-        def differentiable(x):
-            out, received = _alltoall(x, counts, given, name)
+    def forward(xs):
+        return list(_alltoall(xs[0], counts, given, name))
 
-            def grad(dy, *_):  # Horovod's: the gradient's rows sent back where they came from
-                return _alltoall(dy, received, True, None)[0]
-            return (out, received), grad
-        out, received = differentiable(t)
+    def gradient(dys, outs):  # Horovod's: the rows' gradients sent back where they came from
+        return [_alltoall(dys[0], outs[1], True, None)[0]]
+    out, received = _differentiable([t], forward, gradient)
     return (out, received) if given else out
 
 

@@ -8,13 +8,15 @@ in the same order, as every collective.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..models.keras_import import import_tensorflow
 from . import world as runtime
-from .ops import _call, _check_process_set, _op_name, global_process_set, plain
+from .ops import (_call, _check_process_set, _one_after_another, _op_name, global_process_set,
+                  plain)
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -39,11 +41,9 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
         for group in by_dtype.values():
             _broadcast_eagerly(group, root_rank)
         return None
-    assigned: List = []
-    for group in by_dtype.values():
-        with tf.control_dependencies(assigned):  # (a TF1 graph runs them in this order)
-            assigned = assigned + _broadcast_in_graph(group, root_rank)
-    return tf.group(*assigned)
+    groups = _one_after_another([partial(_broadcast_in_graph, group, root_rank)
+                                 for group in by_dtype.values()])
+    return tf.group(*[assign for assigns in groups for assign in assigns])
 
 
 @plain
