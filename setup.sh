@@ -77,16 +77,17 @@ pip_install() {
     "$1/bin/python" -m pip install -q --no-compile "${@:2}"
 }
 
-# Bytecode for every module of the venv at $1 (and of this tree), on every core. Python
-# would compile a module on first import and keep it, but not where
+# Bytecode for every module of the venv at $1 (and of the directories after it), on
+# every core. Python would compile a module on first import and keep it, but not where
 # PYTHONDONTWRITEBYTECODE is set (CI sandboxes set it): there every rank of every launch
-# compiled TensorFlow's modules again, twice the CPU of an import from bytecode.
-# compileall's status is not checked: some packages ship files for other Pythons that
-# do not compile, which Python never imports either.
+# compiled TensorFlow's modules again, twice the CPU of an import from bytecode. This
+# tree is compiled once, by .venv's Python (the other environments share its version
+# unless Horovod's needs another). compileall's status is not checked: some packages
+# ship files for other Pythons that do not compile, which Python never imports either.
 compile_bytecode() {
     "$1/bin/python" -m compileall -q -q -j 0 \
         "$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-        mpitrain bench tests examples >/dev/null 2>&1 || true
+        "${@:2}" >/dev/null 2>&1 || true
 }
 
 # The environments after .venv are built at once, each by a job of its own, its output
@@ -121,7 +122,7 @@ wait_for_jobs() {  # wait for every job; a failed one's log, and setup fails
 
 make_venv .venv "$PYTHON"
 editable .venv test,lint
-start_job bytecode compile_bytecode .venv
+start_job bytecode compile_bytecode .venv mpitrain bench tests examples
 echo "setup: .venv ready after $SECONDS s"
 
 # Horovod (--allreduce horovod), built against TensorFlow 2.18.1 and the Open MPI
