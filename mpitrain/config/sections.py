@@ -14,7 +14,7 @@ from .bounds import Bounds
 from ..errors import UsageError
 from .settings import COUNT, MAX_SECONDS, SECONDS, Number, option
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
 DATASETS = ("auto", "mnist", "digits", "synthetic")
 LR_SCALINGS = ("linear", "sqrt", "none")
 #: values of --staleness-compensation (see mpitrain.train.asynchronous.compensation)
@@ -23,7 +23,7 @@ COMPENSATIONS = ("auto", "none", "inverse", "sqrt", "dc")
 #: is the rate times the gradient (Goyal et al.'s setting). Adam's is not: it already
 #: bounds each parameter's step by the rate, and warming it up cost accuracy at 16 workers
 #: (docs/scaling.md, "Sync: a global batch that grows with the cluster")
-WARMED_UP = ("sgd", "momentum")
+WARMED_UP = ("sgd", "momentum", "nesterov")
 #: the warm-up of a scaled learning rate by default: this fraction of the run's epochs...
 WARMUP_FRACTION = 0.2
 #: ...and at most this many epochs (Goyal et al.'s five)
@@ -109,7 +109,8 @@ class OptimizerSettings:
     """How the gradient becomes an update."""
 
     name: Optional[str] = option(
-        "optimizer: sgd, momentum (SGD with momentum 0.9) or adam",
+        "optimizer: sgd, momentum (SGD with momentum 0.9), nesterov (the same with "
+        "Nesterov's look-ahead) or adam",
         flag="--optimizer", key="optimizer", choices=OPTIMIZERS)
     lr: Optional[float] = option(
         "learning rate for one worker (its batch is the reference batch); sync mode "
@@ -122,8 +123,8 @@ class OptimizerSettings:
     warmup_epochs: Optional[float] = option(
         "sync: epochs over which a scaled learning rate rises linearly from one "
         "worker's (--lr) to the scaled one (gradual warm-up, Goyal et al. 2017); default: "
-        "a fifth of the run's epochs, at most 5, whenever the rate of sgd or momentum is "
-        "scaled up (adam: none); 0 = none",
+        "a fifth of the run's epochs, at most 5, whenever the rate of sgd, momentum or "
+        "nesterov is scaled up (adam: none); 0 = none",
         flag="--warmup-epochs", type=float, metavar="E",
         number=Number(False, 0, 1_000_000))
     schedule: Optional[str] = option(

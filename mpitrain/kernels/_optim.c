@@ -1,6 +1,6 @@
 /* The async server's optimizer updates (mpitrain/models/optim.py), each one fused pass
  * over the flat vectors. numpy makes a pass per operation and allocates temporaries
- * (SGD 2 passes, momentum 4, Adam 9 and two 4-byte-per-value temporaries), and each
+ * (SGD 2 passes, momentum 4, Nesterov 6, Adam 9 and two 4-byte-per-value temporaries), and each
  * numpy call costs a fixed dispatch, which dominates at LR's size; AlexNet's Adam
  * streams its 110 MB vectors a dozen times (docs/architecture.md, "Flat optimizers in
  * C"). The same
@@ -36,6 +36,17 @@ WIDE static void momentum(float *restrict w, const float *restrict g, float *res
         float vi = v[i] * mu - g[i] * lr;
         v[i] = vi;
         w[i] = w[i] + vi;
+    }
+}
+
+/* Nesterov: v = v * momentum - g * lr; w += v * momentum - g * lr */
+WIDE static void nesterov(float *restrict w, const float *restrict g, float *restrict v,
+                          float lr, float mu, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float step = g[i] * lr;
+        float vi = v[i] * mu - step;
+        v[i] = vi;
+        w[i] = w[i] + (vi * mu - step);
     }
 }
 
@@ -112,14 +123,19 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
 static PyObject *py_momentum(PyObject *self, PyObject *args) {
     PyObject *objs[3];  /* weights, grad, velocity */
     float lr, mu;
+    int look_ahead = 0;  /* Nesterov's */
     Py_buffer b[3];
-    if (!PyArg_ParseTuple(args, "OOOff", &objs[0], &objs[1], &objs[2], &lr, &mu))
+    if (!PyArg_ParseTuple(args, "OOOff|p", &objs[0], &objs[1], &objs[2], &lr, &mu,
+                          &look_ahead))
         return NULL;
     PyObject *ordered[3] = {objs[0], objs[2], objs[1]};  /* the writable ones first */
     if (float_buffers(ordered, b, 3, 2, "momentum") < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    momentum(b[0].buf, b[2].buf, b[1].buf, lr, mu, b[0].len / 4);
+    if (look_ahead)
+        nesterov(b[0].buf, b[2].buf, b[1].buf, lr, mu, b[0].len / 4);
+    else
+        momentum(b[0].buf, b[2].buf, b[1].buf, lr, mu, b[0].len / 4);
     Py_END_ALLOW_THREADS
     release(b, 3);
     Py_RETURN_NONE;
@@ -160,8 +176,8 @@ static PyObject *py_delay_compensate(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, "sgd(weights, grad, lr): weights -= grad * lr"},
     {"momentum", py_momentum, METH_VARARGS,
-     "momentum(weights, grad, velocity, lr, momentum): v = v * momentum - grad * lr; "
-     "weights += v"},
+     "momentum(weights, grad, velocity, lr, momentum, nesterov=False): v = v * momentum - "
+     "grad * lr; weights += v, or with nesterov weights += v * momentum - grad * lr"},
     {"adam", py_adam, METH_VARARGS,
      "adam(weights, grad, m, v, 1 - beta_1, 1 - beta_2, epsilon, alpha): Keras' Adam step "
      "with alpha the bias-corrected step size"},

@@ -94,7 +94,7 @@ class Schedule:
 
 
 #: the momentum of each optimizer that has one (Adam's is its beta_1), as Keras' defaults
-MOMENTUM = {"momentum": 0.9, "adam": 0.9}
+MOMENTUM = {"momentum": 0.9, "nesterov": 0.9, "adam": 0.9}
 
 
 class FlatOptimizer:
@@ -174,23 +174,29 @@ class SGD(FlatOptimizer):
 
 
 class Momentum(FlatOptimizer):
-    """Keras SGD(momentum=m): v = m * v - lr * g; w += v"""
+    """Keras SGD(momentum=m): v = m * v - lr * g; w += v. With ``nesterov``, Keras
+    SGD(momentum=m, nesterov=True): the same v, and w += m * v - lr * g (the step taken
+    from where the momentum is about to carry the weights)."""
 
     def __init__(self, n_params, lr, schedule=None, clip_norm=None,
-                 momentum=MOMENTUM["momentum"]):
+                 momentum=MOMENTUM["momentum"], nesterov=False):
         super().__init__(n_params, lr, schedule, clip_norm)
         self.momentum = np.float32(momentum)
+        self.nesterov = nesterov
         self.velocity = np.zeros(n_params, np.float32)
 
     def update(self, weights, grad, lr):
         if FUSED:
-            _optim.momentum(weights, grad, self.velocity, lr, self.momentum)
+            _optim.momentum(weights, grad, self.velocity, lr, self.momentum, self.nesterov)
         else:
             scratch = self._scratch()
             self.velocity *= self.momentum
             np.multiply(grad, lr, out=scratch)
             self.velocity -= scratch
-            weights += self.velocity
+            if self.nesterov:
+                weights += self.velocity * self.momentum - scratch
+            else:
+                weights += self.velocity
         self.iterations += 1
 
     def slots(self):
@@ -233,7 +239,7 @@ class Adam(FlatOptimizer):
 
 
 #: per-parameter slots of each optimizer (Keras keeps them per variable, in this order)
-SLOTS_PER_WEIGHT = {"sgd": 0, "momentum": 1, "adam": 2}
+SLOTS_PER_WEIGHT = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2}
 
 
 def adapt_state(saved: Dict[str, np.ndarray], layout: Dict[str, tuple], name: str,
@@ -310,9 +316,10 @@ def make(name: str, n_params: int, lr: float, schedule: Optional[Schedule] = Non
     """The flat optimizer for ``--optimizer name`` (its learning rate ``lr`` following
     ``schedule``, gradients clipped to ``clip_norm``); ``momentum`` replaces its
     :data:`MOMENTUM` (an async server's, :mod:`mpitrain.train.asynchronous.momentum`)."""
-    if momentum is None or name not in MOMENTUM:
-        return {"sgd": SGD, "momentum": Momentum, "adam": Adam}[name](n_params, lr, schedule,
-                                                                      clip_norm)
+    if name == "sgd":
+        return SGD(n_params, lr, schedule, clip_norm)
+    momentum = MOMENTUM[name] if momentum is None else momentum
     if name == "adam":
         return Adam(n_params, lr, schedule, clip_norm, beta_1=momentum)
-    return Momentum(n_params, lr, schedule, clip_norm, momentum=momentum)
+    return Momentum(n_params, lr, schedule, clip_norm, momentum=momentum,
+                    nesterov=name == "nesterov")

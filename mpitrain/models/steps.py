@@ -34,8 +34,9 @@ def make_optimizer(name: str, lr: float, schedule: Optional[optim.Schedule] = No
         lr = keras_schedule(lr, schedule)
     if name == "sgd":
         return keras.optimizers.SGD(lr)
-    if name == "momentum":
-        return keras.optimizers.SGD(lr, momentum=optim.MOMENTUM["momentum"])
+    if name in ("momentum", "nesterov"):
+        return keras.optimizers.SGD(lr, momentum=optim.MOMENTUM[name],
+                                    nesterov=name == "nesterov")
     if name == "adam":
         return keras.optimizers.Adam(lr)
     raise ValueError(f"unknown optimizer {name}")

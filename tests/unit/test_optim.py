@@ -18,7 +18,8 @@ WARM, WARM_COSINE = optim.Schedule(3, 0.25), optim.Schedule(3, 0.25, 5)
     ("sgd", 0.5, None, None), ("momentum", 0.1, None, None), ("adam", 0.01, None, None),
     ("momentum", 0.1, COSINE_4, None), ("adam", 0.01, COSINE_3, None),
     ("sgd", 0.5, WARM, None), ("momentum", 0.1, WARM_COSINE, None),
-    ("adam", 0.01, WARM_COSINE, None),
+    ("adam", 0.01, WARM_COSINE, None), ("nesterov", 0.05, None, None),
+    ("nesterov", 0.05, WARM_COSINE, None),
     # --clip-grad-norm: the same clip-then-update chain on both paths (LR's gradient
     # norms here are ~0.5-2, so both clips below bind)
     ("sgd", 0.5, None, 0.05), ("momentum", 0.1, COSINE_4, 0.05), ("adam", 0.01, COSINE_3, 0.1),
@@ -83,7 +84,7 @@ def test_state_round_trip():
     assert np.array_equal(w, w2)
 
 
-@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("name", ["sgd", "momentum", "nesterov", "adam"])
 def test_layout_describes_the_state_without_copying(name):
     opt = optim.make(name, 7, 0.1)
     state = opt.state()
@@ -122,7 +123,7 @@ def test_shares_clipped_by_the_whole_norm_update_as_the_whole(name):
                                             "are not built: no compiler at install time")
 @pytest.mark.parametrize("name,schedule,clip", [
     ("sgd", None, None), ("momentum", None, None), ("adam", None, None),
-    ("momentum", optim.Schedule(decay_steps=5), None),
+    ("momentum", optim.Schedule(decay_steps=5), None), ("nesterov", None, 0.5),
     ("adam", optim.Schedule(2, 0.5, 7), 0.5)])
 def test_fused_updates_give_numpys_bits(name, schedule, clip, monkeypatch):
     rng = np.random.default_rng(7)
