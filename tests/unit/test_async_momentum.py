@@ -8,7 +8,7 @@ from mpitrain import models
 from mpitrain.config import Config, resolve
 from mpitrain.errors import UsageError
 from mpitrain.models import optim
-from mpitrain.train.asynchronous.momentum import corrected, server_momentum
+from mpitrain.train.asynchronous.momentum import corrected, server_momentum, server_rate_factor
 
 
 @pytest.mark.parametrize("workers,expected", [(1, 0.9), (2, 0.4), (4, 0.15), (5, 0.1),
@@ -69,3 +69,42 @@ def test_momentum_sgd_with_no_momentum_left_is_plain_sgd():
         sgd.step(w_sgd, g.copy())
     np.testing.assert_allclose(w_momentum, w_sgd, rtol=1e-6)
     assert optim.make("sgd", 2, 0.1, momentum=0.5).__class__ is optim.SGD
+
+
+@pytest.mark.parametrize("model,world_size,kw,expected", [
+    # 2 workers lower momentum SGD's 0.9 to 0.4: the rate rises (1 - 0.4) / (1 - 0.9)
+    ("lr", 3, {"optimizer": "nesterov"}, 6.0), ("lr", 3, {"optimizer": "momentum"}, 6.0),
+    # 16 workers under the default bound: 5 at once, momentum 0.1
+    ("lr", 17, {"optimizer": "nesterov"}, 9.0),
+    # unbounded 16: no momentum left, plain SGD at the long-run step's rate
+    ("lr", 17, {"optimizer": "momentum", "staleness": "none"}, 10.0),
+    ("lr", 3, {}, 1.0),                                   # plain SGD: nothing lowered
+    ("lenet", 5, {}, 1.0),                                # Adam: its step is its rate
+    ("lr", 3, {"optimizer": "nesterov", "momentum_correction": "off"}, 1.0)])
+def test_the_server_rate_keeps_the_long_run_step(model, world_size, kw, expected):
+    assert server_rate_factor(config(model, world_size, **kw)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name", ["momentum", "nesterov"])
+def test_a_lowered_momentum_at_the_raised_rate_takes_the_same_long_run_step(name):
+    """A constant gradient: the step per update settles at lr / (1 - m) with the
+    optimizer's own 0.9 at 0.05 and with 0.4 at 0.05 x 6 alike (0.5 a unit gradient)."""
+    steps = []
+    for momentum, lr in ((None, 0.05), (0.4, 0.3)):
+        opt, w = optim.make(name, 1, lr, momentum=momentum), np.zeros(1, np.float32)
+        for _ in range(300):
+            before = float(w[0])
+            opt.step(w, np.ones(1, np.float32))
+        steps.append(before - float(w[0]))
+    assert steps == pytest.approx([0.5, 0.5], rel=1e-3)
+
+
+def test_nesterov_by_hand():
+    """Two Nesterov updates (Keras: v = m v - lr g; w += m v - lr g)."""
+    opt, w = optim.make("nesterov", 2, 0.1), np.array([1.0, -1.0], np.float32)
+    v, expected = np.zeros(2), np.array([1.0, -1.0])
+    for g in (np.array([0.5, -2.0], np.float32), np.array([-1.0, 1.0], np.float32)):
+        opt.step(w, g.copy())
+        v = 0.9 * v - 0.1 * g
+        expected = expected + 0.9 * v - 0.1 * g
+    np.testing.assert_allclose(w, expected, rtol=1e-6)

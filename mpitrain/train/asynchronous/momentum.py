@@ -14,6 +14,14 @@ for its momentum m: with 0.9, 0.4 at 2 workers, 0.15 at 4, none from 10 workers.
 counts the workers that compute at once: under a staleness bound K, at most K + 1 (the
 default bound of 4 at more than 5 workers: N = 5, 0.1). The workers compute gradients
 only; they hold no optimizer, so nothing changes on them.
+
+Momentum SGD's step builds up to lr / (1 - m) (a gradient's total effect on the
+weights); asynchrony's implicit momentum does not change it (an update of rate lr per
+push, as Mitliagkas et al.'s expectation shows). Lowering m alone would shrink that step
+(0.1 / (1 - 0.4) against 0.1 / (1 - 0.9) at 2 workers), so for momentum SGD (plain or
+Nesterov) the server's rate rises by (1 - m') / (1 - m) with the lowered m': the same
+long-run step as the sync run of the same settings. Adam's step is the rate whatever its
+beta_1 (the moment is an average, not a sum), so its rate stays.
 Measured effect: docs/scaling.md.
 
 Contract: every server of a run (``--servers K``) computes the same value from the
@@ -43,6 +51,16 @@ def server_momentum(cfg) -> Optional[float]:
     if own is None or cfg.asynchronous.momentum_correction == "off":
         return None
     return corrected(own, concurrent_workers(cfg))
+
+
+def server_rate_factor(cfg) -> float:
+    """The factor of an async server's learning rate that keeps momentum SGD's long-run
+    step lr / (1 - m) where :func:`server_momentum` lowered m; 1 where it did not, and
+    for Adam."""
+    lowered = server_momentum(cfg)
+    if lowered is None or cfg.optimizer.name == "adam":
+        return 1.0
+    return (1.0 - lowered) / (1.0 - optim.MOMENTUM[cfg.optimizer.name])
 
 
 def concurrent_workers(cfg) -> int:

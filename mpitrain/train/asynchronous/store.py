@@ -10,7 +10,7 @@ from ...run.checkpoint import Checkpoint, optimizer_mismatch
 from ...models import optim
 from ..protocol import SLOTS
 from .compensation import Compensation, chosen
-from .momentum import server_momentum
+from .momentum import server_momentum, server_rate_factor
 from .mailbox import PushCodec, norm_slots
 from .sharded.partition import partition_of
 
@@ -112,10 +112,10 @@ class ParameterStore:
 
 def optimizer_of(ctx, n: int) -> optim.FlatOptimizer:
     """A server's optimizer over ``n`` parameters: the run's, its momentum lowered by
-    asynchrony's own (:mod:`.momentum`)."""
+    asynchrony's own and its rate raised to keep the long-run step (:mod:`.momentum`)."""
     cfg = ctx.cfg
-    return optim.make(cfg.optimizer.name, n, cfg.effective_lr, ctx.lr_schedule,
-                      cfg.optimizer.clip_grad_norm, server_momentum(cfg))
+    return optim.make(cfg.optimizer.name, n, cfg.effective_lr * server_rate_factor(cfg),
+                      ctx.lr_schedule, cfg.optimizer.clip_grad_norm, server_momentum(cfg))
 
 
 def fresh_share_state(ctx, weights: np.ndarray, share: slice) -> Dict[str, np.ndarray]:
