@@ -38,8 +38,7 @@ from ..results.run_dir import NullResults, RunResults, attempt_facts, run_identi
 from ..train import Context, Summary, lr_schedule, trainer
 from ..train.context import ConsoleOutput, ResultsWriter
 from ..train.asynchronous.compensation import chosen as compensation_of
-from ..train.asynchronous.momentum import (concurrent_workers, server_momentum,
-                                           server_rate_factor)
+from ..train.asynchronous.momentum import concurrent_workers, described_server_momentum
 from ..train.asynchronous.recovery import lost_in_this_job
 from ..userfiles import read_bounded
 
@@ -59,12 +58,7 @@ def describe_lr(cfg, n_params: int) -> str:
         if at_once < cfg.workers:
             lr += (f", staleness bound {cfg.staleness_bound} (at most {at_once} workers "
                    "compute at once)")
-        momentum = server_momentum(cfg)
-        if momentum is not None:
-            lr += f", server momentum {momentum:.3g}"
-            factor = server_rate_factor(cfg)
-            if factor != 1.0:
-                lr += f" at lr {cfg.effective_lr * factor:.3g} (the same long-run step)"
+        lr += described_server_momentum(cfg)
     return lr
 
 

@@ -32,8 +32,10 @@ def test_the_server_momentum_of_each_optimizer():
     assert server_momentum(config("lenet", 17, staleness=1)) == pytest.approx(0.4)
     assert server_momentum(config("lenet", 5, staleness=10)) == pytest.approx(0.15)
     assert server_momentum(config("lenet", 5, optimizer="momentum")) == pytest.approx(0.15)
-    # plain SGD has none to lower; off keeps the optimizer's own
-    assert server_momentum(config("lr", 5)) is None
+    # LR's Nesterov momentum is lowered alike; plain SGD has none to lower; off keeps the
+    # optimizer's own
+    assert server_momentum(config("lr", 5)) == pytest.approx(0.15)
+    assert server_momentum(config("lr", 5, optimizer="sgd")) is None
     assert server_momentum(config("lenet", 5, momentum_correction="off")) is None
 
 
@@ -78,7 +80,7 @@ def test_momentum_sgd_with_no_momentum_left_is_plain_sgd():
     ("lr", 17, {"optimizer": "nesterov"}, 9.0),
     # unbounded 16: no momentum left, plain SGD at the long-run step's rate
     ("lr", 17, {"optimizer": "momentum", "staleness": "none"}, 10.0),
-    ("lr", 3, {}, 1.0),                                   # plain SGD: nothing lowered
+    ("lr", 3, {"optimizer": "sgd"}, 1.0),                 # plain SGD: nothing lowered
     ("lenet", 5, {}, 1.0),                                # Adam: its step is its rate
     ("lr", 3, {"optimizer": "nesterov", "momentum_correction": "off"}, 1.0)])
 def test_the_server_rate_keeps_the_long_run_step(model, world_size, kw, expected):

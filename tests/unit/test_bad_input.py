@@ -111,7 +111,7 @@ def test_bad_numbers_on_the_command_line_are_usage_errors(argv, line, capsys):
     (dict(timeout=float("inf")), "fit(timeout=...) must be a positive number of seconds"),
     (dict(seed=-3), "fit(seed=...) must be 0 or a positive integer (got -3)"),
     (dict(quiet="yes"), "fit(quiet=...) is a switch: true or false (got 'yes')"),
-    (dict(optimizer="rmsprop"), "fit(optimizer=...) must be one of sgd, momentum, adam"),
+    (dict(optimizer="rmsprop"), "fit(optimizer=...) must be one of sgd, momentum, nesterov, adam"),
     (dict(results_dir=3), "fit(results_dir=...) must be a non-empty path or name (got 3)"),
 ])
 def test_fit_checks_its_options_as_the_command_line_does(options, message):
@@ -148,7 +148,8 @@ def saved_run(tmp_path, **edits):
     (dict(lr=float("nan")), "lr in {run}/config.json must be a positive number"),
     (dict(world_size="3"), "world_size in {run}/config.json must be a positive integer"),
     (dict(async_mode="no"), "async_mode in {run}/config.json is a switch"),
-    (dict(optimizer=7), "optimizer in {run}/config.json must be one of sgd, momentum, adam"),
+    (dict(optimizer=7),
+     "optimizer in {run}/config.json must be one of sgd, momentum, nesterov, adam"),
     (dict(results_dir=None), "results_dir in {run}/config.json must be a non-empty path"),
 ])
 def test_a_resumed_config_is_checked_as_strictly_as_a_typed_one(tmp_path, edits, message):

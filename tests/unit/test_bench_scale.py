@@ -73,7 +73,11 @@ def test_resnet_trains_on_mnist_and_adam_models_show_the_warm_up_they_do_without
                             model_runs("lr", 16, quick=False)["lr-async-before"]))
     lr = model_runs("lr", 16, quick=False)
     assert {"lr-sync-before", "lr-async-before"} <= set(lr) and "lr-sync-warmup" not in lr
-    assert lr["lr-sync-momentum"][-4:] == ["--optimizer", "momentum", "--lr", "0.1"]
+    # LR's default before Nesterov momentum, sync and async, and in the old defaults
+    assert lr["lr-sync-sgd"][-4:] == lr["lr-async-sgd"][-4:] == ["--optimizer", "sgd", "--lr",
+                                                                 "0.5"]
+    assert "--async" in lr["lr-async-sgd"]
+    assert all("sgd" in lr[f"lr-{mode}-before"] for mode in ("sync", "async"))
     assert "--async" not in lr["lr-sync-before"]
     assert set(model_runs("lr", 2, quick=True)) == {"lr-sync", "lr-async-auto"}
 

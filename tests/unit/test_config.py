@@ -29,7 +29,7 @@ def resolved(world_size=1, **kw):
 def test_model_defaults_fill_unset_fields():
     cfg = resolved()
     assert (cfg.epochs, cfg.batch_size, cfg.optimizer.lr, cfg.optimizer.name) == (
-        30, 100, 0.5, "sgd")
+        30, 100, 0.05, "nesterov")
     assert resolved(epochs=3).epochs == 3
 
 
@@ -81,9 +81,9 @@ def test_modes_and_linear_lr_scaling():
     assert resolved(1).mode == "single"
     sync4 = resolved(4)
     assert (sync4.mode, sync4.workers, sync4.global_batch) == ("sync", 3, 300)
-    assert sync4.effective_lr == pytest.approx(1.5)
-    assert resolved(4, lr_scaling="none").effective_lr == pytest.approx(0.5)
-    assert resolved(4, async_mode=True).effective_lr == pytest.approx(0.5)
+    assert sync4.effective_lr == pytest.approx(0.15)
+    assert resolved(4, lr_scaling="none").effective_lr == pytest.approx(0.05)
+    assert resolved(4, async_mode=True).effective_lr == pytest.approx(0.05)
 
 
 def test_dry_run_caps_steps():
@@ -128,7 +128,7 @@ def test_config_is_immutable_and_serialisable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.epochs = 3
     d = cfg.to_dict()
-    assert d["mode"] == "sync" and d["workers"] == 3 and d["effective_lr"] == pytest.approx(1.5)
+    assert d["mode"] == "sync" and d["workers"] == 3 and d["effective_lr"] == pytest.approx(0.15)
 
 
 def test_horovod_missing_says_how_to_install(monkeypatch):
@@ -274,8 +274,9 @@ def test_the_command_line_gives_the_configs_and_errors_it_gave_before_sections()
 
 def since_large_batch_defaults(case: dict) -> dict:
     """A saved case as the large-batch and async defaults changed it, and nothing else: the
-    new settings at their defaults (--staleness auto), lr's cosine schedule, and the
-    derived warm-up (its rule: test_the_warm_up_and_the_scaling_follow_the_rule)."""
+    new settings at their defaults (--staleness auto), lr's cosine schedule and Nesterov
+    momentum at a tenth of the rate, and the derived warm-up (its rule:
+    test_the_warm_up_and_the_scaling_follow_the_rule)."""
     case = json.loads(json.dumps(case))
     kind = "config" if "config" in case else "settings" if "settings" in case else None
     if kind is None:  # an error; --staleness takes auto and none besides a number now
@@ -288,6 +289,11 @@ def since_large_batch_defaults(case: dict) -> dict:
         values["staleness"] = "auto"
     if argv[0] == "lr" and "--lr-schedule" not in argv:
         values["lr_schedule"] = "cosine"
+    if argv[0] == "lr" and "--lr" not in argv:  # (no case gives lr --optimizer)
+        scale = values["effective_lr"] / values["lr"] if "effective_lr" in values else None
+        values.update(optimizer="nesterov", lr=values["lr"] / 10)
+        if scale is not None:
+            values["effective_lr"] = values["lr"] * scale
     # the default warm-up is fixed in the config as it is built
     values["warmup_epochs"] = parse_config(argv, world_size=case["world_size"]).warmup
     return case

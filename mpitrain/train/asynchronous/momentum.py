@@ -63,6 +63,17 @@ def server_rate_factor(cfg) -> float:
     return (1.0 - lowered) / (1.0 - optim.MOMENTUM[cfg.optimizer.name])
 
 
+def described_server_momentum(cfg) -> str:
+    """For the run line: ", server momentum M at lr R (...)", or "" if not lowered."""
+    momentum = server_momentum(cfg)
+    if momentum is None:
+        return ""
+    factor = server_rate_factor(cfg)
+    rate = "" if factor == 1.0 else \
+        f" at lr {cfg.effective_lr * factor:.3g} (the same long-run step)"
+    return f", server momentum {momentum:.3g}{rate}"
+
+
 def concurrent_workers(cfg) -> int:
     """The workers that compute at once: all of them, or at most K + 1 under a staleness
     bound K (:class:`mpitrain.train.leases.Leases`)."""
