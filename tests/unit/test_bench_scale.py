@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench.scale import (BEGIN, END, cluster_hostfile, exponent, growth_rows,
-                         launch_moments, model_runs, write_docs)
+                         launch_moments, longer_checks, model_runs, write_docs)
 
 
 def test_the_exponent_is_the_slope_on_the_logs():
@@ -88,3 +88,24 @@ def test_the_docs_keep_the_sections_not_measured_again(tmp_path):
     write_docs(page, {"lr": "### lr\n\nnew lr\n", "ranks": "### ranks\n\nnew ranks\n"})
     assert page.read_text() == (f"intro\n{BEGIN}\n### lr\n\nnew lr\n\n### lenet\n\nold lenet\n"
                                 f"\n### ranks\n\nnew ranks\n{END}\nouter\n")
+
+
+def test_longer_sync_runs_judge_epochs_to_target_where_equal_epochs_fall_short():
+    lenet = model_runs("lenet", 16, quick=False)
+    assert lenet["lenet-sync-longer"][:3] == ["lenet", "--epochs", "3"]  # 1.5 x 2
+    assert lenet["lenet-sync-longer"][3:] == lenet["lenet-sync"][3:]
+    assert model_runs("lr", 8, quick=False)["lr-sync-longer"][:3] == ["lr", "--epochs", "5"]
+    assert "lenet-sync-longer" not in model_runs("lenet", 4, quick=False)
+
+    def row(mode, workers, gap, reached):
+        return {"model": "lenet", "mode": mode, "workers": workers, "vs_2_workers_pp": gap,
+                "epoch_to_target": reached}
+    rows = [row("sync", 2, 0.0, 2), row("sync", 8, -0.5, ""), row("sync (longer)", 8, "", 2),
+            row("sync", 16, -1.2, ""), row("sync (longer)", 16, "", 3)]
+    found = longer_checks(rows)  # 8 workers are within 1 pp: nothing to judge there
+    assert [(c["ratio"], c["value"], c["met"]) for c in found] == [
+        ("lenet sync 16 workers: epochs to target / 2 workers'", 1.5, False)]
+    rows[-1]["epoch_to_target"] = ""  # never reached: not met
+    assert [c["met"] for c in longer_checks(rows)] == [False]
+    rows[-1]["epoch_to_target"] = 2
+    assert [(c["value"], c["met"]) for c in longer_checks(rows)] == [(1.0, True)]
