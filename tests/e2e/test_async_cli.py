@@ -25,7 +25,9 @@ def test_async_dry_run(np_, shared_run):
     curve = read_rows(run_dir / "curve.csv")
     assert curve[0]["step"] == "0" and curve[-1]["step"] == str(2 * workers)
     assert float(run["server_updates_per_s"]) > 0 and float(run["worker_steps_per_s"]) > 0
-    assert run["server_momentum"] == ""  # LR's plain SGD has no momentum to lower
+    # LR's Nesterov momentum, less what the workers' asynchrony adds (1 - 1/N)
+    assert float(run["server_momentum"]) == pytest.approx(max(0.0, 0.9 - (1 - 1 / workers)),
+                                                          abs=1e-6)
     # the async server applies every update: it keeps the launcher's priority
     # (train/priority.py), also after the sync run before it in this process lowered it
     # for that run (the shared launch)
