@@ -1,10 +1,10 @@
 /* The async server's optimizer updates (mpitrain/models/optim.py), each one fused pass
  * over the flat vectors. numpy makes a pass per operation and allocates temporaries
- * (SGD 2 passes, momentum 4, Nesterov 6, Adam 9 and two 4-byte-per-value temporaries), and each
- * numpy call costs a fixed dispatch, which dominates at LR's size; AlexNet's Adam
- * streams its 110 MB vectors a dozen times (docs/architecture.md, "Flat optimizers in
- * C"). The same
- * for the delay compensation of a stale gradient (--staleness-compensation dc).
+ * (SGD 2 passes, momentum 4, Nesterov 6, Adam 9 and two 4-byte-per-value
+ * temporaries), and each numpy call costs a fixed dispatch, which dominates at LR's
+ * size; AlexNet's Adam streams its 110 MB vectors a dozen times (docs/architecture.md,
+ * "Flat optimizers in C"). The same for the delay compensation of a stale gradient
+ * (--staleness-compensation dc).
  *
  * Same bits as the numpy code: each value goes through exactly its float32 operations,
  * in its order (every product, sum, quotient and square root rounded to float32 as
