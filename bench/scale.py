@@ -103,25 +103,23 @@ MODELS = {
     "resnet": {"epochs": 2, "target": 0.98, "compensations": ["auto", "sqrt", "none"],
                "args": ["--dataset", "mnist"]},
 }
+#: momentum-SGD models whose runs (sync and async) go again with plain SGD at ten times
+#: the rate: the same long-run step, without what momentum makes of a large global
+#: batch's few steps (async: its servers trade the momentum for asynchrony's own)
+PLAIN_SGD = {"lr": ["--optimizer", "sgd", "--lr", "0.5"]}
 #: the defaults before the large-batch rules, as options: sync without warm-up (and
-#: LR's constant rate), async uncompensated and unbounded, with the optimizer's own
-#: momentum and (LR) pipelined, as 'auto' then chose
+#: LR's constant rate and plain SGD), async uncompensated and unbounded, with the
+#: optimizer's own momentum and (LR) pipelined, as 'auto' then chose
 BEFORE = {
-    "lr": {"sync": ["--warmup-epochs", "0", "--lr-schedule", "constant",
-                    "--optimizer", "sgd", "--lr", "0.5"],
-           "async": ["--optimizer", "sgd", "--lr", "0.5", "--staleness-compensation",
-                     "none", "--pipeline", "on", "--lr-schedule", "constant",
-                     "--staleness", "none"]},
+    "lr": {"sync": ["--warmup-epochs", "0", "--lr-schedule", "constant", *PLAIN_SGD["lr"]],
+           "async": [*PLAIN_SGD["lr"], "--staleness-compensation", "none", "--pipeline",
+                     "on", "--lr-schedule", "constant", "--staleness", "none"]},
     "lenet": {"async": ["--staleness-compensation", "none", "--pipeline", "off",
                         "--momentum-correction", "off", "--staleness", "none"]},
 }  # (LeNet's sync: as now, no warm-up)
 #: models whose optimizer (Adam) gets no warm-up by default: their sync runs again with the
 #: warm-up SGD and momentum get (a fifth of the run)
 WARMED_UP = ("lenet", "resnet")
-#: momentum-SGD models whose runs (sync and async) go again with plain SGD at ten times
-#: the rate: the same long-run step, without what momentum makes of a large global
-#: batch's few steps (async: its servers trade the momentum for asynchrony's own)
-PLAIN_SGD = {"lr": ["--optimizer", "sgd", "--lr", "0.5"]}
 #: the longer sync runs at 8 workers and more: this many times the model's epochs
 LONGER = 1.5
 #: ...whose epochs to the target may be at most this many times 2 workers'
@@ -209,8 +207,8 @@ def accuracy_section(args, out: Path, command: str, sections: Dict[str, str],
 def model_runs(model: str, workers: int, quick: bool) -> Dict[str, List[str]]:
     """The accuracy runs of one model at one worker count: {name: mpitrain arguments}."""
     spec = MODELS[model]
-    base = [model, "--epochs", "1" if quick else str(spec["epochs"]), "--data-dir",
-            mnist_dir(), *spec.get("args", [])]
+    data = ["--data-dir", mnist_dir(), *spec.get("args", [])]
+    base = [model, "--epochs", "1" if quick else str(spec["epochs"]), *data]
     runs = {f"{model}-sync": base}
     for comp in spec["compensations"][:1] if quick else spec["compensations"]:
         runs[f"{model}-async-{comp}"] = [*base, "--async", "--staleness-compensation", comp]
@@ -226,7 +224,7 @@ def model_runs(model: str, workers: int, quick: bool) -> Dict[str, List[str]]:
                                         f"{WARMUP_FRACTION * spec['epochs']:g}"]
     if workers >= 8:
         longer = str(math.ceil(LONGER * spec["epochs"]))
-        runs[f"{model}-sync-longer"] = [model, "--epochs", longer, *base[3:]]
+        runs[f"{model}-sync-longer"] = [model, "--epochs", longer, *data]
     if model in PLAIN_SGD:
         runs[f"{model}-sync-sgd"] = [*base, *PLAIN_SGD[model]]
         runs[f"{model}-async-sgd"] = [*base, "--async", *PLAIN_SGD[model]]
