@@ -15,6 +15,7 @@ BENCHMARKS = {
     "scaling": "throughput at 1/2/3 workers per model and mode; peak memory per rank",
     "sync_step": "sync LR step time at -np 1..4 and the allreduce's share of a step",
     "async_ps": "async server update rate vs the raw-MPI bound; async vs sync epoch time",
+    "server_memory": "the async server's peak memory at 2 vs 16 workers (AlexNet 224x224)",
     "sampler": "epoch time with the telemetry sampler on vs off",
     "netns": "LR and LeNet epoch time on the emulated 3-node cluster, 10 GbE vs 1 GbE",
     "compression": "--compression fp16 vs float32 on the emulated cluster at 1 GbE",

@@ -17,13 +17,15 @@
    same for all three: at 20,000 a run of mpitrain's lasts 0.3 s, of which its
    fixed start and end (mapping the shared message memory, the background
    evaluator's first and last evaluations, the first 25 steps before a worker
-   pipelines) were a fifth of it (docs/benchmarks.md, "Async parameter server"; the raw echo's rate is the same at both). Ratio mpitrain / bound
+   pipelines) were a fifth of it (docs/benchmarks.md, "Async parameter server"; the
+   raw echo's rate is the same at both). Ratio mpitrain / bound
    (target >= 0.5). mpitrain runs without staleness compensation, as the echo
    applies nothing; ``mpitrain_default_per_s`` is the same with the default
    (delay compensation for LR: one more fused pass and a copy of the weights per
    update), so the compensation's cost is the difference.
 2. **Async vs sync epoch time** on LR at -np 3 (and 4), real CLI runs, same epochs
    (sync then async in one launch per -np).
+   The server's memory against workers: ``python -m bench server_memory``.
 
     python -m bench async_ps [--quick]
 """
@@ -36,42 +38,39 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .common import (bench_parser, last_json_line, mnist_dir, mpirun, on_every_rank, out_dir,
+from .common import (LOCAL_HOSTFILE, bench_parser, last_json_line, mnist_dir, mpirun,
+                     on_every_rank, out_dir,
                      table, train_many, write_csv)
 
 TARGET = 0.5
 #: updates of the busy-polling echo where ranks outnumber cores (it makes ~250/s there)
 OVERSUBSCRIBED_SPIN_UPDATES = 2000
 LOOP_TARGET = 0.10  # issue 15: the server's protocol loop, share of a core
+#: LR's parameters: the no-compute rates' message size
+LR_PARAMS = 7850
 
 
-def rank_side(mode: str, updates: int) -> None:
-    from mpitrain import models
-    from mpitrain.train import asynchronous
-    from mpitrain.comm import Comm, Role
-    from mpitrain.config import Config, resolve
-    from mpitrain.run.console import NullConsole
-    from mpitrain.data import Dataset
-    from mpitrain.models.replica import Replica, init_tensorflow
-    from mpitrain.results.run_dir import NullResults
-    from mpitrain.train import Context
-
-    comm = Comm.world(timeout=120)
-    n_workers = comm.size - 1
-    per_worker = updates // n_workers
-    n_params = 7850
+def rank_side(mode: str, updates: int, model: str = "lr", image_size: int = 0,
+              settings: str = "{}") -> None:
+    """One launch's rank: the raw echo, or mpitrain's real async protocol with workers
+    that push zeros (no TensorFlow on a worker: only the server builds the model). The
+    server prints its updates/s and every server's peak RSS."""
+    n_servers = json.loads(settings).get("servers", 1)
     if mode == "raw":
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
-        grad = np.zeros(8 + n_params, np.float32)
-        weights = np.zeros(8 + n_params, np.float32)
+        n_workers = world.Get_size() - 1
+        per_worker = updates // n_workers
+        grad = np.zeros(8 + LR_PARAMS, np.float32)
+        weights = np.zeros(8 + LR_PARAMS, np.float32)
         world.Barrier()
         t0 = time.perf_counter()
-        if comm.rank == 0:
+        if world.Get_rank() == 0:
             status = MPI.Status()
             for _ in range(per_worker * n_workers):
                 world.Recv(grad, source=MPI.ANY_SOURCE, tag=1, status=status)
@@ -81,45 +80,92 @@ def rank_side(mode: str, updates: int) -> None:
                 world.Send(grad, dest=0, tag=1)
                 world.Recv(weights, source=0, tag=2)
         world.Barrier()
-        rate = per_worker * n_workers / (time.perf_counter() - t0)
+        rate, rank = per_worker * n_workers / (time.perf_counter() - t0), world.Get_rank()
+        peaks, message_mb = [peak_rss_mb()], grad.nbytes / 2**20
     else:
+        from mpitrain.comm import Comm
+
+        comm = Comm.world(timeout=600)
+        per_worker = updates // (comm.size - n_servers)
+        seconds, n_params = run_protocol(comm, mode, per_worker, model, image_size,
+                                         json.loads(settings))
+        message_mb = 4 * n_params / 2**20
+        rate = per_worker * (comm.size - n_servers) / seconds
+        rank, peaks = comm.rank, comm.allgather_objects(peak_rss_mb())[:n_servers]
+    if rank == 0:
+        print(json.dumps({"updates_per_s": rate, "server_peak_rss_mb": max(peaks),
+                          "message_mb": message_mb}))
+
+
+def run_protocol(comm, mode: str, per_worker: int, model: str, image_size: int,
+                 settings: dict) -> Tuple[float, int]:
+    """mpitrain's async training, every rank's side, ``per_worker`` pushes of zeros a
+    worker; its seconds from the barrier after every rank is ready, and the model's
+    parameters."""
+    from mpitrain import models
+    from mpitrain.config import Config, resolve
+    from mpitrain.data import Dataset
+    from mpitrain.results.run_dir import NullResults
+    from mpitrain.run.console import NullConsole
+    from mpitrain.train import Context, asynchronous
+
+    spec, n_servers = models.get(model), settings.get("servers", 1)
+    shape = (image_size, image_size, 3) if image_size else (28, 28, 1)
+    classes = spec.synthetic.get("num_classes", 10) if image_size else 10
+    role = comm.assign_roles(n_servers)
+    replica = None
+    if not role.trains:  # only a server needs the model: a worker pushes zeros of its size
+        from mpitrain.models.replica import Replica, init_tensorflow
+
         init_tensorflow(1, 0)
-        replica = Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
-        # "mpitrain": the protocol alone, no staleness compensation (the echo server
-        # applies nothing either); "mpitrain-default": with the default (dc for LR)
-        plain = {} if mode == "mpitrain-default" else {"staleness_compensation": "none"}
-        cfg = resolve(Config.of(model="lr", async_mode=True, epochs=10**6, batch_size=1,
-                                steps=per_worker, eval_every=10**6, **plain),
-                      models.get("lr").defaults, comm.size)
-        data = Dataset("synthetic", "bench", 10, (28, 28, 1), 10**6 * n_workers,
-                       x_train=np.zeros((10**6, 1, 1, 1), np.float32)[:, :0],
-                       y_train=np.zeros(10**6, np.int32),
-                       x_test=np.zeros((10, 28, 28, 1), np.float32),
-                       y_test=np.zeros(10, np.int32))
-        zeros = np.zeros(n_params, np.float32)
+        replica = Replica(spec, shape, classes, "sgd", 0.1)
+    sizes = comm.allgather_objects(
+        (replica.n_params, replica.n_state, replica.n_buffers) if replica else None)[0]
+    # "mpitrain": the protocol alone, no staleness compensation (the echo server applies
+    # nothing either); "mpitrain-default": with the default (dc for LR)
+    plain = {} if mode == "mpitrain-default" else {"staleness_compensation": "none"}
+    cfg = resolve(Config.of(model=model, async_mode=True, epochs=10**6, batch_size=1,
+                            steps=per_worker, eval_every=10**6, **{**plain, **settings}),
+                  spec.defaults, comm.size)
+    n_workers = comm.size - n_servers
+    data = Dataset("synthetic", "bench", classes, shape, 10**6 * n_workers,
+                   x_train=np.zeros((10**6, 1, 1, 1), np.float32)[:, :0],
+                   y_train=np.zeros(10**6, np.int32),
+                   x_test=np.zeros((10, *shape), np.float32), y_test=np.zeros(10, np.int32))
+    ctx = Context(cfg, comm, role, replica or NoCompute(*sizes), data, NullResults(),
+                  NullConsole(), shard_size=10**6, worker_index=max(0, comm.rank - n_servers))
+    comm.barrier()
+    began = time.perf_counter()
+    asynchronous.train(ctx)
+    comm.barrier()
+    return time.perf_counter() - began, sizes[0]
 
-        class NoCompute:  # the worker's replica, but for its gradient
-            n_params, n_state, n_buffers = replica.n_params, replica.n_state, replica.n_buffers
 
-            def grad_at(self, *args):
-                return zeros, 0.0, 0.0
+class NoCompute:
+    """A worker's replica, but for its gradient: zeros of the model's size."""
 
-        ctx = Context(cfg, comm, comm.assign_roles(1), replica if comm.rank == 0 else NoCompute(),
-                      data, NullResults(), NullConsole(), shard_size=10**6,
-                      worker_index=max(0, comm.rank - 1))
-        comm.barrier()
-        t0 = time.perf_counter()
-        asynchronous.train(ctx)
-        comm.barrier()
-        rate = per_worker * n_workers / (time.perf_counter() - t0)
-    if comm.rank == 0:
-        print(json.dumps({"updates_per_s": rate}))
+    def __init__(self, n_params: int, n_state: int, n_buffers: int):
+        self.n_params, self.n_state, self.n_buffers = n_params, n_state, n_buffers
+        self.zeros = np.zeros(n_params, np.float32)
+
+    def grad_at(self, *args):
+        return self.zeros, 0.0, 0.0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main(argv=None, out=None) -> dict:
     parser = bench_parser("async_ps", __doc__, "small runs, -np 2 and 3 (smoke)")
     parser.add_argument("--rank-side", choices=["raw", "mpitrain", "mpitrain-default"],
                         help=argparse.SUPPRESS)
+    parser.add_argument("--rank-model", default="lr", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-image-size", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-settings", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--updates", type=int, default=100000)
     parser.add_argument("--rounds", type=int, default=2,
                         help="no-compute rates: the best of this many interleaved rounds "
@@ -127,14 +173,31 @@ def main(argv=None, out=None) -> dict:
     args = parser.parse_args(argv)
     updates = 2000 if args.quick else args.updates
     if args.rank_side:
-        on_every_rank(rank_side, args.rank_side, updates)
+        on_every_rank(rank_side, args.rank_side, updates, args.rank_model,
+                      args.rank_image_size, args.rank_settings)
         return {}
     out = out or out_dir()
+    checks = rates_section(args, updates, out) + epochs_section(args, updates, out)
+    print(f"\nresults: {out}")
+    return {"checks": checks}
+
+
+def launch(np_: int, mode: str, updates: int, env=None, hostfile: Path = LOCAL_HOSTFILE,
+           **rank_args) -> Dict:
+    """One launch of :func:`rank_side`; the server's JSON line."""
+    extra = [item for key, value in rank_args.items()
+             for item in (f"--rank-{key.replace('_', '-')}", str(value))]
+    result = mpirun(np_, ["-m", "bench.async_ps", "--rank-side", mode, "--updates",
+                          str(updates), *extra], env=env, hostfile=hostfile)
+    return last_json_line(result.stdout)
+
+
+def rates_section(args, updates: int, out: Path) -> List[Dict]:
+    """1. The server's update rate against the raw-MPI echo's."""
     rows = []
+
     def rate(np_, mode, env=None, n=updates):
-        result = mpirun(np_, ["-m", "bench.async_ps", "--rank-side", mode, "--updates",
-                              str(n)], env=env)
-        return last_json_line(result.stdout)["updates_per_s"]
+        return launch(np_, mode, n, env)["updates_per_s"]
 
     rounds = 1 if args.quick else max(1, args.rounds)
     for np_ in (2, 3) if args.quick else (2, 3, 4):
@@ -157,7 +220,13 @@ def main(argv=None, out=None) -> dict:
         verdict = "met" if row["ratio"] >= TARGET else "SHORT"
         print(f"-np {row['np']}: mpitrain server / raw MPI bound = {row['ratio']:.2f} "
               f"(target >= {TARGET}: {verdict})")
+    return [{"benchmark": "async_ps", "ratio": f"server updates/s, workers pushing zeros / "
+             f"raw MPI bound, -np {r['np']}", "value": r["ratio"], "target": f">= {TARGET}",
+             "met": r["ratio"] >= TARGET} for r in rows]
 
+
+def epochs_section(args, updates: int, out: Path) -> List[Dict]:
+    """2. Async against sync epoch time, LR, real runs."""
     epochs = 3 if args.quick else 15
     launches = (3,) if args.quick else (3, 4)
     timing = []
@@ -186,10 +255,7 @@ def main(argv=None, out=None) -> dict:
               f"process {100 * float(asyn['server_cpu_share']):.1f}% of a core (protocol "
               f"loop {100 * float(asyn['server_loop_cpu_share']):.1f}%, target <= "
               f"{100 * LOOP_TARGET:g}%)")
-    print(f"\nresults: {out}")
-    checks = [{"benchmark": "async_ps", "ratio": f"server updates/s, workers pushing zeros / "
-               f"raw MPI bound, -np {r['np']}", "value": r["ratio"], "target": f">= {TARGET}",
-               "met": r["ratio"] >= TARGET} for r in rows]
+    checks: List[Dict] = []
     for t in timing:
         if t["mode"] == "async":
             loop = float(t["server_loop_cpu_share"])
@@ -201,7 +267,7 @@ def main(argv=None, out=None) -> dict:
         checks.append({"benchmark": "async_ps", "ratio": f"async / sync LR epoch time, -np {np_}",
                        "value": round(asyn["s_per_epoch"] / sync["s_per_epoch"], 3),
                        "target": "reported", "met": None})
-    return {"checks": checks}
+    return checks
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_HOSTFILE = REPO / "hostfiles" / "local"
@@ -64,9 +64,9 @@ def mpi_env() -> dict:
 
 
 def mpirun(np_: int, args: List[str], timeout: float = 1800,
-           env: Dict[str, str] = None) -> subprocess.CompletedProcess:
+           env: Optional[Dict[str, str]] = None, hostfile: Path = LOCAL_HOSTFILE) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``np_`` ranks of this machine; raise if it fails."""
-    cmd = ["mpirun", "-q", "-np", str(np_), "-hostfile", str(LOCAL_HOSTFILE),
+    cmd = ["mpirun", "-q", "-np", str(np_), "-hostfile", str(hostfile),
            sys.executable, *args]
     result = subprocess.run(cmd, capture_output=True, text=True, env={**mpi_env(), **(env or {})},
                             cwd=REPO, timeout=timeout)
@@ -74,6 +74,13 @@ def mpirun(np_: int, args: List[str], timeout: float = 1800,
         raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n"
                            f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     return result
+
+
+def available_mb() -> float:
+    """This machine's free memory, in MB."""
+    import psutil
+
+    return psutil.virtual_memory().available / 2**20
 
 
 def horovod_python() -> str:

@@ -88,9 +88,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mpitrain.config.sections import WARMUP_FRACTION, staleness_bound
 
-from .common import (RUNS_IN_ONE_LAUNCH, bench_parser, launch_mpitrain, last_run, mnist_dir,
-                     on_every_rank, out_dir, run_table, runs_in_one_launch, table, train_many,
-                     write_block, write_csv)
+from .common import (RUNS_IN_ONE_LAUNCH, available_mb, bench_parser, launch_mpitrain, last_run,
+                     mnist_dir, on_every_rank, out_dir, run_table, runs_in_one_launch, table,
+                     train_many, write_block, write_csv)
 
 #: when this process's Python was up (on a rank of a timed launch: :func:`rank_side`)
 STARTED = time.time()
@@ -482,12 +482,6 @@ def probe_s(hostfile: Path, hosts: Optional[int] = None,
     if gone:
         raise RuntimeError(f"the launcher's probe found {gone} unreachable")
     return round(time.time() - began, 3)
-
-
-def available_mb() -> float:
-    import psutil
-
-    return psutil.virtual_memory().available / 2**20
 
 
 def cluster_section(workers: List[int], out: Path, command: str, sections: Dict[str, str],
