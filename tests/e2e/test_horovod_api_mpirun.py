@@ -77,6 +77,8 @@ def test_a_call_before_init_is_one_line():
                               "call hvd.init() first (on every rank)"], result.stderr[-2000:]
 
 
+# (slow: the quick tier's MPI tier has the mismatches outside tf.function)
+@pytest.mark.slow
 def test_ranks_that_disagree_inside_tf_function_stop_with_one_line():
     result = run_script(2, "hvd_bad_use.py", "mismatch")
     assert result.returncode == 2, result.stderr[-3000:]

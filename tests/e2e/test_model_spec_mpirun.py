@@ -73,6 +73,8 @@ def test_module_spec_and_resume_from_another_directory(cnn, mnist, tmp_path):
 SOFTMAX = MY_CNN.replace("L.Dense(num_classes)", "L.Dense(num_classes, activation='softmax')")
 
 
+# (slow: a variant of the user-file run the quick tier has; its own mpirun)
+@pytest.mark.slow
 def test_outputs_probabilities_trains_a_softmax_model(tmp_path, mnist):
     (tmp_path / "soft.py").write_text(SOFTMAX)
     result = mpirun(2, f"{tmp_path}/soft.py:build", "--outputs", "probabilities", "--steps",

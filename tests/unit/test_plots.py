@@ -202,6 +202,8 @@ def test_comparison_without_a_sweep_skips_sweep_figures(tmp_path):
 # --------------------------------------------------------------------------- report
 
 
+# (slow: 32 figures; the report of mpitrain's own files stays in the quick tier)
+@pytest.mark.slow
 def test_report_tables_and_links(tmp_path):
     root = make_results(tmp_path, RUN_SPECS[:4], missing=["20260101-000500-lr-sync-np2"])
     report = write_report(root)
