@@ -25,7 +25,9 @@
    update), so the compensation's cost is the difference.
 2. **Async vs sync epoch time** on LR at -np 3 (and 4), real CLI runs, same epochs
    (sync then async in one launch per -np).
-   The server's memory against workers: ``python -m bench server_memory``.
+
+The server's memory against workers has a benchmark of its own, ``bench server_memory``,
+which launches :func:`rank_side` with a model and settings.
 
     python -m bench async_ps [--quick]
 """
@@ -43,8 +45,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from .common import (LOCAL_HOSTFILE, bench_parser, last_json_line, mnist_dir, mpirun,
-                     on_every_rank, out_dir,
-                     table, train_many, write_csv)
+                     on_every_rank, out_dir, table, train_many, write_csv)
 
 TARGET = 0.5
 #: updates of the busy-polling echo where ranks outnumber cores (it makes ~250/s there)

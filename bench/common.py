@@ -64,7 +64,8 @@ def mpi_env() -> dict:
 
 
 def mpirun(np_: int, args: List[str], timeout: float = 1800,
-           env: Optional[Dict[str, str]] = None, hostfile: Path = LOCAL_HOSTFILE) -> subprocess.CompletedProcess:
+           env: Optional[Dict[str, str]] = None,
+           hostfile: Path = LOCAL_HOSTFILE) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``np_`` ranks of this machine; raise if it fails."""
     cmd = ["mpirun", "-q", "-np", str(np_), "-hostfile", str(hostfile),
            sys.executable, *args]
