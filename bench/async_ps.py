@@ -60,7 +60,6 @@ def rank_side(mode: str, updates: int, model: str = "lr", image_size: int = 0,
     """One launch's rank: the raw echo, or mpitrain's real async protocol with workers
     that push zeros (no TensorFlow on a worker: only the server builds the model). The
     server prints its updates/s and every server's peak RSS."""
-    n_servers = json.loads(settings).get("servers", 1)
     if mode == "raw":
         from mpi4py import MPI
 
@@ -86,10 +85,10 @@ def rank_side(mode: str, updates: int, model: str = "lr", image_size: int = 0,
     else:
         from mpitrain.comm import Comm
 
-        comm = Comm.world(timeout=600)
+        comm, given = Comm.world(timeout=600), json.loads(settings)
+        n_servers = given.get("servers", 1)
         per_worker = updates // (comm.size - n_servers)
-        seconds, n_params = run_protocol(comm, mode, per_worker, model, image_size,
-                                         json.loads(settings))
+        seconds, n_params = run_protocol(comm, mode, per_worker, model, image_size, given)
         message_mb = 4 * n_params / 2**20
         rate = per_worker * (comm.size - n_servers) / seconds
         rank, peaks = comm.rank, comm.allgather_objects(peak_rss_mb())[:n_servers]

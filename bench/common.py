@@ -84,6 +84,13 @@ def available_mb() -> float:
     return psutil.virtual_memory().available / 2**20
 
 
+def slots_file(out: Path, np_: int) -> Path:
+    """A hostfile giving this machine ``np_`` slots (hostfiles/local has 4)."""
+    path = out / f"hostfile-np{np_}"
+    path.write_text(f"localhost slots={np_}\n")
+    return path
+
+
 def horovod_python() -> str:
     """The Horovod environment's interpreter (setup.sh's .venv-horovod: TensorFlow 2.18,
     the newest Horovod 0.28.1 builds against; $MPITRAIN_HOROVOD_PYTHON overrides)."""

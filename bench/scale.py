@@ -89,8 +89,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mpitrain.config.sections import WARMUP_FRACTION, staleness_bound
 
 from .common import (RUNS_IN_ONE_LAUNCH, available_mb, bench_parser, launch_mpitrain, last_run,
-                     mnist_dir, on_every_rank, out_dir, run_table, runs_in_one_launch, table,
-                     train_many, write_block, write_csv)
+                     mnist_dir, on_every_rank, out_dir, run_table, runs_in_one_launch,
+                     slots_file, table, train_many, write_block, write_csv)
 
 #: when this process's Python was up (on a rank of a timed launch: :func:`rank_side`)
 STARTED = time.time()
@@ -567,13 +567,6 @@ def block_sections(block: str) -> Dict[str, str]:
         if name is not None:
             found[name] += line
     return found
-
-
-def slots_file(out: Path, np_: int) -> Path:
-    """A hostfile giving this machine ``np_`` slots (hostfiles/local has 4)."""
-    path = out / f"hostfile-np{np_}"
-    path.write_text(f"localhost slots={np_}\n")
-    return path
 
 
 def point(name: str, workers: int, row: Dict[str, str]) -> Dict:

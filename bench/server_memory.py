@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict
 
 from .async_ps import launch
-from .common import available_mb, bench_parser, out_dir, table, write_csv
+from .common import available_mb, bench_parser, out_dir, slots_file, table, write_csv
 
 #: the model and image side whose messages the server keeps
 MODEL = ("alexnet", 224)
@@ -74,15 +74,14 @@ def measure(out: Path, name: str, settings: Dict, workers: int, model: str, size
     """One launch: the server's peak RSS with ``workers`` workers; {} where their
     messages (two each, three in shared memory, and the server's) would not fit."""
     np_ = workers + settings.get("servers", 1)
-    needed = (workers * (3 if "shared_memory" not in settings else 2) + 8) * message_mb
-    if needed > available_mb():
+    shared = settings.get("shared_memory") != "off"
+    needed, free = (workers * (3 if shared else 2) + 8) * message_mb, available_mb()
+    if needed > free:
         print(f"server_memory: {name} at {workers} workers left out: about {needed:.0f} MB "
-              f"needed, {available_mb():.0f} MB free")
+              f"needed, {free:.0f} MB free")
         return {}
-    hostfile = out / f"hostfile-np{np_}"
-    hostfile.write_text(f"localhost slots={np_}\n")
-    found = launch(np_, "mpitrain-default", PUSHES * workers, hostfile=hostfile, model=model,
-                   image_size=size, settings=json.dumps(settings))
+    found = launch(np_, "mpitrain-default", PUSHES * workers, hostfile=slots_file(out, np_),
+                   model=model, image_size=size, settings=json.dumps(settings))
     return {"run": name, "workers": workers, "np": np_,
             "message_mb": round(found["message_mb"], 2),
             "server_peak_rss_mb": round(found["server_peak_rss_mb"])}
