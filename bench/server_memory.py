@@ -10,7 +10,7 @@ worker's message in flight at once, the pools' worst case (docs/architecture.md,
 count whose messages would not fit in the free memory is left out and named. Ratio:
 the peak at each worker count over the peak at the first (target <= 1.25).
 
-    python -m bench server_memory [--quick] [--workers 2,16]
+    python -m bench server_memory [--quick] [--workers 2,16] [--image-size 224]
 """
 
 from __future__ import annotations
@@ -37,9 +37,12 @@ def main(argv=None, out=None) -> dict:
     parser = bench_parser("server_memory", __doc__, "LR, 1 and 2 workers, through MPI (smoke)")
     parser.add_argument("--workers", default="2,16",
                         help="the worker counts compared (the first is the reference)")
+    parser.add_argument("--image-size", type=int, default=MODEL[1],
+                        help="AlexNet's image side (smaller: smaller messages, the same "
+                        "pools; the suite's test takes 32)")
     args = parser.parse_args(argv)
     out = out or out_dir()
-    model, size = ("lr", 0) if args.quick else MODEL
+    model, size = ("lr", 0) if args.quick else (MODEL[0], args.image_size)
     counts = [1, 2] if args.quick else [int(n) for n in args.workers.split(",")]
     rows, message_mb, left_out = [], 0.0, []
     for name, settings in RUNS[:1] if args.quick else RUNS:

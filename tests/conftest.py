@@ -112,6 +112,9 @@ def pytest_runtest_makereport(item, call):
 
 
 _cpu_by_file: dict = {}
+#: MPITRAIN_CPU_LEDGER=PATH writes every test's CPU seconds there (JSON), the whole
+#: ledger behind the summary's by-file lines
+_cpu_by_test: dict = {}
 
 
 def pytest_runtest_logreport(report):
@@ -119,11 +122,15 @@ def pytest_runtest_logreport(report):
     if cpu is not None:
         name = file_of(report.nodeid)
         _cpu_by_file[name] = _cpu_by_file.get(name, 0.0) + cpu
+        _cpu_by_test[report.nodeid] = round(cpu, 2)
     if os.environ.get("MPITRAIN_RECORD_DURATIONS"):
         _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session):
+    ledger = os.environ.get("MPITRAIN_CPU_LEDGER")
+    if ledger and _cpu_by_test and not os.environ.get("PYTEST_XDIST_WORKER"):
+        Path(ledger).write_text(json.dumps(dict(sorted(_cpu_by_test.items())), indent=0))
     if _recorded and not os.environ.get("PYTEST_XDIST_WORKER"):
         seconds = _measured_seconds()
         seconds.update({name: round(s, 2) for name, s in _recorded.items()})
@@ -585,8 +592,11 @@ def synthetic_shard(rank: int, shard: int, workers: int):
 #: (tests/e2e/test_bench.py).
 ENGINE_COMPARISONS = ("engines", "async_engines", "ddp", "horovod_api")
 ON_THE_EMULATED_CLUSTER = ("netns", "compression", "servers")
-#: benchmarks whose smoke another test file runs, beside what it checks of the same setup
-SMOKED_ELSEWHERE = {"mpis": "tests/e2e/test_mpis.py"}
+#: benchmarks whose smoke another test file runs, beside what it checks of the same setup:
+#: {name: (the file, how it runs the benchmark)}
+SMOKED_ELSEWHERE = {"mpis": ("tests/e2e/test_mpis.py", '"bench", "mpis", "--quick"'),
+                    "server_memory": ("tests/e2e/test_server_memory.py",
+                                      "server_memory.main(")}
 
 
 def bench(names, *args, timeout=1500):

@@ -30,14 +30,11 @@ def test_every_quick_benchmark_runs():
     # bench scale times its launch on every rank: start-up, gathers, telemetry's size
     assert [(r["np"], float(r["gather_s"]) >= 0) for r in read_rows(out / "scale_ranks.csv")] \
         == [("3", True), ("3", True)]
-    # the async server's memory: one worker and two, the server's peak measured
-    assert [(r["workers"], float(r["server_peak_rss_mb"]) > 100)
-            for r in read_rows(out / "server_memory.csv")] == [("1", True), ("2", True)]
 
 
 def test_the_other_smoke_runs_exist():
-    for name, path in SMOKED_ELSEWHERE.items():
-        assert f'"bench", "{name}", "--quick"' in (REPO / path).read_text(), path
+    for path, call in SMOKED_ELSEWHERE.values():
+        assert call in (REPO / path).read_text(), path
 
 
 def test_a_failing_rank_ends_the_benchmark_job_at_once():
