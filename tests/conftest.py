@@ -49,12 +49,10 @@ def pytest_collection_modifyitems(items):
     """Files in order of their selected tests' measured time, longest first, each file's
     tests in their own order. Under ``--dist loadfile`` a file runs on one worker and
     files are handed out in this order (with ``--no-loadscope-reorder``, pytest.ini's:
-    else xdist re-sorts them by their number of tests), so a long file handed out last leaves the other
-    worker idle: the quick tier's last file was the 50 s tests/unit/test_plots.py, and a
-    sampler saw 15% of the CPU idle, most of it at the end. Unknown tests count 0 s, but
-    a file with an unmeasured slow test goes first: a new or renamed slow test may be
-    long (the whole-suite CI run of f0db5c0 handed the unmeasured ~10 min benchmark smoke
-    out last), and a short file handed out first costs nothing."""
+    else xdist re-sorts them by their number of tests), so that no long file is handed
+    out last, leaving the other workers idle. Unknown tests count 0 s, but a file with an
+    unmeasured slow test goes first: a new or renamed slow test may be long, and a short
+    file handed out first costs nothing."""
     seconds = _measured_seconds()
     if seconds:
         longest_files_first(items, seconds)
