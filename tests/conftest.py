@@ -109,18 +109,15 @@ def pytest_runtest_makereport(item, call):
             outcome.get_result().user_properties.append(("cpu", _cpu_seconds() - start))
 
 
-_cpu_by_file: dict = {}
-#: MPITRAIN_CPU_LEDGER=PATH writes every test's CPU seconds there (JSON), the whole
-#: ledger behind the summary's by-file lines
+#: every test's CPU seconds; MPITRAIN_CPU_LEDGER=PATH writes them there (JSON), the
+#: whole ledger behind the summary's by-file lines
 _cpu_by_test: dict = {}
 
 
 def pytest_runtest_logreport(report):
     cpu = dict(report.user_properties).get("cpu") if report.when == "teardown" else None
     if cpu is not None:
-        name = file_of(report.nodeid)
-        _cpu_by_file[name] = _cpu_by_file.get(name, 0.0) + cpu
-        _cpu_by_test[report.nodeid] = round(cpu, 2)
+        _cpu_by_test[report.nodeid] = cpu
     if os.environ.get("MPITRAIN_RECORD_DURATIONS"):
         _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
 
@@ -128,7 +125,8 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     ledger = os.environ.get("MPITRAIN_CPU_LEDGER")
     if ledger and _cpu_by_test and not os.environ.get("PYTEST_XDIST_WORKER"):
-        Path(ledger).write_text(json.dumps(dict(sorted(_cpu_by_test.items())), indent=0))
+        Path(ledger).write_text(json.dumps({test: round(cpu, 2) for test, cpu
+                                            in sorted(_cpu_by_test.items())}, indent=0))
     if _recorded and not os.environ.get("PYTEST_XDIST_WORKER"):
         seconds = _measured_seconds()
         seconds.update({name: round(s, 2) for name, s in _recorded.items()})
@@ -139,11 +137,14 @@ def pytest_terminal_summary(terminalreporter):
     """Where the suite's CPU went: the files that used most (their tests' own processes
     and real launches; module fixtures count in their first test's file). On two
     cores the suite's wall time is at least half its CPU time."""
-    if not _cpu_by_file:
+    if not _cpu_by_test:
         return
-    total = sum(_cpu_by_file.values())
+    by_file: dict = {}
+    for test, cpu in _cpu_by_test.items():
+        by_file[file_of(test)] = by_file.get(file_of(test), 0.0) + cpu
+    total = sum(by_file.values())
     terminalreporter.write_sep("=", f"CPU seconds by test file ({total:.0f} s in all)")
-    for name, seconds in sorted(_cpu_by_file.items(), key=lambda kv: -kv[1])[:15]:
+    for name, seconds in sorted(by_file.items(), key=lambda kv: -kv[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f}  {name}")
 
 

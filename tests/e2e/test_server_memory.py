@@ -25,6 +25,8 @@ def test_the_servers_peak_memory_is_flat_from_two_to_six_workers(tmp_path):
     assert [(r["run"], r["workers"]) for r in rows] == [
         (run, workers) for run, _ in server_memory.RUNS for workers in ("2", "6")]
     assert all(float(r["message_mb"]) > 100 for r in rows)  # AlexNet's, not a smaller model's
+    # a peak measured: the server holds the model's weights, a message's worth, and more
+    assert all(float(r["server_peak_rss_mb"]) > float(r["message_mb"]) for r in rows)
     checks = result["checks"]
     assert len(checks) == len(server_memory.RUNS)
     for check in checks:  # each way's peak at six workers over its peak at two
