@@ -61,6 +61,13 @@ class Job:
                 return process.pid
         raise AssertionError(f"rank {rank} not found")
 
+    def signal_every_rank(self, ranks: int, signum: int) -> None:
+        """Signal ranks 0..ranks-1 as srun does: all pids found first, since a rank
+        signalled may end the others before they are looked up."""
+        for pid in [self.pid(rank) for rank in range(ranks)]:
+            with contextlib.suppress(ProcessLookupError):  # it ended since: as if signalled
+                os.kill(pid, signum)
+
     def finish(self, bound: float) -> tuple:
         """(exit code, output, seconds); fails the test if the job outlives ``bound``."""
         t0 = time.monotonic()
@@ -196,8 +203,7 @@ def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how, uninter
     job = Job(3, tmp_path / "a", "--data-dir", str(mnist), epochs=epochs)
     job.wait_for_evaluations(4)
     if how.startswith("SIGTERM"):
-        for rank in range(3):
-            os.kill(job.pid(rank), signal.SIGTERM)
+        job.signal_every_rank(3, signal.SIGTERM)
     else:
         os.kill(job.proc.pid, signal.SIGUSR1)
     code, out, _ = job.finish(bound=60)
@@ -223,8 +229,7 @@ def test_stop_checkpoint_and_bit_exact_resume_sync(mnist, tmp_path, how, uninter
 def test_stop_and_resume_async(mnist, tmp_path):
     job = Job(3, tmp_path, "--data-dir", str(mnist), "--async", epochs=60)
     job.wait_for_evaluations(4)
-    for rank in range(3):
-        os.kill(job.pid(rank), signal.SIGTERM)
+    job.signal_every_rank(3, signal.SIGTERM)
     code, out, _ = job.finish(bound=60)
     assert code == 143, out
     run_dir = job.run_dir()
