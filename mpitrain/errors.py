@@ -61,6 +61,18 @@ class CommTimeout(MpitrainError):
     """A bounded wait on other ranks ran out of time (a stalled or dead peer)."""
 
 
+class RanksLost(CommTimeout):
+    """A wait of this communicator cannot complete: ranks of it died (``lost``: their
+    ranks in it, as far as this rank can see: its host's processes and what MPI
+    reported). ``decided``: the ranks that go on, where rank 0 already said so (the
+    start-up's regroup, :mod:`mpitrain.comm.regroup`); else None."""
+
+    def __init__(self, message: str, lost=(), decided=None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.lost = sorted(lost)
+        self.decided = decided
+
+
 class ReplicaDrift(MpitrainError):
     """Sync replicas that must hold identical weights do not."""
 

@@ -67,6 +67,7 @@ from .shared import (PeerSlots, SharedMemorySum, one_host, share_with_server,
 from .traffic import Traffic
 from .tuning import LargeAllreduceRing
 from .pending import Pending, Persistent
+from .regroup import StartupWatch, go_on_without
 from .waiting import HOT, IDLE, SERVING, WAITING_CALL_EVERY, Backoff, blocking_call_bound
 
 __all__ = [
@@ -80,4 +81,5 @@ __all__ = [
     "finalize", "bound_finalize", "launcher_rank", "launcher_world_size",
     "recovery_enabled", "world_size_if_running", "world_rank_if_running",
     "abort_world", "report_failure", "library_versions", "reductions",
+    "StartupWatch", "go_on_without",
 ]

@@ -8,12 +8,12 @@ import functools
 import os
 import time
 from collections import Counter
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from ..config.bounds import Bounds
-from ..errors import CommTimeout
+from ..errors import RanksLost
 from ..kernels.half import mean_rows_, widen_
 from .failures import FailureListener
 from .load import others_busy_cores
@@ -77,6 +77,12 @@ class Comm(ObjectExchanges):
         #: rank 0 fail to name a stopped sync worker in test_faults' sync-spin case; which
         #: read did that is not yet found.)
         self.servers: int = 1
+        #: how its allreduces wait (``--allreduce-wait``; see :func:`spins`), kept for a
+        #: communicator made from this one (:meth:`over`)
+        self.allreduce_wait = "auto"
+        #: while the job starts, where a loss can be survived: the start-up's watch
+        #: (:class:`.regroup.StartupWatch`), which every wait checks; else None
+        self.startup: Optional[Any] = None
         #: cores other processes kept busy on this rank's host as the job started
         #: (world only; None where it was not measured: see _decide_waits)
         self.others_busy: Optional[float] = None
@@ -90,22 +96,31 @@ class Comm(ObjectExchanges):
         start-up waits at most ``start_timeout`` seconds for the other ranks (default
         :data:`.runtime.START_BOUND`); later calls find MPI started."""
         MPI = _load_mpi(start_timeout)
-        c = MPI.COMM_WORLD
+        return cls.over(MPI.COMM_WORLD, range(MPI.COMM_WORLD.Get_size()), timeout,
+                        allreduce_wait)
+
+    @classmethod
+    def over(cls, mpi_comm, world_ranks: Sequence[int], timeout: float = 300.0,
+             allreduce_wait: str = "auto", traffic: Optional[Traffic] = None) -> "Comm":
+        """Wrap ``mpi_comm`` as the job's communicator (its ranks' world ranks in
+        ``world_ranks``): the world, or the ranks that go on after a loss at start-up
+        (:mod:`.regroup`). Collective over ``mpi_comm``, as :meth:`world`."""
+        MPI, c = _load_mpi(), mpi_comm
         # Which ranks share a host (threads per rank, per-node telemetry, shared memory)
         # is MPI's own word (the ranks of one shared-memory communicator), not host names
         # nor a launcher's environment variables; it is exchanged once, with the host
         # names and what decides how ranks wait (see spins), by a bounded allgather.
-        bootstrap = cls(c, timeout, Traffic(), [MPI.Get_processor_name()] * c.Get_size(),
-                        range(c.Get_size()))
+        bootstrap = cls(c, timeout, traffic or Traffic(),
+                        [MPI.Get_processor_name()] * c.Get_size(), world_ranks)
         names, nodes, pids, cpus, thread_multiple = zip(*bootstrap.allgather_objects(
             (MPI.Get_processor_name(), bootstrap._node_leader(), os.getpid(),
              os.cpu_count() or 1, MPI.Query_thread() == MPI.THREAD_MULTIPLE), kind="control"))
         hosts = node_names(names, nodes)
-        world = cls(c, timeout, bootstrap.traffic, hosts, range(c.Get_size()))
-        world.pids = list(pids)
-        world._worker_comm = world._split_workers()
-        world._decide_waits(allreduce_wait, cpus, thread_multiple)
-        return world
+        job = cls(c, timeout, bootstrap.traffic, hosts, world_ranks)
+        job.pids, job.allreduce_wait = list(pids), allreduce_wait
+        job._worker_comm = job._split_workers()
+        job._decide_waits(allreduce_wait, cpus, thread_multiple)
+        return job
 
     def _decide_waits(self, allreduce_wait: str, cpus: Sequence[int],
                       thread_multiple: Sequence[bool]) -> None:
@@ -156,7 +171,7 @@ class Comm(ObjectExchanges):
         # Workers wait for each other longer than rank 0 waits for their heartbeats,
         # so that a stall is reported by rank 0, which can name the silent worker.
         return Comm(sub, self.bounds.workers, self.traffic,
-                    self.hosts[1:], range(1, self.size))
+                    self.hosts[1:], self.world_ranks[1:])
 
     @property
     def bounds(self) -> Bounds:
@@ -281,8 +296,10 @@ class Comm(ObjectExchanges):
         def check() -> None:
             nonlocal next_look, peers
             self._failures.check()
+            if self.startup is not None:
+                self.startup.check()
             if all(p.failed for p in pendings):  # nothing left that could complete
-                raise peer_died(pendings, self.name(self.rank), self.name)
+                raise peer_died(pendings, self)
             if watch_peers and time.perf_counter() >= next_look:
                 next_look = time.perf_counter() + LOOK_EVERY
                 peers = peers or PeerProcesses(self)
@@ -290,8 +307,7 @@ class Comm(ObjectExchanges):
                 # a rank may exit right after its part of the collective: gone only if
                 # the collective still cannot complete, tested again after the exit
                 if gone and not settles(pendings):
-                    raise rank_exited(pendings[0], [(self.name(r), self.pids[r]) for r in gone],
-                                      self.name(self.rank))
+                    raise rank_exited(pendings[0], gone, self)
 
         if poll(done, pendings[0].kind, backoff, seconds, self.traffic, check,
                 self.while_waiting, tested):
@@ -346,8 +362,7 @@ class Comm(ObjectExchanges):
                 if not is_process_failure(error):
                     raise
                 note_process_failure()
-                raise peer_died([Pending(None, what, None, kind)], self.name(self.rank),
-                                self.name) from None
+                raise peer_died([Pending(None, what, None, kind)], self) from None
         else:
             p = Pending(allreduce_algorithm().iallreduce_sum(self._c, buf), what, None, kind)
             self._poll(p.test, [p], HOT)  # (adds its wait to the traffic table)
@@ -497,15 +512,15 @@ class Comm(ObjectExchanges):
         self._failures.pending = None
 
 
-def peer_died(pendings: Sequence[Pending], me: str, name: Callable[[int], str]) -> CommTimeout:
+def peer_died(pendings: Sequence[Pending], comm: Comm) -> RanksLost:
     """The error of a wait whose peer MPI reported dead (ULFM), naming it where it can."""
     p = pendings[0]
-    dead = sorted(FAILED_RANKS)
-    who = (name(p.peer) if p.peer is not None else
-           ", ".join(f"rank {r}" for r in dead) if dead else "a rank of the job")
-    return CommTimeout(f"{me} stops: {who} died while it waited for {p.what} (MPI reported "
-                       "MPI_ERR_PROC_FAILED; mpitrain launch restarts the run from its last "
-                       "checkpoint)")
+    dead = [r for r, world in enumerate(comm.world_ranks) if world in FAILED_RANKS]
+    who = (comm.name(p.peer) if p.peer is not None else
+           ", ".join(comm.name(r) for r in dead) if dead else "a rank of the job")
+    return RanksLost(f"{comm.name(comm.rank)} stops: {who} died while it waited for {p.what} "
+                     "(MPI reported MPI_ERR_PROC_FAILED; mpitrain launch restarts the run from "
+                     "its last checkpoint)", lost=[p.peer] if p.peer is not None else dead)
 
 
 def node_names(names: Sequence[str], leaders: Sequence[int]) -> List[str]:

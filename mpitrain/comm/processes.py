@@ -11,9 +11,9 @@ instead of waiting out its reply bound (twice ``--timeout``: ten minutes by defa
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from ..errors import CommTimeout
+from ..errors import CommTimeout, RanksLost
 from .pending import FAILED_RANKS, Pending
 
 #: seconds to wait for a killed rank to be reaped, then for its death to reach mpirun
@@ -117,8 +117,10 @@ def settles(pendings: Sequence[Pending], seconds: float = 0.5) -> bool:
     return True
 
 
-def rank_exited(pending: Pending, gone: Sequence[Tuple[str, int]], me: str) -> CommTimeout:
-    """The error of a collective that a rank on this host left by exiting."""
-    who = ", ".join(f"{name} (pid {pid})" for name, pid in gone)
-    return CommTimeout(f"{me} stops: {who} exited while the job waited for {pending.what} "
-                       "(a rank was killed or crashed: see its output above)")
+def rank_exited(pending: Pending, gone: Sequence[int], comm) -> RanksLost:
+    """The error of a collective that ranks on this host (``gone``, ranks of ``comm``)
+    left by exiting."""
+    who = ", ".join(f"{comm.name(r)} (pid {comm.pids[r]})" for r in gone)
+    return RanksLost(f"{comm.name(comm.rank)} stops: {who} exited while the job waited for "
+                     f"{pending.what} (a rank was killed or crashed: see its output above)",
+                     lost=gone)

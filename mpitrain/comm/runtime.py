@@ -278,6 +278,12 @@ class Role(Enum):
         return self in (Role.SINGLE, Role.SERVER)
 
 
+def ulfm() -> bool:
+    """True under Open MPI 5's ``--with-ft ulfm``: MPI reports a dead peer
+    (MPI_ERR_PROC_FAILED) and offers ULFM's calls (MPIX_Comm_shrink, ...)."""
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on")
+
+
 def recovery_enabled() -> bool:
     """True when the job runs under a launcher that keeps the other ranks running after
     one dies (Open MPI 4's ``mpirun --enable-recovery``, Open MPI 5's ``--with-ft

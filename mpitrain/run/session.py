@@ -10,17 +10,13 @@ Every cross-rank step is bounded by ``--timeout``.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, Optional, cast
 
 import numpy as np
 
-from .. import __version__, data, models
+from .. import data, models
 from ..results import telemetry
 from ..launch import preflight as preflight_checks
 from ..comm import Comm, Role, library_versions, placement
@@ -29,37 +25,18 @@ from ..errors import Interrupted, MpitrainError, ResultsError, UsageError, Write
 from .checkpoint import Checkpoint
 from .signals import StopRequest
 from .resume import remap_position, resumed_config
+from .records import describe_lr, rank_facts, run_metadata, run_row, summary_lines
+from .startup import StartAgain, Startup
 from .console import Console, NullConsole
 from ..data.shards import batches_per_epoch, check_shards
-from ..models.keras_import import onednn_enabled, onednn_hint
+from ..models.keras_import import onednn_hint
 from ..models.replica import Replica, check_outputs, ends_in_softmax, init_tensorflow
 from ..config.settings import MAX_COUNT
-from ..results.run_dir import NullResults, RunResults, attempt_facts, run_identity
+from ..results.run_dir import NullResults, RunResults, attempt_facts
 from ..train import Context, Summary, lr_schedule, trainer
 from ..train.context import ConsoleOutput, ResultsWriter
-from ..train.asynchronous.compensation import chosen as compensation_of
-from ..train.asynchronous.momentum import concurrent_workers, described_server_momentum
 from ..train.asynchronous.recovery import lost_in_this_job
 from ..userfiles import read_bounded
-
-
-def describe_lr(cfg, n_params: int) -> str:
-    """The learning rate as the console's run line gives it: how it was scaled and
-    warmed up (sync), or how stale gradients are damped and bounded (async)."""
-    lr = f"lr {cfg.effective_lr:g}"
-    if cfg.lr_scale > 1:
-        lr += f" ({cfg.optimizer.scaling} scaling of {cfg.optimizer.lr:g})"
-    if cfg.warmup:
-        lr += f", warm-up {cfg.warmup:g} epoch(s)"
-    if cfg.mode == "async":
-        lr += ", staleness compensation " + compensation_of(
-            cfg.asynchronous.compensation, n_params, cfg.workers)
-        at_once = concurrent_workers(cfg)
-        if at_once < cfg.workers:
-            lr += (f", staleness bound {cfg.staleness_bound} (at most {at_once} workers "
-                   "compute at once)")
-        lr += described_server_momentum(cfg)
-    return lr
 
 
 def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = False, *,
@@ -81,16 +58,47 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     """
     stop = StopRequest().install()  # first, so a signal during setup is not lost
     comm = Comm.world(cfg.faults.timeout, cfg.sync.allreduce_wait, cfg.faults.start_timeout)
+    before: Optional[StartAgain] = None
+    while True:  # again only without a worker lost while the job started (.startup)
+        try:
+            return attempt(cfg, explicit, comm, stop, ends_process, model, arrays, before)
+        except StartAgain as again:
+            before, comm = again, again.comm
+
+
+def attempt(cfg: Config, explicit: frozenset, comm: Comm, stop: StopRequest,
+            ends_process: bool, model, arrays, before: Optional[StartAgain]) -> Summary:
+    """:func:`run` on ``comm``, from the run's configuration on; raises
+    :class:`StartAgain` out of a start-up that lost a worker the run goes on without."""
     checkpoint, rescale = None, None
     if cfg.resume:
         cfg, checkpoint, rescale = prepare_resume(cfg, explicit, comm)
     else:
         cfg = at_job_size(cfg, comm)
+    startup = Startup(cfg, comm, before)
+    try:
+        ctx, spec = start(cfg, comm, stop, startup, checkpoint, rescale, model, arrays)
+        trained = check_resumable(ctx, comm)
+    except MpitrainError as error:
+        startup.survive(error, startup.run_dir)
+        raise
+    ctx.ends_process = ends_process
+    summary = train_and_record(ctx, spec, startup, trained)
+    ctx.console.summary(summary_lines(ctx.cfg, summary, ctx.results.path))
+    summary.run_dir = str(ctx.results.path) if ctx.results.path else None
+    return summary
+
+
+def start(cfg: Config, comm: Comm, stop: StopRequest, startup: Startup,
+          checkpoint: Optional[Checkpoint], rescale, model, arrays):
+    """The start-up from the model on: (the run's Context, the model's spec)."""
     spec = model if model is not None else load_model(cfg.model, comm)
     collectively(comm, lambda: preflight_checks.check_engine(cfg.sync.allreduce))
     preflight_checks.check_ranks(comm, preflight_checks.local_versions(library_versions()["mpi"]))
     role = comm.assign_roles(cfg.asynchronous.servers)
     console: ConsoleOutput = Console(cfg.quiet) if role.serves else NullConsole()
+    if startup.note():
+        console.note(startup.note())
     threads = placement.place(cfg.keep_cpu_binding, len(comm.workers_on_host()), role.trains,
                               cfg.threads)
 
@@ -111,7 +119,8 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
         console.note(hint)
     results = open_results(cfg, comm, "config.json" if checkpoint is None else
                            f"resumed-{time.strftime('%Y%m%d-%H%M%S')}.json",
-                           run_metadata(cfg, dataset, replica, ranks, rescale))
+                           run_metadata(cfg, dataset, replica, ranks, rescale), startup.run_dir)
+    startup.run_dir = str(results.path) if results.path else None
     console.info(f"{cfg.model} {cfg.mode} on {comm.size} rank(s) ({cfg.workers} worker(s)), "
                  f"batch {cfg.batch_size}/worker, {describe_lr(cfg, replica.n_params)}, "
                  f"{cfg.epochs} epoch(s); results in {results.path}"
@@ -121,11 +130,8 @@ def run(cfg: Config, explicit: frozenset = frozenset(), ends_process: bool = Fal
     ctx = Context(cfg, comm, role, replica, dataset, results, console, stop=stop,
                   resume_from=checkpoint, run_dir=run_dir, shard_size=shard_size,
                   worker_index=worker_index, rescaled=rescale.rule if rescale else "",
-                  ends_process=ends_process)
-    summary = train_and_record(ctx, spec)
-    console.summary(summary_lines(cfg, summary, results.path))
-    summary.run_dir = str(results.path) if results.path else None
-    return summary
+                  lost=list(startup.lost) if role.serves else [], started=startup.end)
+    return ctx, spec
 
 
 def build_replica(cfg: Config, comm: Comm, spec, dataset, shard_size: int, role: Role,
@@ -148,13 +154,13 @@ def build_replica(cfg: Config, comm: Comm, spec, dataset, shard_size: int, role:
     return replica
 
 
-def train_and_record(ctx: Context, spec) -> Summary:
-    """Train (or, for a run killed after its final checkpoint, only finish its records)
-    and write what the run has: on success its telemetry, runs.csv row and status ok;
-    on an error the same with the reason (:func:`record_failure`), then the error.
+def train_and_record(ctx: Context, spec, startup: Startup, trained: bool) -> Summary:
+    """Train (or, ``trained``: a run killed after its final checkpoint, only finish its
+    records) and write what the run has: on success its telemetry, runs.csv row and status
+    ok; on an error the same with the reason (:func:`record_failure`), then the error,
+    unless it is a loss the trainer's start-up survives (:class:`StartAgain`).
     Collective; every request of the run is freed before it returns or raises."""
     comm, cfg, results = ctx.comm, ctx.cfg, ctx.results
-    trained = check_resumable(ctx, comm)
     sampler = start_sampler(cfg, comm)
     if ctx.role is Role.SERVER:
         comm.listen_for_failures()
@@ -170,6 +176,11 @@ def train_and_record(ctx: Context, spec) -> Summary:
                 raise
             raise blamed from None
     except MpitrainError as error:
+        try:
+            startup.survive(error, startup.run_dir)
+        except StartAgain:
+            sampler.stop()
+            raise
         record_failure(ctx, error, sampler)
         raise
     finally:
@@ -359,16 +370,18 @@ def steps_done(checkpoint: Checkpoint, cfg: Config) -> int:
     return checkpoint.step
 
 
-def open_results(cfg: Config, comm: Comm, name: str, metadata: dict) -> ResultsWriter:
-    """Rank 0's writer, the resumed run's directory or a new one, with ``metadata``
-    written to ``name`` in it; null elsewhere. Collective: a directory that cannot be
-    written (a read-only or full disk) is one error on every rank, printed once."""
+def open_results(cfg: Config, comm: Comm, name: str, metadata: dict,
+                 kept: Optional[str] = None) -> ResultsWriter:
+    """Rank 0's writer, the resumed run's directory (or ``kept``: the one an earlier
+    start-up attempt opened) or a new one, with ``metadata`` written to ``name`` in it;
+    null elsewhere. Collective: a directory that cannot be written (a read-only or full
+    disk) is one error on every rank, printed once."""
     results: ResultsWriter = NullResults()
     error: Optional[ResultsError] = None
     if comm.role.serves:
         try:
-            if cfg.resume:
-                results = RunResults.reopen(Path(cfg.resume))
+            if cfg.resume or kept:
+                results = RunResults.reopen(Path(kept or cast(str, cfg.resume)))
             else:
                 results = RunResults(Path(cfg.results_dir),
                                      f"{models.run_name(cfg.model)}-{cfg.mode}-np{comm.size}")
@@ -429,72 +442,3 @@ def start_sampler(cfg: Config, comm: Comm):
     leader = comm.ranks_on_host()[0] == comm.rank
     return telemetry.Sampler(comm.rank, comm.host, comm.role.value, cfg.telemetry.sample_interval,
                              node_leader=leader).start()
-
-
-def rank_facts(threads: int, comm: Comm) -> dict:
-    """What each rank reports about itself for config.json (and version checks); among
-    it how a trainer waits in the workers' allreduce (``allreduce_wait``: spin or poll,
-    None on a server) and the others' load that decided it (``others_busy_cores``)."""
-    import numpy
-    import tensorflow as tf
-
-    worker_comm = comm.workers
-    facts = {"host": platform.node(), "pid": os.getpid(), "threads": threads,
-             "python": platform.python_version(), "tensorflow": tf.__version__,
-             "numpy": numpy.__version__, "mpitrain": __version__,
-             "onednn": onednn_enabled(),
-             "allreduce_wait": None if worker_comm is None else
-             "spin" if worker_comm.spinning else "poll", "others_busy_cores": comm.others_busy}
-    facts.update(library_versions())
-    return facts
-
-
-def git_commit() -> str:
-    """The source tree's commit, or '' when it is not a git checkout."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() if out.returncode == 0 else ""
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def run_metadata(cfg: Config, dataset, replica, ranks, rescale=None) -> dict:
-    import keras
-
-    return {"config": cfg.to_dict(), "argv": sys.argv,
-            **({"rescaled": rescale.as_dict()} if rescale else {}),
-            "dataset": {"name": dataset.name, "source": dataset.source,
-                        "train_size": dataset.train_size, "note": dataset.note,
-                        "input_shape": list(dataset.input_shape),
-                        "num_classes": dataset.num_classes, "classes": dataset.classes},
-            "model": {"name": cfg.model, "parameters": replica.n_params},
-            "versions": {**{k: ranks[0][k] for k in ("python", "tensorflow", "numpy",
-                                                     "mpi4py", "mpi_library", "mpitrain")},
-                         "keras": keras.__version__},
-            "ranks": ranks, "git_commit": git_commit(),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID", "")}
-
-
-def run_row(cfg: Config, dataset, summary: Optional[Summary], status: str = "ok",
-            reason: str = "", rescaled: str = "") -> dict:
-    """The run's row in runs.csv (``summary`` may be None for a run that failed early);
-    ``rescaled``: how this session continued the run on another number of ranks."""
-    row = run_identity(cfg.to_dict(), {"name": dataset.name, "input_shape": dataset.input_shape,
-                                       "num_classes": dataset.num_classes}, status, reason,
-                       rescaled, preflight_checks.installed_version("horovod")
-                       if cfg.sync.allreduce == "horovod" else "")
-    if summary is not None:
-        row.update(epochs=summary.epochs_done, steps=summary.steps,
-                   wall_time_s=round(summary.wall_time_s, 3),
-                   test_accuracy=summary.test_accuracy, test_loss=summary.test_loss,
-                   train_loss=summary.train_loss, **summary.extra)
-    return row
-
-
-def summary_lines(cfg: Config, summary: Summary, path) -> list:
-    return [f"done: {cfg.model} {cfg.mode} np={cfg.world_size}: "
-            f"{summary.epochs_done:g} epoch(s), {summary.steps} steps in "
-            f"{summary.wall_time_s:.2f} s; test accuracy {100 * summary.test_accuracy:.2f}%, "
-            f"test loss {summary.test_loss:.4f}",
-            f"results: {path}"]

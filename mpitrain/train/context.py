@@ -98,6 +98,10 @@ class Context:
     #: the process ends with this run (the CLI's last): what the run changes about the
     #: process need not be undone (see .priority)
     ends_process: bool = False
+    #: called by the trainer once it has what it needs from the other ranks (its
+    #: mailboxes): the job's start-up is over, a lost worker is the trainer's to handle
+    #: from then on (see mpitrain.run.startup)
+    started: Callable[[], None] = lambda: None
 
     @property
     def geometry(self) -> Geometry:

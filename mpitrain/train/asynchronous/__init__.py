@@ -70,7 +70,9 @@ def train(ctx: Context) -> Summary:
     """Run async training on this rank. Collective: every rank of the world calls it."""
     clock = Stopwatch()
     if ctx.role is Role.SERVER:
-        return Server(ctx, clock).run()
+        server = Server(ctx, clock)
+        ctx.started()
+        return server.run()
     comm, servers = ctx.comm, [s for s in range(ctx.cfg.asynchronous.servers) if s != ctx.comm.rank]
     # under --enable-recovery a server's death does not end the job: a rank on its host
     # sees it directly and stops, instead of waiting out its reply bound
@@ -78,7 +80,9 @@ def train(ctx: Context) -> Summary:
     comm.while_waiting = _watch(peers, servers) if peers else None
     try:
         if ctx.role is Role.PARTITION:
-            return PartitionServer(ctx, clock).run()
+            partition = PartitionServer(ctx, clock)
+            ctx.started()
+            return partition.run()
         return work(ctx, clock)
     except CommTimeout:
         # (watched only with peers, under recovery, when a server shares this host)

@@ -50,6 +50,7 @@ def work(ctx: Context, clock: Stopwatch) -> Summary:
     until DONE or LOST (dropped: it leaves with :class:`Dropped`).
     """
     run = _Run(ctx, clock)
+    ctx.started()  # (its mailboxes made: the job's start-up is over)
     moves = {TRAINING: run.train, PARKED: run.wait_parked, DISMISSED: run.farewell}
     state = run.start()
     while state in moves:
