@@ -220,6 +220,35 @@ def mnist_shard(workers: int) -> int:
     return mnist_size("train") // workers
 
 
+def dies_in_startup_cmd(launcher: list, python, where: str, rank: int, results: Path,
+                        epochs: int = 2) -> list:
+    """LAUNCHER PYTHON tests/helpers/dies_in_startup.py: async LR on every rank but
+    ``rank``, which kills itself when the start-up reaches ``where``."""
+    return [*launcher, python, REPO / "tests" / "helpers" / "dies_in_startup.py", where, rank,
+            "lr", "--async", "--epochs", epochs, "--data-dir", mnist_dir(), "--results-dir",
+            results]
+
+
+def check_went_on_without(done: subprocess.CompletedProcess, results: Path, lost: int,
+                          ranks: int, epochs: int = 2) -> dict:
+    """The run of :func:`dies_in_startup_cmd` went on without rank ``lost`` on the other
+    ``ranks``: one run, ok, every planned step, the loss on the console and in
+    runs.csv; its row."""
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    [note] = [line for line in done.stdout.splitlines() if line.startswith("note: lost")]
+    assert f"lost rank {lost} on " in note and "while the job started" in note and \
+        f"without it, on {ranks} rank(s) ({ranks - 1} worker(s))" in note, note
+    [row] = read_rows(results / "runs.csv")
+    workers = ranks - 1
+    assert (row["status"], row["np"], row["workers"]) == ("ok", str(ranks), str(workers)), row
+    assert int(row["steps"]) == workers * epochs * -(-mnist_shard(workers) // 100), row
+    assert f"rank {lost} on " in row["lost_workers"] and "while the job started" in \
+        row["lost_workers"] and row["updates_short"] == "0", row
+    assert float(row["test_accuracy"]) > 0.85, row
+    assert [p.name for p in results.iterdir() if p.is_dir()] == [row["run"]]
+    return row
+
+
 def mpi_env(**extra) -> dict:
     env = dict(os.environ)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

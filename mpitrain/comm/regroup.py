@@ -19,8 +19,10 @@ Every wait of the start-up also listens for rank 0's decision (:class:`StartupWa
 so a rank that could see nothing (the loss was on another host) hears of it there.
 Under ULFM (Open MPI 5's ``--with-ft ulfm``) MPI agrees itself: the rank that noticed
 revokes the communicator, which ends every rank's pending operation on it, and the
-ranks alive shrink it (MPIX_Comm_revoke, MPIX_Comm_shrink). The collective left incomplete on the old communicator is abandoned, never
-completed: the new one has a context of its own, so nothing of the old one matches it.
+ranks alive shrink it (MPIX_Comm_revoke, MPIX_Comm_shrink).
+
+The collective left incomplete on the old communicator is abandoned, never completed:
+the new one has a context of its own, so nothing of the old one matches it.
 """
 
 from __future__ import annotations

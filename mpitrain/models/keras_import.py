@@ -76,7 +76,7 @@ def onednn_enabled():
 def onednn_hint(facts) -> str:
     """A note for ranks whose TensorFlow runs without oneDNN's kernels though the user did
     not turn them off ('' if none): their TensorFlow was imported before mpitrain.
-    ``facts`` are the ranks' :func:`mpitrain.run.records.rank_facts`, in rank order."""
+    ``facts`` are the ranks' :func:`mpitrain.run.metadata.rank_facts`, in rank order."""
     if os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").lower() in ("0", "false"):
         return ""
     off = [rank for rank, f in enumerate(facts) if f.get("onednn") is False]

@@ -25,7 +25,7 @@ from ..errors import Interrupted, MpitrainError, ResultsError, UsageError, Write
 from .checkpoint import Checkpoint
 from .signals import StopRequest
 from .resume import remap_position, resumed_config
-from .records import describe_lr, rank_facts, run_metadata, run_row, summary_lines
+from .metadata import describe_lr, rank_facts, run_metadata, run_row, summary_lines
 from .startup import StartAgain, Startup
 from .console import Console, NullConsole
 from ..data.shards import batches_per_epoch, check_shards
@@ -168,7 +168,8 @@ def train_and_record(ctx: Context, spec, startup: Startup, trained: bool) -> Sum
         try:
             # kept in every later status: `mpitrain launch` finds its attempt's run by
             # the token and tells whether rank 0 is gone by the writer
-            results.set_status("running", **attempt_facts())
+            lost = {"lost_workers": ctx.lost} if ctx.lost else {}
+            results.set_status("running", "", **attempt_facts(), **lost)
             summary = final_results(ctx) if trained else trainer(cfg.async_mode)(ctx)
         except Exception as error:  # the user's model raising in a step is the user's
             blamed = models.blame_user_code(spec, error)

@@ -8,8 +8,9 @@ From the moment the run's mode is known until the trainer has its mailboxes, a l
 there is survived as the async promise says: the ranks that go on agree on it with rank 0
 and make a communicator of their own (:mod:`mpitrain.comm.regroup`), and the session
 starts again in it, the run's configuration and directory kept, the worker recorded as
-lost (``lost_workers`` in runs.csv). Where the run cannot go on (sync, no recovery, rank
-0 or a parameter server lost, no worker left) the loss ends the job, named, as before.
+lost (``lost_workers`` in runs.csv and status.json). Where the run cannot go on (sync,
+no recovery, rank 0 or a parameter server lost, no worker left) the loss ends the job,
+named, as before.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ REASON = "its process died while the job started"
 class StartAgain(Exception):
     """Out of a start-up that lost workers the run goes on without: every rank that goes on
     starts again in ``comm``, keeping the ``lost`` records (rank 0's: dicts as in
-    :attr:`mpitrain.train.Context.lost`) and the run directory rank 0 opened, if any."""
+    ``lost`` of :class:`mpitrain.train.Context`) and the run directory rank 0 opened, if any."""
 
     def __init__(self, comm: Comm, lost: List[dict], run_dir: Optional[str]):
         super().__init__("start again without a lost worker")

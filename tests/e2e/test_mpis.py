@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (LOCAL_HOSTFILE, REPO, finish_bounded, mnist_dir, mpi_env, read_rows,
-                      run_bounded, start_bounded)
+from conftest import (LOCAL_HOSTFILE, REPO, check_went_on_without, dies_in_startup_cmd,
+                      finish_bounded, mnist_dir, mpi_env, read_rows, run_bounded, start_bounded)
 from mpitrain.launch import dialect
 from mpitrain.launch import hostfile
 
@@ -167,6 +167,21 @@ def test_a_killed_async_worker(mpi, tmp_path):
         assert err.count("the job failed") == 1 and "finished after 1 restart(s)" in err
     print(f"{key}: async kill -9 of a worker: exit {code}, accuracy {row['test_accuracy']}, "
           f"{seconds:.1f} s from the kill to the end")
+
+
+def test_a_worker_lost_during_start_up_is_left_out(mpi, tmp_path):
+    """Open MPI 5 under ULFM: a worker that dies as it loads its data (before rank 0 opens
+    the run directory) is left out by MPI's own agreement (revoke, shrink) and the run
+    trains every planned step on the others."""
+    key, python, runner, env = mpi
+    if not runner.supports_recovery:
+        pytest.skip("MPICH cannot keep a job running after a rank died: the launcher "
+                    "restarts it (test_a_killed_async_worker)")
+    hosts = hostfile.for_launcher(str(LOCAL_HOSTFILE), runner.hostfile_format)
+    launcher = runner.command(4, hosts, recovery=True)
+    done = run_bounded(dies_in_startup_cmd(launcher, python, "data", 3, tmp_path), 300, env=env)
+    row = check_went_on_without(done, tmp_path, lost=3, ranks=3)
+    assert row["run"].endswith("-np3")  # (no directory was open yet)
 
 
 def test_a_killed_sync_worker_is_restarted(mpi, tmp_path):

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import (LOCAL_HOSTFILE, finish_bounded, mnist_dir, mpirun_cmd,
-                      start_bounded)
+from conftest import (LOCAL_HOSTFILE, check_went_on_without, dies_in_startup_cmd,
+                      finish_bounded, mnist_dir, mpirun_cmd, run_bounded, start_bounded)
 
 pytestmark = pytest.mark.slow
 
@@ -125,6 +125,18 @@ def test_a_killed_worker_is_dropped_and_the_run_finishes(tmp_path, mnist, refere
     ranks = {r["rank"] for r in csv.DictReader((directory / "timing.csv").open())}
     assert ranks == {"0", "1", "3"}
     assert alive(rank_pid(directory, r) for r in range(4)) == []
+
+
+def test_a_worker_lost_during_start_up_is_left_out(tmp_path):
+    """Issue 53 item 1: a worker that dies before its first push (here in the trainer's
+    own start-up, after rank 0 opened the run directory) ended the job. The others agree
+    on the loss with rank 0, start again without it and train every planned step, in
+    the directory already opened."""
+    launcher = ["mpirun", "-q", "--enable-recovery", "-np", "4", "-hostfile", LOCAL_HOSTFILE]
+    done = run_bounded(dies_in_startup_cmd(launcher, sys.executable, "mailboxes", 2, tmp_path),
+                       300)
+    row = check_went_on_without(done, tmp_path, lost=2, ranks=3)
+    assert row["run"].endswith("-np4")  # the directory the first start-up opened
 
 
 def test_a_stalled_worker_is_dropped_and_leaves_when_it_wakes(tmp_path, mnist, reference):
