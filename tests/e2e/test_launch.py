@@ -188,9 +188,12 @@ def test_two_servers_lose_a_worker_then_a_share_server(mnist, tmp_path):
     assert leftovers(str(results)) == []
 
 
-def test_stop_signal_checkpoints_and_is_not_restarted(mnist, tmp_path):
-    """SIGTERM to the launcher (what SLURM sends) becomes a graceful stop of every rank:
-    exit 143, a checkpoint, no restart, no process left behind. Started without Open
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C"])
+def test_stop_signal_checkpoints_and_is_not_restarted(mnist, tmp_path, how):
+    """SIGTERM to the launcher (what SLURM sends), or SIGINT to its process group (Ctrl-C
+    in a terminal; Open MPI's mpirun itself exits 1 on it: issue 53 item 5), becomes a
+    graceful stop of every rank: exit 143 and its line, a checkpoint, no restart, no
+    process left behind. Started without Open
     MPI's two run-as-root variables: as root (containers, this CI) the launcher gives
     them to the mpirun it starts, as Horovod's does (before, Open MPI's page of refusal,
     one retry, and a failed launch)."""
@@ -203,10 +206,14 @@ def test_stop_signal_checkpoints_and_is_not_restarted(mnist, tmp_path):
     run_dir = the_run_dir(results)
     wait_for(lambda: (run_dir / "curve.csv").is_file() and
              len(read_rows(run_dir / "curve.csv")) >= 1, 120, "training to start")
-    proc.send_signal(signal.SIGTERM)
-    code, _, err = finish(proc, 300)
+    if how == "Ctrl-C":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, 300)
     assert code == 143, err[-3000:]
     assert "the job failed" not in err and "stopped (exit 143)" in err
+    assert "mpitrain: interrupted: stopped by SIG" in out + err
     assert read_rows(results / "runs.csv")[-1]["status"] == "interrupted"
     assert (run_dir / "checkpoint.npz").is_file()
     assert leftovers(str(results)) == []
