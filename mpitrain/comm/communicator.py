@@ -64,7 +64,7 @@ class Comm(ObjectExchanges):
         #: called about once a second while this rank is blocked in a wait, so a
         #: protocol can tell a watcher "alive, waiting" (the sync workers do)
         self.while_waiting: Optional[Callable[[], None]] = None
-        self._failures = FailureListener(mpi_comm)  # rank 0: reports from failing ranks
+        self._failures = FailureListener()  # rank 0: reports from failing ranks
         self._half: Dict[int, tuple] = {}  # see _half_buffers
         #: the bound on MPI's blocking allreduce when this rank may spin in it, else None
         self._spin: Optional[SpinWatch] = None

@@ -19,14 +19,17 @@ FAILURE_BYTES = 2048
 
 
 class FailureListener:
-    """Rank 0's receive of a failure report from any rank of one communicator.
+    """Rank 0's receive of a failure report from any rank of the job.
 
     While listening (:meth:`start`), :meth:`check`, which every wait of the
-    communicator calls, raises the report as :class:`PeerFailure`.
+    communicator calls, raises the report as :class:`PeerFailure`. It listens on
+    MPI_COMM_WORLD, where :func:`report_failure` sends, whichever communicator the job
+    runs on (the world's rank 0 is the job's, also after a loss at start-up:
+    :mod:`.regroup`).
     """
 
-    def __init__(self, mpi_comm):
-        self._c = mpi_comm
+    def __init__(self):
+        self._c = _load_mpi().COMM_WORLD
         self._buf = np.zeros(FAILURE_BYTES, np.uint8)
         #: the posted receive while listening, else None
         self.pending: Optional[Pending] = None

@@ -284,6 +284,13 @@ def ulfm() -> bool:
     return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on")
 
 
+def exit_code_dropped() -> bool:
+    """True under Open MPI 4's ``mpirun --enable-recovery``, which exits 0 whatever its
+    ranks return; ended through SIGTERM (:func:`abort_world`) it exits 1."""
+    return os.environ.get("OMPI_MCA_orte_enable_recovery", "").lower() in (
+        "1", "true", "yes", "on") and not ulfm()
+
+
 def recovery_enabled() -> bool:
     """True when the job runs under a launcher that keeps the other ranks running after
     one dies (Open MPI 4's ``mpirun --enable-recovery``, Open MPI 5's ``--with-ft

@@ -80,7 +80,7 @@ def attempt(cfg: Config, explicit: frozenset, comm: Comm, stop: StopRequest,
         ctx, spec = start(cfg, comm, stop, startup, checkpoint, rescale, model, arrays)
         trained = check_resumable(ctx, comm)
     except MpitrainError as error:
-        startup.survive(error, startup.run_dir)
+        startup.survive(error)
         raise
     ctx.ends_process = ends_process
     summary = train_and_record(ctx, spec, startup, trained)
@@ -178,7 +178,7 @@ def train_and_record(ctx: Context, spec, startup: Startup, trained: bool) -> Sum
             raise blamed from None
     except MpitrainError as error:
         try:
-            startup.survive(error, startup.run_dir)
+            startup.survive(error)
         except StartAgain:
             sampler.stop()
             raise

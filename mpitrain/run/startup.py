@@ -55,11 +55,11 @@ class Startup:
             self.watch.close()
             self.watch = None
 
-    def survive(self, error: MpitrainError, run_dir: Optional[str] = None) -> None:
+    def survive(self, error: MpitrainError) -> None:
         """Raise :class:`StartAgain` when ``error`` is a loss during this start-up that the
         run goes on without (agreed with the others: collective over the ranks not lost);
-        else return, and the caller raises ``error`` as it would have. ``run_dir``: the
-        directory this attempt opened (rank 0), for the next one to keep."""
+        else return, and the caller raises ``error`` as it would have. The next attempt
+        keeps :attr:`run_dir`, the directory rank 0 opened (the session sets it)."""
         if self.watch is None or not isinstance(error, RanksLost):
             return
         watch, self.watch = self.watch, None
@@ -71,7 +71,7 @@ class Startup:
         lost = [{"rank": world, "host": old.hosts[r], "update": 0, "step": 0,
                  "wall_time_s": 0.0, "reason": REASON, "pid": old.pids[r]}
                 for r, world in enumerate(old.world_ranks) if world not in going_on]
-        raise StartAgain(comm, self.lost + lost, run_dir or self.run_dir)
+        raise StartAgain(comm, self.lost + lost, self.run_dir)
 
     def note(self) -> str:
         """The console's line about the workers lost so far at start-up ('' if none)."""

@@ -175,6 +175,18 @@ def test_bad_input_under_mpirun(tmp_path):
     check_each(result, expected, 3)
 
 
+def test_an_error_under_enable_recovery_is_a_failed_job(tmp_path):
+    """Open MPI 4's mpirun --enable-recovery (async training's, for lost workers) exits 0
+    whatever its ranks return: an error every rank raised (here a missing data
+    directory) ended the job with 0. Rank 0 now ends it through mpirun: exit 1."""
+    result = run_bounded(mpirun_cmd(3, "lr", "--async", "--data-dir", tmp_path / "nowhere",
+                                    "--dataset", "mnist", "--results-dir", tmp_path,
+                                    flags=["--enable-recovery"]), 120)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith(ERROR)]
+    assert len(lines) == 1 and "nowhere: no such directory" in lines[0], result.stderr
+
+
 @pytest.mark.slow
 def test_launch_does_not_restart_into_a_full_disk(tmp_path, tmpfs, mnist):
     """An async run under mpitrain launch (--enable-recovery: the job ends through

@@ -368,3 +368,19 @@ def test_a_status_with_another_attempts_token_is_not_taken_for_the_attempts(
     assert time.monotonic() - started >= 8 * GRACE
     assert killed_lines(capsys.readouterr().err) == []
     assert_all_gone(results)
+
+
+@pytest.mark.parametrize("mpirun_code,status,expected", [
+    (0, None, 0),  # no run recorded: mpirun's word
+    (0, "ok", 0),
+    (0, "interrupted", 143),  # Open MPI 4's mpirun --enable-recovery exits 0 whatever
+    (1, "interrupted", 143),  # ... or 1 when a rank ended the job through it
+    (0, "failed", 1),
+    (74, "failed", 74),  # mpirun's more precise code kept
+    (1, "ok", 1),  # a run recorded ok keeps a failure mpirun saw after it
+    (143, "running", 143),  # not ended: mpirun's word
+])
+def test_the_job_code_is_the_recorded_end_where_mpirun_dropped_it(mpirun_code, status,
+                                                                  expected):
+    recorded = None if status is None else {"status": status}
+    assert launch.recorded_code(mpirun_code, recorded) == expected
