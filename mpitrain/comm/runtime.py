@@ -324,11 +324,18 @@ def abort_world(code: int) -> None:
     if world_size_if_running():
         sys.stdout.flush()
         sys.stderr.flush()
-        launcher = _launcher_pid(levels=1) if recovery_enabled() else 0
-        if launcher:
-            os.kill(launcher, signal.SIGTERM)
+        if recovery_enabled() and end_job_through_launcher():
             time.sleep(30.0)  # mpirun ends this process meanwhile; else abort below
         _MPI.COMM_WORLD.Abort(code)
+
+
+def end_job_through_launcher() -> bool:
+    """Ask the process that started this rank (mpirun, or its daemon on another host) to
+    end the whole job (SIGTERM); whether there was one to ask. Local."""
+    launcher = _launcher_pid(levels=1)
+    if launcher:
+        os.kill(launcher, signal.SIGTERM)
+    return bool(launcher)
 
 
 def _launcher_pid(levels: int = 4) -> int:

@@ -187,6 +187,20 @@ def test_an_error_under_enable_recovery_is_a_failed_job(tmp_path):
     assert len(lines) == 1 and "nowhere: no such directory" in lines[0], result.stderr
 
 
+def test_a_call_past_its_bound_fails_the_job_under_enable_recovery():
+    """Open MPI 4's mpirun --enable-recovery exits 0 whatever its ranks return: a bound
+    that ended every rank (exit 1 each) ended the job with 0. The rank now ends the job
+    through mpirun, which exits 1. (No MPI call: the bound is the process's own.)"""
+    code = ("import time\n"
+            "from mpitrain.comm.waiting import blocking_call_bound\n"
+            "with blocking_call_bound(1, 'a test call'):\n"
+            "    time.sleep(60)\n")
+    done = run_bounded(mpirun_cmd(2, "-c", code, module=None, flags=["--enable-recovery"]),
+                       120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "waited 1 s for a test call" in done.stderr
+
+
 @pytest.mark.slow
 def test_launch_does_not_restart_into_a_full_disk(tmp_path, tmpfs, mnist):
     """An async run under mpitrain launch (--enable-recovery: the job ends through
