@@ -80,13 +80,14 @@ from pathlib import Path
 from typing import IO, Dict, List, Optional, Sequence, Tuple, cast
 
 from . import dialect
-from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE,
+from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
                       MpitrainError, ResultsError, UsageError)
-from .watch import ErrorTail, RunWatch, describe, kill_tree, restartable, run_dirs
+from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, restartable,
+                    run_dirs)
 from ..run.checkpoint import CHECKPOINT
 from ..run.signals import STOP_SIGNALS
 from ..results.lost_run import record_lost_attempt
-from ..results.run_dir import ATTEMPT_ENV, EXIT_CODE_OF_STATUS, run_ended, run_rows
+from ..results.run_dir import ATTEMPT_ENV, EXIT_CODE_OF_STATUS, run_rows
 from . import hostfile
 
 PROG = "mpitrain launch"
@@ -492,19 +493,6 @@ class Launcher:
             return
         kill_tree(self.proc.pid)
         self.proc.wait()
-
-
-def recorded_code(code: int, status: Optional[dict]) -> int:
-    """The job's exit code: mpirun's ``code``, unless the run recorded an end of another
-    kind in ``status`` (status.json's content): Open MPI 4's mpirun under
-    --enable-recovery exits 0 whatever its ranks return (or 1, ended by SIGTERM), so a
-    stopped async run there said 0 and the launcher took it for finished."""
-    if not run_ended(status):
-        return code
-    recorded = EXIT_CODE_OF_STATUS.get(cast(dict, status)["status"], code)
-    if recorded != EXIT_OK and code in (EXIT_OK, EXIT_FAILURE):
-        return recorded  # (a run that recorded ok keeps any failure mpirun saw after)
-    return code
 
 
 def say(message: str) -> None:

@@ -46,9 +46,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, List, Optional
+from typing import IO, List, Optional, cast
 
-from ..results.run_dir import is_running, process_identity, run_ended, running_writer
+from ..errors import EXIT_FAILURE, EXIT_OK
+from ..results.run_dir import (EXIT_CODE_OF_STATUS, is_running, process_identity, run_ended,
+                               running_writer)
 from ..userfiles import read_json_object
 
 
@@ -217,3 +219,16 @@ class ErrorTail:
         failure = (code, re.sub(r"\d+", "N", self.last_error))
         same, self._failure = bool(failure[1]) and failure == self._failure, failure
         return same
+
+
+def recorded_code(code: int, status: Optional[dict]) -> int:
+    """The job's exit code: mpirun's ``code``, unless the run recorded an end of another
+    kind in ``status`` (status.json's content): Open MPI 4's mpirun under
+    --enable-recovery exits 0 whatever its ranks return (or 1, ended by SIGTERM), so a
+    stopped async run there said 0 and the launcher took it for finished."""
+    if not run_ended(status):
+        return code
+    recorded = EXIT_CODE_OF_STATUS.get(cast(dict, status)["status"], code)
+    if recorded != EXIT_OK and code in (EXIT_OK, EXIT_FAILURE):
+        return recorded  # (a run that recorded ok keeps any failure mpirun saw after)
+    return code

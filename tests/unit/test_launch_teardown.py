@@ -15,8 +15,8 @@ import pytest
 
 from mpitrain.launch import job as launch
 from mpitrain.launch.job import Job, Launcher
-from mpitrain.launch.watch import (RunWatch, describe, is_attempts, teardown_overdue,
-                                   writer_gone)
+from mpitrain.launch.watch import (RunWatch, describe, is_attempts, recorded_code,
+                                   teardown_overdue, writer_gone)
 from mpitrain.results.run_dir import (ATTEMPT_ENV, attempt_facts, process_identity, run_ended,
                                      writer_visible)
 from mpitrain.userfiles import read_json_object
@@ -383,4 +383,4 @@ def test_a_status_with_another_attempts_token_is_not_taken_for_the_attempts(
 def test_the_job_code_is_the_recorded_end_where_mpirun_dropped_it(mpirun_code, status,
                                                                   expected):
     recorded = None if status is None else {"status": status}
-    assert launch.recorded_code(mpirun_code, recorded) == expected
+    assert recorded_code(mpirun_code, recorded) == expected
