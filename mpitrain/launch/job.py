@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Dict, List, Optional, Sequence, Tuple, cast
 
-from . import dialect
+from . import dialect, hostfile
 from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
                       MpitrainError, ResultsError, UsageError)
 from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, restartable,
@@ -88,7 +88,6 @@ from ..run.checkpoint import CHECKPOINT
 from ..run.signals import STOP_SIGNALS
 from ..results.lost_run import record_lost_attempt
 from ..results.run_dir import ATTEMPT_ENV, EXIT_CODE_OF_STATUS, run_rows
-from . import hostfile
 
 PROG = "mpitrain launch"
 #: seconds the job gets to checkpoint and exit after a stop signal before it is killed
@@ -423,10 +422,9 @@ class Launcher:
             return 0
 
     def _run_job(self, argv: Sequence[str], token: str) -> Tuple[int, Optional[Path]]:
-        """Run one attempt with its ``token``: its exit code (or, when mpirun outlived the
-        run's own end, or rank 0, by TEARDOWN_GRACE and was killed: the code of the run's
-        status, or 1), and the run directory its token marked (None if rank 0 never said
-        running)."""
+        """Run one attempt with its ``token``: its exit code (:func:`recorded_code`; mpirun
+        killed TEARDOWN_GRACE after the run's end or rank 0's: the status's, or 1) and the
+        run directory its token marked (None if rank 0 never said running)."""
         command = self.job.command() + list(argv)
         say("$ " + " ".join(command))
         watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
@@ -438,7 +436,10 @@ class Launcher:
             self.tail.follow(cast(IO[bytes], self.proc.stderr))
         code = self._watch_job(watch)
         watch.poll()  # (a run that ended between two looks)
-        return recorded_code(code, watch.status), watch.run_dir
+        recorded = recorded_code(code, watch.status, records=not self.script)
+        if code == 0 and recorded != 0:  # (under ULFM Open MPI 5's exits 0 once all died)
+            say("mpirun exited 0, but the run did not record that it ended well")
+        return recorded, watch.run_dir
 
     def _watch_job(self, watch: "RunWatch") -> int:
         """Wait for mpirun, looking at the run's status.json once a second (see run)."""

@@ -221,13 +221,15 @@ class ErrorTail:
         return same
 
 
-def recorded_code(code: int, status: Optional[dict]) -> int:
+def recorded_code(code: int, status: Optional[dict], records: bool = True) -> int:
     """The job's exit code: mpirun's ``code``, unless the run recorded an end of another
     kind in ``status`` (status.json's content): Open MPI 4's mpirun under
     --enable-recovery exits 0 whatever its ranks return (or 1, ended by SIGTERM), so a
-    stopped async run there said 0 and the launcher took it for finished."""
+    stopped async run there said 0 and the launcher took it for finished. A run that
+    ``records`` its end (the CLI's; a script's does not) and recorded none failed, whatever
+    mpirun says: Open MPI 5's under ULFM exits 0 once every rank has died."""
     if not run_ended(status):
-        return code
+        return EXIT_FAILURE if records and code == EXIT_OK else code
     recorded = EXIT_CODE_OF_STATUS.get(cast(dict, status)["status"], code)
     if recorded != EXIT_OK and code in (EXIT_OK, EXIT_FAILURE):
         return recorded  # (a run that recorded ok keeps any failure mpirun saw after)

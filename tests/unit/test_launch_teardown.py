@@ -361,17 +361,20 @@ def test_mpirun_outliving_rank_0_gone_without_an_end_is_killed_after_the_grace(
 def test_a_status_with_another_attempts_token_is_not_taken_for_the_attempts(
         tmp_path, capsys, fast_teardown):
     """A run directory whose status.json says failed, but for another token: mpirun is
-    not killed for it and its own exit (0) is the attempt's."""
+    not killed for it, and its exit (0) without an end recorded by its own run is a
+    failure (every rank died: Open MPI 5 under ULFM exits 0 so)."""
     results = tmp_path / "results"
     started = time.monotonic()
-    assert launcher(results, "wrong-token", max_restarts=0, stale_s=8 * GRACE).run() == 0
+    assert launcher(results, "wrong-token", max_restarts=0, stale_s=8 * GRACE).run() == 1
     assert time.monotonic() - started >= 8 * GRACE
-    assert killed_lines(capsys.readouterr().err) == []
+    err = capsys.readouterr().err
+    assert killed_lines(err) == [] and "mpirun exited 0, but the run did not record" in err
     assert_all_gone(results)
 
 
 @pytest.mark.parametrize("mpirun_code,status,expected", [
-    (0, None, 0),  # no run recorded: mpirun's word
+    (0, None, 1),  # no end recorded: every rank died (Open MPI 5 under ULFM says 0)
+    (2, None, 2),  # no run recorded: mpirun's word
     (0, "ok", 0),
     (0, "interrupted", 143),  # Open MPI 4's mpirun --enable-recovery exits 0 whatever
     (1, "interrupted", 143),  # ... or 1 when a rank ended the job through it
@@ -384,3 +387,5 @@ def test_the_job_code_is_the_recorded_end_where_mpirun_dropped_it(mpirun_code, s
                                                                   expected):
     recorded = None if status is None else {"status": status}
     assert recorded_code(mpirun_code, recorded) == expected
+    if status is None:  # a script records nothing: mpirun's word
+        assert recorded_code(mpirun_code, recorded, records=False) == mpirun_code
