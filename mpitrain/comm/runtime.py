@@ -281,14 +281,13 @@ class Role(Enum):
 def ulfm() -> bool:
     """True under Open MPI 5's ``--with-ft ulfm``: MPI reports a dead peer
     (MPI_ERR_PROC_FAILED) and offers ULFM's calls (MPIX_Comm_shrink, ...)."""
-    return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes", "on")
+    return dialect.flag_on("OMPI_MCA_mpi_ft_enable")
 
 
 def exit_code_dropped() -> bool:
     """True under Open MPI 4's ``mpirun --enable-recovery``, which exits 0 whatever its
     ranks return; ended through SIGTERM (:func:`abort_world`) it exits 1."""
-    return os.environ.get("OMPI_MCA_orte_enable_recovery", "").lower() in (
-        "1", "true", "yes", "on") and not ulfm()
+    return dialect.flag_on("OMPI_MCA_orte_enable_recovery") and not ulfm()
 
 
 def recovery_enabled() -> bool:

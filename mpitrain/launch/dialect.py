@@ -344,12 +344,14 @@ def launcher_recovery(environ: Optional[Dict[str, str]] = None) -> bool:
     """True when this rank's launcher keeps the job running after a rank dies: Open MPI
     4's ``--enable-recovery``, Open MPI 5's ``--with-ft ulfm`` (each tells its ranks so
     in the environment)."""
+    return (flag_on("OMPI_MCA_orte_enable_recovery", environ)
+            or flag_on("OMPI_MCA_mpi_ft_enable", environ))
+
+
+def flag_on(name: str, environ: Optional[Dict[str, str]] = None) -> bool:
+    """Whether the environment variable ``name`` (an MCA parameter) is set true."""
     env = os.environ if environ is None else environ
-
-    def on(name: str) -> bool:
-        return env.get(name, "").lower() in ("1", "true", "yes", "on")
-
-    return on("OMPI_MCA_orte_enable_recovery") or on("OMPI_MCA_mpi_ft_enable")
+    return env.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
 
