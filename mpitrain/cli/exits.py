@@ -16,7 +16,7 @@ import threading
 import traceback
 from typing import NoReturn
 
-from ..comm import (abort_world, exit_code_dropped, report_failure, world_rank_if_running,
+from ..comm import (abort_world, open_mpi_4_recovery, report_failure, world_rank_if_running,
                     world_size_if_running)
 from ..errors import EXIT_FAILURE, Dropped, Interrupted, MpitrainError, print_line
 
@@ -43,8 +43,8 @@ def report(error: MpitrainError) -> int:
             # on the first exit and could drop rank 0's line.
             return 0
         print_line(f"{PROG}: {label}: {error}")
-        if error.exit_code and exit_code_dropped() and world_size_if_running():
-            abort_world(error.exit_code)  # so that mpirun exits 1, not 0 (see there)
+        if error.exit_code and open_mpi_4_recovery():
+            abort_world(error.exit_code)  # so that its mpirun exits 1, not 0 (see there)
         return error.exit_code
     if rank != 0:
         report_failure(str(error))  # returns only if rank 0 did not end the job

@@ -59,7 +59,7 @@ from .failures import FAILURE_BYTES, TAG_FAILURE, report_failure
 from .objects import TAG_GATHER
 from .processes import PeerProcesses
 from . import reductions
-from .runtime import (FINALIZE_BOUND, Role, abort_world, bound_finalize, exit_code_dropped,
+from .runtime import (FINALIZE_BOUND, Role, abort_world, bound_finalize, open_mpi_4_recovery,
                       finalize, launcher_rank, launcher_world_size, library_versions,
                       recovery_enabled, world_rank_if_running, world_size_if_running)
 from .shared import (PeerSlots, SharedMemorySum, one_host, share_with_server,
@@ -81,5 +81,5 @@ __all__ = [
     "finalize", "bound_finalize", "launcher_rank", "launcher_world_size",
     "recovery_enabled", "world_size_if_running", "world_rank_if_running",
     "abort_world", "report_failure", "library_versions", "reductions",
-    "StartupWatch", "go_on_without", "exit_code_dropped",
+    "StartupWatch", "go_on_without", "open_mpi_4_recovery",
 ]

@@ -43,7 +43,7 @@ def _load_mpi(start_bound: Optional[float] = None):
     of its own, Open MPI's would run each rank alone."""
     global _MPI
     if _MPI is None:
-        if dialect.launcher_recovery() and "OMPI_MCA_orte_enable_recovery" in os.environ:
+        if open_mpi_4_recovery():
             # Open MPI 4.1 opens MPI_Finalize with a PMIx fence over every rank of the
             # job; when a rank has left early (a dropped async worker), that fence
             # can wait for it forever (seen with a SIGSTOPped async worker dropped and
@@ -284,9 +284,10 @@ def ulfm() -> bool:
     return dialect.flag_on("OMPI_MCA_mpi_ft_enable")
 
 
-def exit_code_dropped() -> bool:
-    """True under Open MPI 4's ``mpirun --enable-recovery``, which exits 0 whatever its
-    ranks return; ended through SIGTERM (:func:`abort_world`) it exits 1."""
+def open_mpi_4_recovery() -> bool:
+    """True under Open MPI 4's ``mpirun --enable-recovery``. Its mpirun exits 0 whatever
+    its ranks return (ended through SIGTERM, :func:`abort_world`, it exits 1), and its
+    MPI_Finalize opens with a PMIx fence over every rank (see :func:`_load_mpi`)."""
     return dialect.flag_on("OMPI_MCA_orte_enable_recovery") and not ulfm()
 
 

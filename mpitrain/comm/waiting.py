@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from ..errors import EXIT_FAILURE, CommTimeout
 from .failures import report_failure
 from .pending import Pending
-from .runtime import end_job_through_launcher, exit_code_dropped
+from .runtime import end_job_through_launcher, open_mpi_4_recovery
 from .traffic import Traffic
 
 
@@ -248,6 +248,6 @@ def _leave(line: str) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: leave all the same
             pass
-    if exit_code_dropped():  # (mpirun would exit 0 for this failure)
+    if open_mpi_4_recovery():  # (its mpirun would exit 0 for this failure)
         end_job_through_launcher()
     os._exit(EXIT_FAILURE)
