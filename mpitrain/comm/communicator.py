@@ -8,7 +8,7 @@ import functools
 import os
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -80,9 +80,9 @@ class Comm(ObjectExchanges):
         #: how its allreduces wait (``--allreduce-wait``; see :func:`spins`), kept for a
         #: communicator made from this one (:meth:`over`)
         self.allreduce_wait = "auto"
-        #: while the job starts, where a loss can be survived: the start-up's watch
-        #: (:class:`.regroup.StartupWatch`), which every wait checks; else None
-        self.startup: Optional[Any] = None
+        #: while the job starts, where a loss can be survived: the check of the start-up's
+        #: watch (:meth:`.regroup.StartupWatch.check`), which every wait calls; else None
+        self.startup_check: Optional[Callable[[], None]] = None
         #: cores other processes kept busy on this rank's host as the job started
         #: (world only; None where it was not measured: see _decide_waits)
         self.others_busy: Optional[float] = None
@@ -296,8 +296,8 @@ class Comm(ObjectExchanges):
         def check() -> None:
             nonlocal next_look, peers
             self._failures.check()
-            if self.startup is not None:
-                self.startup.check()
+            if self.startup_check is not None:
+                self.startup_check()
             if all(p.failed for p in pendings):  # nothing left that could complete
                 raise peer_died(pendings, self)
             if watch_peers and time.perf_counter() >= next_look:

@@ -94,7 +94,7 @@ def go_on_without(comm, watch: StartupWatch, lost: RanksLost, servers: int):
     None when the run cannot go on without them: rank 0 or a parameter server (ranks
     below ``servers``) lost, or no worker left; then every rank raises its own error as
     it would have. Collective over the ranks not lost (see the module's steps)."""
-    comm.startup = None  # (the waits below must not raise what they wait for)
+    comm.startup_check = None  # (the waits below must not raise what they wait for)
     if ulfm():
         watch.pending = None  # (revoked with the communicator: nothing to cancel)
         mpi_comm, going_on = _shrunk(comm)

@@ -20,6 +20,7 @@ from typing import List, Optional
 from ..comm import Comm, StartupWatch, go_on_without, recovery_enabled
 from ..config import Config
 from ..errors import MpitrainError, RanksLost
+from ..train.asynchronous.recovery import lost_worker
 
 #: the reason recorded for a worker lost during start-up (runs.csv's lost_workers)
 REASON = "its process died while the job started"
@@ -46,12 +47,12 @@ class Startup:
         self.run_dir: Optional[str] = before.run_dir if before else None
         survivable = cfg.async_mode and recovery_enabled() and comm.size > self.servers + 1
         self.watch: Optional[StartupWatch] = StartupWatch(comm) if survivable else None
-        comm.startup = self.watch
+        comm.startup_check = self.watch.check if self.watch else None
 
     def end(self) -> None:
         """The trainer has what it needs from the others: a loss is the trainer's now."""
         if self.watch is not None:
-            self.comm.startup = None
+            self.comm.startup_check = None
             self.watch.close()
             self.watch = None
 
@@ -68,8 +69,7 @@ class Startup:
             return
         old = self.comm
         going_on = set(comm.world_ranks)
-        lost = [{"rank": world, "host": old.hosts[r], "update": 0, "step": 0,
-                 "wall_time_s": 0.0, "reason": REASON, "pid": old.pids[r]}
+        lost = [lost_worker(world, old.hosts[r], old.pids[r], REASON)
                 for r, world in enumerate(old.world_ranks) if world not in going_on]
         raise StartAgain(comm, self.lost + lost, self.run_dir)
 

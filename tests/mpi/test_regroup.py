@@ -35,9 +35,9 @@ def test_the_ranks_not_lost_agree_and_go_on_without_the_lost_one(comm):
                     "mpirun -np 3+ (test_mpi_tier)")
     left_out = comm.size - 1
     watch = StartupWatch(comm)
-    comm.startup = watch
+    comm.startup_check = watch.check
     if comm.rank == left_out:  # dead: rank 0 tells it nothing
-        comm.startup = None
+        comm.startup_check = None
         watch.close()
         return
     if comm.rank == 1:  # it saw the loss itself
@@ -50,7 +50,7 @@ def test_the_ranks_not_lost_agree_and_go_on_without_the_lost_one(comm):
         lost = raised.value
         assert (lost.lost == [left_out]) if comm.rank == 0 else lost.decided is not None
     going_on = go_on_without(comm, watch, lost, servers=1)
-    assert comm.startup is None and watch.pending is None
+    assert comm.startup_check is None and watch.pending is None
     assert going_on.size == comm.size - 1 and going_on.world_ranks == list(range(left_out))
     assert going_on.rank == comm.rank and (going_on.workers is None) == (comm.rank == 0)
     assert going_on.allgather_objects(comm.rank) == list(range(left_out))

@@ -105,7 +105,7 @@ ALLOWED = {
     "train": LEAVES | {"comm", "exchange", "models", "run.checkpoint", "run.signals", "data"},
     "run.session": LEAVES | IO | {"comm", "exchange", "models", "train", "run.resume",
                                   "run.startup", "run.metadata", "launch.preflight"},
-    "run.startup": LEAVES | {"comm"},
+    "run.startup": LEAVES | {"comm", "train"},
     "run.metadata": LEAVES | IO | {"comm", "models", "train", "launch.preflight"},
     "horovod": LEAVES | IO | {"comm", "exchange", "models", "train"},
     "report.run_files": LEAVES,

@@ -149,9 +149,8 @@ class Recovery:
         and on the console: who took its steps (``gained``; ``woken`` of the ``active``
         workers were parked), or how short the run is."""
         ctx = self.ctx
-        ctx.lost.append({"rank": rank, "host": self.comm.hosts[rank], "update": update,
-                         "step": step, "wall_time_s": round(self.clock(), 3), "reason": why,
-                         "pid": self.comm.pids[rank]})
+        ctx.lost.append(lost_worker(rank, self.comm.hosts[rank], self.comm.pids[rank], why,
+                                    update, step, round(self.clock(), 3)))
         moved = (f"its {sum(gained.values())} remaining steps go to "
                  + ", ".join(f"rank {r}" for r in gained) if gained else
                  f"{short} planned updates will not be made" if short else
@@ -182,6 +181,14 @@ class Recovery:
             else:
                 self.ctx.console.note(f"lost {name} may still be alive (pid {pid} there): "
                                       f"if the job does not end, kill it")
+
+
+def lost_worker(rank: int, host: str, pid: int, reason: str, update: int = 0, step: int = 0,
+                wall_time_s: float = 0.0) -> dict:
+    """A lost worker's record (:attr:`Context.lost`, status.json's and a checkpoint's
+    ``lost_workers``): lost at ``update`` of the server, its step ``step``."""
+    return {"rank": rank, "host": host, "update": update, "step": step,
+            "wall_time_s": wall_time_s, "reason": reason, "pid": pid}
 
 
 def lost_in_this_job(lost: List[dict], pids: Sequence[int]) -> List[int]:
