@@ -1,7 +1,7 @@
 """Import TensorFlow and Keras the quick way: once per process, on every rank.
 
 Every rank of every launch imports them, and the import is most of a short run's
-CPU time (measured in docs/benchmarks.md, "Start-up"). Two things make it
+CPU time (measured in docs/benchmarks.md, "Start-up"). Three things make it
 cheaper, neither changing what a model or a training step can use:
 
 * Packages Keras imports at start-up for features mpitrain never uses (its
@@ -9,6 +9,10 @@ cheaper, neither changing what a model or a training step can use:
   Keras leaves those features unavailable, as it does when they are not
   installed. They stay importable afterwards (the digits dataset uses
   scikit-learn, the plots matplotlib).
+* TensorFlow's generated op modules declare their type variables with strings
+  (``TypeVar("TV_Abs_T", "_atypes.BFloat16", ...)``): thousands of forward references
+  to about a hundred distinct names, each compiled on its own by ``typing``. While
+  TensorFlow loads, each distinct string is compiled once.
 * TensorFlow's and Keras' public API packages (``tensorflow._api.v2.*``, the
   ``keras.*`` packages outside ``keras.src``) are generated files that only
   re-export names from the modules that implement them. They load lazily: a name
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -29,6 +34,7 @@ import os
 import sys
 import threading
 import types
+import typing
 
 #: imported by Keras 3 at start-up for features mpitrain never uses
 KERAS_OPTIONAL_IMPORTS = ("sklearn", "matplotlib")
@@ -52,7 +58,8 @@ def import_keras():
         quiet = os.environ["TF_CPP_MIN_LOG_LEVEL"] not in ("", "0")
         notices = IMPORT_NOTICES if quiet and "tensorflow" not in sys.modules else ()
         _lazy_api_packages()
-        with _hidden(KERAS_OPTIONAL_IMPORTS), _stderr_without(notices):
+        with _hidden(KERAS_OPTIONAL_IMPORTS), _stderr_without(notices), \
+                _forward_references_compiled_once():
             import tensorflow  # noqa: F401
             import keras  # noqa: F401
     return sys.modules["keras"]
@@ -250,6 +257,22 @@ def _lazy_api_packages() -> None:
     update; its ``combinations``, a test helper, stays unloaded)."""
     if not any(isinstance(f, _LazyApiFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _LazyApiFinder())
+
+
+@contextlib.contextmanager
+def _forward_references_compiled_once():
+    """Inside the block, ``typing.ForwardRef(text)`` compiles each distinct ``text`` once.
+    The cache is a ``compile`` in the typing module's globals, which ``ForwardRef``
+    finds before the builtin; it goes after the block. Sharing is safe: a code object
+    is immutable, and a string that does not compile raises as before (not cached)."""
+    if "compile" in vars(typing):  # someone else's: leave it alone
+        yield
+        return
+    typing.compile = functools.lru_cache(maxsize=None)(compile)
+    try:
+        yield
+    finally:
+        del typing.compile
 
 
 @contextlib.contextmanager

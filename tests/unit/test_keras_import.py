@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from mpitrain.models.keras_import import _LazyLoader, is_api_package, loads_lazily, onednn_hint
+from mpitrain.models.keras_import import (_forward_references_compiled_once, _LazyLoader,
+                                          is_api_package, loads_lazily, onednn_hint)
 
 PROBE = """
 import json, sys
@@ -27,6 +28,10 @@ found["cell"] = tf.nn.RNNCellDeviceWrapper.__name__  # tf.nn's re-export of lega
 found["column"] = tf.feature_column.numeric_column("x").key  # a lazy package, used
 found["mwms"] = tf.distribute.MultiWorkerMirroredStrategy.__name__
 found["v1"] = tf.compat.v1.nn.relu(tf.constant([-1.0, 2.0])).numpy().tolist()
+import typing
+found["typing_as_it_was"] = "compile" not in vars(typing)
+from tensorflow.python.ops import gen_math_ops
+found["type_variable"] = [str(c) for c in gen_math_ops.TV_Abs_T.__constraints__]
 tf.compat.v1.reset_default_graph()  # as keras.backend.clear_session() does
 print(json.dumps(found))
 """
@@ -54,6 +59,28 @@ def test_the_quick_import_loads_less_and_everything_still_works():  # imports th
         assert found["mwms"] == "CollectiveAllReduceStrategy"  # tf.distribute is the API
         assert found["v1"] == [0.0, 2.0]
         assert found["cell"] == "DeviceWrapper"
+        assert found["typing_as_it_was"]
+    # TensorFlow's type variables hold the same forward references either way
+    assert quick["type_variable"] == plain["type_variable"]
+    assert "ForwardRef('_atypes.Float32')" in quick["type_variable"], quick
+
+
+def test_forward_references_are_compiled_once_inside_the_block_only():
+    import typing
+    with _forward_references_compiled_once():
+        a, b = typing.ForwardRef("_atypes.Float32"), typing.ForwardRef("_atypes.Float32")
+        assert a.__forward_code__ is b.__forward_code__  # one compile, shared
+        assert a == b and a.__forward_arg__ == "_atypes.Float32"
+        with pytest.raises(SyntaxError):  # as without the cache
+            typing.ForwardRef("not python (")
+        with _forward_references_compiled_once():  # nested: the outer cache stays
+            pass
+        assert "compile" in vars(typing)
+    assert "compile" not in vars(typing)
+    a, b = typing.ForwardRef("_atypes.Float32"), typing.ForwardRef("_atypes.Float32")
+    assert a.__forward_code__ is not b.__forward_code__  # the builtin again
+    namespace = {"_atypes": type("atypes", (), {"Float32": float})}
+    assert typing._eval_type(a, namespace, namespace) is float
 
 
 @pytest.mark.parametrize("name,api", [
