@@ -416,6 +416,7 @@ LR_ACCURACY_RUNS = {
     1: [()],
     2: [()],
     3: [(), ("--async",), ("--async", "--staleness", "0"), ("--compression", "fp16"),
+        ("--compression", "powersgd"),
         ("--async", "--compression", "fp16"),
         ("--async", "--staleness", "0", "--compression", "fp16")],
     4: [(), ("--async",), ("--async", "--servers", "2")],
@@ -491,7 +492,9 @@ SHARED_RUNS = {
         "my_cnn-sync": ["{cnn}:build", "--steps", "60", "--quiet"],
         "my_cnn-async": ["{cnn}:build", "--async", "--steps", "60", "--quiet"],
         "fp16-sync": ["lr", "--compression", "fp16", "--steps", "10", "--quiet"],
-        "fp16-async": ["lr", "--async", "--compression", "fp16", "--steps", "10", "--quiet"]},
+        "fp16-async": ["lr", "--async", "--compression", "fp16", "--steps", "10", "--quiet"],
+        "powersgd-sync": ["lr", "--compression", "powersgd", "--compression-warmup-steps", "0",
+                          "--steps", "10", "--quiet"]},
     4: {"dry": ["lr", "--dry-run"], "async-dry": ["lr", "--async", "--dry-run"]},
 }
 

@@ -30,8 +30,11 @@ WARMUP_FRACTION = 0.2
 WARMUP_MAX_EPOCHS = 5.0
 LR_SCHEDULES = ("constant", "cosine")
 ENGINES = ("mpi", "horovod")
-#: values of --compression (see mpitrain.exchange.fp16)
-COMPRESSIONS = ("none", "fp16")
+#: values of --compression (see mpitrain.exchange.fp16 and mpitrain.exchange.powersgd)
+COMPRESSIONS = ("none", "fp16", "powersgd")
+#: PowerSGD's defaults: the rank of its factors, and the steps exchanged exact first
+#: (the early gradients are large and change fast: a short run loses accuracy without)
+POWERSGD_RANK, POWERSGD_WARMUP = 2, 100
 OUTPUTS = ("logits", "probabilities")
 #: values of --allreduce-wait (see mpitrain.comm.spins)
 ALLREDUCE_WAITS = ("auto", "spin", "poll")
@@ -260,10 +263,22 @@ class TransportSettings:
     """How gradients and weights travel between ranks, in either mode."""
 
     compression: str = option(
-        "gradients on the wire: none (float32) or fp16 (half the bytes, with error "
-        "feedback: what a cast rounds away is added to the worker's next gradient); the "
-        "sync allreduce and the async pushes", "none", flag="--compression",
-        choices=COMPRESSIONS)
+        "gradients on the wire: none (float32); fp16 (half the bytes, with error "
+        "feedback: what a cast rounds away is added to the worker's next gradient), in "
+        "the sync allreduce and the async pushes; or powersgd (sync only: each weight "
+        "matrix of n x m values travels as two factors of --compression-rank R, R (n + m) "
+        "values, with error feedback; Vogels et al. 2019, as PyTorch DDP's "
+        "powerSGD_hook)", "none", flag="--compression", choices=COMPRESSIONS)
+    compression_rank: int = option(
+        "with --compression powersgd: the rank R of each matrix's approximation (more: "
+        "closer to the exact sum, more bytes); a matrix is compressed only where its "
+        "factors are at most half its values", POWERSGD_RANK, flag="--compression-rank",
+        key="compression_rank", type=int, metavar="R", number=Number(True, 1, 1024))
+    compression_warmup: int = option(
+        "with --compression powersgd: the first N steps exchange the exact gradient "
+        "(the early, large gradients), as PyTorch's start_powerSGD_iter", POWERSGD_WARMUP,
+        flag="--compression-warmup-steps", key="compression_warmup", type=int,
+        metavar="N", number=Number(True, 0))
     shared_memory: str = option(
         "memory that ranks of one host share, instead of MPI messages. Sync, mpi engine, "
         "every worker on one host: the workers sum the gradient in it (each its chunk of "
@@ -275,18 +290,39 @@ class TransportSettings:
         "auto", flag="--shared-memory", choices=SHARED_MEMORY)
 
     def check(self, run) -> None:  # run: the whole Config
+        self._check_powersgd(run)
         if self.shared_memory != "on" or run.async_mode:
             return
         for clash, fix in (
                 (run.sync.allreduce == "horovod",
                  "Horovod moves its own bytes: use --allreduce mpi"),
-                (self.compression != "none", "it sums float32: drop --compression fp16"),
+                (self.compression != "none", f"it sums float32: drop --compression "
+                                             f"{self.compression}"),
                 (run.sync.overlap == "off", "it sums the overlapped buckets: drop --overlap off"),
                 (run.compiler == "xla", "it sums the overlapped buckets, which XLA cannot "
                                         "compile: use --compile auto or graph")):
             if clash:
                 raise UsageError(f"--shared-memory on is for the sync mpi engine's float32 "
                                  f"buckets; {fix}")
+
+    def _check_powersgd(self, run) -> None:
+        if self.compression != "powersgd":
+            for flag, given in (("--compression-rank", self.compression_rank != POWERSGD_RANK),
+                                ("--compression-warmup-steps",
+                                 self.compression_warmup != POWERSGD_WARMUP)):
+                if given:
+                    raise UsageError(f"{flag} sets PowerSGD: add --compression powersgd")
+            return
+        for clash, fix in (
+                (run.async_mode, "a parameter server applies one worker's push at a time, "
+                                 "there is no sum to approximate: drop --async, or use "
+                                 "--compression fp16"),
+                (run.sync.allreduce == "horovod", "it sums its factors through MPI: use "
+                                                  "--allreduce mpi"),
+                (run.sync.overlap == "on", "its factors need the whole gradient: drop "
+                                           "--overlap on")):
+            if clash:
+                raise UsageError(f"--compression powersgd is for the sync mpi allreduce; {fix}")
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,13 @@ sync replicas identical); every wait is bounded (a stalled or dead worker is a
 
 The engines (:mod:`.engines`): :class:`MpiEngine` (the workers' communicator, and
 its sum through shared memory where every worker runs on one host),
-:class:`~.real_horovod.HorovodEngine`, and :class:`~.fp16.HalfPrecisionEngine`, which
-moves any of them as float16 with error feedback.
+:class:`~.real_horovod.HorovodEngine`, :class:`~.fp16.HalfPrecisionEngine`, which
+moves any of them as float16 with error feedback, and :class:`~.powersgd.PowerSGDEngine`,
+which moves the gradient's matrices as low-rank factors through MPI.
 
 **The plan** (:mod:`.plan`): ``with plan(cfg, replica, worker_comm, tail) as exchange:``
-decides, once and alike on every worker, which engine sums, whether it moves
-float16, and whether the gradient goes whole after back-propagation or in buckets
+decides, once and alike on every worker, which engine sums, whether it compresses
+(float16 or PowerSGD), and whether the gradient goes whole after back-propagation or in buckets
 while it runs (:mod:`.overlap`), and builds the exchange the sync loop uses:
 ``exchange.grad(x, y) -> (buffer, loss, norm)``, ``exchange.allreduce_(buffer)``.
 How a worker waits inside MPI (spin or poll) is the communicator's decision
@@ -41,6 +42,7 @@ from .engines import Engine, MpiEngine
 from .fp16 import ErrorFeedback, HalfPrecisionEngine
 from .overlap import BucketedExchange, FusedExchange
 from .plan import Plan, plan
+from .powersgd import PowerSGDEngine
 
-__all__ = ["Engine", "MpiEngine", "HalfPrecisionEngine", "ErrorFeedback", "FusedExchange",
-           "BucketedExchange", "Plan", "plan"]
+__all__ = ["Engine", "MpiEngine", "HalfPrecisionEngine", "ErrorFeedback", "PowerSGDEngine",
+           "FusedExchange", "BucketedExchange", "Plan", "plan"]

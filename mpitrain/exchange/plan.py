@@ -11,6 +11,7 @@ from ..errors import UsageError
 from .engines import MpiEngine
 from .fp16 import HalfPrecisionEngine
 from .overlap import BucketedExchange, FusedExchange
+from .powersgd import PowerSGDEngine
 
 
 @dataclass(frozen=True)
@@ -22,13 +23,15 @@ class Plan:
       memory the workers map: they all run on one host) or ``horovod``;
     * ``every_part``: shared memory sums every part (``--shared-memory on``), not
       only those large enough to be worth it;
-    * ``half``: the buffer moves as float16 with error feedback (``--compression fp16``);
+    * ``compression``: ``none``, ``fp16`` (the buffer moves as float16 with error
+      feedback) or ``powersgd`` (its matrices as low-rank factors, with error feedback);
     * ``buckets``: the gradient's buckets (last layers first) allreduced while
-      back-propagation runs (``--overlap``), or None: the whole buffer after it.
+      back-propagation runs (``--overlap``), or None: the whole buffer after it
+      (always with powersgd, whose factors need the whole gradient).
     """
 
     engine: str
-    half: bool
+    compression: str
     buckets: Optional[List[Tuple[int, int]]]
     every_part: bool = False
 
@@ -41,9 +44,9 @@ class Plan:
         gradient fills two buckets or more on the mpi engine and no XLA step (which
         cannot call out to MPI)."""
         sync, shared_memory = cfg.sync, cfg.transport.shared_memory
-        half = cfg.transport.compression == "fp16"
+        compression = cfg.transport.compression
         engine = "horovod" if sync.allreduce == "horovod" else "mpi"
-        if engine == "mpi" and shared_memory != "off" and not half:
+        if engine == "mpi" and shared_memory != "off" and compression == "none":
             if one_host(worker_comm):
                 engine = "shared"
             elif shared_memory == "on":
@@ -51,10 +54,12 @@ class Plan:
                 raise UsageError(f"--shared-memory on needs every worker on one host; these "
                                  f"run on {len(hosts)} ({', '.join(hosts)}): use "
                                  "--shared-memory auto")
-        overlap = sync.overlap == "on" or shared_memory == "on" or (
-            sync.overlap == "auto" and len(bounds) >= 2 and sync.allreduce == "mpi"
-            and cfg.compiler != "xla")
-        return cls(engine, half, list(bounds) if overlap else None, shared_memory == "on")
+        overlap = compression != "powersgd" and (
+            sync.overlap == "on" or shared_memory == "on" or (
+                sync.overlap == "auto" and len(bounds) >= 2 and sync.allreduce == "mpi"
+                and cfg.compiler != "xla"))
+        return cls(engine, compression, list(bounds) if overlap else None,
+                   shared_memory == "on")
 
 
 @contextmanager
@@ -68,8 +73,13 @@ def plan(cfg, replica, worker_comm, tail: int, run_dir: Optional[str] = None
     over the workers (the shared segment, Horovod's start)."""
     decided = Plan.of(cfg, replica.gradient_buckets(cfg.sync.bucket_mb * 2**20), worker_comm)
     with _engine(decided, cfg, worker_comm, run_dir) as engine:
-        if decided.half:
+        if decided.compression == "fp16":
             engine = HalfPrecisionEngine(engine, replica.n_params, replica.n_params + tail)
+        elif decided.compression == "powersgd":
+            transport = cfg.transport
+            engine = PowerSGDEngine(engine, replica.shapes, replica.n_params,
+                                    replica.n_params + tail, transport.compression_rank,
+                                    transport.compression_warmup, cfg.seed)
         scale = 1.0 / worker_comm.size
         if decided.buckets is None:
             exchange = FusedExchange(replica, engine, tail, scale)

@@ -1,5 +1,6 @@
-"""--compression fp16 end to end under real mpirun: the gradients really travel as float16
-(exact byte counts from comm.csv) and the accuracy stays within 0.5 pp."""
+"""--compression end to end under real mpirun: with fp16 the gradients really travel as
+float16, with powersgd LR's kernel as rank-2 factors (exact byte counts from comm.csv),
+and the accuracy stays within 0.5 pp."""
 
 import pytest
 
@@ -36,19 +37,31 @@ def test_fp16_halves_the_gradient_bytes(mode, shared_run):
         assert sent == messages * 4 * (LR_PARAMS // 2) and messages == 2 * 10
 
 
+def test_powersgd_sends_the_kernels_factors(shared_run):
+    """LR's 784 x 10 kernel at rank 2: P (784 x 2) summed with the bias and the status
+    tail, then Q (10 x 2): two allreduces a step, a fifth of float32's bytes."""
+    run_dir, row, _ = shared_run(3, "powersgd-sync")
+    assert (row["compression"], row["status"]) == ("powersgd", "ok")
+    sent, messages = traffic(run_dir, "allreduce")  # both workers'
+    first, second = 784 * 2 + 10 + 1 + 2, 10 * 2  # (stop flag + a loss per worker)
+    assert messages == 2 * 2 * 10 and sent == 2 * 10 * 4 * (first + second)
+
+
 @pytest.mark.slow
-def test_fp16_accuracy_within_half_a_point(lr_accuracy):
-    """LR (LR_ACCURACY_EPOCHS) on the real MNIST at -np 3: fp16 within 0.5 pp of float32
-    where the order of updates is fixed (sync; async at --staleness 0), and async fp16
+def test_compressed_accuracy_within_half_a_point(lr_accuracy):
+    """LR (LR_ACCURACY_EPOCHS) on the real MNIST at -np 3: fp16 and PowerSGD within 0.5 pp
+    of float32 where the order of updates is fixed (sync; async at --staleness 0), and async fp16
     within async's own 1 pp of sync where it is not: free-running async LR's accuracy
     moves from run to run with the staleness it happened to see (by more than 0.5 pp
     under load), so two such runs cannot judge the codec to 0.5 pp."""
     found = {name: lr_accuracy(3, *options) for name, options in {
         "sync": (), "sync_fp16": ("--compression", "fp16"),
+        "sync_powersgd": ("--compression", "powersgd"),
         "ssp0": ("--async", "--staleness", "0"),
         "ssp0_fp16": ("--async", "--staleness", "0", "--compression", "fp16"),
         "async_fp16": ("--async", "--compression", "fp16")}.items()}
     print("LR test accuracy:", found)
     assert abs(found["sync_fp16"] - found["sync"]) <= 0.005, found
+    assert abs(found["sync_powersgd"] - found["sync"]) <= 0.005, found  # the kernel rank 2
     assert abs(found["ssp0_fp16"] - found["ssp0"]) <= 0.005, found
     assert abs(found["async_fp16"] - found["sync"]) <= 0.01, found

@@ -94,6 +94,19 @@ def test_overlapped_buckets_keep_replicas_identical(comm):
     comm.barrier()
 
 
+def test_powersgd_keeps_replicas_identical_and_sends_fewer_values(comm):
+    """--compression powersgd: the kernel (784 x 10) travels as rank-2 factors, the bias
+    whole; every replica ends the same (rank 0 compares their checksums at every
+    evaluation too), and the training moved the weights."""
+    replica = fresh_replica()
+    before = replica.weights()
+    sync.train(context(comm, replica, 2, NullResults(), compression="powersgd",
+                       compression_rank=2))
+    assert len(set(comm.allgather_objects(checksum(replica.state())))) == 1
+    assert not np.array_equal(replica.weights(), before)
+    comm.barrier()
+
+
 def fresh_replica():
     init_tensorflow(1, 0)  # the same seed: the same initial weights
     return Replica(models.get("lr"), (28, 28, 1), 10, "sgd", 0.1)
