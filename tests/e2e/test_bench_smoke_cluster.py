@@ -15,8 +15,9 @@ def test_quick_benchmarks_on_the_emulated_cluster_run():
         pytest.skip("network namespaces unavailable here: " + summary.split("skipped |")[1][:80])
     assert {r["model"] for r in read_rows(out / "netns.csv")} == {"lr"}
     assert {(r["model"], r["mode"], r["compression"])
-            for r in read_rows(out / "compression.csv")} == {("lenet", "sync", "none"),
-                                                          ("lenet", "sync", "fp16")}
+            for r in read_rows(out / "compression.csv")} == {
+        ("lenet", "sync", "none"), ("lenet", "sync", "fp16"), ("lenet", "sync", "powersgd")}
+    assert "| compression | lenet sync epoch time at 1 GbE, powersgd / fp16 |" in summary
     # one server and two, each on a node of its own, the 3 workers on three others
     servers = read_rows(out / "servers.csv")
     assert [(r["model"], r["servers"], r["server_nodes"]) for r in servers] == [
