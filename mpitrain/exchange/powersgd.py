@@ -127,11 +127,6 @@ class PowerSGDEngine:
                                  np.float32)
 
     @property
-    def compressed_values(self) -> int:
-        """How many of the gradient's values travel as factors."""
-        return sum(m.rows * m.cols for m in self.matrices)
-
-    @property
     def values_sent(self) -> int:
         """How many values a worker sends a step once compressing (both sums)."""
         return self.first.size + self.second.size
