@@ -116,9 +116,8 @@ class PowerSGDEngine:
         #: the first sum: every P, then what travels whole, then the status tail
         self.first = np.zeros(n_p + n_whole, np.float32)
         #: the second sum: every Q (also the next step's warm start)
-        self.second = np.empty(sum(m.cols for m in self.matrices) * rank, np.float32)
-        rng = np.random.default_rng(seed)
-        self.second[:] = rng.standard_normal(self.second.size, dtype=np.float32)
+        self.second = np.random.default_rng(seed).standard_normal(
+            sum(m.cols for m in self.matrices) * rank, dtype=np.float32)
         self.residuals = [np.zeros((m.rows, m.cols), np.float32) for m in self.matrices]
         self._p = self._views(self.first, "rows")
         self._q = self._views(self.second, "cols")
@@ -176,15 +175,17 @@ class PowerSGDEngine:
         return views
 
     def _pack_whole(self, buf: np.ndarray) -> None:
-        at = self._n_p
-        for start, end in self.whole:
-            self.first[at:at + end - start] = buf[start:end]
-            at += end - start
-        self.first[at:] = buf[self.n_gradient:]
+        for part, place in self._whole_parts(buf):
+            place[:] = part
 
     def _unpack_whole(self, buf: np.ndarray) -> None:
+        for part, place in self._whole_parts(buf):
+            part[:] = place
+
+    def _whole_parts(self, buf: np.ndarray):
+        """(a part of ``buf`` that travels whole, its place in the first sum), in order:
+        the gradient's uncompressed spans after the P's, then the status tail."""
         at = self._n_p
-        for start, end in self.whole:
-            buf[start:end] = self.first[at:at + end - start]
+        for start, end in [*self.whole, (self.n_gradient, self.total)]:
+            yield buf[start:end], self.first[at:at + end - start]
             at += end - start
-        buf[self.n_gradient:] = self.first[at:]
