@@ -409,6 +409,19 @@ class Comm(ObjectExchanges):
         self.traffic.add_recv(kind, half.nbytes)
         return widen_(sums[:out.size], out)
 
+    def allgather_(self, mine: np.ndarray, out: np.ndarray,
+                   what: str = "the gradient allgather", kind: str = "allreduce") -> np.ndarray:
+        """``out`` (``size`` rows of ``len(mine)``) := every rank's ``mine``, in rank order,
+        on every rank (one MPI allgather of float32 buffers; bounded). Collective: every
+        rank calls it with buffers of the same size."""
+        if self.size == 1:
+            out.reshape(-1)[:] = mine
+            return out
+        self.wait(Pending(self._c.Iallgather(mine, out), what, None, kind), HOT)
+        self.traffic.add_sent(kind, mine.nbytes)
+        self.traffic.add_recv(kind, out.nbytes - mine.nbytes)
+        return out
+
     def _half_buffers(self, segment: int):
         """The exchange buffers of :meth:`allreduce_sum_half_` by segment length, kept
         between calls (a large model's are 100s of MB: allocating them every step costs

@@ -30,11 +30,19 @@ WARMUP_FRACTION = 0.2
 WARMUP_MAX_EPOCHS = 5.0
 LR_SCHEDULES = ("constant", "cosine")
 ENGINES = ("mpi", "horovod")
-#: values of --compression (see mpitrain.exchange.fp16 and mpitrain.exchange.powersgd)
-COMPRESSIONS = ("none", "fp16", "powersgd")
-#: PowerSGD's defaults: the rank of its factors, and the steps exchanged exact first
+#: values of --compression (see mpitrain.exchange: fp16, powersgd, topk)
+COMPRESSIONS = ("none", "fp16", "powersgd", "topk")
+#: the compressions that work per variable, with error feedback (their options below)
+PER_VARIABLE = ("powersgd", "topk")
+#: PowerSGD's defaults: the rank of its factors, and the sync steps exchanged exact first
 #: (the early gradients are large and change fast: a short run loses accuracy without)
 POWERSGD_RANK, POWERSGD_WARMUP = 2, 100
+#: top-k's default share of each variable's values sent a step (Lin et al.'s DGC sends
+#: 0.1%, after a warm-up that lowers the share step by step)
+TOPK_RATIO = 0.01
+#: variables of fewer values travel whole under powersgd and topk (biases and small
+#: layers: what compressing them saves is less than the work)
+COMPRESSION_MIN_SIZE = 1024
 OUTPUTS = ("logits", "probabilities")
 #: values of --allreduce-wait (see mpitrain.comm.spins)
 ALLREDUCE_WAITS = ("auto", "spin", "poll")
@@ -263,20 +271,31 @@ class TransportSettings:
     """How gradients and weights travel between ranks, in either mode."""
 
     compression: str = option(
-        "gradients on the wire: none (float32); fp16 (half the bytes, with error "
-        "feedback: what a cast rounds away is added to the worker's next gradient), in "
-        "the sync allreduce and the async pushes; or powersgd (sync only: each weight "
-        "matrix of n x m values travels as two factors of --compression-rank R, R (n + m) "
-        "values, with error feedback; Vogels et al. 2019, as PyTorch DDP's "
-        "powerSGD_hook)", "none", flag="--compression", choices=COMPRESSIONS)
+        "gradients on the wire: none (float32); fp16 (half the bytes); powersgd (each "
+        "weight matrix of n x m values travels as two factors of --compression-rank R, R "
+        "(n + m) values; Vogels et al. 2019, as PyTorch DDP's powerSGD_hook); or topk "
+        "(each variable's --compression-ratio largest values, as index-value pairs; sync: "
+        "gathered from every worker). All keep what they do not send in the worker's "
+        "residual, added to its next gradient (error feedback); all work in the sync "
+        "allreduce and the async pushes", "none", flag="--compression", choices=COMPRESSIONS)
     compression_rank: int = option(
         "with --compression powersgd: the rank R of each matrix's approximation (more: "
-        "closer to the exact sum, more bytes); a matrix is compressed only where its "
+        "closer to the exact gradient, more bytes); a matrix is compressed only where its "
         "factors are at most half its values", POWERSGD_RANK, flag="--compression-rank",
         key="compression_rank", type=int, metavar="R", number=Number(True, 1, 1024))
+    compression_ratio: float = option(
+        "with --compression topk: the share of each variable's values a worker sends a "
+        "step, those largest in magnitude (the rest waits in its residual)", TOPK_RATIO,
+        flag="--compression-ratio", key="compression_ratio", type=float, metavar="F",
+        number=Number(False, 0, 0.25, above_low=True))
+    compression_min_size: int = option(
+        "with --compression powersgd or topk: variables of fewer values travel whole",
+        COMPRESSION_MIN_SIZE, flag="--compression-min-size", key="compression_min_size",
+        type=int, metavar="N", number=Number(True, 0))
     compression_warmup: int = option(
-        "with --compression powersgd: the first N steps exchange the exact gradient "
-        "(the early, large gradients), as PyTorch's start_powerSGD_iter", POWERSGD_WARMUP,
+        "with --compression powersgd or topk, sync: the first N steps exchange the exact "
+        "gradient (the early, large gradients), as PyTorch's start_powerSGD_iter; async "
+        "pushes compress from the first", POWERSGD_WARMUP,
         flag="--compression-warmup-steps", key="compression_warmup", type=int,
         metavar="N", number=Number(True, 0))
     shared_memory: str = option(
@@ -290,7 +309,7 @@ class TransportSettings:
         "auto", flag="--shared-memory", choices=SHARED_MEMORY)
 
     def check(self, run) -> None:  # run: the whole Config
-        self._check_powersgd(run)
+        self._check_compression(run)
         if self.shared_memory != "on" or run.async_mode:
             return
         for clash, fix in (
@@ -305,24 +324,34 @@ class TransportSettings:
                 raise UsageError(f"--shared-memory on is for the sync mpi engine's float32 "
                                  f"buckets; {fix}")
 
-    def _check_powersgd(self, run) -> None:
-        if self.compression != "powersgd":
-            for flag, given in (("--compression-rank", self.compression_rank != POWERSGD_RANK),
-                                ("--compression-warmup-steps",
-                                 self.compression_warmup != POWERSGD_WARMUP)):
-                if given:
-                    raise UsageError(f"{flag} sets PowerSGD: add --compression powersgd")
+    def _check_compression(self, run) -> None:
+        """Each compression's own options only with it; powersgd and topk in sync only
+        where MPI moves the whole gradient at once."""
+        for flag, given, needs in (
+                ("--compression-rank", self.compression_rank != POWERSGD_RANK, ("powersgd",)),
+                ("--compression-ratio", self.compression_ratio != TOPK_RATIO, ("topk",)),
+                ("--compression-min-size", self.compression_min_size != COMPRESSION_MIN_SIZE,
+                 PER_VARIABLE),
+                ("--compression-warmup-steps", self.compression_warmup != POWERSGD_WARMUP,
+                 PER_VARIABLE)):
+            if given and self.compression not in needs:
+                raise UsageError(f"{flag} is for --compression {' or '.join(needs)}: add "
+                                 f"--compression {needs[0]}, or drop {flag}")
+        if self.compression not in PER_VARIABLE:
+            return
+        name = f"--compression {self.compression}"
+        if run.async_mode:
+            if self.compression_warmup != POWERSGD_WARMUP:
+                raise UsageError(f"--compression-warmup-steps is for sync training: async "
+                                 f"pushes have a fixed length, {name} compresses every push: "
+                                 "drop --compression-warmup-steps")
             return
         for clash, fix in (
-                (run.async_mode, "a parameter server applies one worker's push at a time, "
-                                 "there is no sum to approximate: drop --async, or use "
-                                 "--compression fp16"),
-                (run.sync.allreduce == "horovod", "it sums its factors through MPI: use "
+                (run.sync.allreduce == "horovod", "it exchanges its messages through MPI: use "
                                                   "--allreduce mpi"),
-                (run.sync.overlap == "on", "its factors need the whole gradient: drop "
-                                           "--overlap on")):
+                (run.sync.overlap == "on", "it needs the whole gradient: drop --overlap on")):
             if clash:
-                raise UsageError(f"--compression powersgd is for the sync mpi allreduce; {fix}")
+                raise UsageError(f"{name} in sync mode is for the mpi allreduce; {fix}")
 
 
 @dataclass(frozen=True)

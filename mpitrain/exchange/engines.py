@@ -31,7 +31,8 @@ class MpiEngine:
     per call (:meth:`mpitrain.comm.Comm.allreduce_sum_`), or, given ``shared``, the sum
     through memory every worker maps (:class:`mpitrain.comm.SharedMemorySum`) for the
     parts of its fused buffer large enough (its ``min_bytes``). Also moves float16
-    (``allreduce_sum_half_``, for :class:`~.fp16.HalfPrecisionEngine`)."""
+    (``allreduce_sum_half_``, for :class:`~.fp16.HalfPrecisionEngine`) and gathers
+    (``allgather_``, for :class:`~.topk.TopKEngine`)."""
 
     def __init__(self, worker_comm, shared: Optional[SharedMemorySum] = None):
         self.worker_comm, self.shared, self.size = worker_comm, shared, worker_comm.size
@@ -47,6 +48,10 @@ class MpiEngine:
                             what: str = "the gradient allreduce",
                             kind: str = "allreduce") -> np.ndarray:
         return self.worker_comm.allreduce_sum_half_(half, out, what, kind)
+
+    def allgather_(self, mine: np.ndarray, out: np.ndarray, what: str = "the gradient allgather",
+                   kind: str = "allreduce") -> np.ndarray:
+        return self.worker_comm.allgather_(mine, out, what, kind)
 
     def fused_buffer(self, size: int) -> Optional[np.ndarray]:
         return self.shared.fused_buffer(size) if self.shared is not None else None

@@ -12,6 +12,10 @@ from .engines import MpiEngine
 from .fp16 import HalfPrecisionEngine
 from .overlap import BucketedExchange, FusedExchange
 from .powersgd import PowerSGDEngine
+from .topk import TopKEngine
+
+#: the compressions that need the whole gradient at once (no buckets, no overlap)
+WHOLE_GRADIENT = ("powersgd", "topk")
 
 
 @dataclass(frozen=True)
@@ -24,10 +28,11 @@ class Plan:
     * ``every_part``: shared memory sums every part (``--shared-memory on``), not
       only those large enough to be worth it;
     * ``compression``: ``none``, ``fp16`` (the buffer moves as float16 with error
-      feedback) or ``powersgd`` (its matrices as low-rank factors, with error feedback);
+      feedback), ``powersgd`` (its matrices as low-rank factors) or ``topk`` (each
+      variable's largest values, gathered), both with error feedback;
     * ``buckets``: the gradient's buckets (last layers first) allreduced while
       back-propagation runs (``--overlap``), or None: the whole buffer after it
-      (always with powersgd, whose factors need the whole gradient).
+      (always with powersgd and topk, which need the whole gradient).
     """
 
     engine: str
@@ -54,7 +59,7 @@ class Plan:
                 raise UsageError(f"--shared-memory on needs every worker on one host; these "
                                  f"run on {len(hosts)} ({', '.join(hosts)}): use "
                                  "--shared-memory auto")
-        overlap = compression != "powersgd" and (
+        overlap = compression not in WHOLE_GRADIENT and (
             sync.overlap == "on" or shared_memory == "on" or (
                 sync.overlap == "auto" and len(bounds) >= 2 and sync.allreduce == "mpi"
                 and cfg.compiler != "xla"))
@@ -63,23 +68,18 @@ class Plan:
 
 
 @contextmanager
-def plan(cfg, replica, worker_comm, tail: int, run_dir: Optional[str] = None
-         ) -> Iterator[FusedExchange]:
+def plan(cfg, replica, worker_comm, tail: int, run_dir: Optional[str] = None,
+         start_step: int = 0) -> Iterator[FusedExchange]:
     """``with plan(cfg, replica, worker_comm, tail) as exchange:`` the sync exchange of
     ``replica``'s gradient and a status tail of ``tail`` values over ``worker_comm`` (the
-    workers' communicator), as :meth:`Plan.of` decides, for one run: each worker's
+    workers' communicator), as :meth:`Plan.of` decides, for one run from ``start_step``
+    (a compression's warm-up counts from the run's start): each worker's
     gradient scaled by 1 / workers (so the sum is the mean); for Horovod, recording the
     run's timeline into ``run_dir`` while inside if ``--horovod-timeline``. Collective
     over the workers (the shared segment, Horovod's start)."""
     decided = Plan.of(cfg, replica.gradient_buckets(cfg.sync.bucket_mb * 2**20), worker_comm)
     with _engine(decided, cfg, worker_comm, run_dir) as engine:
-        if decided.compression == "fp16":
-            engine = HalfPrecisionEngine(engine, replica.n_params, replica.n_params + tail)
-        elif decided.compression == "powersgd":
-            transport = cfg.transport
-            engine = PowerSGDEngine(engine, replica.shapes, replica.n_params,
-                                    replica.n_params + tail, transport.compression_rank,
-                                    transport.compression_warmup, cfg.seed)
+        engine = _compressing(decided.compression, engine, cfg, replica, tail, start_step)
         scale = 1.0 / worker_comm.size
         if decided.buckets is None:
             exchange = FusedExchange(replica, engine, tail, scale)
@@ -92,6 +92,21 @@ def plan(cfg, replica, worker_comm, tail: int, run_dir: Optional[str] = None
             yield exchange
         finally:
             exchange.close()
+
+
+def _compressing(compression: str, engine, cfg, replica, tail: int, start_step: int):
+    """``engine`` moving the gradient compressed as ``compression`` says."""
+    n, t = replica.n_params, cfg.transport
+    if compression == "fp16":
+        return HalfPrecisionEngine(engine, n, n + tail)
+    if compression == "powersgd":
+        return PowerSGDEngine(engine, replica.shapes, n, n + tail, t.compression_rank,
+                              t.compression_min_size, t.compression_warmup, cfg.seed,
+                              steps=start_step)
+    if compression == "topk":
+        return TopKEngine(engine, replica.shapes, n, n + tail, t.compression_ratio,
+                          t.compression_min_size, t.compression_warmup, steps=start_step)
+    return engine
 
 
 @contextmanager

@@ -94,16 +94,25 @@ def test_overlapped_buckets_keep_replicas_identical(comm):
     comm.barrier()
 
 
-def test_powersgd_keeps_replicas_identical_and_sends_fewer_values(comm):
-    """--compression powersgd: the kernel (784 x 10) travels as rank-2 factors, the bias
-    whole; every replica ends the same (rank 0 compares their checksums at every
-    evaluation too), and the training moved the weights."""
-    replica = fresh_replica()
-    before = replica.weights()
-    sync.train(context(comm, replica, 2, NullResults(), compression="powersgd",
-                       compression_rank=2))
-    assert len(set(comm.allgather_objects(checksum(replica.state())))) == 1
-    assert not np.array_equal(replica.weights(), before)
+@pytest.mark.parametrize("compression,option", [("powersgd", {"compression_rank": 2}),
+                                                ("topk", {"compression_ratio": 0.02})])
+def test_compressed_sums_keep_replicas_identical(comm, compression, option):
+    """--compression powersgd (the 784 x 10 kernel as rank-2 factors) and topk (2% of
+    it, gathered), from the first step, the bias whole: every replica ends the same (rank
+    0 compares their checksums at every evaluation too), the training moved the weights,
+    and (with two workers or more, where there is a sum) not as the exact sum would."""
+    weights = {}
+    for exchanged in ("none", compression):
+        replica = fresh_replica()
+        before = replica.weights()
+        settings = dict(option, compression_warmup=0) if exchanged != "none" else {}
+        sync.train(context(comm, replica, 2, NullResults(), compression=exchanged,
+                           **settings))
+        assert len(set(comm.allgather_objects(checksum(replica.state())))) == 1
+        assert not np.array_equal(replica.weights(), before)
+        weights[exchanged] = replica.weights()
+    if comm.size >= 3:
+        assert not np.array_equal(weights["none"], weights[compression])
     comm.barrier()
 
 

@@ -7,7 +7,14 @@ import pytest
 from mpitrain.kernels import half
 
 from mpitrain.exchange import ErrorFeedback, HalfPrecisionEngine
+from mpitrain.config.sections import TransportSettings
 from mpitrain.train.asynchronous.mailbox import PushCodec
+
+FP16, NONE = TransportSettings(compression="fp16"), TransportSettings()
+
+
+def push_codec(transport, n, sends):
+    return PushCodec(transport, [(n,)], (0, n), sends)
 
 
 def test_error_feedback_loses_nothing_only_delays_it():
@@ -45,22 +52,22 @@ def test_the_status_tail_is_cast_but_not_compensated():
 
 
 def test_a_push_carries_its_gradient_in_half_the_slots():
-    codec = PushCodec("fp16", 7)
+    codec = push_codec(FP16, 7, sends=True)
     assert codec.slots == 4
     slots = np.zeros(codec.slots, np.float32)
     grad = np.linspace(-1, 1, 7).astype(np.float32)
     codec.encode(grad, slots)
-    decoded = PushCodec("fp16", 7).decode(slots)  # the server's own codec
+    decoded = push_codec(FP16, 7, sends=False).decode(slots)  # the server's own codec
     assert decoded.dtype == np.float32 and decoded.shape == (7,)
     np.testing.assert_allclose(decoded, grad, atol=1e-3)
-    np.testing.assert_array_equal(decoded + codec.feedback.residual, grad)
+    np.testing.assert_array_equal(decoded + codec.coder.feedback.residual, grad)
 
 
 def test_without_compression_a_push_is_the_gradient_itself():
-    codec = PushCodec("none", 5)
+    codec = push_codec(NONE, 5, sends=True)
     slots = np.zeros(codec.slots, np.float32)
     codec.encode(np.arange(5, dtype=np.float32), slots)
-    assert codec.slots == 5 and codec.feedback is None
+    assert codec.slots == 5 and codec.coder is None
     np.testing.assert_array_equal(codec.decode(slots), np.arange(5))
 
 

@@ -18,7 +18,8 @@ from mpitrain.exchange.powersgd import Matrix, PowerSGDEngine, orthonormalize_, 
 
 class ThreadSum:
     """``size`` threads' engines: each call sums every thread's buffer, in rank order
-    (the same bits on each), as an MPI allreduce would."""
+    (the same bits on each), as an MPI allreduce would, or gathers them (an allgather;
+    tests/unit/test_topk.py)."""
 
     def __init__(self, size: int):
         self.size, self.barrier, self.parts = size, threading.Barrier(size, timeout=30), {}
@@ -38,6 +39,14 @@ class ThreadSum:
                 group.barrier.wait()  # every thread has its sum: the parts may change
                 buf[:] = total
                 return buf
+
+            def allgather_(self, mine, out, **_):
+                group.parts[rank] = mine.copy()
+                group.barrier.wait()
+                for r in range(group.size):
+                    out[r] = group.parts[r]
+                group.barrier.wait()
+                return out
 
         return Member()
 
@@ -131,7 +140,7 @@ def test_nothing_is_lost_what_the_factors_miss_arrives_later():
     results, engines = run_workers(workers, lambda e: PowerSGDEngine(e, SHAPES, n, n + TAIL, 2),
                                    steps, lambda rank, step: grads[rank])
     sent = np.sum(results[0], axis=0, dtype=np.float64)
-    held = sum(np.concatenate([r.reshape(-1) for r in e.residuals]) for e in engines)
+    held = sum(np.concatenate([r.reshape(-1) for r in e.factors.residuals]) for e in engines)
     matrix_values = np.r_[0:720, 732:n]
     np.testing.assert_allclose(sent[matrix_values] + held, steps * true_sum[matrix_values],
                                rtol=1e-3, atol=2e-2)
@@ -167,13 +176,22 @@ def test_the_rules_of_the_options():
     decided = Plan.of(cfg, [(0, 10), (10, 7850)], SimpleNamespace(size=2, hosts=["a", "a"]))
     assert (decided.engine, decided.compression, decided.buckets) == ("mpi", "powersgd", None)
     for argv, error in (
-            (["--compression-rank", "4"], "--compression-rank sets PowerSGD: add "
-                                          "--compression powersgd"),
-            (["--compression-warmup-steps", "5"], "--compression-warmup-steps sets"),
-            (["--compression", "powersgd", "--async"], "drop --async, or use --compression "
-                                                       "fp16"),
+            (["--compression-rank", "4"], "--compression-rank is for --compression "
+                                          "powersgd: add --compression powersgd"),
+            (["--compression-warmup-steps", "5"], "--compression-warmup-steps is for "
+                                                  "--compression powersgd or topk"),
+            (["--compression", "topk", "--compression-rank", "4"], "add --compression "
+                                                                   "powersgd"),
+            (["--compression", "powersgd", "--compression-ratio", "0.1"], "add --compression "
+                                                                          "topk"),
+            (["--compression", "fp16", "--compression-min-size", "10"], "is for --compression "
+                                                                        "powersgd or topk"),
+            (["--compression", "topk", "--compression-ratio", "0.5"],
+             "--compression-ratio must be"),
+            (["--compression", "powersgd", "--async", "--compression-warmup-steps", "5"],
+             "async pushes have a fixed length"),
             (["--compression", "powersgd", "--allreduce", "horovod"], "use --allreduce mpi"),
-            (["--compression", "powersgd", "--overlap", "on"], "drop --overlap on"),
+            (["--compression", "topk", "--overlap", "on"], "drop --overlap on"),
             (["--compression", "powersgd", "--compression-rank", "0"],
              "--compression-rank must be")):
         with pytest.raises(UsageError, match=error):

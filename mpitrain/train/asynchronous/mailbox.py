@@ -40,6 +40,8 @@ import numpy as np
 from ...comm import IDLE, PeerSlots, Pending, Persistent, share_with_server
 from ...errors import UsageError
 from ...exchange import ErrorFeedback
+from ...exchange.powersgd import LowRankFeedback
+from ...exchange.topk import TopKFeedback
 from ...kernels.half import widen_
 from ..protocol import (DROPPED, FINAL, SLOTS, TAG_GRADIENT, TAG_WEIGHTS, Header, new_message,
                         slots_of)
@@ -75,30 +77,67 @@ def norm_slots(cfg) -> int:
 
 
 class PushCodec:
-    """How a push carries its gradient in a float32 message: as it is, or (``--compression
-    fp16``) as float16 pairs packed into float32 slots, with error feedback on the
-    worker (:class:`mpitrain.exchange.ErrorFeedback`)."""
+    """How a push carries its share of the gradient in a float32 message: as it is, or
+    (``--compression``) compressed with error feedback on the worker: fp16 (float16
+    pairs packed into float32 slots: :class:`mpitrain.exchange.ErrorFeedback`), topk
+    (:class:`mpitrain.exchange.topk.TopKFeedback`) or powersgd
+    (:class:`mpitrain.exchange.powersgd.LowRankFeedback`). ``span``: the share of the
+    fused gradient (start, end) of variables ``shapes``; ``sends``: the worker's end
+    (which keeps the residual) or the server's (which decodes)."""
 
-    def __init__(self, compression: str, n: int):
-        self.half = compression == "fp16"
-        self.n = n
+    def __init__(self, transport, shapes: Sequence[Tuple[int, ...]], span: Tuple[int, int],
+                 sends: bool, seed: int = 0):
+        self.n = span[1] - span[0]
+        self.coder = _coder(transport, shapes, span, sends, seed)
         #: float32 slots the gradient takes in the message
-        self.slots = (n + 1) // 2 if self.half else n
-        self.feedback = ErrorFeedback(n) if self.half else None
-        self._decoded = np.zeros(n if self.half else 0, np.float32)
+        self.slots = self.coder.slots if self.coder is not None else self.n
+        self._decoded = np.zeros(self.n if self.coder is not None and not sends else 0,
+                                 np.float32)  # (reused: the server applies one at a time)
+
+    @classmethod
+    def of(cls, ctx, server: int, sends: bool) -> "PushCodec":
+        """The codec of pushes to server ``server`` (rank ``server``) in this run."""
+        share = partition_of(ctx).share(server)
+        return cls(ctx.cfg.transport, ctx.replica.shapes, (share.start, share.stop), sends,
+                   ctx.cfg.seed)
 
     def encode(self, grad: np.ndarray, slots: np.ndarray) -> None:
         """Write ``grad`` into the message's gradient ``slots`` (worker)."""
-        if self.feedback is not None:  # (fp16: see half)
-            self.feedback.encode(grad, slots.view(np.float16))
-        else:
+        if self.coder is None:
             slots[:] = grad
+        else:
+            self.coder.encode(grad, slots)
 
     def decode(self, slots: np.ndarray) -> np.ndarray:
         """The float32 gradient in the message's gradient ``slots`` (server)."""
-        if self.half:  # (reused: the server applies one push at a time)
-            return widen_(slots.view(np.float16)[:self.n], self._decoded)
-        return slots
+        return slots if self.coder is None else self.coder.decode(slots, self._decoded)
+
+
+class _Half:
+    """fp16 as a push codec: float16 pairs in float32 slots, error feedback (worker)."""
+
+    def __init__(self, n: int, sends: bool):
+        self.n, self.slots = n, (n + 1) // 2
+        self.feedback = ErrorFeedback(n if sends else 0)
+
+    def encode(self, grad: np.ndarray, slots: np.ndarray) -> None:
+        self.feedback.encode(grad, slots.view(np.float16))
+
+    def decode(self, slots: np.ndarray, out: np.ndarray) -> np.ndarray:
+        return widen_(slots.view(np.float16)[:self.n], out)
+
+
+def _coder(transport, shapes, span: Tuple[int, int], sends: bool, seed: int):
+    kind = transport.compression
+    if kind == "fp16":
+        return _Half(span[1] - span[0], sends)
+    if kind == "topk":
+        return TopKFeedback(shapes, transport.compression_ratio,
+                            transport.compression_min_size, span, sends)
+    if kind == "powersgd":
+        return LowRankFeedback(shapes, transport.compression_rank,
+                               transport.compression_min_size, span, sends, seed)
+    return None
 
 
 class Layout(NamedTuple):
@@ -115,7 +154,7 @@ class Layout(NamedTuple):
         replica, cfg = ctx.replica, ctx.cfg
         depth = 1 if pipelining_mode(cfg) == "off" else PIPELINE_DEPTH
         share = partition_of(ctx).size(server)
-        gradient = PushCodec(cfg.transport.compression, share).slots
+        gradient = PushCodec.of(ctx, server, sends=False).slots
         buffers = replica.n_buffers if server == 0 else 0
         return cls(SLOTS + gradient + norm_slots(cfg) + buffers, SLOTS + share + buffers, depth)
 

@@ -45,8 +45,7 @@ class Post:
         self.zero, self.others = self.boxes[0], self.boxes[1:]
         part = partition_of(ctx)
         self.shares = [part.share(s) for s in range(part.servers)]
-        self.codecs = [PushCodec(cfg.transport.compression, part.size(s))
-                       for s in range(part.servers)]
+        self.codecs = [PushCodec.of(ctx, s, sends=True) for s in range(part.servers)]
         self.n = part.n
         self.norm_slots = norm_slots(cfg)  # (the gradient's norm after each share, K > 1)
         #: leases of the other servers are asked for, in server order (see the module)

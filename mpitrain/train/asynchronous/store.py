@@ -37,7 +37,7 @@ class ParameterStore:
         # the workers' mean at the last evaluation; only server 0 holds them
         self.buffers = replica.buffers() if server == 0 else np.zeros(0, np.float32)
         self.optimizer = optimizer_of(ctx, n)
-        self.codec = PushCodec(cfg.transport.compression, n)
+        self.codec = PushCodec.of(ctx, server, sends=False)
         self.norm_slots = norm_slots(cfg)
         self.gradient_end = SLOTS + self.codec.slots  # a push's gradient, its norm, buffers
         self.version = 0
