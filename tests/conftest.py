@@ -416,7 +416,8 @@ LR_ACCURACY_RUNS = {
     1: [()],
     2: [()],
     3: [(), ("--async",), ("--async", "--staleness", "0"), ("--compression", "fp16"),
-        ("--compression", "powersgd"),
+        ("--compression", "powersgd"), ("--compression", "topk"),
+        ("--async", "--staleness", "0", "--compression", "topk"),
         ("--async", "--compression", "fp16"),
         ("--async", "--staleness", "0", "--compression", "fp16")],
     4: [(), ("--async",), ("--async", "--servers", "2")],
@@ -494,7 +495,12 @@ SHARED_RUNS = {
         "fp16-sync": ["lr", "--compression", "fp16", "--steps", "10", "--quiet"],
         "fp16-async": ["lr", "--async", "--compression", "fp16", "--steps", "10", "--quiet"],
         "powersgd-sync": ["lr", "--compression", "powersgd", "--compression-warmup-steps", "0",
-                          "--steps", "10", "--quiet"]},
+                          "--steps", "10", "--quiet"],
+        "topk-sync": ["lr", "--compression", "topk", "--compression-warmup-steps", "0",
+                      "--steps", "10", "--quiet"],
+        "powersgd-async": ["lr", "--async", "--compression", "powersgd", "--steps", "10",
+                           "--quiet"],
+        "topk-async": ["lr", "--async", "--compression", "topk", "--steps", "10", "--quiet"]},
     4: {"dry": ["lr", "--dry-run"], "async-dry": ["lr", "--async", "--dry-run"]},
 }
 

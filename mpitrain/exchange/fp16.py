@@ -13,8 +13,9 @@ of the residual: the same bits as the whole buffer at once. The async pushes use
 :class:`ErrorFeedback` too (:class:`mpitrain.train.asynchronous.mailbox.PushCodec`).
 
 Weights, BatchNorm statistics, the sync status tail's flags and the protocol
-headers stay float32. A resumed run starts with zero residuals, so under
-compression a resume is not bit-exact with the uninterrupted run (it is without).
+headers stay float32. A sync checkpoint carries every worker's residual, so a resumed
+sync run is bit-exact with the uninterrupted one (:mod:`mpitrain.train.sync`); an
+async worker's residual starts at zero in a resumed run.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ class HalfPrecisionEngine:
         half = self._half_for(buf.size)
         self.feedback.encode(buf, half, at)
         return self.engine.allreduce_sum_half_(half, buf, what, kind)
+
+    @property
+    def state(self) -> np.ndarray:
+        """What a resumed run needs to continue bit-identically: the residual (a copy)."""
+        return self.feedback.residual.copy()
+
+    def restore(self, state: np.ndarray) -> None:
+        self.feedback.residual[:] = state
 
     def fused_buffer(self, size: int) -> Optional[np.ndarray]:
         return None  # the float16 copy is what travels: any float32 buffer will do

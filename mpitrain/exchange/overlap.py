@@ -57,6 +57,21 @@ class FusedExchange:
         workers, in place. Collective over the workers."""
         self.engine.allreduce_sum_(buf)
 
+    def codec_state(self) -> Optional[np.ndarray]:
+        """What a checkpoint carries of this worker's compression (a copy: its residuals,
+        PowerSGD's warm start), or None: its engine compresses nothing."""
+        return getattr(self.engine, "state", None)
+
+    def restore_codec(self, state: np.ndarray) -> bool:
+        """Continue the compression from a checkpoint's :meth:`codec_state`; False (and
+        nothing changed) where it does not fit this run's (other compression settings).
+        The same on every worker: the fit depends on the settings alone."""
+        mine = self.codec_state()
+        if mine is None or mine.size != state.size:
+            return False
+        self.engine.restore(state)
+        return True
+
     def close(self) -> None:
         pass
 

@@ -186,6 +186,9 @@ class Checkpoint:
     meta: CheckpointMeta = field(default_factory=CheckpointMeta)
     #: the model's float non-trainable state (BatchNorm statistics), flat; empty for most
     buffers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    #: sync with --compression: each worker's codec state (its residuals; PowerSGD's
+    #: warm start too), by worker rank (:mod:`mpitrain.exchange`); empty otherwise
+    codecs: Dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def state(self) -> np.ndarray:
@@ -206,8 +209,10 @@ class Checkpoint:
         path = Path(run_dir) / CHECKPOINT
         header = {"step": self.step, "wall_time_s": self.wall_time_s,
                   "worker_steps": {str(k): v for k, v in self.worker_steps.items()},
-                  "extra": self.meta.to_json(), "optimizer_keys": sorted(self.optimizer)}
+                  "extra": self.meta.to_json(), "optimizer_keys": sorted(self.optimizer),
+                  "codec_ranks": sorted(self.codecs)}
         arrays: Dict[str, Any] = {f"opt_{k}": np.asarray(v) for k, v in self.optimizer.items()}
+        arrays.update({f"codec_{rank}": state for rank, state in self.codecs.items()})
         with atomic_file(path, "wb") as f:
             def write() -> None:
                 np.savez(f, weights=self.weights, buffers=self.buffers, meta=np.frombuffer(
@@ -233,6 +238,7 @@ class Checkpoint:
                 step, wall_time_s = int(header["step"]), float(header["wall_time_s"])
                 worker_steps = {int(k): int(v) for k, v in header["worker_steps"].items()}
                 meta = CheckpointMeta.from_json(header.get("extra"))
+                codecs = {int(r): f[f"codec_{int(r)}"] for r in header.get("codec_ranks", ())}
         except FileNotFoundError:
             raise ResultsError(f"{path}: no checkpoint in this run directory (it stopped "
                                "before its first checkpoint); start a new run") from None
@@ -241,7 +247,7 @@ class Checkpoint:
         except Exception as e:  # zip errors, missing keys, bad JSON, malformed values
             raise ResultsError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") \
                 from None
-        return cls(weights, optimizer, step, wall_time_s, worker_steps, meta, buffers)
+        return cls(weights, optimizer, step, wall_time_s, worker_steps, meta, buffers, codecs)
 
 
 def optimizer_mismatch(saved: Dict[str, np.ndarray], layout: Dict[str, tuple],

@@ -212,7 +212,8 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
     number of ranks or batch size (its ``geometry``; one without is in the units of
     the run's first session, ``original``, default ``cfg``). The same fraction of the same
     epoch for sync; for async the updates done are spread over ``cfg``'s workers. The
-    optimizer state carries over as it is (it holds no per-rank entries)."""
+    optimizer state carries over as it is (it holds no per-rank entries); the sync
+    workers' compression residuals only to the same workers."""
     was = ckpt.meta.geometry or geometry(original or cfg)
     old_workers = cfg.replace(world_size=was.world_size, servers=was.servers).workers
     if old_workers == cfg.workers and was.batch_size == cfg.batch_size:
@@ -238,7 +239,9 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
     step = epoch * new_per_epoch + within * new_per_epoch // old_per_epoch
     meta = dataclasses.replace(ckpt.meta, geometry=geometry(cfg), rng={
         r: row for r, row in ckpt.meta.rng.items() if r < cfg.world_size})
-    return dataclasses.replace(ckpt, step=step, meta=meta)
+    # (a compressing worker's residual is its own gradients' rest: another number of
+    # workers starts from zero residuals, as a new run does)
+    return dataclasses.replace(ckpt, step=step, meta=meta, codecs={})
 
 
 def _fold_staleness(by_rank: Histograms, first: int, n_workers: int) -> Histograms:

@@ -49,6 +49,9 @@ TAG_STATE = 25  # sync: worker 1 -> server optimizer state at checkpoints
 TAG_RNG = 26  # sync: every worker -> server random-generator state at checkpoints
 TAG_CONTROL = 27  # async --servers K: rank 0 <-> the other servers, small int messages
 TAG_SHARE = 28  # async --servers K: a server's share of the state -> rank 0 (a pickle)
+#: sync --compression: every worker -> server its codec's state (residuals) at
+#: checkpoints; server -> every worker its own on resume
+TAG_CODEC = 29
 
 #: workers tell the server they are alive (and how far they are) this often, at least
 HEARTBEAT_SECONDS = 1.0

@@ -35,7 +35,10 @@ in :mod:`.protocol`):
   points and at the end, flags telling which.
 * worker 1 -> 0 after each REPORT: the flat weights (``TAG_WEIGHTS``); at
   checkpoints also the optimizer state (``TAG_STATE``); every worker also
-  sends its random-generator state (``TAG_RNG``) if the model has one.
+  sends its random-generator state (``TAG_RNG``) if the model has one, and
+  under ``--compression`` its codec's state (``TAG_CODEC``: its residuals, which
+  differ between workers), which rank 0 sends back to each on resume: a resumed
+  compressed run continues bit-identically too.
 * 0 -> worker, ``TAG_STOP``: exactly once per run, either to ask for a stop
   (rank 0 got the signal) or, at the end, to say that no stop will come; so
   no receive is ever left pending and no message unmatched.
@@ -57,7 +60,7 @@ side is :mod:`.sync_server`.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple, cast
+from typing import Any, Callable, List, Optional, Tuple, cast
 
 import numpy as np
 
@@ -69,7 +72,7 @@ from ..models.replica import checksum
 from .context import Context, Summary, is_checkpoint_point, is_eval_point, worker_batches
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .protocol import (DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED, REPORT, SAVE,
-                       TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
+                       TAG_CODEC, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
                        new_message, sentinel)
 from .sync_server import SyncServer, diverged_at, pack_state, packed_size, unpack_state
 
@@ -84,25 +87,27 @@ def train(ctx: Context) -> Summary:
     :class:`Divergence` on every rank, at the same step, when training stops
     for those reasons.
     """
-    start_step, offset, layout = _start(ctx)
+    start_step, offset, layout, codec = _start(ctx)
     clock = Stopwatch(offset)
     if ctx.role is Role.SERVER:
         return SyncServer(ctx, clock, layout).run(start_step)
     link = LocalEvaluation(ctx, clock, start_step) if ctx.role is Role.SINGLE \
         else ServerLink(ctx, clock)
-    return _work(ctx, link, start_step)
+    return _work(ctx, link, start_step, codec)
 
 
 def _start(ctx: Context):
     """Share the starting state from rank 0; returns (start step, clock offset, the
-    optimizer state's layout).
+    optimizer state's layout, this worker's saved compression state or None).
 
     Rank 0 serves and has no optimizer (it never applies an update): it learns
     the layout of the optimizer state it will checkpoint from the workers."""
     comm, replica, ckpt = ctx.comm, ctx.replica, ctx.resume_from
     if ckpt is not None:
         replica.set_state(ckpt.state)
-    position = np.array([ckpt.step, ckpt.wall_time_s] if ckpt else [0, 0.0], np.float64)
+    codecs = ckpt is not None and sorted(ckpt.codecs) == list(range(1, comm.size))
+    position = np.array([ckpt.step, ckpt.wall_time_s, codecs] if ckpt else [0, 0.0, 0],
+                        np.float64)
     comm.bcast_(position)
     replica.set_state(comm.bcast_(replica.state()))
     mine = replica.optimizer_layout() if replica.applies else None
@@ -123,7 +128,22 @@ def _start(ctx: Context):
         comm.bcast_(rng)
         if ctx.role.trains and rng.shape[1]:
             replica.set_rng_state(rng[comm.rank])
-    return int(position[0]), float(position[1]), layout
+    codec = _deal_codec_states(comm, ckpt) if position[2] else None
+    return int(position[0]), float(position[1]), layout, codec
+
+
+def _deal_codec_states(comm: Comm, ckpt) -> Optional[np.ndarray]:
+    """Rank 0 sends each worker the compression state the checkpoint saved of it (each
+    its own: their residuals differ); a worker returns its own, rank 0 None."""
+    if comm.rank == 0:
+        comm.wait_all([comm.isend(state, w, TAG_CODEC, "checkpoint",
+                                  f"{comm.name(w)} to take its compression state")
+                       for w, state in ckpt.codecs.items()], IDLE)
+        return None
+    mine = comm.matched_recv(0, TAG_CODEC, "checkpoint", "rank 0's compression state",
+                             lambda nbytes: np.empty(nbytes // 4, np.float32))
+    comm.wait(mine, IDLE)
+    return cast(np.ndarray, mine.buffer)
 
 
 def _rng_table(ckpt, size: int, width: int) -> np.ndarray:
@@ -136,12 +156,15 @@ def _rng_table(ckpt, size: int, width: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------
 # Workers
 # ---------------------------------------------------------------------------------------
-def _work(ctx: Context, link, start_step: int) -> Summary:
+def _work(ctx: Context, link, start_step: int, codec: Optional[np.ndarray]) -> Summary:
     worker_comm = cast(Comm, ctx.comm.workers)  # (a worker's)
     if worker_comm.size == 1:  # nothing to average: use the fused one-call step
         return _steps(ctx, link, start_step, None)
     tail = 1 + worker_comm.size  # the status tail: a stop flag, a loss per worker
-    with plan(ctx.cfg, ctx.replica, worker_comm, tail, ctx.run_dir) as exchange:
+    with plan(ctx.cfg, ctx.replica, worker_comm, tail, ctx.run_dir, start_step) as exchange:
+        if codec is not None:  # (where it does not fit, the residuals start at zero)
+            exchange.restore_codec(codec)
+        link.codec_state = exchange.codec_state
         return _steps(ctx, link, start_step, exchange)
 
 
@@ -268,6 +291,8 @@ class ServerLink:
         self.next_beat = 0.0
         self.step, self.loss = 0, float("nan")  # what the heartbeats report
         self.sends_weights = ctx.worker_index == 0
+        #: what a checkpoint carries of this worker's compression (set by the exchange)
+        self.codec_state: Callable[[], Optional[np.ndarray]] = lambda: None
         self.stop_msg = np.zeros(1, np.float64)
         self.stop_recv = self.comm.irecv(self.stop_msg, 0, TAG_STOP, "control",
                                          "rank 0's stop message")
@@ -306,6 +331,9 @@ class ServerLink:
         rng = replica.rng_state()
         if flags & SAVE and rng.size:
             payloads.append((TAG_RNG, "checkpoint", rng))
+        codec = self.codec_state() if flags & SAVE else None
+        if codec is not None:
+            payloads.append((TAG_CODEC, "checkpoint", codec))
         for tag, kind, buf in payloads:
             self._complete(kind)  # back-pressure: one message of each kind in flight
             self.sends.append((self.comm.isend(buf, 0, tag, kind, f"rank 0 to take {kind}"),

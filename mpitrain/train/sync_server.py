@@ -9,7 +9,7 @@ checkpoint (:func:`pack_state`) and rank 0 unpacks it (:func:`unpack_state`).
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, cast
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .leases import Liveness
 from .priority import deferring_to_workers
 from .protocol import (DIVERGED, EVALUATE, FINAL, INTERRUPTED, REPORT, SAVE, TAG_REPORT,
-                       TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header, SilentPeers,
+                       TAG_CODEC, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header, SilentPeers,
                        new_message, stalled)
 
 
@@ -181,11 +181,11 @@ class SyncServer:
         wall = self.wall = max(h.elapsed for h in reports.values())
         checkpoint = None
         if state is not None:
-            optimizer, rng = state
+            optimizer, rng, codecs = state
             n = ctx.replica.n_params
             checkpoint = Checkpoint(self.weights[:n].copy(), optimizer, step, wall,
                                     meta=CheckpointMeta.sync(ctx.geometry, rng),
-                                    buffers=self.weights[n:].copy())
+                                    buffers=self.weights[n:].copy(), codecs=codecs)
         evaluate_and_save(ctx, (lambda: self.evaluator.record(step, train_loss, wall))
                           if union & EVALUATE else None, checkpoint)
         timer.end_epoch(round(step / ctx.steps_per_epoch, 4))
@@ -205,7 +205,19 @@ class SyncServer:
                 comm.wait(comm.irecv(row, w, TAG_RNG, "checkpoint", "the generator state"),
                           IDLE)
                 rng[w] = row.tolist()
-        return unpack_state(packed, layout), rng
+        return unpack_state(packed, layout), rng, self._receive_codec_states()
+
+    def _receive_codec_states(self) -> Dict[int, np.ndarray]:
+        """Every worker's compression state (:meth:`mpitrain.exchange.FusedExchange.
+        codec_state`: sent where the workers sum compressed, two or more of them)."""
+        if self.ctx.cfg.transport.compression == "none" or len(self.worker_ranks) < 2:
+            return {}
+        received = {w: self.comm.matched_recv(w, TAG_CODEC, "checkpoint",
+                                              "its compression state",
+                                              lambda nbytes: np.empty(nbytes // 4, np.float32))
+                    for w in self.worker_ranks}
+        self.comm.wait_all(list(received.values()), IDLE)
+        return {w: cast(np.ndarray, m.buffer) for w, m in received.items()}
 
     def _check_replicas(self, step: int, reports: Dict[int, Header]) -> None:
         comm = self.comm

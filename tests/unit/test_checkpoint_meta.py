@@ -100,3 +100,13 @@ def test_a_malformed_record_is_an_unreadable_checkpoint(tmp_path, extra):
     write_old_format(tmp_path, extra)
     with pytest.raises(ResultsError, match="unreadable checkpoint"):
         Checkpoint.load(tmp_path)
+
+
+def test_the_workers_compression_states_round_trip_and_older_files_have_none(tmp_path):
+    codecs = {1: np.arange(5, dtype=np.float32), 2: np.full(5, -0.5, np.float32)}
+    Checkpoint(np.ones(2, np.float32), {}, 9, 1.0, codecs=codecs).save(tmp_path)
+    back = Checkpoint.load(tmp_path).codecs
+    assert sorted(back) == [1, 2] and all(back[r].tobytes() == codecs[r].tobytes()
+                                          for r in codecs)
+    Checkpoint(np.ones(2, np.float32), {}, 9, 1.0).save(tmp_path)
+    assert Checkpoint.load(tmp_path).codecs == {}

@@ -1,5 +1,6 @@
 """Resuming on another number of ranks: batch, learning rate and position (pure logic)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -71,10 +72,13 @@ def test_sync_position_is_the_same_fraction_of_the_same_epoch():
     per_epoch_after = -(-MNIST_TRAIN // 2 // 8)  # 3750
     step = 2 * per_epoch_before + per_epoch_before // 2  # half-way through epoch 3
     rng = {0: [1, 2], 1: [3, 4], 3: [5, 6]}
-    moved = remap_position(checkpoint(step, before, rng=rng), after.config, MNIST_TRAIN)
+    saved = dataclasses.replace(checkpoint(step, before, rng=rng),
+                                codecs={w: np.ones(2, np.float32) for w in (1, 2, 3)})
+    moved = remap_position(saved, after.config, MNIST_TRAIN)
     assert moved.step == 2 * per_epoch_after + per_epoch_after // 2
     assert moved.meta.geometry == Geometry(world_size=3, batch_size=8, servers=1)
     assert sorted(moved.meta.rng) == [0, 1]  # rank 3 is gone
+    assert moved.codecs == {}  # residuals of three workers: two start from zero
     assert moved.wall_time_s == 12.5  # the clock continues
 
 
