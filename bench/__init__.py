@@ -18,7 +18,7 @@ BENCHMARKS = {
     "server_memory": "the async server's peak memory at 2 vs 16 workers (AlexNet 224x224)",
     "sampler": "epoch time with the telemetry sampler on vs off",
     "netns": "LR and LeNet epoch time on the emulated 3-node cluster, 10 GbE vs 1 GbE",
-    "compression": "--compression fp16 and powersgd vs float32 on the emulated cluster at 1 GbE",
+    "compression": "--compression fp16, powersgd, topk vs float32 on the emulated cluster, 1 GbE",
     "servers": "async --servers 1/2/3 on the emulated cluster at 1 GbE: updates/s vs BytePS's model",
     "lower_bound": "sync step / compute-only step at 2 workers (LeNet, AlexNet)",
     "overlap": "AlexNet sync step time with --overlap on vs off, shared memory and 1 GbE",

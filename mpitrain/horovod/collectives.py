@@ -158,6 +158,32 @@ class Collectives:
             self.gradient_exchanges += name == GRADIENTS
             return self._reduce_(buf, op, prescale, postscale, name)
 
+    def allreduce_compressed_(self, buf: np.ndarray, codec, op: int = Average,
+                              prescale: float = 1.0, postscale: float = 1.0, shape=(),
+                              name: str = "") -> np.ndarray:
+        """:meth:`allreduce_` of a float32 ``buf`` holding tensors of ``shape`` (a list of
+        shapes) through ``codec``'s engine for them
+        (:class:`mpitrain.horovod.compression.SumReplacing`: PowerSGD, top-k): Sum and
+        Average only, every rank getting the same bits."""
+        with self._call():
+            self._agree(ALLREDUCE, op, dtype_code(buf.dtype), buf.size, _ndim(shape),
+                        shape_checksum(shape),
+                        lambda: _described(ALLREDUCE, buf.dtype, shape, name, OP_NAMES[op]),
+                        name)
+            if op not in (Sum, Average):
+                raise UsageError(f"Compression.{codec.name} approximates a sum: the "
+                                 f"{OP_NAMES.get(op, op)} reduction takes Compression.none")
+            self.gradient_exchanges += name == GRADIENTS
+            flat = buf.reshape(-1)
+            if prescale != 1.0:
+                scale_(flat, prescale)
+            codec.engine_for(self.summing, shape).allreduce_sum_(
+                flat, what=_what(ALLREDUCE, name))
+            factor = postscale / self.size if op == Average else postscale
+            if factor != 1.0:
+                scale_(flat, factor)
+            return buf
+
     def allgather(self, arr: np.ndarray, name: str = "") -> np.ndarray:
         """Every rank's ``arr`` concatenated along the first dimension, in rank order; the
         first dimension may differ between ranks, the others may not."""

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..errors import UsageError
 from ..models.keras_import import import_tensorflow
 from . import world as runtime
-from .compression import Compression
+from .compression import Compression, SumReplacing, compressor
 from .collectives import (OP_NAMES, Adasum, Average, Max, Min, Mismatch,  # noqa: F401
                           Product, Sum)  # (re-exported)
 from .world import STATE, unsupported
@@ -230,13 +231,34 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name)
     t = tf.convert_to_tensor(tensor)
-    compressed, ctx = compression.compress(t)
 
-    def reduce(x):  # (and Horovod's gradient of a Sum or Average: the same allreduce of dy)
-        return _fused_allreduce([x], op, prescale_factor, postscale_factor, name)[0]
-    reduced = _carrying_gradient(compressed, reduce, reduce) if op in (Sum, Average) \
-        else reduce(compressed)
-    return compression.decompress(reduced, ctx)
+    def forward(x):
+        return reduce_list([x], op, compression, prescale_factor, postscale_factor, name)[0]
+
+    def reduce(dy):  # Horovod's gradient of a Sum or Average: the allreduce of dy, as it is
+        return _fused_allreduce([dy], op, prescale_factor, postscale_factor, name)[0]
+    return _carrying_gradient(t, forward, reduce) if op in (Sum, Average) else forward(t)
+
+
+def _sum_replaced(tensors: Sequence[tf.Tensor], op: int, codec: SumReplacing,
+                  prescale: float, postscale: float, name: Optional[str]) -> List[tf.Tensor]:
+    """Reduce dense floating ``tensors`` through ``codec`` (PowerSGD, top-k): fused into
+    one float32 buffer, which the codec's engine for their shapes sums."""
+    runtime.engine()  # NotInitialized now, at trace time
+    if not all(t.dtype.is_floating and t.shape.is_fully_defined() for t in tensors):
+        raise UsageError(f"Compression.{codec.name} reduces floating tensors of known "
+                         "shapes; use Compression.none for the others")
+    shapes = [tuple(t.shape.as_list()) for t in tensors]
+    fused = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
+    name = _matching_name(name, tensors[0])
+
+    def reduce_fused(a):
+        return _call(lambda: runtime.engine().allreduce_compressed_(
+            a, codec, op, prescale, postscale, shape=shapes, name=name or ""))
+    out = tf.numpy_function(reduce_fused, [fused], tf.float32, stateful=True,
+                            name=_op_name("grouped_allreduce", name))
+    parts = tf.split(out, [t.shape.num_elements() for t in tensors])
+    return [tf.cast(tf.reshape(part, t.shape), t.dtype) for part, t in zip(parts, tensors)]
 
 
 def _allreduce_sparse(slices: tf.IndexedSlices, op, prescale, postscale, name):
@@ -284,12 +306,15 @@ def reduce_list(tensors: List, op: int, compression, prescale: float = 1.0,
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if t is not None
              and not isinstance(t, tf.IndexedSlices)]
-    compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
+    compressed = [compressor(compression).compress(tf.convert_to_tensor(tensors[i]))
+                  for i in dense]
     calls = [partial(_allreduce_sparse, tensors[i], op, prescale, postscale, name)
              for i in sparse]
     if dense:
-        calls.append(partial(_fused_allreduce, [c for c, _ in compressed], op, prescale,
-                             postscale, name))
+        sums = partial(_sum_replaced, codec=compression) \
+            if isinstance(compression, SumReplacing) else _fused_allreduce
+        calls.append(partial(sums, [c for c, _ in compressed], op, prescale=prescale,
+                             postscale=postscale, name=name))
     results = _one_after_another(calls)
     for i, slices in zip(sparse, results):
         out[i] = slices

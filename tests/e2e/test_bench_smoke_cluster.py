@@ -16,8 +16,9 @@ def test_quick_benchmarks_on_the_emulated_cluster_run():
     assert {r["model"] for r in read_rows(out / "netns.csv")} == {"lr"}
     assert {(r["model"], r["mode"], r["compression"])
             for r in read_rows(out / "compression.csv")} == {
-        ("lenet", "sync", "none"), ("lenet", "sync", "fp16"), ("lenet", "sync", "powersgd")}
-    assert "| compression | lenet sync epoch time at 1 GbE, powersgd / fp16 |" in summary
+        ("lenet", "sync", name) for name in ("none", "fp16", "powersgd", "topk")}
+    for name in ("powersgd", "topk"):
+        assert f"| compression | lenet sync epoch time at 1 GbE, {name} / fp16 |" in summary
     # one server and two, each on a node of its own, the 3 workers on three others
     servers = read_rows(out / "servers.csv")
     assert [(r["model"], r["servers"], r["server_nodes"]) for r in servers] == [

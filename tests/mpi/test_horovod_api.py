@@ -102,6 +102,43 @@ def test_allreduce_dtypes():
     np.testing.assert_allclose(got.numpy(), (n() + 1) / 6, rtol=1e-3)
 
 
+def test_powersgd_and_topk_compressions_replace_the_sum():
+    """Compression.powersgd recovers a sum of rank 1 (every rank's matrix a multiple of
+    one) from rank-2 factors; Compression.topk sends each rank's largest 10% and keeps the
+    rest, so over steps the sums approach the exact one; both give every rank the same
+    bits, eagerly and in a graph (a DistributedGradientTape), the bias whole."""
+    u, v = np.arange(1.0, 41.0), np.linspace(-1, 1, 30)
+    matrix = tf.constant(np.outer(u, v) * me(), tf.float32)
+    bias = tf.fill([30], me())
+    psgd = hvd.Compression.powersgd(rank=2, warmup_steps=0, min_size=100)
+    got = hvd.grouped_allreduce([matrix, bias], op=hvd.Sum, compression=psgd)
+    total = n() * (n() + 1) / 2
+    np.testing.assert_allclose(got[0].numpy(), np.outer(u, v) * total, rtol=1e-3, atol=1e-3)
+    assert np.all(got[1].numpy() == total) and same_everywhere(got[0].numpy())
+    topk = hvd.Compression.topk(ratio=0.1, warmup_steps=0, min_size=100)
+    noise = np.random.default_rng(hvd.rank()).standard_normal((40, 30)).astype(np.float32)
+    exact = sum(np.random.default_rng(r).standard_normal((40, 30)).astype(np.float32)
+                for r in range(n())) / n()
+    sent = [hvd.allreduce(tf.constant(noise), compression=topk).numpy() for _ in range(20)]
+    first_error = np.abs(sent[0] - exact).mean()
+    assert np.count_nonzero(sent[0]) <= 120 * n() and same_everywhere(sent[-1])
+    assert np.abs(np.mean(sent, axis=0) - exact).mean() < first_error / 3  # nothing lost
+
+    w = tf.Variable(tf.ones([40, 30]))
+
+    @tf.function
+    def gradient():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * matrix)
+        return hvd.DistributedGradientTape(tape, compression=psgd).gradient(loss, [w])[0]
+    np.testing.assert_allclose(gradient().numpy(), np.outer(u, v) * total / n(), rtol=1e-3,
+                               atol=1e-3)
+    with pytest.raises(Exception, match="takes Compression.none"):
+        hvd.allreduce(matrix, op=hvd.Max, compression=topk)
+    with pytest.raises(Exception, match="call it"):
+        hvd.allreduce(matrix, compression=hvd.Compression.topk)
+
+
 def test_grouped_allreduce_fuses_shapes_and_dtypes():
     tensors = [tf.fill([2, 3], me()), tf.fill([5], 2 * me()), tf.fill([1], int(me())),
                tf.fill([2], tf.cast(me(), tf.float16))]
