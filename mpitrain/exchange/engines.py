@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+import time
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 
@@ -24,6 +25,14 @@ class Engine(Protocol):
     def fused_buffer(self, size: int) -> Optional[np.ndarray]:
         """The engine's own memory for a fused buffer of ``size`` float32 (zeroed), or
         None. Collective over the workers, once."""
+
+
+def seconds_of(call: Callable, *args, **kwargs) -> float:
+    """The seconds ``call(*args, **kwargs)`` took: what a compressing engine's inner sums
+    take, the rest of its call being its own computing (``codec_seconds``)."""
+    started = time.perf_counter()
+    call(*args, **kwargs)
+    return time.perf_counter() - started
 
 
 class MpiEngine:

@@ -20,6 +20,7 @@ async worker's residual starts at zero in a resumed run.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, Optional
 
 import numpy as np
@@ -61,6 +62,7 @@ class HalfPrecisionEngine:
         #: float16 buffer by the length of the part it carries
         self._halves: Dict[int, np.ndarray] = {}
         self.half = self._half_for(size)  # the whole fused buffer's
+        self.codec_seconds = 0.0  # encoding (timing.csv's codec_s)
 
     def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,
                        what: str = "the gradient allreduce", kind: str = "allreduce",
@@ -69,8 +71,10 @@ class HalfPrecisionEngine:
         bucket); each value gets its own error feedback either way, and its sum is the
         same bits (summed in float32 in rank order by one rank). (``computing``: the
         float16 exchange always polls.)"""
+        started = time.perf_counter()
         half = self._half_for(buf.size)
         self.feedback.encode(buf, half, at)
+        self.codec_seconds += time.perf_counter() - started
         return self.engine.allreduce_sum_half_(half, buf, what, kind)
 
     @property

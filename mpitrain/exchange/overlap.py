@@ -57,6 +57,14 @@ class FusedExchange:
         workers, in place. Collective over the workers."""
         self.engine.allreduce_sum_(buf)
 
+    def take_codec_seconds(self) -> float:
+        """Seconds the compression computed in the exchanges since the last call (its
+        engine's ``codec_seconds``; 0 without compression)."""
+        seconds = getattr(self.engine, "codec_seconds", 0.0)
+        if seconds:
+            self.engine.codec_seconds = 0.0
+        return seconds
+
     def codec_state(self) -> Optional[np.ndarray]:
         """What a checkpoint carries of this worker's compression (a copy: its residuals,
         PowerSGD's warm start), or None: its engine compresses nothing."""
@@ -126,6 +134,10 @@ class BucketedExchange(FusedExchange):
         if self._error is not None:
             raise self._error
         self._sum(buf, self.replica.n_params, buf.size, "the status allreduce", False)
+
+    def take_codec_seconds(self) -> float:
+        super().take_codec_seconds()  # (the buckets' encoding overlapped back-propagation:
+        return 0.0  # it is not part of the wait after the step)
 
     def _sum(self, buf: np.ndarray, lo: int, hi: int, what: str, computing: bool) -> None:
         self.engine.allreduce_sum_(buf[lo:hi], lo, what=what, computing=computing)

@@ -34,11 +34,13 @@ from zero residuals and a new Q.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .engines import seconds_of
 from .pieces import Span, gather_whole, merge_whole, scatter_whole, variables_in
 
 #: a matrix is compressed only if its factors are at most this fraction of its values
@@ -182,6 +184,7 @@ class PowerSGDEngine:
                                                                   dtype=np.float32)
         self._p = self.factors.p_views(self.first)
         self._q = self.factors.q_views(self.second)
+        self.codec_seconds = 0.0  # its own computing (timing.csv's codec_s)
 
     @property
     def values_sent(self) -> int:
@@ -209,22 +212,24 @@ class PowerSGDEngine:
         self.steps += 1
         if self.steps <= self.warmup or not self.matrices:
             return self.engine.allreduce_sum_(buf, what=what, kind=kind, computing=computing)
+        started = time.perf_counter()
         grads = self.factors.matrices_of(buf)
         for grad, residual, p, q in zip(grads, self.factors.residuals, self._p, self._q):
             grad += residual
             np.matmul(grad, q, out=p)
         self._pack_whole(buf)
-        self.engine.allreduce_sum_(self.first, what=f"{what} (PowerSGD's P)", kind=kind,
-                                   computing=computing)
+        moving = seconds_of(self.engine.allreduce_sum_, self.first,
+                            what=f"{what} (PowerSGD's P)", kind=kind, computing=computing)
         self._unpack_whole(buf)
         for grad, p, q in zip(grads, self._p, self._q):
             orthonormalize_(p)
             np.matmul(grad.T, p, out=q)
-        self.engine.allreduce_sum_(self.second, what=f"{what} (PowerSGD's Q)", kind=kind,
-                                   computing=computing)
+        moving += seconds_of(self.engine.allreduce_sum_, self.second,
+                             what=f"{what} (PowerSGD's Q)", kind=kind, computing=computing)
         # the workers' sum, approximated, goes out; what it missed of this worker's part
         # (a 1 / workers share of the sum) stays
         self.factors.keep_missed(grads, self._p, self._q, 1.0 / self.size)
+        self.codec_seconds += time.perf_counter() - started - moving
         return buf
 
     def fused_buffer(self, size: int) -> Optional[np.ndarray]:

@@ -28,10 +28,12 @@ those: exact, and several times faster on a large layer.
 from __future__ import annotations
 
 import math
+import time
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .engines import seconds_of
 from .pieces import Span, gather_whole, merge_whole, scatter_whole, variables_in
 
 #: one value of this many is sampled for :func:`top_k`'s threshold
@@ -157,6 +159,7 @@ class TopKEngine:
         self.steps = steps  # done before (a resumed run's: the warm-up counts from its start)
         self.mine = np.zeros(self.codec.slots + size - n_gradient, np.float32)
         self.gathered = np.empty((self.size, self.mine.size), np.float32)
+        self.codec_seconds = 0.0  # selecting and adding up (timing.csv's codec_s)
 
     @property
     def values_sent(self) -> int:
@@ -180,17 +183,19 @@ class TopKEngine:
         self.steps += 1
         if self.steps <= self.warmup or not self.codec.sparse:
             return self.engine.allreduce_sum_(buf, what=what, kind=kind, computing=computing)
+        started = time.perf_counter()
         slots, gradient = self.codec.slots, buf[:self.n_gradient]
         self.codec.encode(gradient, self.mine[:slots])
         self.mine[slots:] = buf[self.n_gradient:]
-        self.engine.allgather_(self.mine, self.gathered, what=f"{what} (top-k's allgather)",
-                               kind=kind)
+        moving = seconds_of(self.engine.allgather_, self.mine, self.gathered,
+                            what=f"{what} (top-k's allgather)", kind=kind)
         gradient[:] = 0.0
         tail = buf[self.n_gradient:]
         tail[:] = 0.0
         for message in self.gathered:  # in rank order, on every worker
             self.codec.add_to(message[:slots], gradient)
             tail += message[slots:]
+        self.codec_seconds += time.perf_counter() - started - moving
         return buf
 
     def fused_buffer(self, size: int) -> Optional[np.ndarray]:

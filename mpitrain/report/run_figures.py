@@ -33,7 +33,8 @@ STYLE: Dict[str, Any] = {
     "figure.facecolor": "white",
     "savefig.facecolor": "white",
 }
-PHASE_COLORS = {"compute": "#4c72b0", "comm": "#dd8452", "wait": "#c44e52", "other": "#bbbbbb"}
+PHASE_COLORS = {"compute": "#4c72b0", "codec": "#8172b3", "comm": "#dd8452", "wait": "#c44e52",
+                "other": "#bbbbbb"}
 KIND_COLORS = {"allreduce": "C0", "pull": "C1", "push": "C2", "broadcast": "C4",
                "control": "C7"}
 MODE_STYLE = {"single": ("-", "o"), "sync": ("-", "s"), "async": ("--", "^")}
@@ -225,14 +226,16 @@ def fig_rank_cpu(run: Run) -> Optional[Figure]:
     return fig
 
 
-PHASES = ("compute", "comm", "wait", "other")
+PHASES = ("compute", "codec", "comm", "wait", "other")
 
 
 def phase_totals(timing: Table) -> Dict[str, np.ndarray]:
-    """Seconds per phase (compute, comm, wait, other = wall minus the rest) for each row."""
-    known = timing["compute_s"] + timing["comm_s"] + timing["wait_s"]
-    return {"compute": timing["compute_s"], "comm": timing["comm_s"], "wait": timing["wait_s"],
-            "other": np.clip(timing["wall_s"] - known, 0, None)}
+    """Seconds per phase (compute, codec: a compression's computing, comm, wait, other =
+    wall minus the rest) for each row; runs written before codec_s have none."""
+    codec = np.nan_to_num(timing["codec_s"])
+    known = timing["compute_s"] + codec + timing["comm_s"] + timing["wait_s"]
+    return {"compute": timing["compute_s"], "codec": codec, "comm": timing["comm_s"],
+            "wait": timing["wait_s"], "other": np.clip(timing["wall_s"] - known, 0, None)}
 
 
 def _stacked_bars(ax, positions, parts: Dict[str, np.ndarray], width: float,

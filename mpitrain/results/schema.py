@@ -52,7 +52,8 @@ TELEMETRY = (_cols("time_s", "rank") + (Column("host", text=True),)
                      "net_tx_packets", optional=True, blank_ok=True))
 #: timing.csv: seconds per epoch and rank, and how they split
 TIMING = (_cols("epoch", "rank") + _cols("host", "role", text=True, optional=True, blank_ok=True)
-          + _cols("wall_s", "compute_s", "comm_s", "wait_s"))
+          + _cols("wall_s", "compute_s", "comm_s", "wait_s")
+          + _cols("codec_s", optional=True, blank_ok=True))  # (newer runs: compression)
 #: comm.csv: payload through mpitrain's communication layer, per rank and kind
 COMM = (_cols("rank") + _cols("host", "role", text=True, optional=True, blank_ok=True)
         + (Column("kind", text=True),) + _cols("sent_bytes")

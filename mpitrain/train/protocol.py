@@ -217,7 +217,8 @@ _now = time.perf_counter  # (one global lookup in lap, which runs four times an 
 
 
 class PhaseTimer:
-    """This rank's seconds per epoch in compute, comm and wait (``timing.csv``).
+    """This rank's seconds per epoch in compute, comm, wait and codec (``timing.csv``;
+    codec: a gradient compression's own computing, encoding and decoding).
 
     Every second of an epoch is charged to one phase: what runs inside
     ``with timer("comm"):`` to that phase, everything between such blocks to
@@ -225,7 +226,7 @@ class PhaseTimer:
     bookkeeping is here.
     """
 
-    PHASES = ("compute", "comm", "wait")
+    PHASES = ("compute", "comm", "wait", "codec")
 
     def __init__(self, default: str = "compute"):
         self.default = default
@@ -256,18 +257,23 @@ class PhaseTimer:
         return self._blocks[phase]
 
     @contextlib.contextmanager
-    def collective(self) -> Iterator[None]:
+    def collective(self) -> Iterator["Collective"]:
         """A collective call. The fastest one of the run so far, which nobody was late
         for, is what moving the data takes: when the epoch closes, that much of each
         of its collectives counts as comm, the rest as waiting for the slowest rank.
         (Learnt from the calls themselves: measuring it up front took four extra
         allreduces before the first step: docs/architecture.md, "No allreduce
-        calibration".)"""
+        calibration".) The block may set the yielded object's ``codec``: seconds of the
+        call a compression spent computing, charged to codec."""
         self.lap()
+        call = Collective()
         try:
-            yield
+            yield call
         finally:
-            self._fastest = min(self._fastest, self.lap("wait"))
+            spent = self.lap("wait") - call.codec
+            self.seconds["wait"] -= call.codec
+            self.seconds["codec"] += call.codec
+            self._fastest = min(self._fastest, spent)
             self._collectives += 1
 
     def end_epoch(self, epoch: float) -> None:
@@ -281,6 +287,16 @@ class PhaseTimer:
                           **{f"{p}_s": round(s, 6) for p, s in self.seconds.items()}})
         self._start = self._mark
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
+
+
+class Collective:
+    """One :meth:`PhaseTimer.collective` call: ``codec``, the seconds of it a gradient
+    compression computed (the caller sets it)."""
+
+    __slots__ = ("codec",)
+
+    def __init__(self):
+        self.codec = 0.0
 
 
 class _Phase:

@@ -182,8 +182,9 @@ def _steps(ctx: Context, link, start_step: int, exchange) -> Summary:
             buf, loss, norm = exchange.grad(x, y)
             buf[n] = 1.0 if ctx.stop else 0.0
             buf[n + 1 + me] = sentinel(loss, norm)
-            with timer.collective():  # moving the data + waiting for the slowest
+            with timer.collective() as call:  # moving the data + waiting for the slowest
                 exchange.allreduce_(buf)
+                call.codec = exchange.take_codec_seconds()
             stop, losses = bool(buf[n] > 0), list(buf[n + 1:])
         nonfinite = [w for w, value in enumerate(losses) if not math.isfinite(value)]
         if not alone and not nonfinite:

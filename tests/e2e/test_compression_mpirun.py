@@ -18,6 +18,10 @@ def traffic(run_dir, kind):
     return sum(int(r["sent_bytes"]) for r in rows), sum(int(r["sent_msgs"]) for r in rows)
 
 
+def worker_timing(run_dir):
+    return [r for r in read_rows(run_dir / "timing.csv") if r["role"] == "worker"]
+
+
 # conftest.SHARED_RUNS[3]: 10 steps of LR with --compression fp16, in a launch shared
 # with other tests' runs
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -56,6 +60,7 @@ def test_topk_gathers_every_worker_s_largest_values(shared_run):
     assert (row["compression"], row["status"]) == ("topk", "ok")
     sent, messages = traffic(run_dir, "allreduce")
     assert messages == 2 * 10 and sent == 2 * 10 * 4 * (2 * 79 + 10 + 1 + 2)
+    assert all(float(r["codec_s"]) > 0 for r in worker_timing(run_dir))  # its own time
 
 
 @pytest.mark.parametrize("compression,slots", [("topk", 2 * 79 + 10),
@@ -67,6 +72,7 @@ def test_async_pushes_carry_the_compressed_gradient(compression, slots, shared_r
     assert (row["compression"], row["mode"], row["status"]) == (compression, "async", "ok")
     sent, messages = traffic(run_dir, "shared")
     assert sent == messages * 4 * slots and messages == 2 * 10
+    assert all(float(r["codec_s"]) > 0 for r in worker_timing(run_dir))
 
 
 #: each compression's options for the resume test (warm-up shorter than the first half)

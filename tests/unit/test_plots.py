@@ -63,7 +63,7 @@ def make_run(root, name, mode="sync", np_=3, batch=100, epochs=3, hosts=None):
                         600 + i + r] + host_cols)
     write_csv(run / "telemetry.csv", TELEMETRY_COLUMNS, tel)
     write_csv(run / "timing.csv", TIMING_COLUMNS,
-              [[e, r, h, roles[r], 0.4, 0.25, 0.1, 0.03] for e in range(1, epochs + 1)
+              [[e, r, h, roles[r], 0.4, 0.25, 0.1, 0.03, 0.0] for e in range(1, epochs + 1)
                for r, h in enumerate(hosts)])
     kinds = {"single": ["control"], "sync": ["allreduce", "control"], "async": ["push", "pull"]}
     write_csv(run / "comm.csv", COMM_COLUMNS,

@@ -188,3 +188,11 @@ def test_a_collective_splits_its_time_into_moving_data_and_waiting(monkeypatch):
     assert timer.rows[1]["wait_s"] == pytest.approx(0.03 - fastest, abs=1e-5)
     timer.end_epoch(3)  # no collective: nothing moved
     assert timer.rows[2]["comm_s"] == 0.0
+    with timer.collective() as call:  # a compression's computing inside the call: codec
+        now[0] += 0.05
+        call.codec = 0.02
+    timer.end_epoch(4)
+    row = timer.rows[3]
+    assert row["codec_s"] == pytest.approx(0.02) and row["wait_s"] == pytest.approx(
+        0.03 - fastest, abs=1e-5)
+    assert row["comm_s"] + row["wait_s"] + row["codec_s"] == pytest.approx(0.05, abs=1e-5)

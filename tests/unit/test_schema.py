@@ -22,7 +22,7 @@ def test_file_formats_are_pinned():
                                         "rss_mb", "host_cpu_percent", "net_rx_bytes",
                                         "net_tx_bytes", "net_rx_packets", "net_tx_packets")
     assert schema.TIMING_COLUMNS == ("epoch", "rank", "host", "role", "wall_s", "compute_s",
-                                     "comm_s", "wait_s")
+                                     "comm_s", "wait_s", "codec_s")
     assert schema.COMM_COLUMNS == ("rank", "host", "role", "kind", "sent_bytes", "sent_msgs",
                                    "recv_bytes", "recv_msgs", "wait_s")
     assert schema.STALENESS_COLUMNS == ("worker", "staleness", "count", "server")

@@ -105,6 +105,8 @@ class _Run:
             self.reply_bound
         current, lease, flags, step = self.current, self.lease, 0, self.step
         total_steps = ctx.total_steps  # (a property: read once, not per step)
+        # encoding a compressed push is the compression's time (timing.csv's codec_s)
+        filling = "compute" if ctx.cfg.transport.compression == "none" else "codec"
         for _, step, x, y, end_of_epoch in self.batches:
             started = time.perf_counter()  # (preparing the batch is compute too)
             grad, loss, norm = replica.grad_at(post.weights(current), x, y)
@@ -124,7 +126,9 @@ class _Run:
             flags = _push_flags(ctx, step, total_steps + lease.extra, health)
             slot = step % depth  # (its last send completed with its reply)
             # this worker's statistics travel with each push
+            timer.lap()
             post.fill(slot, grad, norm, replica.buffers() if replica.n_buffers else None)
+            timer.lap(filling)
             # a lease buffer nobody uses (one push at most is still in flight here)
             target = _free_lease(current, flight[0].lease if flight else None)
             post.stamp(slot, computed_at, Header(0, step, flags | (PIPELINED if depth > 1
