@@ -4,11 +4,14 @@
         --model {lenet,resnet,alexnet} --epochs E --batch-size B --lr LR \\
         --optimizer {sgd,momentum,adam} [--lr-schedule {constant,cosine}] \\
         [--image-size S] [--synthetic-size N] [--data-dir DIR] [--steps K] \\
-        [--compute-steps K] [--seed S] --json-out FILE
+        [--compute-steps K] [--seed S] [--threads N] [--powersgd-rank R] --json-out FILE
 
 One process per worker (torchrun), gradients averaged by DDP over gloo (PyTorch's
 CPU backend) with its defaults: 25 MB buckets allreduced while back-propagation
-runs, BatchNorm buffers broadcast from rank 0 at every forward pass.
+runs, BatchNorm buffers broadcast from rank 0 at every forward pass. With
+``--powersgd-rank R`` each bucket goes through PyTorch's ``powerSGD_hook`` instead
+(rank R, error feedback and warm start on, its default compression rule, the first
+``--powersgd-exact-steps`` steps allreduced exactly).
 
 It trains what ``python -m mpitrain MODEL`` trains, the way mpitrain does:
 
@@ -77,6 +80,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--compute-steps", type=int, default=0,
                    help="then time K steps without the exchange")
     p.add_argument("--seed", type=int, default=42)  # mpitrain's default
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads (default: the host's cores // workers)")
+    p.add_argument("--powersgd-rank", type=int, default=0, help="0: plain allreduce")
+    p.add_argument("--powersgd-exact-steps", type=int, default=2,
+                   help="PowerSGDState's start_powerSGD_iter (at least 2 with error "
+                        "feedback)")
     p.add_argument("--json-out", required=True)
     return p.parse_args(argv)
 
@@ -217,7 +226,7 @@ def main(argv=None) -> None:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rank, workers = dist.get_rank(), dist.get_world_size()
-    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // workers)
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)  # every replica starts alike (DDP broadcasts rank 0's too)
     x_train, y_train, x_test, y_test = datasets(args)
@@ -228,6 +237,12 @@ def main(argv=None) -> None:
     full = steps_per_epoch * args.epochs
     steps = min(full, args.steps) if args.steps else full
     model = DistributedDataParallel(build(torch, args))
+    if args.powersgd_rank:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        model.register_comm_hook(psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=args.powersgd_exact_steps), psgd.powerSGD_hook)
     optimizer, schedule = make_optimizer(torch, args, model.parameters(), workers, full)
     loss_fn = torch.nn.functional.cross_entropy
 

@@ -3,6 +3,7 @@
 
 import pytest
 
+from bench.ddp import torch_python
 from conftest import ON_THE_EMULATED_CLUSTER, bench, netns_cluster_turn, read_rows
 
 
@@ -18,7 +19,12 @@ def test_quick_benchmarks_on_the_emulated_cluster_run():
             for r in read_rows(out / "compression.csv")} == {
         ("lenet", "sync", name) for name in ("none", "fp16", "powersgd", "topk")}
     for name in ("powersgd", "topk"):
-        assert f"| compression | lenet sync epoch time at 1 GbE, {name} / fp16 |" in summary
+        assert f"| compression | lenet sync epoch time at 1 GbE, {name} / fp16 (its compute" \
+            in summary
+    if torch_python():  # PowerSGD beside DDP's powerSGD_hook, on the same nodes
+        assert {(r["side"], r["compression"]) for r in read_rows(out / "compression_ddp.csv")} \
+            == {(side, name) for side in ("mpitrain", "ddp") for name in ("none", "powersgd")}
+        assert "mpitrain powersgd / DDP powerSGD_hook" in summary
     # one server and two, each on a node of its own, the 3 workers on three others
     servers = read_rows(out / "servers.csv")
     assert [(r["model"], r["servers"], r["server_nodes"]) for r in servers] == [

@@ -97,6 +97,7 @@ def resumed_runs(tmp_path_factory):
     return {name: (found[f"{name}-half"][0], found[f"{name}-straight"][0]) for name in RESUMED}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compression", RESUMED)
 def test_a_resumed_compressed_run_is_bit_identical(compression, resumed_runs):
     """The checkpoint carries each worker's residuals (PowerSGD's warm start too): the
