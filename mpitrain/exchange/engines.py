@@ -35,6 +35,45 @@ def seconds_of(call: Callable, *args, **kwargs) -> float:
     return time.perf_counter() - started
 
 
+class WholeGradientEngine:
+    """What PowerSGD's and top-k's engines share: they compress the whole fused buffer
+    at once (no buckets: a ValueError), sum it exactly for their first ``warmup`` steps
+    (counted on from ``steps``, a resumed run's) or where their plan compresses
+    nothing, and count their own computing (``codec_seconds``, timing.csv's codec_s).
+    A subclass names itself (``title``), says whether it ``compresses`` and moves a
+    step in :meth:`_compressed_sum_`, over ``engine``'s sums."""
+
+    title = "a compressing engine"
+    compresses = True
+
+    def __init__(self, engine, n_gradient: int, size: int, warmup: int, steps: int):
+        self.engine, self.size = engine, engine.size
+        self.n_gradient, self.total, self.warmup, self.steps = n_gradient, size, warmup, steps
+        self.codec_seconds = 0.0
+
+    def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,
+                       what: str = "the gradient allreduce", kind: str = "allreduce",
+                       computing: bool = False) -> np.ndarray:
+        """``buf``: the whole fused buffer."""
+        if at or buf.size != self.total:
+            raise ValueError(f"{self.title} sums the whole fused buffer at once (no buckets)")
+        self.steps += 1
+        if self.steps <= self.warmup or not self.compresses:
+            return self.engine.allreduce_sum_(buf, what=what, kind=kind, computing=computing)
+        started = time.perf_counter()
+        moving = self._compressed_sum_(buf, what, kind, computing)
+        self.codec_seconds += time.perf_counter() - started - moving
+        return buf
+
+    def _compressed_sum_(self, buf: np.ndarray, what: str, kind: str,
+                         computing: bool) -> float:
+        """Sum ``buf`` compressed, in place; the seconds spent in ``engine``'s sums."""
+        raise NotImplementedError
+
+    def fused_buffer(self, size: int) -> Optional[np.ndarray]:
+        return None  # what travels is the engine's own: any float32 buffer will do
+
+
 class MpiEngine:
     """The workers' communicator as the engine (``--allreduce mpi``): one MPI allreduce
     per call (:meth:`mpitrain.comm.Comm.allreduce_sum_`), or, given ``shared``, the sum

@@ -34,13 +34,12 @@ from zero residuals and a new Q.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .engines import seconds_of
+from .engines import WholeGradientEngine, seconds_of
 from .pieces import Span, gather_whole, merge_whole, scatter_whole, variables_in
 
 #: a matrix is compressed only if its factors are at most this fraction of its values
@@ -158,24 +157,25 @@ class _Factors:
             residual -= scratch
 
 
-class PowerSGDEngine:
+class PowerSGDEngine(WholeGradientEngine):
     """An engine (:class:`~.engines.Engine`) moving the fused buffer's weight matrices as
     PowerSGD's factors through ``engine`` (two allreduces a step; see the module's
     docstring): the same contract, every worker gets the same sum, in place, of what
     the matrices approximate and of the rest exactly. ``shapes``: the gradient's
     variables in the fused buffer's order (``n_gradient`` values, then the status
-    tail, up to ``size``). ``steps``: the steps done before (a resumed run's: the
-    warm-up counts from the run's start). Collective over the workers, the same
-    arguments on each."""
+    tail, up to ``size``). Warm-up and the rest: :class:`~.engines.WholeGradientEngine`.
+    Collective over the workers, the same arguments on each."""
+
+    title = "PowerSGD"
 
     def __init__(self, engine, shapes: Sequence[Tuple[int, ...]], n_gradient: int,
                  size: int, rank: int, min_size: int = 0, warmup: int = 0, seed: int = 0,
                  steps: int = 0):
-        self.engine, self.size = engine, engine.size
-        self.n_gradient, self.total, self.rank, self.warmup = n_gradient, size, rank, warmup
+        super().__init__(engine, n_gradient, size, warmup, steps)
+        self.rank = rank
         self.factors = _Factors(shapes, rank, min_size, None)
         self.matrices, self.whole = self.factors.matrices, self.factors.whole
-        self.steps = steps
+        self.compresses = bool(self.matrices)
         #: the first sum: every P, then what travels whole, then the status tail
         self.first = np.zeros(self.factors.n_p + self.factors.n_whole + size - n_gradient,
                               np.float32)
@@ -184,7 +184,6 @@ class PowerSGDEngine:
                                                                   dtype=np.float32)
         self._p = self.factors.p_views(self.first)
         self._q = self.factors.q_views(self.second)
-        self.codec_seconds = 0.0  # its own computing (timing.csv's codec_s)
 
     @property
     def values_sent(self) -> int:
@@ -203,16 +202,8 @@ class PowerSGDEngine:
         self.factors.residual[:] = state[:n]
         self.second[:] = state[n:]
 
-    def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,
-                       what: str = "the gradient allreduce", kind: str = "allreduce",
-                       computing: bool = False) -> np.ndarray:
-        """``buf``: the whole fused buffer (PowerSGD takes no buckets)."""
-        if at or buf.size != self.total:
-            raise ValueError("PowerSGD sums the whole fused buffer at once (no buckets)")
-        self.steps += 1
-        if self.steps <= self.warmup or not self.matrices:
-            return self.engine.allreduce_sum_(buf, what=what, kind=kind, computing=computing)
-        started = time.perf_counter()
+    def _compressed_sum_(self, buf: np.ndarray, what: str, kind: str,
+                         computing: bool) -> float:
         grads = self.factors.matrices_of(buf)
         for grad, residual, p, q in zip(grads, self.factors.residuals, self._p, self._q):
             grad += residual
@@ -229,11 +220,7 @@ class PowerSGDEngine:
         # the workers' sum, approximated, goes out; what it missed of this worker's part
         # (a 1 / workers share of the sum) stays
         self.factors.keep_missed(grads, self._p, self._q, 1.0 / self.size)
-        self.codec_seconds += time.perf_counter() - started - moving
-        return buf
-
-    def fused_buffer(self, size: int) -> Optional[np.ndarray]:
-        return None  # the factors are what travels: any float32 buffer will do
+        return moving
 
     # ---- what travels whole ---------------------------------------------------------------
     def _pack_whole(self, buf: np.ndarray) -> None:

@@ -28,12 +28,11 @@ those: exact, and several times faster on a large layer.
 from __future__ import annotations
 
 import math
-import time
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .engines import seconds_of
+from .engines import WholeGradientEngine, seconds_of
 from .pieces import Span, gather_whole, merge_whole, scatter_whole, variables_in
 
 #: one value of this many is sampled for :func:`top_k`'s threshold
@@ -142,24 +141,24 @@ class TopKFeedback:
         return out
 
 
-class TopKEngine:
+class TopKEngine(WholeGradientEngine):
     """An engine (:class:`~.engines.Engine`) moving the fused buffer as every worker's
     top-k message through one allgather of ``engine`` (:class:`~.engines.MpiEngine`),
     summed by every worker in rank order (see the module): the same contract, every
     worker gets the same sum, in place. ``shapes``: the gradient's variables in the
     fused buffer's order (``n_gradient`` values; then the status tail, up to ``size``,
-    which travels whole). The first ``warmup`` steps are exact sums. Collective over
-    the workers, the same arguments on each."""
+    which travels whole). Warm-up and the rest: :class:`~.engines.WholeGradientEngine`.
+    Collective over the workers, the same arguments on each."""
+
+    title = "top-k"
 
     def __init__(self, engine, shapes: Sequence[Tuple[int, ...]], n_gradient: int,
                  size: int, ratio: float, min_size: int, warmup: int = 0, steps: int = 0):
-        self.engine, self.size = engine, engine.size
-        self.n_gradient, self.total, self.warmup = n_gradient, size, warmup
+        super().__init__(engine, n_gradient, size, warmup, steps)
         self.codec = TopKFeedback(shapes, ratio, min_size)
-        self.steps = steps  # done before (a resumed run's: the warm-up counts from its start)
+        self.compresses = bool(self.codec.sparse)
         self.mine = np.zeros(self.codec.slots + size - n_gradient, np.float32)
         self.gathered = np.empty((self.size, self.mine.size), np.float32)
-        self.codec_seconds = 0.0  # selecting and adding up (timing.csv's codec_s)
 
     @property
     def values_sent(self) -> int:
@@ -174,16 +173,8 @@ class TopKEngine:
     def restore(self, state: np.ndarray) -> None:
         self.codec.residual[:] = state
 
-    def allreduce_sum_(self, buf: np.ndarray, at: int = 0, *,
-                       what: str = "the gradient allreduce", kind: str = "allreduce",
-                       computing: bool = False) -> np.ndarray:
-        """``buf``: the whole fused buffer (top-k takes no buckets)."""
-        if at or buf.size != self.total:
-            raise ValueError("top-k sums the whole fused buffer at once (no buckets)")
-        self.steps += 1
-        if self.steps <= self.warmup or not self.codec.sparse:
-            return self.engine.allreduce_sum_(buf, what=what, kind=kind, computing=computing)
-        started = time.perf_counter()
+    def _compressed_sum_(self, buf: np.ndarray, what: str, kind: str,
+                         computing: bool) -> float:
         slots, gradient = self.codec.slots, buf[:self.n_gradient]
         self.codec.encode(gradient, self.mine[:slots])
         self.mine[slots:] = buf[self.n_gradient:]
@@ -195,8 +186,4 @@ class TopKEngine:
         for message in self.gathered:  # in rank order, on every worker
             self.codec.add_to(message[:slots], gradient)
             tail += message[slots:]
-        self.codec_seconds += time.perf_counter() - started - moving
-        return buf
-
-    def fused_buffer(self, size: int) -> Optional[np.ndarray]:
-        return None  # the messages are what travels: any float32 buffer will do
+        return moving

@@ -15,7 +15,7 @@ from conftest import in_one_launch, mnist_dir, read_rows
 def runs(tmp_path_factory):
     """{name: (run directory, its runs.csv rows)}: LR with --servers 2 and fp16 pushes
     for 3 epochs, that run resumed onto --servers 1 for a 4th, and --servers 3 with
-    --staleness 1 (one worker): one launch."""
+    --staleness 1 (one worker) and PowerSGD pushes: one launch."""
     out, mnist = tmp_path_factory.mktemp("servers"), mnist_dir()
     common = ["lr", "--async", "--data-dir", mnist, "--quiet"]
     in_one_launch(4, [
@@ -23,8 +23,8 @@ def runs(tmp_path_factory):
          "--results-dir", out / "k2"],
         ["lr", "--resume", f"{{run_in:{out / 'k2'}}}", "--servers", "1", "--epochs", "4",
          "--data-dir", mnist, "--quiet"],
-        [*common, "--servers", "3", "--staleness", "1", "--steps", "40",
-         "--results-dir", out / "k3"]], out)
+        [*common, "--servers", "3", "--staleness", "1", "--steps", "40", "--compression",
+         "powersgd", "--results-dir", out / "k3"]], out)
     found = {}
     for name in ("k2", "k3"):
         rows = read_rows(out / name / "runs.csv")
@@ -76,3 +76,9 @@ def test_three_servers_hold_the_staleness_bound_each(runs):
     for server in ("0", "1", "2"):
         assert comm[(server, "push")]["role"] == ("server" if server == "0" else "partition")
         assert int(comm[(server, "push")]["recv_msgs"]) >= int(row["pushes"])
+    # each server's share of the gradient travelled compressed (its whole rows of LR's
+    # kernel as rank-2 factors): the worker's pushes, through MPI or shared memory, are
+    # a fraction of the float32 gradient's bytes
+    sent = sum(int(r["sent_bytes"]) for (rank, kind), r in comm.items()
+               if rank == "3" and kind in ("push", "shared"))
+    assert row["compression"] == "powersgd" and sent < 0.3 * int(row["pushes"]) * 7850 * 4
