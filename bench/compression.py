@@ -45,6 +45,11 @@ QUICK = {"lenet": ["--steps", "10"], "alexnet": ["--steps", "2"]}
 #: each compression's own options
 OPTIONS = {"none": [], "fp16": [], "powersgd": ["--compression-warmup-steps", "0"],
            "topk": ["--compression-warmup-steps", "0"]}
+#: how the sync runs wait in the allreduce: the emulated nodes share this machine's
+#: cores, which --allreduce-wait auto cannot see (each node has a hostname of its own),
+#: so it would spin, on a core another node's worker computes on; float16's and
+#: top-k's exchanges always poll, and a spinning float32 baseline alone would be slowed
+POLL = ["--allreduce-wait", "poll"]
 #: the async runs take no warm-up option (async pushes compress from the first)
 ASYNC_OPTIONS = {"powersgd": [], "topk": []}
 ACCURACY_TARGET = 0.5  # pp
@@ -97,7 +102,7 @@ def on_the_cluster(link: str, runs, quick: bool, tmp: Path, cluster: dict) -> tu
     in_order = {(link, model, mode, pair, compression): [
         model, *options, *(QUICK[model] if quick else []), "--compression", compression,
         *options_of(mode, compression), "--data-dir", mnist_dir(),
-        *(["--async"] if mode == "async" else [])]
+        *(["--async"] if mode == "async" else POLL)]
         for at, model, mode, options, pairs in runs if at == link
         for pair in range(1 if quick else pairs)
         for compression in compressions(mode, pair)}

@@ -4,7 +4,8 @@
         --model {lenet,resnet,alexnet} --epochs E --batch-size B --lr LR \\
         --optimizer {sgd,momentum,adam} [--lr-schedule {constant,cosine}] \\
         [--image-size S] [--synthetic-size N] [--data-dir DIR] [--steps K] \\
-        [--compute-steps K] [--seed S] [--threads N] [--powersgd-rank R] --json-out FILE
+        [--compute-steps K] [--seed S] [--threads N] [--powersgd-rank R] \
+        [--bucket-cap-mb MB] --json-out FILE
 
 One process per worker (torchrun), gradients averaged by DDP over gloo (PyTorch's
 CPU backend) with its defaults: 25 MB buckets allreduced while back-propagation
@@ -83,6 +84,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op threads (default: the host's cores // workers)")
     p.add_argument("--powersgd-rank", type=int, default=0, help="0: plain allreduce")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP's bucket size (default: its own, 25 MB after a first of 1 MB)")
     p.add_argument("--powersgd-exact-steps", type=int, default=2,
                    help="PowerSGDState's start_powerSGD_iter (at least 2 with error "
                         "feedback)")
@@ -236,7 +239,7 @@ def main(argv=None) -> None:
     steps_per_epoch = -(-shard // args.batch_size)
     full = steps_per_epoch * args.epochs
     steps = min(full, args.steps) if args.steps else full
-    model = DistributedDataParallel(build(torch, args))
+    model = DistributedDataParallel(build(torch, args), bucket_cap_mb=args.bucket_cap_mb)
     if args.powersgd_rank:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
