@@ -59,8 +59,9 @@ def test_sync_traffic_matches_arithmetic(runs):
     assert int(comm[(0, "pull")]["recv_bytes"]) == EPOCHS * N_PARAMS * 4
     assert int(comm[(1, "pull")]["sent_bytes"]) == EPOCHS * N_PARAMS * 4
     assert (2, "pull") not in comm
-    # the starting position (step, clock offset: two float64), then the initial weights
-    assert int(comm[(0, "broadcast")]["sent_bytes"]) == 2 * 8 + N_PARAMS * 4
+    # the starting position (step, clock offset, whether compression states follow: three
+    # float64), then the initial weights
+    assert int(comm[(0, "broadcast")]["sent_bytes"]) == 3 * 8 + N_PARAMS * 4
 
 
 @pytest.mark.parametrize("name", ["async", "async-mpi"])
