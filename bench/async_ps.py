@@ -146,6 +146,7 @@ class NoCompute:
 
     def __init__(self, n_params: int, n_state: int, n_buffers: int):
         self.n_params, self.n_state, self.n_buffers = n_params, n_state, n_buffers
+        self.shapes = [(n_params,)]  # (what a push codec plans from: one flat vector)
         self.zeros = np.zeros(n_params, np.float32)
 
     def grad_at(self, *args):
