@@ -175,6 +175,8 @@ class PowerSGDEngine(WholeGradientEngine):
         self.rank = rank
         self.factors = _Factors(shapes, rank, min_size, None)
         self.matrices, self.whole = self.factors.matrices, self.factors.whole
+        #: the spans of the buffer that travel whole, beside the P's in the first sum
+        self._beside_p = [*self.whole, (n_gradient, size)]
         self.compresses = bool(self.matrices)
         #: the first sum: every P, then what travels whole, then the status tail
         self.first = np.zeros(self.factors.n_p + self.factors.n_whole + size - n_gradient,
@@ -208,10 +210,11 @@ class PowerSGDEngine(WholeGradientEngine):
         for grad, residual, p, q in zip(grads, self.factors.residuals, self._p, self._q):
             grad += residual
             np.matmul(grad, q, out=p)
-        self._pack_whole(buf)
+        beside_p = self.first[self.factors.n_p:]
+        gather_whole(buf, self._beside_p, beside_p)
         moving = seconds_of(self.engine.allreduce_sum_, self.first,
                             what=f"{what} (PowerSGD's P)", kind=kind, computing=computing)
-        self._unpack_whole(buf)
+        scatter_whole(beside_p, self._beside_p, buf)
         for grad, p, q in zip(grads, self._p, self._q):
             orthonormalize_(p)
             np.matmul(grad.T, p, out=q)
@@ -221,23 +224,6 @@ class PowerSGDEngine(WholeGradientEngine):
         # (a 1 / workers share of the sum) stays
         self.factors.keep_missed(grads, self._p, self._q, 1.0 / self.size)
         return moving
-
-    # ---- what travels whole ---------------------------------------------------------------
-    def _pack_whole(self, buf: np.ndarray) -> None:
-        for part, place in self._whole_parts(buf):
-            place[:] = part
-
-    def _unpack_whole(self, buf: np.ndarray) -> None:
-        for part, place in self._whole_parts(buf):
-            part[:] = place
-
-    def _whole_parts(self, buf: np.ndarray):
-        """(a part of ``buf`` that travels whole, its place in the first sum), in order:
-        the gradient's uncompressed spans after the P's, then the status tail."""
-        at = self.factors.n_p
-        for start, end in [*self.whole, (self.n_gradient, self.total)]:
-            yield buf[start:end], self.first[at:at + end - start]
-            at += end - start
 
 
 class LowRankFeedback:
