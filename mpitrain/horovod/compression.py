@@ -71,11 +71,13 @@ class FP16Compressor(Compressor):
         return tensor if ctx is None else tf.cast(tensor, ctx)
 
 
-class SumReplacing(Compressor):
+class SumReplacing(NoneCompressor):
     """A compression that replaces the allreduce's sum (:func:`Compression.powersgd`,
     :func:`Compression.topk`); ``make(summing, shapes)`` builds its engine over the
     float32 sum of the world (an :class:`mpitrain.exchange.Engine`) for one list of
-    tensor shapes. Collective: every rank makes the same compressor and the same calls."""
+    tensor shapes. Collective: every rank makes the same compressor and the same calls.
+    Around the sum the tensors are as they are (NoneCompressor's compress and
+    decompress): what travels is the engine's."""
 
     def __init__(self, name: str, make: Callable):
         self.name, self._make = name, make
@@ -87,14 +89,6 @@ class SumReplacing(Compressor):
         if key not in self._engines:
             self._engines[key] = self._make(summing, list(key))
         return self._engines[key]
-
-    @staticmethod
-    def compress(tensor):  # (the tensors travel through engine_for's sum)
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
 
 
 def _size(shapes) -> int:

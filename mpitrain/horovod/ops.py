@@ -306,8 +306,8 @@ def reduce_list(tensors: List, op: int, compression, prescale: float = 1.0,
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if t is not None
              and not isinstance(t, tf.IndexedSlices)]
-    compressed = [compressor(compression).compress(tf.convert_to_tensor(tensors[i]))
-                  for i in dense]
+    compress = compressor(compression).compress
+    compressed = [compress(tf.convert_to_tensor(tensors[i])) for i in dense]
     calls = [partial(_allreduce_sparse, tensors[i], op, prescale, postscale, name)
              for i in sparse]
     if dense:
