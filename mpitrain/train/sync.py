@@ -74,7 +74,8 @@ from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .protocol import (DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED, REPORT, SAVE,
                        TAG_CODEC, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
                        new_message, sentinel)
-from .sync_server import SyncServer, diverged_at, pack_state, packed_size, unpack_state
+from .sync_server import (SyncServer, diverged_at, pack_state, packed_size,
+                          receive_codec_states, unpack_state)
 
 
 def train(ctx: Context) -> Summary:
@@ -140,10 +141,7 @@ def _deal_codec_states(comm: Comm, ckpt) -> Optional[np.ndarray]:
                                   f"{comm.name(w)} to take its compression state")
                        for w, state in ckpt.codecs.items()], IDLE)
         return None
-    mine = comm.matched_recv(0, TAG_CODEC, "checkpoint", "rank 0's compression state",
-                             lambda nbytes: np.empty(nbytes // 4, np.float32))
-    comm.wait(mine, IDLE)
-    return cast(np.ndarray, mine.buffer)
+    return receive_codec_states(comm, [0], "rank 0's compression state")[0]
 
 
 def _rng_table(ckpt, size: int, width: int) -> np.ndarray:

@@ -57,6 +57,17 @@ def _in_order(layout):
     return sorted(layout.items(), key=lambda item: int(item[0][1:]))
 
 
+def receive_codec_states(comm, sources: List[int], what: str) -> Dict[int, np.ndarray]:
+    """The compression state (float32, of a length the receiver does not know: the
+    settings decide it) that each of ``sources`` sends with TAG_CODEC, by source;
+    bounded. Rank 0 takes the workers' at checkpoints, a worker its own on resume."""
+    received = {r: comm.matched_recv(r, TAG_CODEC, "checkpoint", what,
+                                     lambda nbytes: np.empty(nbytes // 4, np.float32))
+                for r in sources}
+    comm.wait_all(list(received.values()), IDLE)
+    return {r: cast(np.ndarray, m.buffer) for r, m in received.items()}
+
+
 def diverged_at(ctx: Context, world_ranks: List[int], step: int) -> Divergence:
     where = ", ".join(ctx.comm.name(r) if ctx.comm.size > 1 else "the single rank"
                       for r in world_ranks)
@@ -212,12 +223,7 @@ class SyncServer:
         codec_state`: sent where the workers sum compressed, two or more of them)."""
         if self.ctx.cfg.transport.compression == "none" or len(self.worker_ranks) < 2:
             return {}
-        received = {w: self.comm.matched_recv(w, TAG_CODEC, "checkpoint",
-                                              "its compression state",
-                                              lambda nbytes: np.empty(nbytes // 4, np.float32))
-                    for w in self.worker_ranks}
-        self.comm.wait_all(list(received.values()), IDLE)
-        return {w: cast(np.ndarray, m.buffer) for w, m in received.items()}
+        return receive_codec_states(self.comm, self.worker_ranks, "its compression state")
 
     def _check_replicas(self, step: int, reports: Dict[int, Header]) -> None:
         comm = self.comm
