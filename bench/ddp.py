@@ -138,13 +138,19 @@ def ddp_side(python: str, model: str, workers: int, quick: bool, compute_steps: 
             print(f"ddp: {failure}\nddp: running it once more", flush=True)
         r = json.loads(result_file.read_text())
     epochs = r["epochs"]
-    middle = r["epoch_s"][1:-1]
     return {"epoch_time_s": r["train_s"] / epochs, "wall_s": launch,
-            "steady_epoch_s": sum(middle) / len(middle) if middle and not quick else None,
+            "steady_epoch_s": steady_epoch(r, quick),
             "first_epoch_s": None if quick else r["epoch_s"][0],
             "after_last_step_s": r["eval_s"], "test_accuracy": r["test_accuracy"],
             "epochs": epochs, "steps_per_epoch": r["steps_per_epoch"],
             "compute_step_s": r.get("compute_step_s"), "parameters": r["parameters"]}
+
+
+def steady_epoch(result: dict, quick: bool):
+    """A ``bench.torch_ddp`` result's mean epoch between the first and the last, or None
+    (a quick run, or fewer than three epochs)."""
+    middle = result["epoch_s"][1:-1]
+    return sum(middle) / len(middle) if middle and not quick else None
 
 
 def killed_by(done: subprocess.CompletedProcess) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from .common import REPO, mnist_dir, steady_epoch_seconds
-from .ddp import CASES, torch_python
+from .ddp import CASES, error_lines, steady_epoch, torch_python
 from .engines import LIKE_THE_BASELINES
 from .netns import NETNS
 
@@ -99,12 +99,10 @@ def ddp_run(python: str, compression: str, quick: bool, threads: int, tmp: Path)
                 worker.wait()
     failed = [(r, w.returncode) for r, w in enumerate(workers) if w.returncode]
     if failed:
-        raise RuntimeError(f"DDP on the emulated cluster failed ({failed}):\n"
-                           + "\n".join(o[-1500:] for o in outputs))
+        raise RuntimeError("\n".join([f"DDP on the emulated cluster failed ({failed}):",
+                                      *(line for o in outputs for line in error_lines(o))]))
     r = json.loads(out.read_text())
-    middle = r["epoch_s"][1:-1]
-    return {"epoch_s": r["train_s"] / r["epochs"],
-            "steady_epoch_s": sum(middle) / len(middle) if middle and not quick else None,
+    return {"epoch_s": r["train_s"] / r["epochs"], "steady_epoch_s": steady_epoch(r, quick),
             "threads": r["threads"], "test_accuracy": r["test_accuracy"]}
 
 
