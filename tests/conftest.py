@@ -354,6 +354,12 @@ def read_rows(path: Path) -> list:
         return list(csv.DictReader(f))
 
 
+def rows_so_far(path: Path) -> list:
+    """The rows of a CSV a running job is writing: none while the job has only made
+    its run folder (a poll must not fail in the moment before the file appears)."""
+    return read_rows(path) if path.is_file() else []
+
+
 def status_once_ended(run_dir: Path, bound: float = 30.0) -> dict:
     """A run's status.json once it says the run ended (or as it is after ``bound``
     seconds): when rank 0 was killed, its witness writes it after the process is gone."""

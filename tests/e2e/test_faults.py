@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from conftest import (LOCAL_HOSTFILE, mnist_dir, mnist_shard, mpi_env, mpirun, read_rows,
-                      status_once_ended)
+                      rows_so_far, status_once_ended)
 from mpitrain.results import lost_run
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ class Job:
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
             run = self.run_dir() if self.results.exists() else None
-            if run and (run / "curve.csv").exists() and len(read_rows(run / "curve.csv")) >= rows:
+            if run and len(rows_so_far(run / "curve.csv")) >= rows:
                 return
             assert self.proc.poll() is None, self.proc.stdout.read()
             time.sleep(0.2)

@@ -12,8 +12,8 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import (LOCAL_HOSTFILE, finish_bounded, mpi_env, mpirun, read_rows, run_bounded,
-                      start_bounded, wait_for)
+from conftest import (LOCAL_HOSTFILE, finish_bounded, mpi_env, mpirun, read_rows, rows_so_far,
+                      run_bounded, start_bounded, wait_for)
 from mpitrain.launch.dialect import RUN_AS_ROOT_CONSENT
 from mpitrain.userfiles import read_json_object
 
@@ -161,8 +161,7 @@ def test_two_servers_lose_a_worker_then_a_share_server(mnist, tmp_path):
                         "--checkpoint-steps", 100)
     run_dir = the_run_dir(results)
     pids = rank_pids(run_dir, t0)
-    wait_for(lambda: (run_dir / "curve.csv").is_file()
-             and len(read_rows(run_dir / "curve.csv")) >= 2, 300, "the first evaluation")
+    wait_for(lambda: len(rows_so_far(run_dir / "curve.csv")) >= 2, 300, "the first evaluation")
     os.kill(pids[3], signal.SIGSTOP)
     lost = wait_for(lambda: checkpoint_step(run_dir) and
                     (read_json_object(run_dir / "status.json") or {}).get("lost_workers"),
@@ -207,8 +206,7 @@ def test_stop_signal_checkpoints_and_is_not_restarted(mnist, tmp_path, how):
     proc = start_launch("-np", 3, "-hostfile", LOCAL_HOSTFILE, *TRAINING, *mode, "--data-dir",
                         mnist, "--results-dir", results, env=env)
     run_dir = the_run_dir(results)
-    wait_for(lambda: (run_dir / "curve.csv").is_file() and
-             len(read_rows(run_dir / "curve.csv")) >= 1, 120, "training to start")
+    wait_for(lambda: len(rows_so_far(run_dir / "curve.csv")) >= 1, 120, "training to start")
     if how.startswith("Ctrl-C"):
         os.killpg(proc.pid, signal.SIGINT)
     else:

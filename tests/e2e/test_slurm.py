@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, mpi_env, read_rows, run_bounded
+from conftest import REPO, mpi_env, read_rows, rows_so_far, run_bounded
 
 # Load beside them cannot change an outcome: the job runs are bounded by minutes
 # (--time, Job.finish) against seconds of work, and the scancel lands while training
@@ -134,7 +134,7 @@ def test_scancel_stops_cleanly_with_a_checkpoint(slurm, tmp_path, mnist):
     deadline = time.monotonic() + 300
     while True:  # wait until training is under way
         runs = [d for d in (tmp_path / "results").glob("*-lr-sync-np3")]
-        if runs and len(read_rows(runs[0] / "curve.csv")) >= 3:
+        if runs and len(rows_so_far(runs[0] / "curve.csv")) >= 3:
             break
         assert job.poll() is None and time.monotonic() < deadline, "job did not start"
         time.sleep(0.5)
