@@ -26,14 +26,26 @@ class Backoff:
     ``sched_yield`` in between: on a free core that is a spin (no added
     latency); on an oversubscribed host it hands the core to a rank that is
     still computing, the one everybody waits for. After that, sleep between
-    tests, doubling from ``first_sleep`` to ``max_sleep``, so a long wait costs
-    almost no CPU. The yield phase makes an oversubscribed sync step faster than
-    sleeps alone (docs/architecture.md, "How a rank waits").
+    tests, doubling from ``first_sleep`` to ``max_sleep``; once the wait has lasted
+    long, up to ``patience`` of the time already waited (at most LONGEST_SLEEP), so
+    a wait of seconds costs almost no CPU and answers at most that fraction late.
+    The yield phase makes an oversubscribed sync step faster than sleeps alone
+    (docs/architecture.md, "How a rank waits").
     """
 
     yield_for: float
     first_sleep: float = 2e-5
     max_sleep: float = 1e-3
+    patience: float = 0.01
+
+    def next_sleep(self, slept: float, waited: float) -> float:
+        """The sleep after one of ``slept`` seconds, ``waited`` seconds into the wait."""
+        cap = max(self.max_sleep, min(LONGEST_SLEEP, waited * self.patience))
+        return min(slept * 2.0, cap)
+
+
+#: the longest sleep between two tests of a long wait (its lateness, at worst)
+LONGEST_SLEEP = 0.02
 
 
 #: Workers inside a collective: partners usually arrive within a step's jitter.
@@ -75,7 +87,7 @@ def poll(done: Callable[[], bool], kind: str, backoff: Backoff, seconds: float,
             os.sched_yield()
         else:
             time.sleep(sleep)
-            sleep = min(sleep * 2.0, backoff.max_sleep)
+            sleep = backoff.next_sleep(sleep, now - start)
         if done():
             break
         if check is not None:
