@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from ..comm import Role
 
@@ -28,12 +28,33 @@ def defers_to_workers(async_mode: bool, role: Role, workers_on_host: int) -> boo
     return role is Role.SERVER and not async_mode and workers_on_host > 0
 
 
+class Deference:
+    """What :func:`deferring_to_workers` yields: ``niceness``, the one its block runs at
+    (None where the OS has none), and :meth:`end`."""
+
+    def __init__(self, niceness: Optional[int], restore: Optional[Callable[[], None]] = None):
+        self.niceness = niceness
+        self._restore = restore
+
+    def end(self) -> bool:
+        """Run at the priority from before the block again, for the rest of it; whether
+        that changed anything (only a lowered priority that may be raised again is).
+
+        For when the workers wait for this rank after all: on a host that other
+        processes keep busy, niceness 19 gives it almost none of the CPU, and the
+        workers block on the weights it has not taken yet. Local to this rank."""
+        restore, self._restore = self._restore, None
+        if restore is not None:
+            restore()
+        return restore is not None
+
+
 @contextlib.contextmanager
-def deferring_to_workers(ctx) -> Iterator[Optional[int]]:
+def deferring_to_workers(ctx) -> Iterator[Deference]:
     """Inside the block, run at SERVER_NICENESS if :func:`defers_to_workers`, every
     thread of the process (Linux keeps a niceness per thread; threads made later,
-    TensorFlow's, inherit it), then the previous niceness again. Yields the niceness
-    the block runs at (None where the OS has none). Undoing it needs the privilege to
+    TensorFlow's, inherit it), then the previous niceness again. Yields the
+    :class:`Deference` (its niceness; ending it early). Undoing it needs the privilege to
     raise a priority (root, or RLIMIT_NICE): without it only a run that ends its
     process (``ctx.ends_process``: the CLI's) defers, so a user's script under
     mpitrain.fit does not go on below the priority it had. Local to this rank."""
@@ -41,14 +62,14 @@ def deferring_to_workers(ctx) -> Iterator[Optional[int]]:
     can_undo = before is not None and _may_raise_priority_to(before)
     if before is None or not (can_undo or ctx.ends_process) or not defers_to_workers(
             ctx.cfg.async_mode, ctx.role, len(ctx.comm.workers_on_host())):
-        yield before
+        yield Deference(before)
         return
     _set_niceness(max(SERVER_NICENESS, before))
+    deference = Deference(niceness(), (lambda: _set_niceness(before)) if can_undo else None)
     try:
-        yield niceness()
+        yield deference
     finally:
-        if can_undo:
-            _set_niceness(before)
+        deference.end()
 
 
 def niceness() -> Optional[int]:

@@ -75,6 +75,9 @@ PARKED = 512
 #: async push to a server of rank > 0 under --staleness with --servers K (a header
 #: alone): this worker holds the leases of the servers before it and asks for this one's
 REQUEST = 1024
+#: sync report: its worker found rank 0 had not yet taken the weights it sent before, and
+#: waits for that (rank 0, below the workers' priority, is on their critical path)
+WAITED = 2048
 
 
 class Header(NamedTuple):

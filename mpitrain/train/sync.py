@@ -72,8 +72,8 @@ from ..models.replica import checksum
 from .context import Context, Summary, is_checkpoint_point, is_eval_point, worker_batches
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .protocol import (DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED, REPORT, SAVE,
-                       TAG_CODEC, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header,
-                       new_message, sentinel)
+                       TAG_CODEC, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, WAITED,
+                       Header, new_message, sentinel)
 from .sync_server import (SyncServer, diverged_at, pack_state, packed_size,
                           receive_codec_states, unpack_state)
 
@@ -319,6 +319,8 @@ class ServerLink:
         # the evaluation's and checkpoint's: the summary's finish_s)
         elapsed, replica = self.clock(), self.ctx.replica
         weights = replica.state()  # buffers averaged at every report point: identical too
+        if self._rank_0_behind():
+            flags |= WAITED
         self._send_header(Header(step=step, flags=flags | REPORT, loss=train_loss,
                                  elapsed=elapsed, aux=checksum(weights)))
         payloads = []
@@ -337,6 +339,12 @@ class ServerLink:
             self._complete(kind)  # back-pressure: one message of each kind in flight
             self.sends.append((self.comm.isend(buf, 0, tag, kind, f"rank 0 to take {kind}"),
                                buf))
+
+    def _rank_0_behind(self) -> bool:
+        """Whether rank 0 has yet to take a payload of the last report (weights, checkpoint
+        state), which this report's must wait for: it is then on the workers' critical
+        path, and the flag in this report tells it so (:class:`.sync_server.SyncServer`)."""
+        return any(p.kind != "control" and not p.test() for p, _ in self.sends)
 
     def _send_header(self, header: Header) -> None:
         message = header.write(new_message())

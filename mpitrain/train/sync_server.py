@@ -20,10 +20,10 @@ from ..models.replica import checksum
 from .context import Context, Summary, diverged, interrupted
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .leases import Liveness
-from .priority import deferring_to_workers
+from .priority import Deference, deferring_to_workers
 from .protocol import (DIVERGED, EVALUATE, FINAL, INTERRUPTED, REPORT, SAVE, TAG_REPORT,
-                       TAG_CODEC, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, Header, SilentPeers,
-                       new_message, stalled)
+                       TAG_CODEC, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, WAITED, Header,
+                       SilentPeers, new_message, stalled)
 
 
 def pack_state(state: Dict[str, np.ndarray], layout) -> np.ndarray:
@@ -103,17 +103,18 @@ class SyncServer:
         self.finished: Set[int] = set()
         self.stop_sent: Dict[int, Tuple[Any, np.ndarray]] = {}  # (pending, buffer)
         self.wall: Optional[float] = None  # the workers' clock at the latest complete report
+        self.deference = Deference(None)  # run's: this rank's priority below the workers'
 
     def _post(self, w: int):
         return self.comm.irecv(self.headers[w], w, TAG_REPORT, "control", "a progress report")
 
     def run(self, start_step: int) -> Summary:
-        with deferring_to_workers(self.ctx) as nice:  # (the workers' first steps go first)
+        with deferring_to_workers(self.ctx) as self.deference:  # (the workers' steps first)
             if start_step == 0:
                 self.evaluator.record(0, None, 0.0)  # the curve starts with the initial model
             self.ctx.timer.restart()  # the timed run starts with the workers' first step
             self._serve()
-        return self.evaluator.summary(self.wall, server_nice=nice)
+        return self.evaluator.summary(self.wall, server_nice=self.deference.niceness)
 
     def _serve(self) -> None:
         try:
@@ -123,6 +124,9 @@ class SyncServer:
                 if w is None:  # a quiet second: check for a stop request again
                     continue
                 header = Header.read(self.headers[w])
+                if header.flags & WAITED and self.deference.end():
+                    self.ctx.console.note("rank 0 runs at its own priority again: the workers "
+                                          "waited for it (other processes keep its host busy)")
                 if header.flags & REPORT:
                     self.reports.setdefault(header.step, {})[w] = header
                     if header.flags & FINAL:

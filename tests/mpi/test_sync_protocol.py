@@ -10,6 +10,8 @@ that drifts is named by rank 0, and a rank that fails alone gets its one-line
 reason to rank 0.
 """
 
+import time
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,7 @@ from mpitrain.errors import PeerFailure, ReplicaDrift
 from mpitrain.models.replica import Replica, checksum, init_tensorflow
 from mpitrain.results.run_dir import NullResults
 from mpitrain.train import Context, sync
+from mpitrain.train.priority import SERVER_NICENESS, niceness
 
 BATCH = 8
 SHARD = 32  # 4 steps per epoch
@@ -135,6 +138,38 @@ class _Drifting:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+class _SlowEvaluations(_Recording):
+    """Rank 0's evaluations after the first take half a second each (its host busy with
+    other processes); remembers the niceness each one ran at."""
+
+    def __init__(self):
+        super().__init__()
+        self.niceness = []
+
+    def add_curve_row(self, row):
+        super().add_curve_row(row)
+        self.niceness.append(niceness())
+        if row["step"] > 0:
+            time.sleep(0.5)
+
+
+def test_rank_0_on_the_workers_critical_path_gives_up_its_lower_priority(comm, replica):
+    """Rank 0 serves below the workers' priority; once they wait for it to take their
+    weights (its evaluations slower than their epochs), they say so in a report and it
+    runs at its own priority again, for the rest of the run and after it."""
+    if comm.size == 1:
+        pytest.skip("needs a server and a worker: runs under mpirun -np 2+ (test_mpi_tier)")
+    before = niceness()
+    written = _SlowEvaluations()
+    sync.train(context(comm, replica, epochs=6, results=written))
+    comm.barrier()
+    if comm.role.serves:
+        if written.niceness[0] == before:
+            pytest.skip("this rank may not raise its priority again, so it never lowered it")
+        assert written.niceness[0] == SERVER_NICENESS
+        assert written.niceness[-1] == before == niceness(), written.niceness
 
 
 def test_rank_0_names_a_worker_whose_replica_drifted(comm, replica):
