@@ -78,6 +78,8 @@ REQUEST = 1024
 #: sync report: its worker found rank 0 had not yet taken the weights it sent before, and
 #: waits for that (rank 0, below the workers' priority, is on their critical path)
 WAITED = 2048
+#: sync report (with SAVE): its worker's compression state follows it (TAG_CODEC)
+CODEC = 4096
 
 
 class Header(NamedTuple):

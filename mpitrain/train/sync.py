@@ -71,9 +71,9 @@ from ..exchange import plan
 from ..models.replica import checksum
 from .context import Context, Summary, is_checkpoint_point, is_eval_point, worker_batches
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
-from .protocol import (DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED, REPORT, SAVE,
-                       TAG_CODEC, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, WAITED,
-                       Header, new_message, sentinel)
+from .protocol import (CODEC, DIVERGED, EVALUATE, FINAL, HEARTBEAT_SECONDS, INTERRUPTED, REPORT,
+                       SAVE, TAG_CODEC, TAG_REPORT, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS,
+                       WAITED, Header, new_message, sentinel)
 from .sync_server import (SyncServer, diverged_at, pack_state, packed_size,
                           receive_codec_states, unpack_state)
 
@@ -319,10 +319,11 @@ class ServerLink:
         # the evaluation's and checkpoint's: the summary's finish_s)
         elapsed, replica = self.clock(), self.ctx.replica
         weights = replica.state()  # buffers averaged at every report point: identical too
-        if self._rank_0_behind():
-            flags |= WAITED
-        self._send_header(Header(step=step, flags=flags | REPORT, loss=train_loss,
-                                 elapsed=elapsed, aux=checksum(weights)))
+        codec = self.codec_state() if flags & SAVE else None
+        flags |= REPORT | (WAITED if self._rank_0_behind() else 0) | \
+            (CODEC if codec is not None else 0)
+        self._send_header(Header(step=step, flags=flags, loss=train_loss, elapsed=elapsed,
+                                 aux=checksum(weights)))
         payloads = []
         if self.sends_weights:
             payloads.append((TAG_WEIGHTS, "pull", weights))
@@ -332,7 +333,6 @@ class ServerLink:
         rng = replica.rng_state()
         if flags & SAVE and rng.size:
             payloads.append((TAG_RNG, "checkpoint", rng))
-        codec = self.codec_state() if flags & SAVE else None
         if codec is not None:
             payloads.append((TAG_CODEC, "checkpoint", codec))
         for tag, kind, buf in payloads:

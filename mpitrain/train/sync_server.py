@@ -21,7 +21,7 @@ from .context import Context, Summary, diverged, interrupted
 from .evaluation import Evaluator, Stopwatch, evaluate_and_save
 from .leases import Liveness
 from .priority import Deference, deferring_to_workers
-from .protocol import (DIVERGED, EVALUATE, FINAL, INTERRUPTED, REPORT, SAVE, TAG_REPORT,
+from .protocol import (CODEC, DIVERGED, EVALUATE, FINAL, INTERRUPTED, REPORT, SAVE, TAG_REPORT,
                        TAG_CODEC, TAG_RNG, TAG_STATE, TAG_STOP, TAG_WEIGHTS, WAITED, Header,
                        SilentPeers, new_message, stalled)
 
@@ -187,7 +187,7 @@ class SyncServer:
         nonfinite = [w for w, h in reports.items() if h.flags & DIVERGED]
         with timer("comm"):
             comm.wait(comm.irecv(self.weights, 1, TAG_WEIGHTS, "pull", "the weights"), IDLE)
-            state = self._receive_checkpoint_state() if union & SAVE else None
+            state = self._receive_checkpoint_state(reports) if union & SAVE else None
         if nonfinite:
             raise diverged_at(ctx, nonfinite, step)
         self._check_replicas(step, reports)
@@ -207,7 +207,7 @@ class SyncServer:
         if union & INTERRUPTED:
             raise interrupted(ctx, f"at step {step}", self.evaluator.summary(wall))
 
-    def _receive_checkpoint_state(self):
+    def _receive_checkpoint_state(self, reports: Dict[int, Header]):
         comm, replica = self.comm, self.ctx.replica
         layout = self.optimizer_layout
         packed = np.empty(packed_size(layout), np.uint8)
@@ -220,14 +220,11 @@ class SyncServer:
                 comm.wait(comm.irecv(row, w, TAG_RNG, "checkpoint", "the generator state"),
                           IDLE)
                 rng[w] = row.tolist()
-        return unpack_state(packed, layout), rng, self._receive_codec_states()
-
-    def _receive_codec_states(self) -> Dict[int, np.ndarray]:
-        """Every worker's compression state (:meth:`mpitrain.exchange.FusedExchange.
-        codec_state`: sent where the workers sum compressed, two or more of them)."""
-        if self.ctx.cfg.transport.compression == "none" or len(self.worker_ranks) < 2:
-            return {}
-        return receive_codec_states(self.comm, self.worker_ranks, "its compression state")
+        # the workers' compression states, from those whose report says one follows
+        # (:meth:`mpitrain.exchange.FusedExchange.codec_state`)
+        codecs = receive_codec_states(self.comm, [w for w, h in reports.items()
+                                                  if h.flags & CODEC], "its compression state")
+        return unpack_state(packed, layout), rng, codecs
 
     def _check_replicas(self, step: int, reports: Dict[int, Header]) -> None:
         comm = self.comm
