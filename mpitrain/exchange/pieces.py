@@ -77,9 +77,14 @@ def gather_whole(values: np.ndarray, whole: Sequence[Span], out: np.ndarray) -> 
         at += end - start
 
 
-def scatter_whole(packed: np.ndarray, whole: Sequence[Span], out: np.ndarray) -> None:
-    """The inverse of :func:`gather_whole`: ``packed``'s values back into their spans."""
+def scatter_whole(packed: np.ndarray, whole: Sequence[Span], out: np.ndarray,
+                  add: bool = False) -> None:
+    """The inverse of :func:`gather_whole`: ``packed``'s values back into their spans
+    (``add``: added to what the spans hold)."""
     at = 0
     for start, end in whole:
-        out[start:end] = packed[at:at + end - start]
+        if add:
+            out[start:end] += packed[at:at + end - start]
+        else:
+            out[start:end] = packed[at:at + end - start]
         at += end - start

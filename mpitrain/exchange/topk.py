@@ -126,10 +126,7 @@ class TopKFeedback:
         indices are distinct, so one fancy-indexed addition is exact."""
         indices = message[:self.k].view(np.int32)
         out[indices] += message[self.k:2 * self.k]
-        packed, at = message[2 * self.k:], 0
-        for start, end in self.whole:
-            out[start:end] += packed[at:at + end - start]
-            at += end - start
+        scatter_whole(message[2 * self.k:], self.whole, out, add=True)
 
     def decode(self, message: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out`` (the span's float32 gradient) := what ``message`` carries (zero
