@@ -1,13 +1,14 @@
 """The serving rank's CPU priority: a sync server makes room for the workers on its host.
 
-Its work (taking reports, evaluating, writing checkpoints) is never on the sync
-workers' critical path, so on a host with fewer cores than ranks it should take only
-the CPU they leave (its evaluation of the initial model beside the workers' first
-steps slowed a large model's run measurably: docs/architecture.md, "The sync server at
-the lowest priority"). At the
-lowest priority it still runs at once whenever they wait, and at full speed once they
-are done. The async server applies every update: it is the critical path and keeps
-its priority.
+Its work (taking reports, evaluating, writing checkpoints) is off the sync workers'
+critical path while it keeps up with them, so on a host with fewer cores than ranks it
+should take only the CPU they leave (its evaluation of the initial model beside the
+workers' first steps slowed a large model's run measurably: docs/architecture.md, "The
+sync server at the lowest priority"). At the lowest priority it still runs at once
+whenever they wait, and at full speed once they are done; where other processes keep
+the host busy it falls behind, the workers say so, and it takes its own priority back
+(:meth:`Deference.end`). The async server applies every update: it is the critical
+path and keeps its priority.
 """
 
 from __future__ import annotations
