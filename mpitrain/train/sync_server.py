@@ -125,7 +125,7 @@ class SyncServer:
                     continue
                 header = Header.read(self.headers[w])
                 if header.flags & WAITED and self.deference.end():
-                    self.ctx.console.note("rank 0 runs at its own priority again: the workers "
+                    self.ctx.console.info("rank 0 runs at its own priority again: the workers "
                                           "waited for it (other processes keep its host busy)")
                 if header.flags & REPORT:
                     self.reports.setdefault(header.step, {})[w] = header
