@@ -158,7 +158,13 @@ def test_a_killed_async_worker(mpi, tmp_path):
     assert row["status"] == "ok" and float(row["test_accuracy"]) >= ACCURACY_FLOOR, row
     assert "Traceback" not in out + err
     if runner.supports_recovery:  # ULFM
-        assert "--with-ft ulfm" in err and "restart" not in err.lower(), err[-3000:]
+        # the killed worker must not cause a restart. One from scratch is of a job that
+        # failed before its first checkpoint, so before the kill: Open MPI 5's launcher
+        # now and then fails to start ("The PMIx server's listener thread failed to
+        # start"), and mpitrain launch starts it again
+        restarts = [line for line in err.splitlines() if "restarting" in line]
+        assert "--with-ft ulfm" in err and all("from scratch" in line for line in restarts), \
+            err[-3000:]
         assert "rank 2" in row["lost_workers"] and "its process died" in row["lost_workers"]
         assert row["updates_short"] == "0"
         assert "lost rank 2 on" in out and "training continues with 2 worker(s)" in out
