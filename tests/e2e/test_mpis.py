@@ -11,7 +11,6 @@ training, no restart; MPICH: the launcher restarts from the checkpoint, saying w
 Open MPI 5 also a sync worker's kill -9, restarted from its checkpoint.
 """
 
-import csv
 import json
 import os
 import signal
@@ -22,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from conftest import (LOCAL_HOSTFILE, REPO, check_went_on_without, dies_in_startup_cmd,
-                      finish_bounded, mnist_dir, mpi_env, read_rows, run_bounded, start_bounded)
+                      finish_bounded, mnist_dir, mpi_env, read_rows, rows_so_far, run_bounded,
+                      start_bounded)
 from mpitrain.launch import dialect
 from mpitrain.launch import hostfile
 
@@ -129,7 +129,7 @@ def kill_after_epoch_1(python, env, results: Path, rank: int, *extra):
                           "--results-dir", results], env=env)
     directory = run_dir(results)
     deadline = time.monotonic() + 300
-    while not any(float(r["epoch"]) >= 1 for r in _curve(directory)):
+    while not any(float(r["epoch"]) >= 1 for r in rows_so_far(directory / "curve.csv")):
         assert time.monotonic() < deadline, "epoch 1 was not reached"
         time.sleep(0.2)
     pid = json.loads((directory / "config.json").read_text())["ranks"][rank]["pid"]
@@ -137,13 +137,6 @@ def kill_after_epoch_1(python, env, results: Path, rank: int, *extra):
     killed = time.monotonic()
     done = finish_bounded(proc, 600)
     return done.returncode, done.stdout, done.stderr, time.monotonic() - killed
-
-
-def _curve(directory: Path) -> list:
-    try:
-        return list(csv.DictReader((directory / "curve.csv").open()))
-    except OSError:
-        return []
 
 
 def test_a_killed_async_worker(mpi, tmp_path):

@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from conftest import (LOCAL_HOSTFILE, check_went_on_without, dies_in_startup_cmd,
-                      finish_bounded, mnist_dir, mpirun_cmd, run_bounded, start_bounded)
+                      finish_bounded, mnist_dir, mpirun_cmd, rows_so_far, run_bounded,
+                      start_bounded)
 
 pytestmark = pytest.mark.slow
 
@@ -53,11 +54,7 @@ def wait_for_epoch(directory: Path, epoch: int, timeout: float = 180) -> None:
     """Until curve.csv has the evaluation after ``epoch``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            rows = list(csv.DictReader((directory / "curve.csv").open()))
-        except OSError:
-            rows = []
-        if any(float(r["epoch"]) >= epoch for r in rows):
+        if any(float(r["epoch"]) >= epoch for r in rows_so_far(directory / "curve.csv")):
             return
         time.sleep(0.2)
     pytest.fail(f"epoch {epoch} was not reached in {timeout} s")
