@@ -87,7 +87,7 @@ from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, res
 from ..run.checkpoint import CHECKPOINT
 from ..run.signals import STOP_SIGNALS
 from ..results.lost_run import record_lost_attempt
-from ..results.run_dir import ATTEMPT_ENV, EXIT_CODE_OF_STATUS, run_rows
+from ..results.run_dir import ATTEMPT_ENV, EXIT_CODE_OF_STATUS, run_ended, run_rows
 
 PROG = "mpitrain launch"
 #: seconds the job gets to checkpoint and exit after a stop signal before it is killed
@@ -336,7 +336,7 @@ class Launcher:
             token = uuid.uuid4().hex
             # the run's rows so far: the attempt has its own once there is one more
             rows_before = self._rows_of(Path(self.resume)) if self.resume else 0
-            code, watched = self._run_job(argv, token)
+            code, watched, finished = self._run_job(argv, token)
             self._kill_job()  # a rank that outlived mpirun must not hold on to its shard
             if code == 0:
                 if attempt:
@@ -349,6 +349,11 @@ class Launcher:
                 return EXIT_INTERRUPTED
             if code == EXIT_USAGE:
                 return EXIT_USAGE
+            if finished:  # (resumed, it would be refused: every step is done)
+                say(f"the run ended well (status ok, its results written) but mpirun exited "
+                    f"{code} after it: a rank failed or was killed as the job ended (see "
+                    "above); nothing is left to train, so no restart")
+                return code
             run_dir = self._failed_run_dir(before, watched)
             if run_dir is not None and record_lost_attempt(  # each attempt keeps its row
                     run_dir, f"the job ended (mpirun exit {code}) before rank 0 recorded how: "
@@ -421,10 +426,11 @@ class Launcher:
         except ResultsError:
             return 0
 
-    def _run_job(self, argv: Sequence[str], token: str) -> Tuple[int, Optional[Path]]:
+    def _run_job(self, argv: Sequence[str], token: str) -> Tuple[int, Optional[Path], bool]:
         """Run one attempt with its ``token``: its exit code (:func:`recorded_code`; mpirun
-        killed TEARDOWN_GRACE after the run's end or rank 0's: the status's, or 1) and the
-        run directory its token marked (None if rank 0 never said running)."""
+        killed TEARDOWN_GRACE after the run's end or rank 0's: the status's, or 1), the
+        run directory its token marked (None if rank 0 never said running) and whether
+        the run recorded that it ended well."""
         command = self.job.command() + list(argv)
         say("$ " + " ".join(command))
         watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
@@ -439,7 +445,8 @@ class Launcher:
         recorded = recorded_code(code, watch.status, records=not self.script)
         if code == 0 and recorded != 0:  # (under ULFM Open MPI 5's exits 0 once all died)
             say("mpirun exited 0, but the run did not record that it ended well")
-        return recorded, watch.run_dir
+        finished = run_ended(watch.status) and cast(dict, watch.status)["status"] == "ok"
+        return recorded, watch.run_dir, finished
 
     def _watch_job(self, watch: "RunWatch") -> int:
         """Wait for mpirun, looking at the run's status.json once a second (see run)."""

@@ -146,7 +146,7 @@ def test_a_killed_async_worker(mpi, tmp_path):
     restarts it from its checkpoint."""
     key, python, runner, env = mpi
     code, out, err, seconds = kill_after_epoch_1(python, env, tmp_path, 2, "--async")
-    assert code == 0, err[-3000:]
+    assert code == 0, out[-3000:] + err[-3000:]
     row = read_rows(tmp_path / "runs.csv")[-1]
     assert row["status"] == "ok" and float(row["test_accuracy"]) >= ACCURACY_FLOOR, row
     assert "Traceback" not in out + err

@@ -264,6 +264,9 @@ if status in ("rank0-gone", "rank0-zombie"):
     write_status(run, "running", pid=rank0)
     # a zombie: waited for, not reaped
     os.waitid(os.P_PID, rank0, os.WEXITED | (os.WNOWAIT if status == "rank0-zombie" else 0))
+elif status == "ok-then-exit-9":  # a rank killed after rank 0 recorded the end
+    write_status(run, "ok")
+    sys.exit(9)
 elif status == "wrong-token":
     write_status(run, "failed", "another attempt's", token="not-this-attempts")
     time.sleep(stale_s)
@@ -369,6 +372,20 @@ def test_a_status_with_another_attempts_token_is_not_taken_for_the_attempts(
     assert time.monotonic() - started >= 8 * GRACE
     err = capsys.readouterr().err
     assert killed_lines(err) == [] and "mpirun exited 0, but the run did not record" in err
+    assert_all_gone(results)
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_run_whose_mpirun_failed_after_is_not_restarted(tmp_path, capsys,
+                                                                    fast_teardown):
+    """The run recorded ok, then mpirun exited 9 (a rank killed as the job ended): its
+    code is kept, and no restart is tried (resumed, every step done, it would be refused
+    with a usage error)."""
+    results = tmp_path / "results"
+    assert launcher(results, "ok-then-exit-9", max_restarts=2).run() == 9
+    err = capsys.readouterr().err
+    assert err.count("mpitrain launch: $ ") == 1 and "restarting" not in err, err
+    assert "the run ended well (status ok, its results written) but mpirun exited 9" in err
     assert_all_gone(results)
 
 
