@@ -230,10 +230,11 @@ def run_check(args) -> int:
 
     from ..launch import dialect, job as launch
     from ..launch import hostfile
+    from ..launch.probe import require_reachable
 
     runner = launch.launcher_for_this_python()
     if args.hostfile:  # a host mpirun cannot reach is named, not left to ssh's own line
-        launch.require_reachable(hostfile.read(args.hostfile), [], runner)
+        require_reachable(hostfile.read(args.hostfile), [], runner)
     given = hostfile.for_launcher(args.hostfile, runner.hostfile_format) \
         if args.hostfile else None
     cmd = runner.command(args.np, given, args.oversubscribe or not args.hostfile,

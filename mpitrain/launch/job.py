@@ -2,68 +2,65 @@
 
     mpitrain launch -np 4 -hostfile hostfiles/cluster2 --max-restarts 3 lr --async
 
-The launcher runs the launch preflight (hostfile, slots, -np against the mode;
-see :mod:`mpitrain.launch.preflight`; every host of the hostfile must be reachable:
-a run that has not begun is never made smaller), starts ``mpirun ... python -m
-mpitrain ARGS`` and waits. The mpirun is this Python's environment's, else the one on
-PATH (:func:`mpitrain.launch.dialect.find_mpirun`): Open MPI 4 or 5, or MPICH's Hydra, each
-given its own options (:class:`mpitrain.launch.dialect.Mpirun`: binding off so that more ranks
-than cores run, the hostfile in its format, its recovery flag). When the job fails (a
-rank killed, a stalled rank named by the watchdog, the parameter server lost), it
+The launcher runs the launch preflight (hostfile, slots, -np against the mode; see
+:mod:`mpitrain.launch.preflight`; every host of the hostfile must be reachable: a run
+that has not begun is never made smaller), starts ``mpirun ... python -m mpitrain ARGS``
+and waits. The mpirun is this Python's environment's, else the one on PATH
+(:func:`mpitrain.launch.dialect.find_mpirun`): Open MPI 4 or 5, or MPICH's Hydra, each
+given its own options (:class:`mpitrain.launch.dialect.Mpirun`: binding off so that more
+ranks than cores run, the hostfile in its format, its recovery flag). When the job fails
+(a rank killed, a stalled rank named by the watchdog, the parameter server lost), it
 restarts it with ``--resume RUN_DIR`` from the run's last checkpoint, up to
 ``--max-restarts`` times, so the run continues in the same results directory with one
-continuous curve. A sync run
-resumed this way ends with the same weights, bit for bit, as one that never
-failed (see :mod:`mpitrain.run`); it loses at most the steps since the
+continuous curve. A sync run resumed this way ends with the same weights, bit for bit,
+as one that never failed (see :mod:`mpitrain.run`); it loses at most the steps since the
 last checkpoint (``--checkpoint-every``).
 
-Before each restart every host of the hostfile is probed (mpirun, with the job's
-own launch options, runs ``true`` there within PROBE_TIMEOUT; a host that fails
-is probed once more). A host that is gone is left out: the restart runs on a
-hostfile of the others (``hostfile.launch`` in the run directory) and, when
-their slots are fewer than -np (and --oversubscribe was not given), with fewer
-ranks. The run then resumes
-with fewer workers: a sync run keeps its global batch by raising the
-per-worker batch, or, where the global batch does not divide among the workers
-left, takes the nearest one and scales the learning rate by the linear rule;
-an async run keeps batch and learning rate and shares the updates left among
-its workers (see :class:`mpitrain.run.resume.Rescale`; recorded in runs.csv's
-``rescaled`` column and the session's resumed-*.json). A host that comes back
-is not taken in again during the launch. Without a hostfile (this machine, or a
-SLURM allocation) nothing is probed.
+Before each restart every host of the hostfile is probed (mpirun, with the job's own
+launch options, runs ``true`` there within :data:`.probe.PROBE_TIMEOUT`; a host that
+fails is probed once more). A host that is gone is left out: the restart runs on a
+hostfile of the others (``hostfile.launch`` in the run directory) and, when their slots
+are fewer than -np (and --oversubscribe was not given), with fewer ranks. The run then
+resumes with fewer workers: a sync run keeps its global batch by raising the per-worker
+batch, or, where the global batch does not divide among the workers left, takes the
+nearest one and scales the learning rate by the linear rule; an async run keeps batch
+and learning rate and shares the updates left among its workers (see
+:class:`mpitrain.run.resume.Rescale`; recorded in runs.csv's ``rescaled`` column and the
+session's resumed-*.json). A host that comes back is not taken in again during the
+launch. Without a hostfile (this machine, or a SLURM allocation) nothing is probed.
 
 An async job with two or more workers runs under Open MPI's recovery
-(``--enable-recovery`` on 4.x, ULFM's ``--with-ft ulfm`` on 5.x): a worker that dies
-or stalls is dropped by the parameter server and the job finishes without a restart
-(see :mod:`mpitrain.train.asynchronous`); only the server's loss needs one. MPICH
-cannot keep a job running after a rank died: there any loss costs a restart.
+(``--enable-recovery`` on 4.x, ULFM's ``--with-ft ulfm`` on 5.x): a worker that dies or
+stalls is dropped by the parameter server and the job finishes without a restart (see
+:mod:`mpitrain.train.asynchronous`); only the server's loss needs one. MPICH cannot keep
+a job running after a rank died: there any loss costs a restart.
 
-What is never restarted: success (exit 0), a usage error (2: the same
-arguments would fail again), a run stopped by a signal (143), and anything
-after the launcher itself was asked to stop. Signals: SIGUSR1, SIGTERM and
-SIGINT to the launcher are passed to mpirun as SIGUSR1, which mpirun forwards
-to every rank and then waits, so the ranks stop at one step and checkpoint
-(SLURM's ``--signal=B:TERM@60`` ends here); a second signal, or no exit
-within ``STOP_GRACE`` seconds, kills the job's whole process group. mpirun
-runs in a session of its own that the launcher kills on any exit, so no rank
-outlives it.
+What is never restarted: success (exit 0), a usage error (2: the same arguments would
+fail again), a run stopped by a signal (143), a run that recorded that it ended well
+(mpirun's failure after it is kept: nothing is left to train), and anything after the
+launcher itself was asked to stop. Signals: SIGUSR1, SIGTERM and SIGINT to the launcher
+are passed to mpirun as SIGUSR1, which mpirun forwards to every rank and then waits, so
+the ranks stop at one step and checkpoint (SLURM's ``--signal=B:TERM@60`` ends here); a
+second signal, or no exit within ``STOP_GRACE`` seconds, kills the job's whole process
+group. mpirun runs in a session of its own that the launcher kills on any exit, so no
+rank outlives it.
 
 While mpirun runs, the launcher follows the attempt's status.json
 (:mod:`mpitrain.launch.watch`: when the run ended by its own word, or its rank 0 is
 gone, mpirun gets ``TEARDOWN_GRACE`` seconds to exit), and every attempt keeps its
 runs.csv row.
 
-Exit codes: 0 the run finished (after N restarts, printed); 1 it still failed
-after the last restart, or failed before writing any checkpoint twice; 2 usage
-error; 74 its results could not be written (a full or read-only disk: never
-restarted); 143 stopped by a signal (resume with ``--resume`` or launch again).
+Exit codes: 0 the run finished (after N restarts, printed); 1 it still failed after the
+last restart, or failed before writing any checkpoint twice; 2 usage error; 74 its
+results could not be written (a full or read-only disk: never restarted); 143 stopped by
+a signal (resume with ``--resume`` or launch again).
 
-``mpitrain launch -np N SCRIPT.py ARGS`` runs the user's own script instead (one
-written against :mod:`mpitrain.horovod`): a failure short of a usage error (2) is
-restarted with the same command (the script resumes from its own checkpoints), up to
-``--max-restarts`` times, unless it failed the same way twice (:class:`ErrorTail`).
-A failed attempt's run directory is the one its token marks (:mod:`.watch`); on a
-multi-host cluster the results directory must be on the launcher's host.
+``mpitrain launch -np N SCRIPT.py ARGS`` runs the user's own script instead (one written
+against :mod:`mpitrain.horovod`): a failure short of a usage error (2) is restarted with
+the same command (the script resumes from its own checkpoints), up to ``--max-restarts``
+times, unless it failed the same way twice (:class:`ErrorTail`). A failed attempt's run
+directory is the one its token marks (:mod:`.watch`); on a multi-host cluster the
+results directory must be on the launcher's host.
 """
 
 from __future__ import annotations
@@ -77,11 +74,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Dict, List, Optional, Sequence, Tuple, cast
+from typing import IO, List, Optional, Sequence, Tuple, cast
 
 from . import dialect, hostfile
 from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
                       MpitrainError, ResultsError, UsageError)
+from .probe import require_reachable, unreachable
 from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, restartable,
                     run_dirs)
 from ..run.checkpoint import CHECKPOINT
@@ -198,23 +196,6 @@ def launcher_for_this_python() -> dialect.Mpirun:
     return runner
 
 
-def require_reachable(hosts: Optional[Sequence[hostfile.Host]], mpirun_args: Sequence[str],
-                      runner: dialect.Mpirun) -> None:
-    """Before a run begins: every host of the hostfile must be reachable (mpirun starts
-    ``true`` there), or the launch fails with one line naming the host. A run that has
-    not begun is never rescaled: a typo in a host name must not silently make it a
-    smaller run."""
-    if not hosts:
-        return
-    gone = unreachable(hosts, mpirun_args, runner)
-    if gone:
-        why = "; ".join(f"{h}: {reason}" for h, reason in gone.items())
-        raise MpitrainError(f"host(s) {', '.join(gone)} cannot be reached: mpirun cannot "
-                            f"start a process there ({why}); fix the host name in the "
-                            "hostfile, or the host (ssh, the same environment path), or leave "
-                            "it out of the hostfile")
-
-
 @dataclass
 class Job:
     """What mpirun is asked to run: ranks, hosts and its options. After a failure the
@@ -265,43 +246,6 @@ class Job:
             if np_ < before else ""
         return (f"host(s) {', '.join(gone)} cannot be reached (mpirun cannot start a "
                 f"process there: {why}): left out ({write_to}){fewer}")
-
-
-#: seconds mpirun gets to start ``true`` on a host before the host counts as gone
-PROBE_TIMEOUT = 30.0
-
-
-def unreachable(hosts: Sequence[hostfile.Host], mpirun_args: Sequence[str],
-                runner: dialect.Mpirun) -> Dict[str, str]:
-    """{host: why} for the hosts on which mpirun (with the job's own options: its launch
-    agent) cannot run ``true`` within PROBE_TIMEOUT, twice in a row (one transient failure,
-    e.g. an ssh hiccup, does not cost a host its place; a lost host fails both). Hosts are
-    probed all at once."""
-    failed = _probe([h.name for h in hosts], mpirun_args, runner)
-    return _probe(list(failed), mpirun_args, runner) if failed else failed
-
-
-def _probe(names: Sequence[str], mpirun_args: Sequence[str],
-           runner: dialect.Mpirun) -> Dict[str, str]:
-    probes = {name: subprocess.Popen(
-        runner.probe(name, mpirun_args),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        stdin=subprocess.DEVNULL, env=dialect.launch_environment())
-        for name in names}
-    deadline, gone = time.monotonic() + PROBE_TIMEOUT, {}
-    for name, probe in probes.items():
-        try:
-            _, err = probe.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            kill_tree(probe.pid)
-            probe.communicate()
-            gone[name] = f"no answer within {PROBE_TIMEOUT:g} s"
-            continue
-        if probe.returncode != 0:
-            first = next((line.strip() for line in err.splitlines()
-                          if line.strip() and not line.startswith("---")), "")
-            gone[name] = f"exit {probe.returncode}" + (f": {first}" if first else "")
-    return gone
 
 
 class Launcher:
