@@ -64,6 +64,12 @@ class Config:
                            "usual", False, flag="--dry-run", action="store_true")
     eval_every: int = option("evaluate on the test set every N epochs (and at the end)",
                              1, flag="--eval-every", type=int, metavar="N", number=COUNT)
+    eval_examples: int = option(
+        "evaluate on N examples of the test split, the same ones at every evaluation and "
+        "for every --seed (a fixed random sample): quicker evaluations of a larger model, "
+        "at the price of a less precise accuracy; 0 = the whole split", 0,
+        flag="--eval-examples", type=int, metavar="N",
+        number=Number(True, 1, off=0, off_means="the whole split"))
     seed: int = option("random seed for initial weights, shuffling and synthetic data",
                        42, flag="--seed", type=int, number=Number(True, 0))
     outputs: str = option(

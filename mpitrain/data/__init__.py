@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import DataError, UsageError
 from .decoding import GIVEN_ARRAYS, given_arrays, read_user
 from .memory import MemoryBudget, available_memory
-from .shards import SPLITS, Dataset, shard_range
+from .shards import SPLITS, Dataset, eval_sample, shard_range
 from .sources import RepeatingImages, digits, load_mnist, synthetic_dataset
 
 
@@ -42,14 +42,15 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
          seed: int = 0, synthetic_shape: Optional[dict] = None,
          user_data: Optional[str] = None, image_size: Optional[int] = None,
          shard: Optional[Tuple[int, int]] = None,
-         arrays: Optional[Dict[str, np.ndarray]] = None) -> Dataset:
+         arrays: Optional[Dict[str, np.ndarray]] = None, eval_examples: int = 0) -> Dataset:
     """Load ``splits`` of ``dataset`` on this rank. Collective over ``comm``.
 
     ``synthetic_shape`` (image_size, channels, num_classes, n_train, n_test)
     describes ``--dataset synthetic``; ``user_data`` is ``--data`` (:mod:`.decoding`),
     ``arrays`` the ones ``mpitrain.fit`` was given (:func:`.decoding.given_arrays`);
     ``shard`` (workers, this worker's index) keeps only this worker's shard of the
-    training split (see :func:`_finish`). Contract:
+    training split (see :func:`_finish`); ``eval_examples`` (``--eval-examples``), if not
+    0, keeps only that sample of the test split (:func:`.shards.eval_sample`). Contract:
     every rank calls it with the same ``dataset``; on return every rank holds the same
     dataset (same name and training-set size), or every rank raises the first rank's
     error (naming that rank and host).
@@ -78,14 +79,22 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
         if split not in splits:
             setattr(result, "x_" + split, None)
             setattr(result, "y_" + split, None)
-    return _finish(result, shard)
+    return _finish(result, shard, eval_examples)
 
 
-def _finish(dataset: Dataset, shard: Optional[Tuple[int, int]]) -> Dataset:
+def _finish(dataset: Dataset, shard: Optional[Tuple[int, int]],
+            eval_examples: int = 0) -> Dataset:
     """With ``shard`` (workers, index), the training split cut to that worker's shard (its
-    own copy, so the whole set read can be freed); then pixels as float32 (uint8 scaled
-    to 0..1). In that order: a worker never holds the whole training set as floats,
-    four times the bytes of its pixels."""
+    own copy, so the whole set read can be freed), and the test split to its
+    ``eval_examples`` sample; then pixels as float32 (uint8 scaled to 0..1). In that
+    order: a worker never holds the whole training set as floats, four times the bytes
+    of its pixels."""
+    if eval_examples and dataset.y_test is not None and eval_examples < len(dataset.y_test):
+        keep = eval_sample(len(dataset.y_test), eval_examples)
+        dataset.test_split_size = len(dataset.y_test)
+        dataset.y_test = dataset.y_test[keep]
+        if dataset.x_test is not None:  # (synthetic images: a batch of real ones)
+            dataset.x_test = dataset.x_test[keep]
     if shard is not None and dataset.y_train is not None:
         start, stop = shard_range(dataset.train_size, *shard)
         dataset.y_train = take_shard(dataset.y_train, start, stop)
@@ -131,6 +140,9 @@ def describe(ds: Dataset) -> List[str]:
     lines = [f"dataset {ds.name} from {ds.source}"]
     if ds.note:
         lines.append(ds.note)
+    if ds.test_split_size is not None and ds.y_test is not None:
+        lines.append(f"evaluating on {len(ds.y_test):,} of the {ds.test_split_size:,} test "
+                     "examples (--eval-examples): its accuracy is a sample's")
     return lines
 
 

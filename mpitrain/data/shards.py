@@ -35,6 +35,22 @@ class Dataset:
     y_test: Optional[np.ndarray] = None
     note: str = ""  # a line the user must see (e.g. the offline fallback)
     classes: Optional[List[str]] = None  # class names, where the data names them
+    #: the whole test split's size where only a sample of it is kept (--eval-examples)
+    test_split_size: Optional[int] = None
+
+
+#: the seed of the test examples --eval-examples keeps: fixed, so that runs of any
+#: --seed are evaluated on the same ones
+EVAL_SAMPLE_SEED = 20260101
+
+
+def eval_sample(n_test: int, n: int) -> np.ndarray:
+    """The indices (sorted) of the ``n`` test examples of ``n_test`` that
+    ``--eval-examples n`` evaluates on: a random sample without replacement, the same
+    on every rank and in every run; all of them when ``n`` is 0 or not below ``n_test``."""
+    if not n or n >= n_test:
+        return np.arange(n_test)
+    return np.sort(np.random.default_rng(EVAL_SAMPLE_SEED).choice(n_test, n, replace=False))
 
 
 def shard_range(n_examples: int, n_workers: int, index: int) -> Tuple[int, int]:

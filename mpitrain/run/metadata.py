@@ -75,6 +75,10 @@ def run_metadata(cfg: Config, dataset, replica, ranks, rescale=None) -> dict:
             **({"rescaled": rescale.as_dict()} if rescale else {}),
             "dataset": {"name": dataset.name, "source": dataset.source,
                         "train_size": dataset.train_size, "note": dataset.note,
+                        # the examples evaluated on, of how many (--eval-examples)
+                        "test_examples": None if dataset.y_test is None else len(dataset.y_test),
+                        "test_split_size": dataset.test_split_size or (
+                            None if dataset.y_test is None else len(dataset.y_test)),
                         "input_shape": list(dataset.input_shape),
                         "num_classes": dataset.num_classes, "classes": dataset.classes},
             "model": {"name": cfg.model, "parameters": replica.n_params},

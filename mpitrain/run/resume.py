@@ -26,8 +26,8 @@ from .checkpoint import Checkpoint, Geometry, Histograms, geometry
 V = TypeVar("V")
 
 #: settings a resumed run may change; every other one must match the saved run
-RESUMABLE_CHANGES = ("epochs", "eval_every", "checkpoint_every", "checkpoint_steps",
-                     "quiet", "timeout", "start_timeout", "servers", "compiler",
+RESUMABLE_CHANGES = ("epochs", "eval_every", "eval_examples", "checkpoint_every",
+                     "checkpoint_steps", "quiet", "timeout", "start_timeout", "servers", "compiler",
                      "liveness_floor",
                      "sample_interval", "threads", "keep_cpu_binding", "data_dir", "resume",
                      "steps", "dry_run")

@@ -254,6 +254,35 @@ def test_a_worker_keeps_its_shard_as_the_same_floats(tmp_path, user):
     assert worker.x_test.tobytes() == whole.x_test.tobytes()
 
 
+def test_the_eval_sample_is_fixed_sorted_and_without_repeats():
+    sample = shards.eval_sample(10_000, 500)
+    assert len(sample) == len(set(sample.tolist())) == 500
+    assert sample.tolist() == sorted(sample.tolist()) and 0 <= sample[0] and sample[-1] < 10_000
+    assert sample.tolist() == shards.eval_sample(10_000, 500).tolist()  # any run, any rank
+    assert sample[-1] > 5_000  # spread over the split, not its first examples
+    for n in (0, 10_000, 20_000):  # off, or not fewer than the split: all of it
+        assert shards.eval_sample(10_000, n).tolist() == list(range(10_000))
+
+
+@pytest.mark.parametrize("dataset", ["mnist", "synthetic"])
+def test_eval_examples_keeps_that_sample_of_the_test_split_only(tmp_path, dataset):
+    """load(eval_examples=N) keeps the N sampled test examples (pixels and labels alike,
+    as floats) and says the whole split's size; the training split is untouched."""
+    write_mnist(tmp_path / "m", n_train=200, n_test=40)
+    options = dict(data_dir=tmp_path / "m", comm=OneRank(), synthetic_shape=dict(
+        image_size=8, channels=1, num_classes=10, n_train=200, n_test=40))
+    whole = data.load(dataset, **options)
+    sample = data.load(dataset, eval_examples=7, **options)
+    keep = shards.eval_sample(40, 7)
+    assert sample.x_test.dtype == np.float32 and len(sample.x_test) == len(sample.y_test) == 7
+    assert sample.x_test.tobytes() == np.asarray(whole.x_test[keep]).tobytes()
+    assert sample.y_test.tolist() == whole.y_test[keep].tolist()
+    assert sample.test_split_size == 40 and whole.test_split_size is None
+    assert np.asarray(sample.x_train[:]).tobytes() == np.asarray(whole.x_train[:]).tobytes()
+    assert "evaluating on 7 of the 40 test examples" in " ".join(data.describe(sample))
+    assert data.load(dataset, eval_examples=40, **options).test_split_size is None
+
+
 def test_epoch_batches_cover_shard_once_and_are_reproducible():
     batches = list(shards.epoch_batches(1050, 100, seed=1, worker=2, epoch=3))
     assert len(batches) == shards.batches_per_epoch(1050, 100) == 11
