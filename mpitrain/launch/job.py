@@ -26,8 +26,10 @@ batch, or, where the global batch does not divide among the workers left, takes 
 nearest one and scales the learning rate by the linear rule; an async run keeps batch
 and learning rate and shares the updates left among its workers (see
 :class:`mpitrain.run.resume.Rescale`; recorded in runs.csv's ``rescaled`` column and the
-session's resumed-*.json). A host that comes back is not taken in again during the
-launch. Without a hostfile (this machine, or a SLURM allocation) nothing is probed.
+session's resumed-*.json). A host left out is probed again while the job runs, and when
+it answers the job is stopped at a checkpoint and resumed with it, up to the launch's -np
+(:mod:`.membership`). Without a hostfile (this machine, or a SLURM allocation) nothing is
+probed.
 
 An async job with two or more workers runs under Open MPI's recovery
 (``--enable-recovery`` on 4.x, ULFM's ``--with-ft ulfm`` on 5.x): a worker that dies or
@@ -72,13 +74,13 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, List, Optional, Sequence, Tuple, cast
 
 from . import dialect, hostfile
 from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
                       MpitrainError, ResultsError, UsageError)
+from .membership import HOST_POLL, Job, Membership
 from .probe import require_reachable, unreachable
 from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, restartable,
                     run_dirs)
@@ -117,6 +119,10 @@ def add_parser(commands) -> None:
                         help="allow more ranks than slots (as mpirun --oversubscribe)")
     launch.add_argument("--max-restarts", type=int, default=3, metavar="N",
                         help="restarts after failures before giving up (default 3)")
+    launch.add_argument("--host-poll", type=float, default=HOST_POLL, metavar="S",
+                        help="seconds between probes of a host left out after a failure; "
+                        "when it answers, the job stops at a checkpoint and goes on with it "
+                        f"(0: only at the next restart; default {HOST_POLL:g})")
     launch.add_argument("--mpirun-arg", action="append", default=[], metavar="ARG",
                         help="an extra argument for mpirun, e.g. --mpirun-arg=--bind-to "
                         "--mpirun-arg=none (repeatable)")
@@ -166,9 +172,14 @@ def run(args, cfg) -> int:
     hosts = hostfile.read(args.hostfile) if args.hostfile else None
     # no hostfile and no allocation: every rank on this host, as many as -np asks for
     oversubscribe = args.oversubscribe or (hosts is None and not in_slurm)
+    if args.host_poll < 0:
+        raise UsageError(f"--host-poll must be 0 (off) or a number of seconds (got "
+                         f"{args.host_poll:g})")
     job = Job(np_, hosts, args.hostfile, oversubscribe, list(args.mpirun_arg), cfg.async_mode,
               runner, keep_binding=cfg.keep_cpu_binding,
-              recovery=cfg.async_mode and runner.supports_recovery)
+              recovery=cfg.async_mode and runner.supports_recovery,
+              membership=Membership(hosts, np_, oversubscribe, args.host_poll)
+              if hosts else None)
     if cfg.async_mode and np_ > 2 and not runner.supports_recovery:
         say(f"note: {runner.impl.name} cannot keep a job running after one of its ranks "
             "died, so a lost worker costs a restart from the last checkpoint (Open MPI "
@@ -196,58 +207,6 @@ def launcher_for_this_python() -> dialect.Mpirun:
     return runner
 
 
-@dataclass
-class Job:
-    """What mpirun is asked to run: ranks, hosts and its options. After a failure the
-    hosts mpirun can no longer start a process on are left out (:meth:`without_lost_hosts`)."""
-
-    np: int
-    hosts: Optional[List[hostfile.Host]]  # None: no hostfile (this machine, or SLURM's)
-    hostfile: Optional[str]
-    oversubscribe: bool
-    mpirun_args: List[str]
-    async_mode: bool
-    runner: dialect.Mpirun = field(default_factory=dialect.mpirun)  # (the one found here)
-    keep_binding: bool = False  # --keep-cpu-binding: mpirun's own binding
-    recovery: bool = False  # an async job whose mpirun keeps the others after a rank died
-    program: List[str] = field(default_factory=lambda: ["-m", "mpitrain"])  # or a script
-
-    def command(self) -> List[str]:
-        """mpirun in its own dialect (see :mod:`mpitrain.launch.dialect`), then the program."""
-        given = (hostfile.for_launcher(self.hostfile, self.runner.hostfile_format)
-                 if self.hostfile else None)
-        # the async server goes on without a lost worker instead of the job ending
-        cmd = self.runner.command(self.np, given, self.oversubscribe, self.keep_binding,
-                                  self.recovery and self.np > 2,
-                                  export=[ATTEMPT_ENV],  # the attempt's token, for rank 0
-                                  extra=self.mpirun_args)
-        return cmd + [sys.executable, *self.program]
-
-    def without_lost_hosts(self, write_to: Path) -> Optional[str]:
-        """Probe every host; if some are gone, leave them out (a hostfile of the others
-        written at ``write_to``) and lower -np to the slots left. Returns what changed
-        (None if nothing); UsageError if too few ranks are left for the mode."""
-        if not self.hosts:
-            return None
-        gone = unreachable(self.hosts, self.mpirun_args, self.runner)
-        if not gone:
-            return None
-        left = [h for h in self.hosts if h.name not in gone]
-        slots = hostfile.total_slots(left)
-        np_ = self.np if self.oversubscribe else min(self.np, slots)
-        why = "; ".join(f"{h}: {reason}" for h, reason in gone.items())
-        if not left or (self.async_mode and np_ < 2):
-            raise UsageError(f"host(s) {', '.join(gone)} cannot be reached ({why}) and the "
-                             f"hosts left offer {slots} slot(s): too few to continue the run "
-                             "(fix the hosts, then launch again with --resume)")
-        write_to.write_text(hostfile.render(left, self.runner.hostfile_format))
-        before, self.np, self.hosts, self.hostfile = self.np, np_, left, str(write_to)
-        fewer = f"; -np {before} -> {np_}, the run resumes with fewer workers" \
-            if np_ < before else ""
-        return (f"host(s) {', '.join(gone)} cannot be reached (mpirun cannot start a "
-                f"process there: {why}): left out ({write_to}){fewer}")
-
-
 class Launcher:
     """Runs one job to completion through restarts; see the module docstring."""
 
@@ -262,6 +221,9 @@ class Launcher:
         self.tail = ErrorTail()  # a script's stderr
         self.stop_signal: Optional[int] = None
         self.kill_at: Optional[float] = None
+        #: hosts found answering again while the job ran: it is stopping to take them back
+        self.growing: List[str] = []
+        self.failures = self.without_checkpoint = 0  # (restarts after failures)
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
@@ -273,8 +235,8 @@ class Launcher:
                 signal.signal(sig, handler)
 
     def _attempts(self) -> int:
-        started, without_checkpoint = time.monotonic(), 0
-        for attempt in range(self.max_restarts + 1):
+        started, restarts = time.monotonic(), 0
+        while True:
             before = run_dirs(self.results_dir)
             argv = self.training + (["--resume", self.resume] if self.resume else [])
             token = uuid.uuid4().hex
@@ -283,65 +245,94 @@ class Launcher:
             code, watched, finished = self._run_job(argv, token)
             self._kill_job()  # a rank that outlived mpirun must not hold on to its shard
             if code == 0:
-                if attempt:
-                    say(f"the run finished after {attempt} restart(s) "
+                if restarts:
+                    say(f"the run finished after {restarts} restart(s) "
                         f"({time.monotonic() - started:.0f} s in all)")
                 return 0
-            if self.stop_signal is not None or code == EXIT_INTERRUPTED:
-                say(f"stopped (exit {code}); the run can be resumed" +
-                    (f" with --resume {self.resume}" if self.resume else ""))
-                return EXIT_INTERRUPTED
-            if code == EXIT_USAGE:
-                return EXIT_USAGE
-            if finished:  # (resumed, it would be refused: every step is done)
-                say(f"the run ended well (status ok, its results written) but mpirun exited "
-                    f"{code} after it: a rank failed or was killed as the job ended (see "
-                    "above); nothing is left to train, so no restart")
-                return code
             run_dir = self._failed_run_dir(before, watched)
-            if run_dir is not None and record_lost_attempt(  # each attempt keeps its row
-                    run_dir, f"the job ended (mpirun exit {code}) before rank 0 recorded how: "
-                    "a rank was killed, or its host lost", resumed=self.resume is not None,
-                    token=token, rows_before=rows_before):
-                say("rank 0 did not record this attempt's end: its runs.csv row written")
-            if code == EXIT_CANNOT_WRITE or not restartable(run_dir):
-                say(f"the job failed (exit {code}) writing its results: a restart would fail "
-                    "the same way; giving up (see the error above)")
-                return EXIT_CANNOT_WRITE
-            if self.script:  # the same command again: it resumes from its own checkpoints
-                if self.tail.failed_the_same_way(code):
-                    say(f"the script failed the same way twice (exit {code}: "
-                        f"{self.tail.last_error}); a restart cannot help: giving up")
-                    return EXIT_FAILURE
-            elif run_dir is not None and (run_dir / CHECKPOINT).is_file():
-                self.resume = str(run_dir)
-            elif self.resume is None:
-                without_checkpoint += 1  # nothing saved yet: start it again from scratch
-                if without_checkpoint > 1:
-                    say(f"the job failed (exit {code}) twice before its first checkpoint; "
-                        "giving up (see the error above)")
-                    return EXIT_FAILURE
-            left = self.max_restarts - attempt
-            if left == 0:
-                say(f"the job failed (exit {code}) and no restarts are left "
-                    f"(--max-restarts {self.max_restarts}); giving up")
+            if self.growing and self.stop_signal is None and code == EXIT_INTERRUPTED \
+                    and run_dir is not None and (run_dir / CHECKPOINT).is_file():
+                outcome = self._grow(run_dir)
+            else:
+                outcome = self._after_failure(code, finished, run_dir, token, rows_before)
+            if outcome is not None:
+                return outcome
+            restarts += 1
+
+    def _grow(self, run_dir: Path) -> Optional[int]:
+        """The job stopped at a checkpoint to take back the hosts :attr:`growing` names:
+        restart it on them (None), or give up (an exit code) if none can be taken."""
+        self.resume, back, self.growing = str(run_dir), self.growing, []
+        try:
+            changed = self.job.rehost(self._hostfile_path(), back=back)
+        except MpitrainError as e:
+            say(f"the job stopped to take back {', '.join(back)}; {e}")
+            return EXIT_FAILURE
+        if changed:
+            say(changed)
+        say(f"restarting from the checkpoint in {self.resume} on the hosts there are")
+        return None
+
+    def _after_failure(self, code: int, finished: bool, run_dir: Optional[Path], token: str,
+                       rows_before: int) -> Optional[int]:
+        """After an attempt that did not end well: the launcher's exit code, or None to
+        restart it (from its checkpoint, on the hosts that answer)."""
+        if self.stop_signal is not None or code == EXIT_INTERRUPTED:
+            say(f"stopped (exit {code}); the run can be resumed" +
+                (f" with --resume {self.resume}" if self.resume else ""))
+            return EXIT_INTERRUPTED
+        if code == EXIT_USAGE:
+            return EXIT_USAGE
+        self.growing = []  # (a failure while it stopped to take hosts back: restarted below)
+        if finished:  # (resumed, it would be refused: every step is done)
+            say(f"the run ended well (status ok, its results written) but mpirun exited "
+                f"{code} after it: a rank failed or was killed as the job ended (see "
+                "above); nothing is left to train, so no restart")
+            return code
+        if run_dir is not None and record_lost_attempt(  # each attempt keeps its row
+                run_dir, f"the job ended (mpirun exit {code}) before rank 0 recorded how: "
+                "a rank was killed, or its host lost", resumed=self.resume is not None,
+                token=token, rows_before=rows_before):
+            say("rank 0 did not record this attempt's end: its runs.csv row written")
+        if code == EXIT_CANNOT_WRITE or not restartable(run_dir):
+            say(f"the job failed (exit {code}) writing its results: a restart would fail "
+                "the same way; giving up (see the error above)")
+            return EXIT_CANNOT_WRITE
+        if self.script:  # the same command again: it resumes from its own checkpoints
+            if self.tail.failed_the_same_way(code):
+                say(f"the script failed the same way twice (exit {code}: "
+                    f"{self.tail.last_error}); a restart cannot help: giving up")
                 return EXIT_FAILURE
-            try:
-                if self.resume:
-                    changed = self.job.without_lost_hosts(self._hostfile_path())
-                else:  # nothing to resume: a smaller run from scratch is not this run
-                    require_reachable(self.job.hosts, self.job.mpirun_args, self.job.runner)
-                    changed = None
-            except MpitrainError as e:
-                say(f"the job failed (exit {code}); {e}")
+        elif run_dir is not None and (run_dir / CHECKPOINT).is_file():
+            self.resume = str(run_dir)
+        elif self.resume is None:
+            self.without_checkpoint += 1  # nothing saved yet: start it again from scratch
+            if self.without_checkpoint > 1:
+                say(f"the job failed (exit {code}) twice before its first checkpoint; "
+                    "giving up (see the error above)")
                 return EXIT_FAILURE
-            if changed:
-                say(changed)
-            where = (f"from the checkpoint in {self.resume}" if self.resume else
-                     "the script (it resumes from its own checkpoints)" if self.script
-                     else "from scratch")
-            say(f"the job failed (exit {code}); restarting {where} ({left} restart(s) left)")
-        return EXIT_FAILURE
+        self.failures += 1
+        left = self.max_restarts - self.failures
+        if left < 0:
+            say(f"the job failed (exit {code}) and no restarts are left "
+                f"(--max-restarts {self.max_restarts}); giving up")
+            return EXIT_FAILURE
+        try:
+            if self.resume:
+                changed = self.job.rehost(self._hostfile_path())
+            else:  # nothing to resume: a smaller run from scratch is not this run
+                require_reachable(self.job.hosts, self.job.mpirun_args, self.job.runner)
+                changed = None
+        except MpitrainError as e:
+            say(f"the job failed (exit {code}); {e}")
+            return EXIT_FAILURE
+        if changed:
+            say(changed)
+        where = (f"from the checkpoint in {self.resume}" if self.resume else
+                 "the script (it resumes from its own checkpoints)" if self.script
+                 else "from scratch")
+        say(f"the job failed (exit {code}); restarting {where} ({left} restart(s) left)")
+        return None
 
     def _hostfile_path(self) -> Path:
         """Where the hostfile of the hosts left is written: the run directory (it records
@@ -377,6 +368,7 @@ class Launcher:
         the run recorded that it ended well."""
         command = self.job.command() + list(argv)
         say("$ " + " ".join(command))
+        self.kill_at = None  # (a stop to take hosts back set it for the attempt before)
         watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
         # a session of its own: one killpg reaches mpirun and every local rank
         self.proc = subprocess.Popen(command, start_new_session=True,
@@ -404,6 +396,7 @@ class Launcher:
                     self._kill_job()
                     continue  # the wait returns its exit code at once
                 watch.poll()
+                self._look_for_hosts_back(watch)
                 # (either is only ever true of a status read)
                 if watch.overdue(TEARDOWN_GRACE):
                     return self._kill_after_the_run_ended(cast(dict, watch.status))
@@ -426,6 +419,25 @@ class Launcher:
             f"{TEARDOWN_GRACE:g} s; killing it")
         self._kill_job()
         return EXIT_FAILURE
+
+    def _look_for_hosts_back(self, watch: "RunWatch") -> None:
+        """While the job runs with hosts left out: probe those due; when one answers,
+        stop the job at a checkpoint (as a stop signal does) to restart it with it. Only
+        once its run says running: every rank then takes the stop signal (before, it
+        would end a rank still starting)."""
+        members = self.job.membership
+        if members is None or not members.left_out or self.kill_at is not None or \
+                (watch.status or {}).get("status") != "running":
+            return
+        back = members.look(lambda names: unreachable(
+            [h for h in members.hosts if h.name in names], self.job.mpirun_args,
+            self.job.runner))
+        if back and self.proc is not None and self.proc.poll() is None:
+            self.growing = back
+            say(f"host(s) {', '.join(back)} answer again: stopping the job at a checkpoint "
+                "to take them back")
+            self.proc.send_signal(signal.SIGUSR1)  # mpirun forwards it and waits
+            self.kill_at = time.monotonic() + STOP_GRACE
 
     def _on_signal(self, signum, frame) -> None:
         first = self.stop_signal is None

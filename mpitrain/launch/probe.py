@@ -1,6 +1,7 @@
 """Whether mpirun can still start a process on each host of a job: probed before a launch
 (every host must answer: a run that has not begun is never made smaller) and before
-each restart (a host that does not is left out: :meth:`mpitrain.launch.job.Job.without_lost_hosts`).
+each restart (a host that does not is left out, one back is taken back:
+:meth:`mpitrain.launch.job.Job.rehost`).
 Outside the job: no TensorFlow, no MPI."""
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ def cnn(tmp_path):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_user_file_trains_on_mnist(mode, shared_run):
-    """60 steps per worker at -np 3 (measured: sync 88%, async 82%; chance is 10%); the
-    runs share a launch with other tests' (conftest.SHARED_RUNS)."""
+    """60 steps per worker at -np 3 (measured: sync 88%, async 82%; chance is 10%),
+    evaluated on a sample of 2,000 test examples (--eval-examples); the runs share a
+    launch with other tests' (conftest.SHARED_RUNS)."""
     run_dir, run, _ = shared_run(3, f"my_cnn-{mode}")
     spec = f"{run_dir.parent.parent / 'my_cnn.py'}:build"  # where conftest wrote it
     assert (run["model"], run["mode"], run["status"]) == (spec, mode, "ok")
@@ -35,6 +36,8 @@ def test_user_file_trains_on_mnist(mode, shared_run):
     meta = json.loads((run_dir / "config.json").read_text())
     assert meta["config"]["model"] == spec and meta["model"]["parameters"] == 13610
     assert (meta["config"]["optimizer"], meta["config"]["batch_size"]) == ("adam", 64)
+    assert (meta["dataset"]["test_examples"], meta["dataset"]["test_split_size"]) == \
+        (2000, 10000)
     # the async server's Adam keeps beta_1 0.9 less 2 workers' own momentum, 1 - 1/2
     assert run.get("server_momentum", "") == ("0.4" if mode == "async" else "")
 

@@ -79,15 +79,16 @@ def test_sync_allreduce_spreads_traffic(cluster, tmp_path, mnist, shape, np_):
         assert mb > 0.5 * steps * gradient_mb, (node, traffic)
 
 
-# Last in the file: it takes node2 away from the module's cluster.
-def test_launch_leaves_out_a_lost_node_and_resumes_with_fewer_workers(cluster, tmp_path,
-                                                                       mnist):
+# Last in the file: it takes node2 away from the module's cluster (and brings it back).
+def test_launch_leaves_out_a_lost_node_then_takes_it_back(cluster, tmp_path, mnist):
     """cluster2 (-np 4: node0 x2, node1, node2) under `mpitrain launch`; after the first
     checkpoint node2 is lost (every process in it SIGKILLed, the node removed). The
     launcher finds node2 unreachable, restarts on node0+node1 with -np 3, and the run
-    resumes with 2 workers at the same global batch (4 x 3 = 6 x 2) and learning rate:
-    one results directory, a continuous curve to the last epoch, accuracy within 1 pp
-    of an uninterrupted run."""
+    resumes with 2 workers at the same global batch (4 x 3 = 6 x 2) and learning rate.
+    Then node2 comes back (a fresh node at its address): the launcher, probing it every
+    --host-poll seconds, stops the job at a checkpoint and resumes it on all three
+    nodes at -np 4 again. One results directory, a continuous curve to the last epoch,
+    accuracy within 1 pp of an uninterrupted run."""
     training = ["lr", "--batch-size", "4", "--lr", "0.05", "--epochs", "2", "--quiet",
                 "--data-dir", str(mnist), "--sample-interval", "0"]
     reference = run_bounded(mpirun_cmd(4, *training, "--results-dir", tmp_path / "ref"), 600,
@@ -98,6 +99,7 @@ def test_launch_leaves_out_a_lost_node_and_resumes_with_fewer_workers(cluster, t
     results = tmp_path / "launched"
     proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "4", "-hostfile",
                           hostfile("cluster2"), *[f"--mpirun-arg={a}" for a in cluster],
+                          "--host-poll", "2",
                           *training, "--results-dir", str(results), "--checkpoint-steps",
                           "200",
                           # a node removed before its killed processes' connections
@@ -119,19 +121,31 @@ def test_launch_leaves_out_a_lost_node_and_resumes_with_fewer_workers(cluster, t
         time.sleep(0.2)
     failed = run_bounded([NETNS, "fail", "node2"], 60)
     assert failed.returncode == 0, failed.stdout + failed.stderr
+    run_dir, = [p for p in results.iterdir() if p.is_dir()]
+    # the launcher left node2 out (its hostfile of the others written): node2 comes back
+    while not (run_dir / "hostfile.launch").exists() and time.monotonic() < deadline + 300:
+        assert proc.poll() is None, finish_bounded(proc, 30).stderr[-3000:]
+        time.sleep(0.2)
+    revived = run_bounded([NETNS, "revive", "node2"], 60)
+    assert revived.returncode == 0, revived.stdout + revived.stderr
     done = finish_bounded(proc, 600)
 
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "host(s) node2 cannot be reached" in done.stderr, done.stderr[-3000:]
+    assert "host node2 left out (mpirun cannot start a process there" in done.stderr, \
+        done.stderr[-3000:]
     assert "-np 4 -> 3, the run resumes with fewer workers" in done.stderr
-    run_dir, = [p for p in results.iterdir() if p.is_dir()]
-    assert (run_dir / "hostfile.launch").read_text().split() == ["node0", "slots=2",
-                                                                 "node1", "slots=1"]
+    assert "host(s) node2 answer again: stopping the job at a checkpoint" in done.stderr
+    assert "-np 3 -> 4, the run resumes with more workers" in done.stderr
+    assert (run_dir / "hostfile.launch").read_text().split() == [
+        "node0", "slots=2", "node1", "slots=1", "node2", "slots=1"]
     rows = read_rows(results / "runs.csv")
+    smaller, = [row for row in rows if row["np"] == "3"]  # stopped to take node2 back
+    assert smaller["status"] == "interrupted" and smaller["workers"] == "2"
+    assert (smaller["batch_size"], smaller["global_batch"]) == ("6", "12")
+    assert "global batch 12 kept (per-worker batch 4 -> 6)" in smaller["rescaled"]
     final = rows[-1]
-    assert final["status"] == "ok" and (final["np"], final["workers"]) == ("3", "2")
-    assert (final["batch_size"], final["global_batch"]) == ("6", "12")
-    assert "global batch 12 kept (per-worker batch 4 -> 6)" in final["rescaled"]
+    assert final["status"] == "ok" and (final["np"], final["workers"]) == ("4", "3")
+    assert (final["batch_size"], final["global_batch"]) == ("4", "12")
     assert float(final["lr"]) == pytest.approx(float(rows[0]["lr"]))
     curve = read_rows(run_dir / "curve.csv")
     steps = [int(r["step"]) for r in curve]

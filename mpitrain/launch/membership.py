@@ -1,0 +1,196 @@
+"""Which hosts of the launch a job runs on, as hosts are lost and come back.
+
+``mpitrain launch -hostfile FILE`` starts on every host of FILE (all must answer:
+:func:`.probe.require_reachable`). A host that stops answering is left out at the next
+restart (the job runs on the others, with fewer ranks where their slots are fewer).
+A host left out is probed again, while the job runs, once its cooldown has passed and
+then every ``--host-poll`` seconds; when it answers, the launcher stops the job at a
+checkpoint (the stop signal's path: every rank checkpoints) and restarts it on the
+larger set of hosts, up to the launch's -np, from that checkpoint (the run rescales as
+it does when it shrinks: :class:`mpitrain.run.resume.Rescale`). The cooldown doubles
+each time the same host is lost again (``--host-poll``, then twice, four times that...,
+at most MAX_COOLDOWN): a host that keeps failing costs fewer and fewer restarts, as
+Horovod's elastic blacklist cooldown does. A restart after a failure probes the hosts
+whose cooldown has passed too, so a host back by then is taken back at once.
+
+Pure bookkeeping on a clock, and a probe run on a thread of its own (a probe of a host
+that does not answer takes up to PROBE_TIMEOUT, which the launcher's watch of the job
+must not wait for). Outside the job: no TensorFlow, no MPI.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from . import dialect, hostfile
+from ..errors import UsageError
+from .probe import unreachable
+from ..results.run_dir import ATTEMPT_ENV
+
+#: seconds between probes of a host left out, by default (``--host-poll``), and its
+#: first cooldown
+HOST_POLL = 10.0
+#: the longest cooldown of a host lost again and again
+MAX_COOLDOWN = 600.0
+
+#: probe(host names) -> {name: why} of those that did not answer
+Probe = Callable[[Sequence[str]], Dict[str, str]]
+
+
+@dataclass
+class _LeftOut:
+    why: str
+    cooldown: float
+    next_probe: float
+
+
+@dataclass
+class Membership:
+    """The launch's hosts (``hosts``, in hostfile order) and -np (``np``), and which of
+    them are left out now. ``poll``: seconds between probes of a host left out (0: a
+    host left out is taken back only at a restart after a failure)."""
+
+    hosts: List[hostfile.Host]
+    np: int
+    oversubscribe: bool
+    poll: float = HOST_POLL
+    clock: Callable[[], float] = time.monotonic
+    left_out: Dict[str, _LeftOut] = field(default_factory=dict)
+    #: how many times each host was lost, for its cooldown
+    losses: Dict[str, int] = field(default_factory=dict)
+    _probing: Optional[threading.Thread] = None
+    _answered: List[str] = field(default_factory=list)
+
+    def current(self) -> List[hostfile.Host]:
+        """The hosts the job runs on: the launch's, less those left out."""
+        return [h for h in self.hosts if h.name not in self.left_out]
+
+    def np_now(self) -> int:
+        """The ranks the job runs with on :meth:`current`: the launch's -np, fewer where
+        those hosts have fewer slots (unless oversubscribed)."""
+        return self.np if self.oversubscribe else min(self.np, hostfile.total_slots(
+            self.current()))
+
+    def leave_out(self, gone: Dict[str, str]) -> List[str]:
+        """Leave out the hosts of ``gone`` ({name: why}); one line per host, with when it
+        is probed again."""
+        lines, now = [], self.clock()
+        for name, why in gone.items():
+            self.losses[name] = self.losses.get(name, 0) + 1
+            cooldown = min(MAX_COOLDOWN, (self.poll or HOST_POLL)
+                           * 2 ** (self.losses[name] - 1))
+            self.left_out[name] = _LeftOut(why, cooldown, now + cooldown)
+            again = (f"probed again in {cooldown:g} s, then every {self.poll:g} s while the "
+                     "job runs" if self.poll else "probed again at the next restart, "
+                     f"{cooldown:g} s from now or later")
+            lines.append(f"host {name} left out ({why}; lost {self.losses[name]} time(s)): "
+                         f"{again}")
+        return lines
+
+    def take_back(self, names: Sequence[str]) -> None:
+        for name in names:
+            self.left_out.pop(name, None)
+
+    def cooled(self) -> List[str]:
+        """The hosts left out whose next probe is due."""
+        now = self.clock()
+        return [name for name, out in self.left_out.items() if now >= out.next_probe]
+
+    def look(self, probe: Probe) -> List[str]:
+        """While the job runs: start a probe of the hosts due (on a thread) if none runs;
+        the hosts a finished probe found answering (none until one has). Hosts that did
+        not answer are probed again ``poll`` seconds later. Does nothing with poll 0."""
+        if not self.poll:
+            return []
+        if self._probing is not None and not self._probing.is_alive():
+            self._probing = None
+            answered, self._answered = self._answered, []
+            return [name for name in answered if name in self.left_out]
+        due = self.cooled()
+        if self._probing is None and due:
+            for name in due:
+                self.left_out[name].next_probe = self.clock() + self.poll
+            self._probing = threading.Thread(target=self._probe, args=(probe, due),
+                                             daemon=True, name="mpitrain launch host probe")
+            self._probing.start()
+        return []
+
+    def _probe(self, probe: Probe, names: List[str]) -> None:
+        gone = probe(names)
+        self._answered = [name for name in names if name not in gone]
+
+
+@dataclass
+class Job:
+    """What mpirun is asked to run: ranks, hosts and its options. Before a restart the
+    hosts mpirun can no longer start a process on are left out, and those back are
+    taken back (:meth:`rehost`)."""
+
+    np: int
+    hosts: Optional[List[hostfile.Host]]  # None: no hostfile (this machine, or SLURM's)
+    hostfile: Optional[str]
+    oversubscribe: bool
+    mpirun_args: List[str]
+    async_mode: bool
+    runner: dialect.Mpirun = field(default_factory=dialect.mpirun)  # (the one found here)
+    keep_binding: bool = False  # --keep-cpu-binding: mpirun's own binding
+    recovery: bool = False  # an async job whose mpirun keeps the others after a rank died
+    program: List[str] = field(default_factory=lambda: ["-m", "mpitrain"])  # or a script
+    #: the launch's hosts and which are left out (None without a hostfile)
+    membership: Optional[Membership] = None
+
+    def command(self) -> List[str]:
+        """mpirun in its own dialect (see :mod:`mpitrain.launch.dialect`), then the program."""
+        given = (hostfile.for_launcher(self.hostfile, self.runner.hostfile_format)
+                 if self.hostfile else None)
+        # the async server goes on without a lost worker instead of the job ending
+        cmd = self.runner.command(self.np, given, self.oversubscribe, self.keep_binding,
+                                  self.recovery and self.np > 2,
+                                  export=[ATTEMPT_ENV],  # the attempt's token, for rank 0
+                                  extra=self.mpirun_args)
+        return cmd + [sys.executable, *self.program]
+
+    def rehost(self, write_to: Path, back: Sequence[str] = ()) -> Optional[str]:
+        """Probe the hosts the job runs on, those left out whose cooldown has passed and
+        those of ``back`` (found answering while it ran); leave out the ones gone and take
+        back the others (:class:`.membership.Membership`), -np following the slots (a
+        hostfile of the hosts written at ``write_to``). Returns what changed, on one line
+        a host (None if nothing); UsageError if too few ranks are left for the mode."""
+        members = self.membership
+        if members is None:
+            return None
+        returning = list(dict.fromkeys([*members.cooled(), *back]))
+        probed = [h for h in members.hosts if h.name in returning or h.name not in
+                  members.left_out]
+        gone = unreachable(probed, self.mpirun_args, self.runner)
+        members.take_back([name for name in returning if name not in gone])
+        lines = members.leave_out({name: f"mpirun cannot start a process there: {why}"
+                                   for name, why in gone.items()
+                                   if name not in members.left_out})
+        for name in returning:  # still gone: probed again a poll later
+            if name in gone:
+                members.left_out[name].next_probe = members.clock() + members.poll
+        hosts, np_ = members.current(), members.np_now()
+        if hosts == self.hosts:
+            return "\n".join(lines) or None
+        if not hosts or (self.async_mode and np_ < 2):
+            raise UsageError(f"host(s) {', '.join(gone)} cannot be reached ("
+                             + "; ".join(f"{h}: {why}" for h, why in gone.items())
+                             + f") and the hosts left offer {hostfile.total_slots(hosts)} "
+                             "slot(s): too few to continue the run (fix the hosts, then "
+                             "launch again with --resume)")
+        write_to.write_text(hostfile.render(hosts, self.runner.hostfile_format))
+        before, self.np, self.hosts, self.hostfile = self.np, np_, hosts, str(write_to)
+        taken = [h.name for h in hosts if h.name in returning]
+        if taken:
+            lines.append(f"host(s) {', '.join(taken)} answer again: taken back")
+        more = "more" if np_ > before else "fewer"
+        lines.append(f"the job runs on {', '.join(h.name for h in hosts)} ({write_to})"
+                     + (f"; -np {before} -> {np_}, the run resumes with {more} workers"
+                        if np_ != before else ""))
+        return "\n".join(lines)
