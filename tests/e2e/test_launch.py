@@ -275,23 +275,28 @@ def test_hosts_mpirun_cannot_reach_are_left_out(tmp_path):
     from mpitrain.launch.job import Job
     from mpitrain.launch import hostfile
 
-    hosts = hostfile.parse("localhost slots=2\nno-such-host.invalid slots=2\n")
-    job = Job(4, hosts, "cluster", False, [], async_mode=True)
-    changed = job.without_lost_hosts(tmp_path / "hostfile.launch")
-    assert "host(s) no-such-host.invalid cannot be reached (mpirun cannot start a process " \
-        "there: no-such-host.invalid: exit " in changed
+    from mpitrain.launch.membership import Membership
+
+    def job_on(text, oversubscribe=False, async_mode=True):
+        hosts = hostfile.parse(text)
+        return Job(4, hosts, "cluster", oversubscribe, [], async_mode=async_mode,
+                   membership=Membership(hosts, 4, oversubscribe))
+
+    job = job_on("localhost slots=2\nno-such-host.invalid slots=2\n")
+    changed = job.rehost(tmp_path / "hostfile.launch")
+    assert "host no-such-host.invalid left out (mpirun cannot start a process there: " \
+        "exit " in changed
     assert "-np 4 -> 2, the run resumes with fewer workers" in changed
     assert (job.np, job.hostfile) == (2, str(tmp_path / "hostfile.launch"))
     assert (tmp_path / "hostfile.launch").read_text() == "localhost slots=2\n"
     assert "-np 2 -hostfile " + str(tmp_path / "hostfile.launch") in " ".join(job.command())
-    assert job.without_lost_hosts(tmp_path / "again") is None  # nothing else is gone
+    assert job.rehost(tmp_path / "again") is None  # nothing else is gone, none cooled yet
 
-    alone = Job(4, hostfile.parse("localhost slots=1\nno-such-host.invalid slots=3\n"),
-                "cluster", False, [], async_mode=True)
+    alone = job_on("localhost slots=1\nno-such-host.invalid slots=3\n")
     with pytest.raises(UsageError, match="too few to continue the run"):
-        alone.without_lost_hosts(tmp_path / "h")
-    crowded = Job(4, hosts, "cluster", True, [], async_mode=False)  # --oversubscribe
-    assert "-np" not in crowded.without_lost_hosts(tmp_path / "o") and crowded.np == 4
+        alone.rehost(tmp_path / "h")
+    crowded = job_on("localhost slots=2\nno-such-host.invalid slots=2\n", True, False)
+    assert "-np" not in crowded.rehost(tmp_path / "o") and crowded.np == 4
 
 
 # ---- a script that cannot succeed (issue 53, item 6) ------------------------------------
