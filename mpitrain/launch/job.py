@@ -178,8 +178,8 @@ def run(args, cfg) -> int:
     job = Job(np_, hosts, args.hostfile, oversubscribe, list(args.mpirun_arg), cfg.async_mode,
               runner, keep_binding=cfg.keep_cpu_binding,
               recovery=cfg.async_mode and runner.supports_recovery,
-              membership=Membership(hosts, np_, oversubscribe, args.host_poll)
-              if hosts else None)
+              membership=Membership(hosts, np_, oversubscribe, args.host_poll,
+                                    source=args.hostfile) if hosts else None)
     if cfg.async_mode and np_ > 2 and not runner.supports_recovery:
         say(f"note: {runner.impl.name} cannot keep a job running after one of its ranks "
             "died, so a lost worker costs a restart from the last checkpoint (Open MPI "
@@ -241,7 +241,7 @@ class Launcher:
             argv = self.training + (["--resume", self.resume] if self.resume else [])
             token = uuid.uuid4().hex
             # the run's rows so far: the attempt has its own once there is one more
-            rows_before = self._rows_of(Path(self.resume)) if self.resume else 0
+            rows_before = rows_of(Path(self.resume)) if self.resume else 0
             code, watched, finished = self._run_job(argv, token)
             self._kill_job()  # a rank that outlived mpirun must not hold on to its shard
             if code == 0:
@@ -352,15 +352,6 @@ class Launcher:
         new = sorted(run_dirs(self.results_dir) - before)
         return new[-1] if new else None
 
-    @staticmethod
-    def _rows_of(run_dir: Path) -> int:
-        """The run's rows in runs.csv (see :func:`run_rows`); 0 if it cannot be read (no
-        row can be added to it then either)."""
-        try:
-            return run_rows(run_dir)
-        except ResultsError:
-            return 0
-
     def _run_job(self, argv: Sequence[str], token: str) -> Tuple[int, Optional[Path], bool]:
         """Run one attempt with its ``token``: its exit code (:func:`recorded_code`; mpirun
         killed TEARDOWN_GRACE after the run's end or rank 0's: the status's, or 1), the
@@ -426,16 +417,19 @@ class Launcher:
         once its run says running: every rank then takes the stop signal (before, it
         would end a rank still starting)."""
         members = self.job.membership
-        if members is None or not members.left_out or self.kill_at is not None or \
-                (watch.status or {}).get("status") != "running":
+        if members is None or self.kill_at is not None:
+            return
+        for line in members.reread():
+            say(line)
+        if not members.left_out or (watch.status or {}).get("status") != "running":
             return
         back = members.look(lambda names: unreachable(
             [h for h in members.hosts if h.name in names], self.job.mpirun_args,
             self.job.runner))
         if back and self.proc is not None and self.proc.poll() is None:
             self.growing = back
-            say(f"host(s) {', '.join(back)} answer again: stopping the job at a checkpoint "
-                "to take them back")
+            say(f"host(s) {', '.join(back)} answer: stopping the job at a checkpoint "
+                "to take them in")
             self.proc.send_signal(signal.SIGUSR1)  # mpirun forwards it and waits
             self.kill_at = time.monotonic() + STOP_GRACE
 
@@ -457,6 +451,15 @@ class Launcher:
             return
         kill_tree(self.proc.pid)
         self.proc.wait()
+
+
+def rows_of(run_dir: Path) -> int:
+    """The run's rows in runs.csv (see :func:`run_rows`); 0 if it cannot be read (no row
+    can be added to it then either)."""
+    try:
+        return run_rows(run_dir)
+    except ResultsError:
+        return 0
 
 
 def say(message: str) -> None:

@@ -20,6 +20,7 @@ must not wait for). Outside the job: no TensorFlow, no MPI.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -63,8 +64,42 @@ class Membership:
     left_out: Dict[str, _LeftOut] = field(default_factory=dict)
     #: how many times each host was lost, for its cooldown
     losses: Dict[str, int] = field(default_factory=dict)
+    #: the launch's hostfile: read again when it changes (see :meth:`reread`)
+    source: Optional[str] = None
+    _stamp: Optional[tuple] = None
     _probing: Optional[threading.Thread] = None
     _answered: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stamp = _stamp_of(self.source)
+
+    def reread(self) -> List[str]:
+        """If the hostfile changed since it was last read, its hosts become the launch's:
+        a new host is left out, due for a probe at once, so that it joins as a host that
+        comes back does (a replacement node); a host no longer in it is not run on
+        after the next restart. Lines saying what changed; a hostfile that cannot be
+        read now keeps the hosts as they were (one line)."""
+        stamp = _stamp_of(self.source)
+        if self.source is None or stamp == self._stamp:
+            return []
+        self._stamp = stamp
+        try:
+            hosts = hostfile.read(self.source)
+        except UsageError as e:
+            return [f"the hostfile changed but cannot be read ({e}): the hosts stay as "
+                    "they were"]
+        before = {h.name for h in self.hosts}
+        added = [h.name for h in hosts if h.name not in before]
+        removed = sorted(before - {h.name for h in hosts})
+        self.hosts = hosts
+        for name in removed:
+            self.left_out.pop(name, None)
+        for name in added:
+            self.left_out[name] = _LeftOut("new in the hostfile", 0.0, self.clock())
+        return ([f"{self.source}: host(s) {', '.join(added)} added: probed, and taken in "
+                 "if they answer and the job is short of slots"] if added else []) + \
+            ([f"{self.source}: host(s) {', '.join(removed)} removed: the job leaves them "
+              "at its next restart"] if removed else [])
 
     def current(self) -> List[hostfile.Host]:
         """The hosts the job runs on: the launch's, less those left out."""
@@ -105,7 +140,7 @@ class Membership:
         """While the job runs: start a probe of the hosts due (on a thread) if none runs;
         the hosts a finished probe found answering (none until one has). Hosts that did
         not answer are probed again ``poll`` seconds later. Does nothing with poll 0."""
-        if not self.poll:
+        if not self.poll or self.np_now() >= self.np:  # (nothing to gain: no probe)
             return []
         if self._probing is not None and not self._probing.is_alive():
             self._probing = None
@@ -123,6 +158,15 @@ class Membership:
     def _probe(self, probe: Probe, names: List[str]) -> None:
         gone = probe(names)
         self._answered = [name for name in names if name not in gone]
+
+
+def _stamp_of(path: Optional[str]) -> Optional[tuple]:
+    """What tells a changed file: (modification time, size); None if it cannot be read."""
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size) if st else None
 
 
 @dataclass
@@ -164,12 +208,13 @@ class Job:
         members = self.membership
         if members is None:
             return None
+        reread = members.reread()
         returning = list(dict.fromkeys([*members.cooled(), *back]))
         probed = [h for h in members.hosts if h.name in returning or h.name not in
                   members.left_out]
         gone = unreachable(probed, self.mpirun_args, self.runner)
         members.take_back([name for name in returning if name not in gone])
-        lines = members.leave_out({name: f"mpirun cannot start a process there: {why}"
+        lines = reread + members.leave_out({name: f"mpirun cannot start a process there: {why}"
                                    for name, why in gone.items()
                                    if name not in members.left_out})
         for name in returning:  # still gone: probed again a poll later
@@ -188,7 +233,7 @@ class Job:
         before, self.np, self.hosts, self.hostfile = self.np, np_, hosts, str(write_to)
         taken = [h.name for h in hosts if h.name in returning]
         if taken:
-            lines.append(f"host(s) {', '.join(taken)} answer again: taken back")
+            lines.append(f"host(s) {', '.join(taken)} answer: taken in")
         more = "more" if np_ > before else "fewer"
         lines.append(f"the job runs on {', '.join(h.name for h in hosts)} ({write_to})"
                      + (f"; -np {before} -> {np_}, the run resumes with {more} workers"

@@ -134,7 +134,7 @@ def test_launch_leaves_out_a_lost_node_then_takes_it_back(cluster, tmp_path, mni
     assert "host node2 left out (mpirun cannot start a process there" in done.stderr, \
         done.stderr[-3000:]
     assert "-np 4 -> 3, the run resumes with fewer workers" in done.stderr
-    assert "host(s) node2 answer again: stopping the job at a checkpoint" in done.stderr
+    assert "host(s) node2 answer: stopping the job at a checkpoint" in done.stderr
     assert "-np 3 -> 4, the run resumes with more workers" in done.stderr
     assert (run_dir / "hostfile.launch").read_text().split() == [
         "node0", "slots=2", "node1", "slots=1", "node2", "slots=1"]

@@ -6,6 +6,7 @@ tests/e2e/test_netns.py."""
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +79,33 @@ def test_hosts_due_are_probed_on_a_thread_and_those_answering_reported_once():
     assert Membership(HOSTS, 4, False, poll=0.0).look(probe) == []  # off: never probes
 
 
+def test_a_changed_hostfile_adds_hosts_to_probe_and_removes_others(tmp_path):
+    path = tmp_path / "hostfile"
+    path.write_text("a slots=2\nb\nc\n")
+    clock = Clock()
+    members = Membership(HOSTS, 4, False, poll=5.0, clock=clock, source=str(path))
+    assert members.reread() == []  # as it was read at the launch
+    members.leave_out({"c": "gone"})
+    path.write_text("a slots=2\nb\nd\n")  # c replaced by d
+    assert members.reread() == [
+        f"{path}: host(s) d added: probed, and taken in if they answer and the job is "
+        "short of slots", f"{path}: host(s) c removed: the job leaves them at its next "
+        "restart"]
+    assert [h.name for h in members.hosts] == ["a", "b", "d"]
+    assert list(members.left_out) == ["d"] and members.cooled() == ["d"]  # due at once
+    assert members.reread() == []  # read once per change
+    path.write_text("a slots=x\n")
+    assert members.reread()[0].startswith("the hostfile changed but cannot be read (")
+    assert [h.name for h in members.hosts] == ["a", "b", "d"]
+
+
+def test_no_probe_while_the_job_has_all_the_ranks_it_asked_for():
+    members = Membership(HOSTS + [Host("d", 1)], 4, False, poll=5.0)
+    members.left_out["d"] = membership._LeftOut("new in the hostfile", 0.0, 0.0)
+    assert members.np_now() == 4 and members.look(lambda names: {}) == []
+    assert members._probing is None
+
+
 #: a fake mpirun: the first attempt checkpoints and fails; a resumed one says running
 #: and waits for SIGUSR1 (the launcher's stop), then stops as a run does (status
 #: interrupted, exit 143) unless it is the last (it then ends ok at once)
@@ -119,11 +147,11 @@ sys.exit(143)
 """
 
 
-@pytest.mark.timeout(60)
-def test_a_host_lost_then_back_is_taken_back_at_a_checkpoint(tmp_path, capsys, monkeypatch):
-    """-np 4 on a(2) b c: c is gone when the first attempt fails, so the job restarts
-    on a and b at -np 3; c answers again while it runs: the launcher stops it (SIGUSR1),
-    and restarts it from the checkpoint at -np 4 on all three."""
+def launch_losing_c(tmp_path, monkeypatch, then):
+    """-np 4 on a(2) b c from ``tmp_path/hostfile``: c is gone when the first attempt
+    fails, so the job restarts on a and b at -np 3; ``then(gone)`` runs once the second
+    attempt has begun (``gone``: the hosts the probes find gone). The launcher's exit
+    code, the -np of each attempt, and its results directory."""
     gone = {"c"}
 
     def unreachable(hosts, mpirun_args, runner):
@@ -134,27 +162,37 @@ def test_a_host_lost_then_back_is_taken_back_at_a_checkpoint(tmp_path, capsys, m
     monkeypatch.setattr(membership, "unreachable", unreachable)
     monkeypatch.setattr(launch, "POLL_INTERVAL", 0.1)
     results = tmp_path / "results"
-    job = Job(4, list(HOSTS), "hostfile", False, [], async_mode=False,
-              membership=Membership(list(HOSTS), 4, False, poll=0.2))
+    source = tmp_path / "hostfile"
+    source.write_text("a slots=2\nb\nc\n")
+    job = Job(4, list(HOSTS), str(source), False, [], async_mode=False,
+              membership=Membership(list(HOSTS), 4, False, poll=0.2, source=str(source)))
     job.command = lambda: [sys.executable, "-c", FAKE_MPIRUN, str(results), str(job.np)]
     launcher = Launcher(job, [], results, None, max_restarts=1)
     monkeypatch.setattr(launcher, "_on_signal", lambda *_: None)
 
-    def back_once_running():  # c comes back while the second attempt runs
+    def once_running():
         while not (results / "attempts" / "1").exists():
             time.sleep(0.05)
-        gone.clear()
+        then(gone)
 
-    import threading
-    threading.Thread(target=back_once_running, daemon=True).start()
-    assert launcher.run() == 0
+    threading.Thread(target=once_running, daemon=True).start()
+    code = launcher.run()
+    attempts = sorted((results / "attempts").iterdir(), key=lambda p: int(p.name))
+    return code, [int(p.read_text()) for p in attempts], results, launcher
+
+
+@pytest.mark.timeout(60)
+def test_a_host_lost_then_back_is_taken_back_at_a_checkpoint(tmp_path, capsys, monkeypatch):
+    """c answers again while the job runs on a and b: the launcher stops it (SIGUSR1)
+    and restarts it from the checkpoint at -np 4 on all three."""
+    code, nps, results, launcher = launch_losing_c(tmp_path, monkeypatch,
+                                                   then=lambda gone: gone.clear())
     err = capsys.readouterr().err
-    nps = [int((results / "attempts" / str(n)).read_text()) for n in range(3)]
-    assert nps == [4, 3, 4], err
+    assert code == 0 and nps == [4, 3, 4], err
     assert "host c left out (mpirun cannot start a process there: exit 255" in err
     assert "-np 4 -> 3, the run resumes with fewer workers" in err
-    assert "host(s) c answer again: stopping the job at a checkpoint to take them back" in err
-    assert "host(s) c answer again: taken back" in err
+    assert "host(s) c answer: stopping the job at a checkpoint to take them in" in err
+    assert "host(s) c answer: taken in" in err
     assert "-np 3 -> 4, the run resumes with more workers" in err
     assert "the run finished after 2 restart(s)" in err
     hosts = (results / "20260101-000000-fake" / "hostfile.launch").read_text().split()
@@ -162,3 +200,19 @@ def test_a_host_lost_then_back_is_taken_back_at_a_checkpoint(tmp_path, capsys, m
     # the stop to take c back is no failure: --max-restarts 1 had one failure to give
     assert launcher.failures == 1 and json.loads(
         (results / "20260101-000000-fake" / "status.json").read_text())["status"] == "ok"
+
+
+@pytest.mark.timeout(60)
+def test_a_host_added_to_the_hostfile_replaces_a_lost_one(tmp_path, capsys, monkeypatch):
+    """c stays gone; d replaces it in the hostfile while the job runs on a and b: d is
+    probed, answers, and the job goes back to -np 4 on a, b and d."""
+    def replace_c(gone):
+        (tmp_path / "hostfile").write_text("a slots=2\nb\nd\n")
+
+    code, nps, results, _ = launch_losing_c(tmp_path, monkeypatch, then=replace_c)
+    err = capsys.readouterr().err
+    assert code == 0 and nps == [4, 3, 4], err
+    assert "host(s) d added: probed, and taken in if they answer" in err
+    assert "host(s) d answer: stopping the job at a checkpoint" in err
+    hosts = (results / "20260101-000000-fake" / "hostfile.launch").read_text().split()
+    assert hosts == ["a", "slots=2", "b", "slots=1", "d", "slots=1"]
