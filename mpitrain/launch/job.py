@@ -67,6 +67,7 @@ results directory must be on the launcher's host.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -112,8 +113,12 @@ def add_parser(commands) -> None:
         "hostfiles/cluster2 lr --async' (no mpirun). Exit codes: 0 done, 1 failed after "
         "the last restart, 2 usage error, 74 results could not be written (never "
         "restarted), 143 stopped by a signal.")
-    launch.add_argument("-np", "--np", dest="np", type=int, default=None,
-                        help="ranks (default: $SLURM_NTASKS inside a SLURM allocation, else 1)")
+    launch.add_argument("-np", "--np", dest="np_range", type=np_range, default=None,
+                        metavar="N|MIN:MAX",
+                        help="ranks (default: $SLURM_NTASKS inside a SLURM allocation, else "
+                        "1); MIN:MAX (with -hostfile): start on the hosts that answer with "
+                        "at least MIN, grow to MAX as hosts come back, never run on fewer "
+                        "than MIN")
     launch.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE")
     launch.add_argument("--oversubscribe", action="store_true",
                         help="allow more ranks than slots (as mpirun --oversubscribe)")
@@ -139,9 +144,23 @@ def is_script(training: Sequence[str]) -> bool:
     return bool(training) and training[0].endswith(".py") and Path(training[0]).is_file()
 
 
+def np_range(text: str) -> Tuple[int, int]:
+    """``-np N`` (N, N) or ``-np MIN:MAX``; argparse's one-line error otherwise."""
+    low, colon, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high if colon else low))
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX with 1 <= MIN <= MAX (got "
+                                         f"{text!r})")
+    return bounds
+
+
 def world_size(args) -> int:
-    """-np, or the task count of the SLURM allocation the launcher runs in, or 1."""
-    return args.np if args.np is not None else int(os.environ.get("SLURM_NTASKS", "1"))
+    """-np (MIN:MAX's MAX), or the task count of the SLURM allocation the launcher runs
+    in, or 1."""
+    return args.np_range[1] if args.np_range else int(os.environ.get("SLURM_NTASKS", "1"))
 
 
 def run(args, cfg) -> int:
@@ -175,20 +194,30 @@ def run(args, cfg) -> int:
     if args.host_poll < 0:
         raise UsageError(f"--host-poll must be 0 (off) or a number of seconds (got "
                          f"{args.host_poll:g})")
+    np_min = args.np_range[0] if args.np_range else np_
+    elastic = np_min < np_
+    if elastic and hosts is None:
+        raise UsageError(f"-np {np_min}:{np_} takes the hosts that answer from a hostfile: "
+                         "give -hostfile FILE (or -np N)")
     job = Job(np_, hosts, args.hostfile, oversubscribe, list(args.mpirun_arg), cfg.async_mode,
               runner, keep_binding=cfg.keep_cpu_binding,
               recovery=cfg.async_mode and runner.supports_recovery,
               membership=Membership(hosts, np_, oversubscribe, args.host_poll,
-                                    source=args.hostfile) if hosts else None)
+                                    np_min=np_min if elastic else 1, source=args.hostfile)
+              if hosts else None)
     if cfg.async_mode and np_ > 2 and not runner.supports_recovery:
         say(f"note: {runner.impl.name} cannot keep a job running after one of its ranks "
             "died, so a lost worker costs a restart from the last checkpoint (Open MPI "
             "keeps the others training)")
-    require_reachable(job.hosts, job.mpirun_args, runner)
     if script:
         job.program = [str(Path(args.training[0]).resolve())]
     launcher = Launcher(job, list(args.training[script:]), Path(cfg.results_dir), cfg.resume,
                         args.max_restarts, script=script)
+    if elastic:  # starts on the hosts that answer (at least -np MIN's)
+        for line in job.rehost(launcher.hostfile_path(), announce=say):
+            say(line)
+    else:  # a typo in a host name must not make the run a smaller one
+        require_reachable(job.hosts, job.mpirun_args, runner)
     return launcher.run()
 
 
@@ -264,12 +293,12 @@ class Launcher:
         restart it on them (None), or give up (an exit code) if none can be taken."""
         self.resume, back, self.growing = str(run_dir), self.growing, []
         try:
-            changed = self.job.rehost(self._hostfile_path(), back=back)
+            changed = self.job.rehost(self.hostfile_path(), back=back, announce=say)
         except MpitrainError as e:
             say(f"the job stopped to take back {', '.join(back)}; {e}")
             return EXIT_FAILURE
-        if changed:
-            say(changed)
+        for line in changed:
+            say(line)
         say(f"restarting from the checkpoint in {self.resume} on the hosts there are")
         return None
 
@@ -319,22 +348,22 @@ class Launcher:
             return EXIT_FAILURE
         try:
             if self.resume:
-                changed = self.job.rehost(self._hostfile_path())
+                changed = self.job.rehost(self.hostfile_path(), announce=say)
             else:  # nothing to resume: a smaller run from scratch is not this run
                 require_reachable(self.job.hosts, self.job.mpirun_args, self.job.runner)
-                changed = None
+                changed = []
         except MpitrainError as e:
             say(f"the job failed (exit {code}); {e}")
             return EXIT_FAILURE
-        if changed:
-            say(changed)
+        for line in changed:
+            say(line)
         where = (f"from the checkpoint in {self.resume}" if self.resume else
                  "the script (it resumes from its own checkpoints)" if self.script
                  else "from scratch")
         say(f"the job failed (exit {code}); restarting {where} ({left} restart(s) left)")
         return None
 
-    def _hostfile_path(self) -> Path:
+    def hostfile_path(self) -> Path:
         """Where the hostfile of the hosts left is written: the run directory (it records
         where the run went on), else the results directory."""
         where = Path(self.resume) if self.resume else self.results_dir

@@ -26,10 +26,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, cast
 
 from . import dialect, hostfile
-from ..errors import UsageError
+from ..errors import MpitrainError, UsageError
 from .probe import unreachable
 from ..results.run_dir import ATTEMPT_ENV
 
@@ -38,6 +38,9 @@ from ..results.run_dir import ATTEMPT_ENV
 HOST_POLL = 10.0
 #: the longest cooldown of a host lost again and again
 MAX_COOLDOWN = 600.0
+#: seconds the launcher waits for hosts to answer when those that do hold fewer ranks
+#: than -np MIN:MAX's minimum, before it gives up
+HOSTS_WAIT = 300.0
 
 #: probe(host names) -> {name: why} of those that did not answer
 Probe = Callable[[Sequence[str]], Dict[str, str]]
@@ -60,6 +63,8 @@ class Membership:
     np: int
     oversubscribe: bool
     poll: float = HOST_POLL
+    #: -np MIN:MAX's minimum: the job never runs on fewer ranks (1: the mode's own)
+    np_min: int = 1
     clock: Callable[[], float] = time.monotonic
     left_out: Dict[str, _LeftOut] = field(default_factory=dict)
     #: how many times each host was lost, for its cooldown
@@ -199,15 +204,18 @@ class Job:
                                   extra=self.mpirun_args)
         return cmd + [sys.executable, *self.program]
 
-    def rehost(self, write_to: Path, back: Sequence[str] = ()) -> Optional[str]:
+    def rehost(self, write_to: Path, back: Sequence[str] = (),
+               announce: Callable[[str], None] = print) -> List[str]:
         """Probe the hosts the job runs on, those left out whose cooldown has passed and
         those of ``back`` (found answering while it ran); leave out the ones gone and take
         back the others (:class:`.membership.Membership`), -np following the slots (a
-        hostfile of the hosts written at ``write_to``). Returns what changed, on one line
-        a host (None if nothing); UsageError if too few ranks are left for the mode."""
+        hostfile of the hosts written at ``write_to``). Below -np MIN:MAX's minimum, wait
+        for hosts first (:meth:`_wait_for_hosts`, saying so through ``announce``). Returns
+        what changed, a line a host (none if nothing did); UsageError if too few ranks
+        are left for the mode, MpitrainError if the wait ran out."""
         members = self.membership
         if members is None:
-            return None
+            return []
         reread = members.reread()
         returning = list(dict.fromkeys([*members.cooled(), *back]))
         probed = [h for h in members.hosts if h.name in returning or h.name not in
@@ -220,9 +228,11 @@ class Job:
         for name in returning:  # still gone: probed again a poll later
             if name in gone:
                 members.left_out[name].next_probe = members.clock() + members.poll
+        if members.np_now() < members.np_min:
+            self._wait_for_hosts(announce)
         hosts, np_ = members.current(), members.np_now()
         if hosts == self.hosts:
-            return "\n".join(lines) or None
+            return lines
         if not hosts or (self.async_mode and np_ < 2):
             raise UsageError(f"host(s) {', '.join(gone)} cannot be reached ("
                              + "; ".join(f"{h}: {why}" for h, why in gone.items())
@@ -230,12 +240,36 @@ class Job:
                              "slot(s): too few to continue the run (fix the hosts, then "
                              "launch again with --resume)")
         write_to.write_text(hostfile.render(hosts, self.runner.hostfile_format))
-        before, self.np, self.hosts, self.hostfile = self.np, np_, hosts, str(write_to)
-        taken = [h.name for h in hosts if h.name in returning]
+        taken = [h.name for h in hosts if h not in (self.hosts or ())]
         if taken:
             lines.append(f"host(s) {', '.join(taken)} answer: taken in")
-        more = "more" if np_ > before else "fewer"
+        more = "more" if np_ > self.np else "fewer"
         lines.append(f"the job runs on {', '.join(h.name for h in hosts)} ({write_to})"
-                     + (f"; -np {before} -> {np_}, the run resumes with {more} workers"
-                        if np_ != before else ""))
-        return "\n".join(lines)
+                     + (f"; -np {self.np} -> {np_}, the run resumes with {more} workers"
+                        if np_ != self.np else ""))
+        self.np, self.hosts, self.hostfile = np_, hosts, str(write_to)
+        return lines
+
+    def _wait_for_hosts(self, announce: Callable[[str], None]) -> None:
+        """Probe the hosts left out every poll until those that answer hold -np MIN:MAX's
+        minimum, for at most HOSTS_WAIT seconds; MpitrainError (one line) if they never
+        do."""
+        members = cast(Membership, self.membership)
+        began, floor = members.clock(), members.np_min
+
+        def out() -> str:
+            return "; ".join(f"{name}: {left.why}" for name, left in members.left_out.items())
+        announce(f"the hosts that answer hold {members.np_now()} rank(s), fewer than -np "
+                 f"{floor}:{members.np}'s minimum: waiting up to {HOSTS_WAIT:g} s for hosts "
+                 f"to answer (left out: {out()})")
+        while members.np_now() < floor and members.clock() - began < HOSTS_WAIT:
+            time.sleep(members.poll or HOST_POLL)
+            names = list(members.left_out)
+            gone = unreachable([h for h in members.hosts if h.name in names],
+                               self.mpirun_args, self.runner)
+            members.take_back([name for name in names if name not in gone])
+        if members.np_now() < floor:
+            raise MpitrainError(f"-np {floor}:{members.np}: the hosts that answer hold "
+                                f"{members.np_now()} rank(s) after {HOSTS_WAIT:g} s of waiting "
+                                f"(left out: {out()}); bring hosts back, then launch again "
+                                "(with --resume RUN_DIR if the run has begun)")

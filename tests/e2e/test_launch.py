@@ -283,20 +283,20 @@ def test_hosts_mpirun_cannot_reach_are_left_out(tmp_path):
                    membership=Membership(hosts, 4, oversubscribe))
 
     job = job_on("localhost slots=2\nno-such-host.invalid slots=2\n")
-    changed = job.rehost(tmp_path / "hostfile.launch")
+    changed = "\n".join(job.rehost(tmp_path / "hostfile.launch"))
     assert "host no-such-host.invalid left out (mpirun cannot start a process there: " \
         "exit " in changed
     assert "-np 4 -> 2, the run resumes with fewer workers" in changed
     assert (job.np, job.hostfile) == (2, str(tmp_path / "hostfile.launch"))
     assert (tmp_path / "hostfile.launch").read_text() == "localhost slots=2\n"
     assert "-np 2 -hostfile " + str(tmp_path / "hostfile.launch") in " ".join(job.command())
-    assert job.rehost(tmp_path / "again") is None  # nothing else is gone, none cooled yet
+    assert job.rehost(tmp_path / "again") == []  # nothing else is gone, none cooled yet
 
     alone = job_on("localhost slots=1\nno-such-host.invalid slots=3\n")
     with pytest.raises(UsageError, match="too few to continue the run"):
         alone.rehost(tmp_path / "h")
     crowded = job_on("localhost slots=2\nno-such-host.invalid slots=2\n", True, False)
-    assert "-np" not in crowded.rehost(tmp_path / "o") and crowded.np == 4
+    assert "-np" not in "".join(crowded.rehost(tmp_path / "o")) and crowded.np == 4
 
 
 # ---- a script that cannot succeed (issue 53, item 6) ------------------------------------

@@ -16,6 +16,7 @@ from mpitrain.launch import job as launch
 from mpitrain.launch import membership
 from mpitrain.launch.hostfile import Host
 from mpitrain.launch.job import Job, Launcher
+from mpitrain.errors import MpitrainError
 from mpitrain.launch.membership import MAX_COOLDOWN, Membership
 
 HOSTS = [Host("a", 2), Host("b", 1), Host("c", 1)]
@@ -216,3 +217,115 @@ def test_a_host_added_to_the_hostfile_replaces_a_lost_one(tmp_path, capsys, monk
     assert "host(s) d answer: stopping the job at a checkpoint" in err
     hosts = (results / "20260101-000000-fake" / "hostfile.launch").read_text().split()
     assert hosts == ["a", "slots=2", "b", "slots=1", "d", "slots=1"]
+
+
+#: a fake mpirun that acts as its plan says, attempt by attempt: "run" checkpoints, says
+#: running and waits for the launcher's stop (then stops as a run does: exit 143);
+#: "ok" ends well at once
+PLANNED_MPIRUN = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+
+results, np_, plan = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
+token = os.environ["MPITRAIN_LAUNCH_ATTEMPT"]
+attempts = results / "attempts"
+attempts.mkdir(parents=True, exist_ok=True)
+n = len(list(attempts.iterdir()))
+(attempts / str(n)).write_text(str(np_))
+run = results / "20260101-000000-fake"
+run.mkdir(exist_ok=True)
+(run / "checkpoint.npz").touch()
+
+def status(value):
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        writer = {"pid": os.getpid(), "boot_id": f.read().strip(),
+                  "pid_ns": os.stat("/proc/self/ns/pid").st_ino}
+    (run / "status.json").write_text(json.dumps(
+        {"status": value, "reason": "", "launch_attempt": token, "writer": writer}))
+
+if plan[n] == "ok":
+    status("ok")
+    sys.exit(0)
+stopped = []
+signal.signal(signal.SIGUSR1, lambda *_: stopped.append(1))
+status("running")
+deadline = time.monotonic() + 30
+while not stopped and time.monotonic() < deadline:
+    time.sleep(0.05)
+status("interrupted")
+sys.exit(143)
+"""
+
+
+def elastic_launch(tmp_path, monkeypatch, gone, plan, comes_back=None, np_min=3):
+    """-np NP_MIN:4 on a(2) b c, the probes finding ``gone`` gone: start as ``run`` does
+    for -np MIN:MAX, then run the attempts of ``plan``; ``comes_back(gone)`` runs on a
+    thread once the launch has begun. (exit code, -np of each attempt, stderr)."""
+    def unreachable(hosts, mpirun_args, runner):
+        return {h.name: "exit 255: no route to host" for h in hosts if h.name in gone}
+
+    monkeypatch.setattr(launch, "unreachable", unreachable)
+    monkeypatch.setattr(membership, "unreachable", unreachable)
+    monkeypatch.setattr(launch, "POLL_INTERVAL", 0.1)
+    results = tmp_path / "results"
+    job = Job(4, list(HOSTS), "hostfile", False, [], async_mode=False,
+              membership=Membership(list(HOSTS), 4, False, poll=0.2, np_min=np_min))
+    job.command = lambda: [sys.executable, "-c", PLANNED_MPIRUN, str(results), str(job.np),
+                           ",".join(plan)]
+    launcher = Launcher(job, [], results, None, max_restarts=0)
+    monkeypatch.setattr(launcher, "_on_signal", lambda *_: None)
+    if comes_back:
+        threading.Thread(target=comes_back, args=(gone,), daemon=True).start()
+    for line in job.rehost(launcher.hostfile_path(), announce=launch.say):
+        launch.say(line)
+    code = launcher.run()
+    attempts = sorted((results / "attempts").iterdir(), key=lambda p: int(p.name))
+    return code, [int(p.read_text()) for p in attempts]
+
+
+@pytest.mark.timeout(60)
+def test_np_min_max_starts_on_the_hosts_that_answer_and_grows(tmp_path, capsys, monkeypatch):
+    """-np 3:4 with c not answering at the launch: the job starts on a and b at -np 3,
+    and goes to -np 4 once c answers."""
+    def later(gone):
+        time.sleep(1.0)
+        gone.clear()
+
+    code, nps = elastic_launch(tmp_path, monkeypatch, {"c"}, ["run", "ok"], later)
+    err = capsys.readouterr().err
+    assert code == 0 and nps == [3, 4], err
+    assert "host c left out (mpirun cannot start a process there: exit 255" in err
+    assert "-np 4 -> 3, the run resumes with fewer workers" in err
+    assert "-np 3 -> 4, the run resumes with more workers" in err
+
+
+@pytest.mark.timeout(60)
+def test_np_min_max_waits_for_hosts_below_its_minimum(tmp_path, capsys, monkeypatch):
+    """b and c not answering leave a's 2 slots, under -np 3:4's minimum: the launcher
+    says it waits, and starts at -np 3 once c answers; with neither back within
+    HOSTS_WAIT it gives up in one line."""
+    monkeypatch.setattr(membership, "HOSTS_WAIT", 20.0)
+
+    def c_later(gone):
+        time.sleep(0.5)
+        gone.discard("c")
+
+    code, nps = elastic_launch(tmp_path, monkeypatch, {"b", "c"}, ["ok"], c_later)
+    err = capsys.readouterr().err
+    assert code == 0 and nps == [3], err
+    assert "the hosts that answer hold 2 rank(s), fewer than -np 3:4's minimum: waiting " \
+           "up to 20 s for hosts to answer (left out: b: mpirun cannot start a process " \
+           "there: exit 255: no route to host; c: " in err
+
+    monkeypatch.setattr(membership, "HOSTS_WAIT", 0.5)
+    with pytest.raises(MpitrainError, match=r"^-np 3:4: the hosts that answer hold 2 "
+                       r"rank\(s\) after 0.5 s of waiting \(left out: b: .*; c: .*\); "
+                       r"bring hosts back, then launch again"):
+        elastic_launch(tmp_path / "2", monkeypatch, {"b", "c"}, ["ok"])
+
+
+def test_np_takes_n_or_min_max():
+    assert launch.np_range("4") == (4, 4) and launch.np_range("2:4") == (2, 4)
+    for bad in ("0", "4:2", "x", "2:", ":4", "1:2:3"):
+        with pytest.raises(Exception, match="must be N or MIN:MAX with 1 <= MIN <= MAX"):
+            launch.np_range(bad)
