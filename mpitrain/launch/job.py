@@ -177,6 +177,11 @@ def run(args, cfg) -> int:
     from .preflight import check_launch
 
     np_ = world_size(args)
+    np_min = args.np_range[0] if args.np_range else np_
+    elastic = np_min < np_
+    if elastic and not args.hostfile:
+        raise UsageError(f"-np {np_min}:{np_} takes the hosts that answer from a hostfile: "
+                         "give -hostfile FILE (or -np N)")
     placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode,
                              cfg.asynchronous.servers)
     in_slurm = args.hostfile is None and bool(os.environ.get("SLURM_JOB_ID"))
@@ -194,11 +199,6 @@ def run(args, cfg) -> int:
     if args.host_poll < 0:
         raise UsageError(f"--host-poll must be 0 (off) or a number of seconds (got "
                          f"{args.host_poll:g})")
-    np_min = args.np_range[0] if args.np_range else np_
-    elastic = np_min < np_
-    if elastic and hosts is None:
-        raise UsageError(f"-np {np_min}:{np_} takes the hosts that answer from a hostfile: "
-                         "give -hostfile FILE (or -np N)")
     job = Job(np_, hosts, args.hostfile, oversubscribe, list(args.mpirun_arg), cfg.async_mode,
               runner, keep_binding=cfg.keep_cpu_binding,
               recovery=cfg.async_mode and runner.supports_recovery,
