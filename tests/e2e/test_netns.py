@@ -147,6 +147,8 @@ def test_launch_leaves_out_a_lost_node_then_takes_it_back(cluster, tmp_path, mni
     assert final["status"] == "ok" and (final["np"], final["workers"]) == ("4", "3")
     assert (final["batch_size"], final["global_batch"]) == ("4", "12")
     assert float(final["lr"]) == pytest.approx(float(rows[0]["lr"]))
+    print("\n".join(line for line in done.stderr.splitlines()
+                    if line.startswith("mpitrain launch:") and "$ " not in line))
     curve = read_rows(run_dir / "curve.csv")
     steps = [int(r["step"]) for r in curve]
     assert steps == sorted(set(steps)) and float(curve[-1]["epoch"]) == 2
