@@ -1,21 +1,25 @@
-"""Which hosts of the launch a job runs on, as hosts are lost and come back.
+"""Which hosts of the launch a job runs on, as hosts are lost, come back and are added;
+and :class:`Job`, what mpirun is asked to run on them.
 
-``mpitrain launch -hostfile FILE`` starts on every host of FILE (all must answer:
-:func:`.probe.require_reachable`). A host that stops answering is left out at the next
-restart (the job runs on the others, with fewer ranks where their slots are fewer).
-A host left out is probed again, while the job runs, once its cooldown has passed and
-then every ``--host-poll`` seconds; when it answers, the launcher stops the job at a
-checkpoint (the stop signal's path: every rank checkpoints) and restarts it on the
-larger set of hosts, up to the launch's -np, from that checkpoint (the run rescales as
-it does when it shrinks: :class:`mpitrain.run.resume.Rescale`). The cooldown doubles
-each time the same host is lost again (``--host-poll``, then twice, four times that...,
-at most MAX_COOLDOWN): a host that keeps failing costs fewer and fewer restarts, as
+``mpitrain launch -np N -hostfile FILE`` starts on every host of FILE (all must answer:
+:func:`.probe.require_reachable`); ``-np MIN:MAX`` starts on those that answer, with at
+least MIN ranks. A host that stops answering is left out at the next restart (the job
+runs on the others, with fewer ranks where their slots are fewer; under MIN:MAX never
+fewer than MIN: the launcher waits up to HOSTS_WAIT for hosts, then gives up). A host
+left out is probed again, while the job runs and is short of slots, once its cooldown
+has passed and then every ``--host-poll`` seconds; when it answers, the launcher stops
+the job at a checkpoint (the stop signal's path: every rank checkpoints) and restarts it
+on the larger set of hosts, up to -np (MAX), from that checkpoint (the run rescales as it
+does when it shrinks: :class:`mpitrain.run.resume.Rescale`). The cooldown doubles each
+time the same host is lost again (``--host-poll``, then twice, four times that..., at
+most MAX_COOLDOWN): a host that keeps failing costs fewer and fewer restarts, as
 Horovod's elastic blacklist cooldown does. A restart after a failure probes the hosts
-whose cooldown has passed too, so a host back by then is taken back at once.
+whose cooldown has passed too. The hostfile is read again when it changes: a new host
+(a replacement node) is probed and taken in as a returning one is.
 
-Pure bookkeeping on a clock, and a probe run on a thread of its own (a probe of a host
-that does not answer takes up to PROBE_TIMEOUT, which the launcher's watch of the job
-must not wait for). Outside the job: no TensorFlow, no MPI.
+Bookkeeping on a clock, and a probe run on a thread of its own (a probe of a host that
+does not answer takes up to PROBE_TIMEOUT, which the launcher's watch of the job must
+not wait for). Outside the job: no TensorFlow, no MPI.
 """
 
 from __future__ import annotations

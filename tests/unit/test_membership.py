@@ -107,20 +107,22 @@ def test_no_probe_while_the_job_has_all_the_ranks_it_asked_for():
     assert members._probing is None
 
 
-#: a fake mpirun: the first attempt checkpoints and fails; a resumed one says running
-#: and waits for SIGUSR1 (the launcher's stop), then stops as a run does (status
-#: interrupted, exit 143) unless it is the last (it then ends ok at once)
-FAKE_MPIRUN = r"""
+#: a fake mpirun that acts as its plan says, attempt by attempt: "fail" checkpoints, says
+#: running and fails; "run" checkpoints, says running and waits for the launcher's stop
+#: (then stops as a run does: exit 143); "ok" ends well at once
+PLANNED_MPIRUN = r"""
 import json, os, signal, sys, time
 from pathlib import Path
 
-results, np_ = Path(sys.argv[1]), int(sys.argv[2])
+results, np_, plan = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
 token = os.environ["MPITRAIN_LAUNCH_ATTEMPT"]
 attempts = results / "attempts"
 attempts.mkdir(parents=True, exist_ok=True)
 n = len(list(attempts.iterdir()))
 (attempts / str(n)).write_text(str(np_))
 run = results / "20260101-000000-fake"
+run.mkdir(exist_ok=True)
+(run / "checkpoint.npz").touch()
 
 def status(value):
     with open("/proc/sys/kernel/random/boot_id") as f:
@@ -129,14 +131,12 @@ def status(value):
     (run / "status.json").write_text(json.dumps(
         {"status": value, "reason": "", "launch_attempt": token, "writer": writer}))
 
-if n == 0:
-    run.mkdir()
-    (run / "checkpoint.npz").touch()
-    status("running")
-    sys.exit(1)
-if n == 2:
+if plan[n] == "ok":
     status("ok")
     sys.exit(0)
+if plan[n] == "fail":
+    status("running")
+    sys.exit(1)
 stopped = []
 signal.signal(signal.SIGUSR1, lambda *_: stopped.append(1))
 status("running")
@@ -167,7 +167,8 @@ def launch_losing_c(tmp_path, monkeypatch, then):
     source.write_text("a slots=2\nb\nc\n")
     job = Job(4, list(HOSTS), str(source), False, [], async_mode=False,
               membership=Membership(list(HOSTS), 4, False, poll=0.2, source=str(source)))
-    job.command = lambda: [sys.executable, "-c", FAKE_MPIRUN, str(results), str(job.np)]
+    job.command = lambda: [sys.executable, "-c", PLANNED_MPIRUN, str(results), str(job.np),
+                           "fail,run,ok"]
     launcher = Launcher(job, [], results, None, max_restarts=1)
     monkeypatch.setattr(launcher, "_on_signal", lambda *_: None)
 
@@ -217,44 +218,6 @@ def test_a_host_added_to_the_hostfile_replaces_a_lost_one(tmp_path, capsys, monk
     assert "host(s) d answer: stopping the job at a checkpoint" in err
     hosts = (results / "20260101-000000-fake" / "hostfile.launch").read_text().split()
     assert hosts == ["a", "slots=2", "b", "slots=1", "d", "slots=1"]
-
-
-#: a fake mpirun that acts as its plan says, attempt by attempt: "run" checkpoints, says
-#: running and waits for the launcher's stop (then stops as a run does: exit 143);
-#: "ok" ends well at once
-PLANNED_MPIRUN = r"""
-import json, os, signal, sys, time
-from pathlib import Path
-
-results, np_, plan = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
-token = os.environ["MPITRAIN_LAUNCH_ATTEMPT"]
-attempts = results / "attempts"
-attempts.mkdir(parents=True, exist_ok=True)
-n = len(list(attempts.iterdir()))
-(attempts / str(n)).write_text(str(np_))
-run = results / "20260101-000000-fake"
-run.mkdir(exist_ok=True)
-(run / "checkpoint.npz").touch()
-
-def status(value):
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        writer = {"pid": os.getpid(), "boot_id": f.read().strip(),
-                  "pid_ns": os.stat("/proc/self/ns/pid").st_ino}
-    (run / "status.json").write_text(json.dumps(
-        {"status": value, "reason": "", "launch_attempt": token, "writer": writer}))
-
-if plan[n] == "ok":
-    status("ok")
-    sys.exit(0)
-stopped = []
-signal.signal(signal.SIGUSR1, lambda *_: stopped.append(1))
-status("running")
-deadline = time.monotonic() + 30
-while not stopped and time.monotonic() < deadline:
-    time.sleep(0.05)
-status("interrupted")
-sys.exit(143)
-"""
 
 
 def elastic_launch(tmp_path, monkeypatch, gone, plan, comes_back=None, np_min=3):
