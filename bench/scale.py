@@ -471,7 +471,7 @@ def preflight_s(np_: int, hostfile: Path) -> Dict[str, float]:
 def probe_s(hostfile: Path, hosts: Optional[int] = None,
             mpirun_args: Sequence[str] = ()) -> float:
     """Seconds the launcher's probe of the (first ``hosts``) hosts of ``hostfile`` takes
-    (:func:`mpitrain.launch.job.unreachable`: mpirun runs ``true`` on each, all at once);
+    (:func:`mpitrain.launch.probe.unreachable`: mpirun runs ``true`` on each, all at once);
     raises if one is unreachable."""
     from mpitrain.launch import job as launch
     from mpitrain.launch import hostfile as hostfiles

@@ -82,7 +82,7 @@ from . import dialect, hostfile
 from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
                       MpitrainError, ResultsError, UsageError)
 from .membership import HOST_POLL, Job, Membership
-from .probe import require_reachable, unreachable
+from .probe import require_reachable
 from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, restartable,
                     run_dirs)
 from ..run.checkpoint import CHECKPOINT
@@ -452,9 +452,7 @@ class Launcher:
             say(line)
         if not members.left_out or (watch.status or {}).get("status") != "running":
             return
-        back = members.look(lambda names: unreachable(
-            [h for h in members.hosts if h.name in names], self.job.mpirun_args,
-            self.job.runner))
+        back = members.look(self.job.probe)
         if back and self.proc is not None and self.proc.poll() is None:
             self.growing = back
             say(f"host(s) {', '.join(back)} answer: stopping the job at a checkpoint "

@@ -208,6 +208,13 @@ class Job:
                                   extra=self.mpirun_args)
         return cmd + [sys.executable, *self.program]
 
+    def probe(self, names: Sequence[str]) -> Dict[str, str]:
+        """{name: why} of the launch's hosts of ``names`` on which mpirun, with the job's
+        options, cannot start a process (:func:`.probe.unreachable`)."""
+        hosts = cast(Membership, self.membership).hosts
+        return unreachable([h for h in hosts if h.name in names], self.mpirun_args,
+                           self.runner)
+
     def rehost(self, write_to: Path, back: Sequence[str] = (),
                announce: Callable[[str], None] = print) -> List[str]:
         """Probe the hosts the job runs on, those left out whose cooldown has passed and
@@ -222,9 +229,8 @@ class Job:
             return []
         reread = members.reread()
         returning = list(dict.fromkeys([*members.cooled(), *back]))
-        probed = [h for h in members.hosts if h.name in returning or h.name not in
-                  members.left_out]
-        gone = unreachable(probed, self.mpirun_args, self.runner)
+        gone = self.probe([h.name for h in members.hosts if h.name in returning
+                           or h.name not in members.left_out])
         members.take_back([name for name in returning if name not in gone])
         lines = reread + members.leave_out({name: f"mpirun cannot start a process there: {why}"
                                    for name, why in gone.items()
@@ -269,8 +275,7 @@ class Job:
         while members.np_now() < floor and members.clock() - began < HOSTS_WAIT:
             time.sleep(members.poll or HOST_POLL)
             names = list(members.left_out)
-            gone = unreachable([h for h in members.hosts if h.name in names],
-                               self.mpirun_args, self.runner)
+            gone = self.probe(names)
             members.take_back([name for name in names if name not in gone])
         if members.np_now() < floor:
             raise MpitrainError(f"-np {floor}:{members.np}: the hosts that answer hold "

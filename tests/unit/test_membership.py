@@ -159,7 +159,6 @@ def launch_losing_c(tmp_path, monkeypatch, then):
         return {h.name: "exit 255: ssh: connect to host c: No route to host"
                 for h in hosts if h.name in gone}
 
-    monkeypatch.setattr(launch, "unreachable", unreachable)
     monkeypatch.setattr(membership, "unreachable", unreachable)
     monkeypatch.setattr(launch, "POLL_INTERVAL", 0.1)
     results = tmp_path / "results"
@@ -227,7 +226,6 @@ def elastic_launch(tmp_path, monkeypatch, gone, plan, comes_back=None, np_min=3)
     def unreachable(hosts, mpirun_args, runner):
         return {h.name: "exit 255: no route to host" for h in hosts if h.name in gone}
 
-    monkeypatch.setattr(launch, "unreachable", unreachable)
     monkeypatch.setattr(membership, "unreachable", unreachable)
     monkeypatch.setattr(launch, "POLL_INTERVAL", 0.1)
     results = tmp_path / "results"
