@@ -2,34 +2,26 @@
 
     mpitrain launch -np 4 -hostfile hostfiles/cluster2 --max-restarts 3 lr --async
 
-The launcher runs the launch preflight (hostfile, slots, -np against the mode; see
-:mod:`mpitrain.launch.preflight`; every host of the hostfile must be reachable: a run
-that has not begun is never made smaller), starts ``mpirun ... python -m mpitrain ARGS``
-and waits. The mpirun is this Python's environment's, else the one on PATH
-(:func:`mpitrain.launch.dialect.find_mpirun`): Open MPI 4 or 5, or MPICH's Hydra, each
-given its own options (:class:`mpitrain.launch.dialect.Mpirun`: binding off so that more
-ranks than cores run, the hostfile in its format, its recovery flag). When the job fails
-(a rank killed, a stalled rank named by the watchdog, the parameter server lost), it
-restarts it with ``--resume RUN_DIR`` from the run's last checkpoint, up to
-``--max-restarts`` times, so the run continues in the same results directory with one
-continuous curve. A sync run resumed this way ends with the same weights, bit for bit,
-as one that never failed (see :mod:`mpitrain.run`); it loses at most the steps since the
-last checkpoint (``--checkpoint-every``).
+The launcher runs the launch preflight (:mod:`mpitrain.launch.preflight`; every host of
+the hostfile must be reachable: a run that has not begun is never made smaller), starts
+``mpirun ... python -m mpitrain ARGS`` (this environment's mpirun, in its own dialect:
+:mod:`mpitrain.launch.dialect`) and waits. When the job fails (a rank killed, a stalled
+rank named by the watchdog, the parameter server lost), it restarts it with ``--resume
+RUN_DIR`` from the run's last checkpoint, up to ``--max-restarts`` times: the run goes on
+in the same results directory with one continuous curve; a sync run ends with the same
+weights, bit for bit, as one that never failed (:mod:`mpitrain.run`), losing at most
+the steps since the last checkpoint.
 
-Before each restart every host of the hostfile is probed (mpirun, with the job's own
-launch options, runs ``true`` there within :data:`.probe.PROBE_TIMEOUT`; a host that
-fails is probed once more). A host that is gone is left out: the restart runs on a
-hostfile of the others (``hostfile.launch`` in the run directory) and, when their slots
-are fewer than -np (and --oversubscribe was not given), with fewer ranks. The run then
-resumes with fewer workers: a sync run keeps its global batch by raising the per-worker
-batch, or, where the global batch does not divide among the workers left, takes the
-nearest one and scales the learning rate by the linear rule; an async run keeps batch
-and learning rate and shares the updates left among its workers (see
-:class:`mpitrain.run.resume.Rescale`; recorded in runs.csv's ``rescaled`` column and the
-session's resumed-*.json). A host left out is probed again while the job runs, and when
-it answers the job is stopped at a checkpoint and resumed with it, up to the launch's -np
-(:mod:`.membership`). Without a hostfile (this machine, or a SLURM allocation) nothing is
-probed.
+Before each restart the hosts are probed (mpirun, with the job's own launch options,
+runs ``true`` there): a host that is gone is left out, the restart runs on a hostfile
+of the others (``hostfile.launch`` in the run directory), with fewer ranks where their
+slots are fewer, and the run resumes with fewer workers (:class:`mpitrain.run.resume.Rescale`:
+sync keeps its global batch, async its batch and learning rate). A host left out is
+probed again while the job runs, and when it answers the job is stopped at a checkpoint
+and resumed with it. The hosts come from the hostfile, a discovery script
+(``--host-discovery-script``) or, with ``-np MIN:MAX``, the SLURM allocation: see
+:mod:`.membership` and :mod:`.discovery`. Without any of them (this machine, or mpirun's
+own reading of a SLURM allocation) nothing is probed.
 
 An async job with two or more workers runs under Open MPI's recovery
 (``--enable-recovery`` on 4.x, ULFM's ``--with-ft ulfm`` on 5.x): a worker that dies or
@@ -78,9 +70,10 @@ import uuid
 from pathlib import Path
 from typing import IO, List, Optional, Sequence, Tuple, cast
 
-from . import dialect, hostfile
+from . import dialect
 from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
                       MpitrainError, ResultsError, UsageError)
+from .discovery import DiscoveryScript, SlurmAllocation, host_source
 from .membership import HOST_POLL, Job, Membership
 from .probe import require_reachable
 from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, restartable,
@@ -116,10 +109,16 @@ def add_parser(commands) -> None:
     launch.add_argument("-np", "--np", dest="np_range", type=np_range, default=None,
                         metavar="N|MIN:MAX",
                         help="ranks (default: $SLURM_NTASKS inside a SLURM allocation, else "
-                        "1); MIN:MAX (with -hostfile): start on the hosts that answer with "
-                        "at least MIN, grow to MAX as hosts come back, never run on fewer "
+                        "1); MIN:MAX (with -hostfile, --host-discovery-script or in a SLURM "
+                        "allocation): start on the hosts that answer with at least MIN, "
+                        "grow to MAX as hosts come back, never run on fewer "
                         "than MIN")
     launch.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE")
+    launch.add_argument("--host-discovery-script", metavar="SCRIPT",
+                        help="instead of -hostfile: an executable printing the hosts "
+                        "available now, one HOST:SLOTS a line (Horovod's contract), run "
+                        "every second while the job runs; the job starts on those that "
+                        "answer (at least -np MIN ranks) and grows to -np MAX")
     launch.add_argument("--oversubscribe", action="store_true",
                         help="allow more ranks than slots (as mpirun --oversubscribe)")
     launch.add_argument("--max-restarts", type=int, default=3, metavar="N",
@@ -178,33 +177,32 @@ def run(args, cfg) -> int:
 
     np_ = world_size(args)
     np_min = args.np_range[0] if args.np_range else np_
-    elastic = np_min < np_
-    if elastic and not args.hostfile:
-        raise UsageError(f"-np {np_min}:{np_} takes the hosts that answer from a hostfile: "
-                         "give -hostfile FILE (or -np N)")
-    placement = check_launch(np_, args.hostfile, args.oversubscribe, cfg.async_mode,
+    source = host_source(args.hostfile, args.host_discovery_script, args.np_range
+                         if np_min < np_ else None)
+    listed = isinstance(source, (DiscoveryScript, SlurmAllocation))  # not a hostfile
+    elastic = np_min < np_ or listed
+    # (where a source lists the hosts, where ranks go is said once they answer, below)
+    placement = check_launch(np_, None if listed else args.hostfile,
+                             args.oversubscribe or listed, cfg.async_mode,
                              cfg.asynchronous.servers)
-    in_slurm = args.hostfile is None and bool(os.environ.get("SLURM_JOB_ID"))
+    in_slurm = source is None and args.hostfile is None and bool(os.environ.get("SLURM_JOB_ID"))
     if in_slurm:
         placement = [f"{np_} ranks on the SLURM allocation of job {os.environ['SLURM_JOB_ID']}"]
     runner = launcher_for_this_python()
-    if script:  # every rank of a script trains: no parameter server
-        placement = [re.sub(r": (parameter server|worker|single) on ", ": on ", line)
-                     for line in placement]
-    for line in placement:
-        say(line)
-    hosts = hostfile.read(args.hostfile) if args.hostfile else None
+    if not listed:
+        say_placement(placement, script)
+    hosts = source.read() if source is not None else None
     # no hostfile and no allocation: every rank on this host, as many as -np asks for
     oversubscribe = args.oversubscribe or (hosts is None and not in_slurm)
     if args.host_poll < 0:
         raise UsageError(f"--host-poll must be 0 (off) or a number of seconds (got "
                          f"{args.host_poll:g})")
-    job = Job(np_, hosts, args.hostfile, oversubscribe, list(args.mpirun_arg), cfg.async_mode,
-              runner, keep_binding=cfg.keep_cpu_binding,
+    job = Job(np_, None if listed else hosts, args.hostfile, oversubscribe,
+              list(args.mpirun_arg), cfg.async_mode, runner, keep_binding=cfg.keep_cpu_binding,
               recovery=cfg.async_mode and runner.supports_recovery,
               membership=Membership(hosts, np_, oversubscribe, args.host_poll,
-                                    np_min=np_min if elastic else 1, source=args.hostfile)
-              if hosts else None)
+                                    np_min=np_min if elastic else 1, source=source)
+              if hosts is not None else None)
     if cfg.async_mode and np_ > 2 and not runner.supports_recovery:
         say(f"note: {runner.impl.name} cannot keep a job running after one of its ranks "
             "died, so a lost worker costs a restart from the last checkpoint (Open MPI "
@@ -216,9 +214,18 @@ def run(args, cfg) -> int:
     if elastic:  # starts on the hosts that answer (at least -np MIN's)
         for line in job.rehost(launcher.hostfile_path(), announce=say):
             say(line)
+        if listed:
+            say_placement(check_launch(job.np, job.hostfile, oversubscribe, cfg.async_mode,
+                                       cfg.asynchronous.servers), script)
     else:  # a typo in a host name must not make the run a smaller one
         require_reachable(job.hosts, job.mpirun_args, runner)
     return launcher.run()
+
+
+def say_placement(lines: List[str], script: bool) -> None:
+    for line in lines:  # every rank of a script trains: no parameter server
+        say(re.sub(r": (parameter server|worker|single) on ", ": on ", line) if script
+            else line)
 
 
 def launcher_for_this_python() -> dialect.Mpirun:

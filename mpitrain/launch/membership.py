@@ -2,10 +2,11 @@
 and :class:`Job`, what mpirun is asked to run on them.
 
 ``mpitrain launch -np N -hostfile FILE`` starts on every host of FILE (all must answer:
-:func:`.probe.require_reachable`); ``-np MIN:MAX`` starts on those that answer, with at
-least MIN ranks. A host that stops answering is left out at the next restart (the job
-runs on the others, with fewer ranks where their slots are fewer; under MIN:MAX never
-fewer than MIN: the launcher waits up to HOSTS_WAIT for hosts, then gives up). A host
+:func:`.probe.require_reachable`); ``-np MIN:MAX`` (or a discovery script) starts on
+those that answer, with at least MIN ranks. A host that stops answering is left out at
+the next restart (the job runs on the others, with fewer ranks where their slots are
+fewer; under MIN:MAX never fewer than MIN: the launcher waits up to HOSTS_WAIT for
+hosts, then gives up). A host
 left out is probed again, while the job runs and is short of slots, once its cooldown
 has passed and then every ``--host-poll`` seconds; when it answers, the launcher stops
 the job at a checkpoint (the stop signal's path: every rank checkpoints) and restarts it
@@ -14,8 +15,10 @@ does when it shrinks: :class:`mpitrain.run.resume.Rescale`). The cooldown double
 time the same host is lost again (``--host-poll``, then twice, four times that..., at
 most MAX_COOLDOWN): a host that keeps failing costs fewer and fewer restarts, as
 Horovod's elastic blacklist cooldown does. A restart after a failure probes the hosts
-whose cooldown has passed too. The hostfile is read again when it changes: a new host
-(a replacement node) is probed and taken in as a returning one is.
+whose cooldown has passed too. The hosts come from a hostfile, a host discovery script
+(``--host-discovery-script``) or, with -np MIN:MAX and no hostfile, the SLURM allocation
+(:mod:`.discovery`), read again while the job runs: a new host (a replacement node) is
+probed and taken in as a returning one is.
 
 Bookkeeping on a clock, and a probe run on a thread of its own (a probe of a host that
 does not answer takes up to PROBE_TIMEOUT, which the launcher's watch of the job must
@@ -24,7 +27,6 @@ not wait for). Outside the job: no TensorFlow, no MPI.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -34,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Sequence, cast
 
 from . import dialect, hostfile
 from ..errors import MpitrainError, UsageError
+from .discovery import HostSource
 from .probe import unreachable
 from ..results.run_dir import ATTEMPT_ENV
 
@@ -73,42 +76,43 @@ class Membership:
     left_out: Dict[str, _LeftOut] = field(default_factory=dict)
     #: how many times each host was lost, for its cooldown
     losses: Dict[str, int] = field(default_factory=dict)
-    #: the launch's hostfile: read again when it changes (see :meth:`reread`)
-    source: Optional[str] = None
-    _stamp: Optional[tuple] = None
+    #: where the hosts come from, read again while the job runs (see :meth:`reread`)
+    source: Optional[HostSource] = None
     _probing: Optional[threading.Thread] = None
     _answered: List[str] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self._stamp = _stamp_of(self.source)
-
-    def reread(self) -> List[str]:
-        """If the hostfile changed since it was last read, its hosts become the launch's:
-        a new host is left out, due for a probe at once, so that it joins as a host that
-        comes back does (a replacement node); a host no longer in it is not run on
-        after the next restart. Lines saying what changed; a hostfile that cannot be
-        read now keeps the hosts as they were (one line)."""
-        stamp = _stamp_of(self.source)
-        if self.source is None or stamp == self._stamp:
+    def reread(self, now: bool = False) -> List[str]:
+        """If the source's hosts changed since they were last read (the hostfile edited,
+        the discovery script's answer), they become the launch's: a new host is left
+        out, due for a probe at once, so that it joins as a host that comes back does (a
+        replacement node); a host no longer listed is not run on after the next restart.
+        ``now``: read the source now, waiting for it (bounded), rather than take what
+        its last poll found. Lines saying what changed; a source that cannot be read
+        keeps the hosts as they were (one line)."""
+        if self.source is None:
             return []
-        self._stamp = stamp
+        if not now:
+            hosts, lines = self.source.poll()
+            return lines if hosts is None else lines + self._rehost(hosts)
         try:
-            hosts = hostfile.read(self.source)
+            return self._rehost(self.source.read())
         except UsageError as e:
-            return [f"the hostfile changed but cannot be read ({e}): the hosts stay as "
-                    "they were"]
+            return [f"{e}: the hosts stay as they were"]
+
+    def _rehost(self, hosts: List[hostfile.Host]) -> List[str]:
         before = {h.name for h in self.hosts}
         added = [h.name for h in hosts if h.name not in before]
-        removed = sorted(before - {h.name for h in hosts})
+        removed = [h.name for h in self.hosts if h.name not in {h.name for h in hosts}]
         self.hosts = hosts
         for name in removed:
             self.left_out.pop(name, None)
+        where = cast(HostSource, self.source).where
         for name in added:
-            self.left_out[name] = _LeftOut("new in the hostfile", 0.0, self.clock())
-        return ([f"{self.source}: host(s) {', '.join(added)} added: probed, and taken in "
-                 "if they answer and the job is short of slots"] if added else []) + \
-            ([f"{self.source}: host(s) {', '.join(removed)} removed: the job leaves them "
-              "at its next restart"] if removed else [])
+            self.left_out[name] = _LeftOut(f"new in {where}", 0.0, self.clock())
+        return ([f"{where}: host(s) {', '.join(added)} added: probed, and taken in if "
+                 "they answer and the job is short of slots"] if added else []) + \
+            ([f"{where}: host(s) {', '.join(removed)} removed: the job leaves them at its "
+              "next restart"] if removed else [])
 
     def current(self) -> List[hostfile.Host]:
         """The hosts the job runs on: the launch's, less those left out."""
@@ -169,15 +173,6 @@ class Membership:
         self._answered = [name for name in names if name not in gone]
 
 
-def _stamp_of(path: Optional[str]) -> Optional[tuple]:
-    """What tells a changed file: (modification time, size); None if it cannot be read."""
-    try:
-        st = os.stat(path) if path else None
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size) if st else None
-
-
 @dataclass
 class Job:
     """What mpirun is asked to run: ranks, hosts and its options. Before a restart the
@@ -227,7 +222,7 @@ class Job:
         members = self.membership
         if members is None:
             return []
-        reread = members.reread()
+        reread = members.reread(now=True)
         returning = list(dict.fromkeys([*members.cooled(), *back]))
         gone = self.probe([h.name for h in members.hosts if h.name in returning
                            or h.name not in members.left_out])
@@ -274,6 +269,8 @@ class Job:
                  f"to answer (left out: {out()})")
         while members.np_now() < floor and members.clock() - began < HOSTS_WAIT:
             time.sleep(members.poll or HOST_POLL)
+            for line in members.reread(now=True):  # (hosts a script lists now)
+                announce(line)
             names = list(members.left_out)
             gone = self.probe(names)
             members.take_back([name for name in names if name not in gone])

@@ -243,6 +243,11 @@ def test_a_job_failing_before_any_checkpoint_is_not_retried_forever(tmp_path):
     (["-np", "2", "lr", "--epochs", "0"], "--epochs must be a positive integer"),
     (["-np", "4:2", "lr"], "-np/--np: must be N or MIN:MAX with 1 <= MIN <= MAX"),
     (["-np", "2:4", "lr"], "-np 2:4 takes the hosts that answer from a hostfile"),
+    (["-hostfile", "hostfiles/local", "--host-discovery-script", "/bin/true", "lr"],
+     "give -hostfile FILE or --host-discovery-script SCRIPT, not both"),
+    (["-np", "2", "--host-discovery-script", "/no/such/script", "lr"],
+     "discovery script /no/such/script cannot be run (No such file or directory): give the "
+     "path of an executable"),
     (["--host-poll", "-1", "lr"], "--host-poll must be 0 (off) or a number of seconds"),
 ])
 def test_usage_errors_are_one_line_before_any_launch(args, message):

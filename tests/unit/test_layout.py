@@ -15,7 +15,8 @@ from conftest import REPO
 
 OUTSIDE_THE_JOB = ("report.plots", "report.run_files", "report.run_figures", "report.markdown",
                    "launch.job", "launch.watch", "launch.sweep", "launch.preflight",
-                   "launch.hostfile", "launch.dialect", "launch.probe", "launch.membership")
+                   "launch.hostfile", "launch.dialect", "launch.probe", "launch.membership",
+                   "launch.discovery")
 RUNTIME = ("tensorflow", "keras", "mpi4py", "mpitrain.comm", "mpitrain.run.session",
            "mpitrain.train", "mpitrain.exchange", "mpitrain.models.replica",
            "mpitrain.results.telemetry", "mpitrain.data")
@@ -117,10 +118,12 @@ ALLOWED = {
     "launch.sweep": LEAVES | {"launch.hostfile", "launch.preflight", "report.markdown"},
     "launch.watch": LEAVES | {"results", "run.checkpoint", "run.signals"},
     "launch.probe": LEAVES | {"launch.hostfile", "launch.watch"},
-    "launch.membership": LEAVES | {"launch.hostfile", "launch.probe", "results"},
+    "launch.discovery": LEAVES | {"launch.hostfile", "launch.watch"},
+    "launch.membership": LEAVES | {"launch.hostfile", "launch.probe", "results",
+                                   "launch.discovery"},
     "launch.job": LEAVES | {"launch.watch", "launch.hostfile", "launch.preflight", "results",
                             "run.checkpoint", "run.signals", "run.resume", "launch.probe",
-                            "launch.membership"},
+                            "launch.membership", "launch.discovery"},
 }
 ENTRY = {"", "__main__", "cli", "api"}
 

@@ -17,6 +17,7 @@ from mpitrain.launch import membership
 from mpitrain.launch.hostfile import Host
 from mpitrain.launch.job import Job, Launcher
 from mpitrain.errors import MpitrainError
+from mpitrain.launch.discovery import HostfileSource
 from mpitrain.launch.membership import MAX_COOLDOWN, Membership
 
 HOSTS = [Host("a", 2), Host("b", 1), Host("c", 1)]
@@ -84,7 +85,8 @@ def test_a_changed_hostfile_adds_hosts_to_probe_and_removes_others(tmp_path):
     path = tmp_path / "hostfile"
     path.write_text("a slots=2\nb\nc\n")
     clock = Clock()
-    members = Membership(HOSTS, 4, False, poll=5.0, clock=clock, source=str(path))
+    members = Membership(HOSTS, 4, False, poll=5.0, clock=clock,
+                         source=HostfileSource(str(path)))
     assert members.reread() == []  # as it was read at the launch
     members.leave_out({"c": "gone"})
     path.write_text("a slots=2\nb\nd\n")  # c replaced by d
@@ -165,7 +167,8 @@ def launch_losing_c(tmp_path, monkeypatch, then):
     source = tmp_path / "hostfile"
     source.write_text("a slots=2\nb\nc\n")
     job = Job(4, list(HOSTS), str(source), False, [], async_mode=False,
-              membership=Membership(list(HOSTS), 4, False, poll=0.2, source=str(source)))
+              membership=Membership(list(HOSTS), 4, False, poll=0.2,
+                                    source=HostfileSource(str(source))))
     job.command = lambda: [sys.executable, "-c", PLANNED_MPIRUN, str(results), str(job.np),
                            "fail,run,ok"]
     launcher = Launcher(job, [], results, None, max_restarts=1)
