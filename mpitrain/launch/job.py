@@ -212,7 +212,7 @@ def run(args, cfg) -> int:
     launcher = Launcher(job, list(args.training[script:]), Path(cfg.results_dir), cfg.resume,
                         args.max_restarts, script=script)
     if elastic:  # starts on the hosts that answer (at least -np MIN's)
-        for line in job.rehost(launcher.hostfile_path(), announce=say):
+        for line in job.rehost(launcher.hostfile_path(), announce=say, starting=True):
             say(line)
         if listed:
             say_placement(check_launch(job.np, job.hostfile, oversubscribe, cfg.async_mode,

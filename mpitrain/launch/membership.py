@@ -211,7 +211,7 @@ class Job:
                            self.runner)
 
     def rehost(self, write_to: Path, back: Sequence[str] = (),
-               announce: Callable[[str], None] = print) -> List[str]:
+               announce: Callable[[str], None] = print, starting: bool = False) -> List[str]:
         """Probe the hosts the job runs on, those left out whose cooldown has passed and
         those of ``back`` (found answering while it ran); leave out the ones gone and take
         back the others (:class:`.membership.Membership`), -np following the slots (a
@@ -249,9 +249,10 @@ class Job:
         if taken:
             lines.append(f"host(s) {', '.join(taken)} answer: taken in")
         more = "more" if np_ > self.np else "fewer"
+        change = (f"the run starts on the {np_} rank(s) their slots hold" if starting else
+                  f"the run resumes with {more} workers")
         lines.append(f"the job runs on {', '.join(h.name for h in hosts)} ({write_to})"
-                     + (f"; -np {self.np} -> {np_}, the run resumes with {more} workers"
-                        if np_ != self.np else ""))
+                     + (f"; -np {self.np} -> {np_}, {change}" if np_ != self.np else ""))
         self.np, self.hosts, self.hostfile = np_, hosts, str(write_to)
         return lines
 

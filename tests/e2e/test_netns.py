@@ -153,3 +153,47 @@ def test_launch_leaves_out_a_lost_node_then_takes_it_back(cluster, tmp_path, mni
     steps = [int(r["step"]) for r in curve]
     assert steps == sorted(set(steps)) and float(curve[-1]["epoch"]) == 2
     assert abs(float(final["test_accuracy"]) - expected) <= 0.01, (final, expected)
+
+
+def test_launch_grows_an_async_run_when_the_discovery_script_lists_a_node(cluster, tmp_path,
+                                                                          mnist):
+    """`mpitrain launch -np 2:4 --host-discovery-script S` (S prints a list the test
+    edits; Horovod's contract): S first lists node0 (2 slots), node1 and node9, a node
+    that does not exist (the script lies). The async run starts on node0 and node1 at
+    -np 3 (2 workers), node9 left out. After the first checkpoint S lists node2 too: the
+    launcher probes it, stops the run at a checkpoint and resumes the same run at -np 4
+    with 3 workers (batch and learning rate kept), node9 still out."""
+    listing = tmp_path / "hosts"
+    listing.write_text("node0:2\nnode1\nnode9\n")
+    script = tmp_path / "discover"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    results = tmp_path / "launched"
+    proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "2:4",
+                          "--host-discovery-script", str(script),
+                          *[f"--mpirun-arg={a}" for a in cluster], "--host-poll", "2",
+                          "lr", "--async", "--batch-size", "4", "--epochs", "2", "--quiet",
+                          "--data-dir", str(mnist), "--sample-interval", "0",
+                          "--results-dir", str(results), "--checkpoint-steps", "300",
+                          "--timeout", "60"], env=mpi_env())
+    deadline = time.monotonic() + 300
+    while not list(results.glob("*/checkpoint.npz")) and time.monotonic() < deadline:
+        assert proc.poll() is None, finish_bounded(proc, 30).stderr[-3000:]
+        time.sleep(0.2)
+    listing.write_text("node0:2\nnode1\nnode9\nnode2\n")
+    done = finish_bounded(proc, 600)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    print("\n".join(line for line in done.stderr.splitlines()
+                    if line.startswith("mpitrain launch:") and "$ " not in line))
+    assert "host node9 left out (mpirun cannot start a process there" in done.stderr
+    assert "-np 4 -> 3, the run starts on the 3 rank(s) their slots hold" in done.stderr
+    assert f"discovery script {script}: host(s) node2 added" in done.stderr
+    assert "host(s) node2 answer: stopping the job at a checkpoint" in done.stderr
+    assert "-np 3 -> 4, the run resumes with more workers" in done.stderr
+    rows = read_rows(results / "runs.csv")
+    assert [(r["np"], r["workers"], r["status"]) for r in rows] == [
+        ("3", "2", "interrupted"), ("4", "3", "ok")]
+    assert rows[1]["batch_size"] == "4" and rows[1]["lr"] == rows[0]["lr"]
+    assert "batch 4 per worker and lr" in rows[1]["rescaled"]
+    assert float(rows[1]["test_accuracy"]) > 0.85

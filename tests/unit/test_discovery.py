@@ -144,7 +144,7 @@ def test_the_launcher_starts_on_a_scripts_hosts_and_grows_when_it_lists_more(
         listing.write_text("a:2\nz\nb\n")
 
     threading.Thread(target=b_appears, daemon=True).start()
-    for line in job.rehost(launcher.hostfile_path(), announce=launch.say):
+    for line in job.rehost(launcher.hostfile_path(), announce=launch.say, starting=True):
         launch.say(line)
     code = launcher.run()
     err = capsys.readouterr().err
@@ -154,6 +154,7 @@ def test_the_launcher_starts_on_a_scripts_hosts_and_grows_when_it_lists_more(
         in err
     assert f"discovery script {source.path}: host(s) b added" in err
     assert "host(s) b answer: stopping the job at a checkpoint to take them in" in err
+    assert "-np 4 -> 2, the run starts on the 2 rank(s) their slots hold" in err
     assert "-np 2 -> 3, the run resumes with more workers" in err
     hosts = (results / "20260101-000000-fake" / "hostfile.launch").read_text().split()
     assert hosts == ["a", "slots=2", "b", "slots=1"]

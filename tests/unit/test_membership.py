@@ -240,7 +240,7 @@ def elastic_launch(tmp_path, monkeypatch, gone, plan, comes_back=None, np_min=3)
     monkeypatch.setattr(launcher, "_on_signal", lambda *_: None)
     if comes_back:
         threading.Thread(target=comes_back, args=(gone,), daemon=True).start()
-    for line in job.rehost(launcher.hostfile_path(), announce=launch.say):
+    for line in job.rehost(launcher.hostfile_path(), announce=launch.say, starting=True):
         launch.say(line)
     code = launcher.run()
     attempts = sorted((results / "attempts").iterdir(), key=lambda p: int(p.name))
@@ -259,7 +259,7 @@ def test_np_min_max_starts_on_the_hosts_that_answer_and_grows(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert code == 0 and nps == [3, 4], err
     assert "host c left out (mpirun cannot start a process there: exit 255" in err
-    assert "-np 4 -> 3, the run resumes with fewer workers" in err
+    assert "-np 4 -> 3, the run starts on the 3 rank(s) their slots hold" in err
     assert "-np 3 -> 4, the run resumes with more workers" in err
 
 
