@@ -50,6 +50,9 @@ ALLREDUCE_WAITS = ("auto", "spin", "poll")
 COMPILERS = ("auto", "graph", "xla")
 #: values of --overlap (see mpitrain.exchange.overlap)
 OVERLAPS = ("auto", "on", "off")
+#: values of --elastic-batch: what a sync run keeps when it resumes on another number of
+#: workers (see mpitrain.run.resume.Rescale)
+ELASTIC_BATCHES = ("global", "per-worker")
 #: values of --shared-memory (see mpitrain.comm.shared)
 SHARED_MEMORY = ("auto", "on", "off")
 #: values of --pipeline (see mpitrain.train.leases.Pipelining)
@@ -174,6 +177,12 @@ class SyncSettings:
         "with --overlap: megabytes of gradient per allreduce bucket (PyTorch DDP's "
         "default, 25)", 25.0, flag="--bucket-mb", type=float, metavar="MB",
         number=Number(False, 0, 2**20, above_low=True))
+    elastic_batch: str = option(
+        "when the run resumes on another number of workers (a host lost or back under "
+        "mpitrain launch): global keeps the global batch (each worker's batch follows, "
+        "the learning rate too where it does not divide), per-worker keeps each worker's "
+        "batch (the global batch follows the workers, the learning rate --lr-scaling)",
+        "global", flag="--elastic-batch", choices=ELASTIC_BATCHES)
 
     def check(self, run) -> None:  # run: the whole Config
         if self.allreduce == "horovod" and run.async_mode:
@@ -181,6 +190,9 @@ class SyncSettings:
                              "parameter-server mode (drop --async or use --allreduce mpi)")
         if self.horovod_timeline and self.allreduce != "horovod":
             raise UsageError("--horovod-timeline needs --allreduce horovod")
+        if self.elastic_batch != "global" and run.async_mode:
+            raise UsageError("--elastic-batch is for sync runs: an async run keeps each "
+                             "worker's batch and the learning rate on any number of workers")
         if self.overlap == "on" and run.async_mode:
             raise UsageError("--overlap on overlaps the sync allreduce: drop --async "
                              "(async workers push whole gradients)")

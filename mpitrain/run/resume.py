@@ -30,7 +30,7 @@ RESUMABLE_CHANGES = ("epochs", "eval_every", "eval_examples", "checkpoint_every"
                      "checkpoint_steps", "quiet", "timeout", "start_timeout", "servers", "compiler",
                      "liveness_floor",
                      "sample_interval", "threads", "keep_cpu_binding", "data_dir", "resume",
-                     "steps", "dry_run")
+                     "steps", "dry_run", "elastic_batch")
 
 
 def saved_config(run_dir: Path) -> dict:
@@ -142,7 +142,10 @@ class Rescale:
     Sync keeps the global batch (workers x per-worker batch) by changing the
     per-worker batch: exactly where it divides, else to the nearest batch, and
     the learning rate then follows the run's scaling rule (the global batch's ratio,
-    or its square root; unchanged under ``--lr-scaling none``). With
+    or its square root; unchanged under ``--lr-scaling none``). Under
+    ``--elastic-batch per-worker`` it keeps the per-worker batch instead, and the
+    learning rate follows the scaling rule for the workers there are (as Horovod's
+    elastic users scale it in a reset callback). With
     ``--batches-per-epoch`` the steps per epoch are kept instead (the batch follows
     the shard) and so is the learning rate. Async keeps batch and learning rate (every update is one
     worker's batch either way); the remaining updates are shared by the workers
@@ -177,6 +180,11 @@ class Rescale:
             return cls(original, kept, f"{how}: {original.batches_per_epoch} batches per "
                        f"epoch kept (the batch follows the shard), lr "
                        f"{original.effective_lr:g} kept")
+        if original.sync.elastic_batch == "per-worker":
+            return cls(original, moved, f"{how}: batch {original.batch_size} per worker kept "
+                       f"(--elastic-batch per-worker), global batch {original.global_batch} "
+                       f"-> {moved.global_batch}, lr {original.effective_lr:g} -> "
+                       f"{moved.effective_lr:g} ({original.optimizer.scaling} scaling)")
         target = original.global_batch
         batch = max(1, round(target / moved.workers))
         moved = moved.replace(batch_size=batch)

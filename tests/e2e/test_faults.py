@@ -271,13 +271,19 @@ def test_resume_refuses_incompatible_settings(mnist, tmp_path):
     done = mpirun(3, "lr", "--resume", run_dir, timeout=120)
     assert done.returncode == 2 and "did 3 steps (0.03 epochs); --steps 3 asks for 3: pass a " \
         "larger --steps" in done.stderr, done.stderr
-    # another -np is not refused: the run goes on rescaled (lifecycle.Rescale), and says so
-    more = mpirun(4, "lr", "--resume", run_dir, "--steps", "5", timeout=120)
+    # another -np is not refused: the run goes on rescaled (run.resume.Rescale), and says
+    # so; here keeping each worker's batch (the global batch's rule: tests/e2e/test_netns.py)
+    more = mpirun(4, "lr", "--resume", run_dir, "--steps", "5", "--elastic-batch",
+                  "per-worker", timeout=120)
     assert more.returncode == 0, more.stderr[-2000:]
-    assert "resumed on another number of ranks, -np 3 -> 4 (2 -> 3 workers): global batch " \
-        "200 does not divide by 3: per-worker batch 100 -> 67" in more.stdout + more.stderr
+    assert "resumed on another number of ranks, -np 3 -> 4 (2 -> 3 workers): batch 100 per " \
+        "worker kept (--elastic-batch per-worker), global batch 200 -> 300, lr" \
+        in more.stdout + more.stderr
     row = read_rows(tmp_path / "runs.csv")[-1]
-    assert (row["np"], row["batch_size"], row["steps"]) == ("4", "67", "5")
+    assert (row["np"], row["batch_size"], row["global_batch"], row["steps"]) == \
+        ("4", "100", "300", "5")
+    assert float(row["lr"]) == pytest.approx(float(read_rows(tmp_path / "runs.csv")[0]["lr"])
+                                             * 3 / 2)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

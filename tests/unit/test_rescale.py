@@ -148,3 +148,18 @@ def test_a_run_another_job_still_writes_is_not_resumed(tmp_path):
         writer.kill()
         writer.wait()
     assert resumed_config(cli_cfg, {"resume"}, 4)[0].world_size == 4  # its writer is gone
+
+
+def test_elastic_batch_per_worker_keeps_the_batch_and_scales_the_lr():
+    before = sync(4, batch_size=4, elastic_batch="per-worker")  # 3 workers, global 12
+    after = Rescale.between(before, 5)  # 4 workers
+    assert after.config.batch_size == 4 and after.config.global_batch == 16
+    assert after.config.effective_lr == pytest.approx(before.effective_lr * 4 / 3)
+    assert "batch 4 per worker kept (--elastic-batch per-worker), global batch 12 -> 16" \
+        in after.rule and "(linear scaling)" in after.rule
+    root = Rescale.between(sync(4, batch_size=4, elastic_batch="per-worker",
+                                lr_scaling="sqrt"), 2)  # 3 workers -> 1
+    assert root.original.effective_lr == pytest.approx(0.05 * 3 ** 0.5)
+    assert root.config.effective_lr == pytest.approx(0.05) and "(sqrt scaling)" in root.rule
+    with pytest.raises(UsageError, match="--elastic-batch is for sync runs"):
+        sync(3, async_mode=True, elastic_batch="per-worker").validate()
