@@ -11,6 +11,10 @@
 #   MPITRAIN_DATA_DIR  MNIST location, passed to every rank
 #
 #   MPITRAIN_MAX_RESTARTS  restarts from the last checkpoint after a failure (default 3)
+#   MPITRAIN_LAUNCH_ARGS   more options for mpitrain launch, e.g. "-np 2:4": start on the
+#                      allocation's nodes that answer, leave out one that fails and take
+#                      it back when it answers again (submit with sbatch --no-kill, or
+#                      SLURM ends the job when a node fails)
 #
 # Launcher: `mpitrain launch` (the default) runs mpirun inside the allocation
 # (the nodes and the task count come from SLURM: no hostfile, which would fight
@@ -41,8 +45,10 @@ mpitrain_run() {
     # mpitrain_run ARGS...  -- runs `python -m mpitrain ARGS` on every task of the job
     cd "$MPITRAIN_HOME" || exit 1
     case "$MPITRAIN_LAUNCHER" in
+        # shellcheck disable=SC2086  # (MPITRAIN_LAUNCH_ARGS: words)
         mpirun) "$MPITRAIN_PYTHON" -m mpitrain launch --max-restarts \
-                    "${MPITRAIN_MAX_RESTARTS:-3}" "$@" --results-dir "$MPITRAIN_RESULTS" & ;;
+                    "${MPITRAIN_MAX_RESTARTS:-3}" ${MPITRAIN_LAUNCH_ARGS:-} "$@" \
+                    --results-dir "$MPITRAIN_RESULTS" & ;;
         srun) local plugin=${MPITRAIN_SRUN_MPI:-$("$MPITRAIN_PYTHON" -m mpitrain.launch.dialect srun-mpi)}
               srun --mpi="${plugin:-pmix}" --kill-on-bad-exit=1 "$MPITRAIN_PYTHON" -m mpitrain \
                   "$@" --results-dir "$MPITRAIN_RESULTS" & ;;

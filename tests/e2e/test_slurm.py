@@ -89,7 +89,13 @@ def submit(script, tmp_path, env, *extra) -> Job:
     ("alexnet.sbatch", "--steps 2 --image-size 32", "alexnet", "sync"),
 ])
 def test_job_scripts_complete(slurm, tmp_path, mnist, script, args, model, mode):
-    job = submit(script, tmp_path, job_env(tmp_path, mnist, args))
+    """Each script as it is; the async one under `mpitrain launch -np 2:3`, which takes its
+    hosts from the allocation (the node, with its 3 tasks) and runs on those that answer
+    (mpirun with a hostfile of them); the others let mpirun read the allocation."""
+    env = job_env(tmp_path, mnist, args)
+    if mode == "async":
+        env["MPITRAIN_LAUNCH_ARGS"] = "-np 2:3"
+    job = submit(script, tmp_path, env)
     assert job.finish() == 0, job.output()
     job_id = job.id
     run = read_rows(tmp_path / "results" / "runs.csv")[-1]
@@ -97,6 +103,12 @@ def test_job_scripts_complete(slurm, tmp_path, mnist, script, args, model, mode)
     assert run["slurm_job_id"] == job_id
     meta = json.loads((tmp_path / "results" / run["run"] / "config.json").read_text())
     assert meta["slurm_job_id"] == job_id
+    launched = tmp_path / "results" / "hostfile.launch"
+    assert launched.exists() == (mode == "async"), job.output()
+    if mode == "async":
+        node = subprocess.run(["scontrol", "show", "hostnames", meta["ranks"][0]["host"]],
+                              capture_output=True, text=True, timeout=30).stdout.split()
+        assert launched.read_text().split() == [*node, "slots=3"], job.output()
 
 
 def test_job_script_under_srun(slurm, tmp_path, mnist):
