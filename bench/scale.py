@@ -473,12 +473,13 @@ def probe_s(hostfile: Path, hosts: Optional[int] = None,
     """Seconds the launcher's probe of the (first ``hosts``) hosts of ``hostfile`` takes
     (:func:`mpitrain.launch.probe.unreachable`: mpirun runs ``true`` on each, all at once);
     raises if one is unreachable."""
-    from mpitrain.launch import job as launch
     from mpitrain.launch import hostfile as hostfiles
+    from mpitrain.launch.command import launcher_for_this_python
+    from mpitrain.launch.probe import unreachable
 
     listed = hostfiles.read(hostfile)[:hosts]
     began = time.time()
-    gone = launch.unreachable(listed, list(mpirun_args), launch.launcher_for_this_python())
+    gone = unreachable(listed, list(mpirun_args), launcher_for_this_python())
     if gone:
         raise RuntimeError(f"the launcher's probe found {gone} unreachable")
     return round(time.time() - began, 3)

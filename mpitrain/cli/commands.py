@@ -141,7 +141,7 @@ def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
                        help="local: hostfiles/local; cloudlab: hostfiles/single, cluster, "
                        "cluster2 for -np 1, 3, 4; slurm: the allocation the sweep runs in")
     sweep.add_argument("--hostfile", help="one hostfile for every run instead")
-    from ..launch import job as launch
+    from ..launch import command as launch
 
     launch.add_parser(commands)
     return parser
@@ -163,7 +163,7 @@ def run_tool(args) -> int:
     elif args.command == "sweep":
         return run_sweep(args)
     elif args.command == "launch":
-        from ..launch import job as launch
+        from ..launch import command as launch
 
         if launch.is_script(args.training):  # the user's own script, not mpitrain's CLI
             return launch.run(args, None)
@@ -228,7 +228,7 @@ def run_check(args) -> int:
         return 0
     import subprocess
 
-    from ..launch import dialect, job as launch
+    from ..launch import command as launch, dialect
     from ..launch import hostfile
     from ..launch.probe import require_reachable
 

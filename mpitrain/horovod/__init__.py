@@ -11,11 +11,11 @@ Product; pre/postscale; compression), ``grouped_allreduce``, ``allgather``,
 ``broadcast``, ``broadcast_variables``, ``broadcast_object``, ``allgather_object``, ``alltoall``,
 ``reducescatter``, ``join``, ``barrier``, in eager code and inside ``tf.function``;
 ``DistributedGradientTape``; ``DistributedOptimizer`` for Keras 3 optimizers;
-``Compression.none``/``fp16``. Keras' callbacks and ``load_model`` are in
-:mod:`mpitrain.horovod.keras`. What is not (process sets, elastic
-training, GPUs and NCCL, Gloo, ``horovodrun``/``horovod.run``, Adasum, the timeline)
-raises :class:`Unsupported` naming what to use instead. docs/horovod.md has the
-details and the migration table.
+``Compression.none``/``fp16``; ``hvd.elastic`` (:mod:`.elastic`: a change of hosts
+restarts the job, the state carried over). Keras' callbacks and ``load_model`` are in
+:mod:`mpitrain.horovod.keras`. What is not (process sets, GPUs and NCCL, Gloo,
+``horovodrun``/``horovod.run``, Adasum, the timeline) raises :class:`Unsupported`
+naming what to use instead. docs/horovod.md has the details and the migration table.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .variables import (broadcast_, broadcast_global_variables,  # noqa: F401
                         broadcast_variables)
 from .tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
 from .optimizer import DistributedOptimizer  # noqa: F401
+from . import elastic  # noqa: F401,E402
 
 install_excepthook()
 
@@ -117,8 +118,6 @@ _LAUNCH = ("start the script under mpirun (mpirun -np N python script.py), or un
            "'mpitrain launch -np N script.py', which restarts it when it fails")
 _SETS = "every collective runs on all ranks; run the groups as separate jobs"
 run = _Unprovided("horovod.run / horovodrun", _LAUNCH)
-elastic = _Unprovided("elastic training (hvd.elastic)", "a failed job is restarted from the "
-                      "script's own checkpoints by 'mpitrain launch -np N script.py'")
 ProcessSet = add_process_set = remove_process_set = _Unprovided("process sets", _SETS)
 process_set_included_op = _Unprovided("process sets", _SETS)
 start_timeline = stop_timeline = _Unprovided(

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from ..errors import EXIT_FAILURE, MpitrainError, UsageError, print_line
+from ..errors import EXIT_FAILURE, EXIT_INTERRUPTED, MpitrainError, UsageError, print_line
 
 #: seconds any rank waits for another in a collective before the job ends, naming it
 DEFAULT_TIMEOUT = 300.0
@@ -223,6 +223,20 @@ def _excepthook(kind, exc, tb) -> None:
         time.sleep(REPORTER_GRACE)
     print_line(f"mpitrain: error: {error}")
     abort_world(error.exit_code)
+
+
+def stop_every_rank(reason: str) -> None:
+    """End every rank with exit 143 (stopped; a restart goes on), ``reason`` printed by
+    rank 0 and the run's telemetry, if on, recorded as interrupted. Collective: every
+    rank calls it at the same point."""
+    from ..comm import world_rank_if_running
+
+    if STATE.telemetry is not None:
+        STATE.telemetry.finish("interrupted", reason)
+        STATE.telemetry = None
+    if world_rank_if_running() == 0:
+        print_line(f"mpitrain.horovod: {reason}")
+    _leave(EXIT_INTERRUPTED)
 
 
 def _leave(code: int) -> None:

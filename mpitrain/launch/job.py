@@ -59,9 +59,6 @@ results directory must be on the launcher's host.
 
 from __future__ import annotations
 
-import argparse
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -72,16 +69,16 @@ from typing import IO, List, Optional, Sequence, Tuple, cast
 
 from . import dialect
 from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
-                      MpitrainError, ResultsError, UsageError)
-from .discovery import DiscoveryScript, SlurmAllocation, host_source
-from .membership import HOST_POLL, Job, Membership
+                      MpitrainError, ResultsError)
+from .membership import Job
 from .probe import require_reachable
 from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, restartable,
                     run_dirs)
 from ..run.checkpoint import CHECKPOINT
 from ..run.signals import STOP_SIGNALS
 from ..results.lost_run import record_lost_attempt
-from ..results.run_dir import ATTEMPT_ENV, EXIT_CODE_OF_STATUS, run_ended, run_rows
+from ..results.run_dir import (ATTEMPT_ENV, ELASTIC_ENV, EXIT_CODE_OF_STATUS, run_ended,
+                               run_rows)
 
 PROG = "mpitrain launch"
 #: seconds the job gets to checkpoint and exit after a stop signal before it is killed
@@ -95,164 +92,15 @@ TEARDOWN_GRACE = 15.0
 POLL_INTERVAL = 1.0
 
 
-def add_parser(commands) -> None:
-    """The ``launch`` sub-command's options (the same launch shape as ``check``)."""
-    launch = commands.add_parser(
-        "launch", help="run a training job under mpirun, restarting it from its checkpoint "
-        "when it fails",
-        description="Preflight the launch, run 'mpirun ... python -m mpitrain MODEL "
-        "[OPTIONS]', and when the job fails restart it with --resume from its last "
-        "checkpoint, up to --max-restarts times. Run it as 'mpitrain launch -np 4 -hostfile "
-        "hostfiles/cluster2 lr --async' (no mpirun). Exit codes: 0 done, 1 failed after "
-        "the last restart, 2 usage error, 74 results could not be written (never "
-        "restarted), 143 stopped by a signal.")
-    launch.add_argument("-np", "--np", dest="np_range", type=np_range, default=None,
-                        metavar="N|MIN:MAX",
-                        help="ranks (default: $SLURM_NTASKS inside a SLURM allocation, else "
-                        "1); MIN:MAX (with -hostfile, --host-discovery-script or in a SLURM "
-                        "allocation): start on the hosts that answer with at least MIN, "
-                        "grow to MAX as hosts come back, never run on fewer "
-                        "than MIN")
-    launch.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE")
-    launch.add_argument("--host-discovery-script", metavar="SCRIPT",
-                        help="instead of -hostfile: an executable printing the hosts "
-                        "available now, one HOST:SLOTS a line (Horovod's contract), run "
-                        "every second while the job runs; the job starts on those that "
-                        "answer (at least -np MIN ranks) and grows to -np MAX")
-    launch.add_argument("--oversubscribe", action="store_true",
-                        help="allow more ranks than slots (as mpirun --oversubscribe)")
-    launch.add_argument("--max-restarts", type=int, default=3, metavar="N",
-                        help="restarts after failures before giving up (default 3)")
-    launch.add_argument("--host-poll", type=float, default=HOST_POLL, metavar="S",
-                        help="seconds between probes of a host left out after a failure; "
-                        "when it answers, the job stops at a checkpoint and goes on with it "
-                        f"(0: only at the next restart; default {HOST_POLL:g})")
-    launch.add_argument("--mpirun-arg", action="append", default=[], metavar="ARG",
-                        help="an extra argument for mpirun, e.g. --mpirun-arg=--bind-to "
-                        "--mpirun-arg=none (repeatable)")
-    launch.add_argument("training", nargs="...", metavar="MODEL [OPTIONS] | SCRIPT.py [ARGS]",
-                        help="the training command (as after 'python -m mpitrain'), or your "
-                        "script (a mpitrain.horovod one: restarted as it is, it resumes from "
-                        "its own checkpoints)")
-
-
-def is_script(training: Sequence[str]) -> bool:
-    """Whether the training command is the user's own script (``SCRIPT.py [ARGS]``, e.g. one
-    written against mpitrain.horovod) rather than mpitrain's (a model name, or a
-    ``FILE.py:FUNCTION`` spec)."""
-    return bool(training) and training[0].endswith(".py") and Path(training[0]).is_file()
-
-
-def np_range(text: str) -> Tuple[int, int]:
-    """``-np N`` (N, N) or ``-np MIN:MAX``; argparse's one-line error otherwise."""
-    low, colon, high = text.partition(":")
-    try:
-        bounds = (int(low), int(high if colon else low))
-    except ValueError:
-        bounds = (0, 0)
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX with 1 <= MIN <= MAX (got "
-                                         f"{text!r})")
-    return bounds
-
-
-def world_size(args) -> int:
-    """-np (MIN:MAX's MAX), or the task count of the SLURM allocation the launcher runs
-    in, or 1."""
-    return args.np_range[1] if args.np_range else int(os.environ.get("SLURM_NTASKS", "1"))
-
-
-def run(args, cfg) -> int:
-    """Entry point for ``mpitrain launch`` once the training arguments parsed as ``cfg``
-    (None for a script, :func:`is_script`: mpitrain's defaults; its telemetry, if on,
-    goes to $MPITRAIN_RESULTS_DIR)."""
-    script = cfg is None
-    if script:
-        from ..config import Config
-
-        cfg = Config.of(results_dir=os.environ.get("MPITRAIN_RESULTS_DIR", "results"))
-    if args.max_restarts < 0:
-        raise UsageError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
-    from .preflight import check_launch
-
-    np_ = world_size(args)
-    np_min = args.np_range[0] if args.np_range else np_
-    source = host_source(args.hostfile, args.host_discovery_script, args.np_range
-                         if np_min < np_ else None)
-    listed = isinstance(source, (DiscoveryScript, SlurmAllocation))  # not a hostfile
-    elastic = np_min < np_ or listed
-    # (where a source lists the hosts, where ranks go is said once they answer, below)
-    placement = check_launch(np_, None if listed else args.hostfile,
-                             args.oversubscribe or listed, cfg.async_mode,
-                             cfg.asynchronous.servers)
-    in_slurm = source is None and args.hostfile is None and bool(os.environ.get("SLURM_JOB_ID"))
-    if in_slurm:
-        placement = [f"{np_} ranks on the SLURM allocation of job {os.environ['SLURM_JOB_ID']}"]
-    runner = launcher_for_this_python()
-    if not listed:
-        say_placement(placement, script)
-    hosts = source.read() if source is not None else None
-    # no hostfile and no allocation: every rank on this host, as many as -np asks for
-    oversubscribe = args.oversubscribe or (hosts is None and not in_slurm)
-    if args.host_poll < 0:
-        raise UsageError(f"--host-poll must be 0 (off) or a number of seconds (got "
-                         f"{args.host_poll:g})")
-    job = Job(np_, None if listed else hosts, args.hostfile, oversubscribe,
-              list(args.mpirun_arg), cfg.async_mode, runner, keep_binding=cfg.keep_cpu_binding,
-              recovery=cfg.async_mode and runner.supports_recovery,
-              membership=Membership(hosts, np_, oversubscribe, args.host_poll,
-                                    np_min=np_min if elastic else 1, source=source)
-              if hosts is not None else None)
-    if cfg.async_mode and np_ > 2 and not runner.supports_recovery:
-        say(f"note: {runner.impl.name} cannot keep a job running after one of its ranks "
-            "died, so a lost worker costs a restart from the last checkpoint (Open MPI "
-            "keeps the others training)")
-    if script:
-        job.program = [str(Path(args.training[0]).resolve())]
-    launcher = Launcher(job, list(args.training[script:]), Path(cfg.results_dir), cfg.resume,
-                        args.max_restarts, script=script)
-    if elastic:  # starts on the hosts that answer (at least -np MIN's)
-        for line in job.rehost(launcher.hostfile_path(), announce=say, starting=True):
-            say(line)
-        if listed:
-            say_placement(check_launch(job.np, job.hostfile, oversubscribe, cfg.async_mode,
-                                       cfg.asynchronous.servers), script)
-    else:  # a typo in a host name must not make the run a smaller one
-        require_reachable(job.hosts, job.mpirun_args, runner)
-    return launcher.run()
-
-
-def say_placement(lines: List[str], script: bool) -> None:
-    for line in lines:  # every rank of a script trains: no parameter server
-        say(re.sub(r": (parameter server|worker|single) on ", ": on ", line) if script
-            else line)
-
-
-def launcher_for_this_python() -> dialect.Mpirun:
-    """The mpirun to start ranks of this Python with (see :func:`.dialect.find_mpirun`);
-    UsageError when there is none, or when it is not of the MPI this Python's mpi4py
-    loads (their ranks would each start alone: N single-rank runs instead of one job)."""
-    try:
-        runner = dialect.mpirun()
-    except FileNotFoundError:
-        raise UsageError("mpirun not found: install Open MPI or MPICH (bash setup.sh installs "
-                         "Open MPI), or set MPITRAIN_MPIRUN to your launcher") from None
-    problem = dialect.mismatch(runner, dialect.library_of(sys.executable))
-    if problem:
-        raise UsageError(problem)
-    return runner
-
-
 class Launcher:
     """Runs one job to completion through restarts; see the module docstring."""
 
     def __init__(self, job: Job, training: List[str], results_dir: Path,
-                 resume: Optional[str], max_restarts: int, script: bool = False):
-        self.job, self.training = job, training
-        #: a script of the user's: restarted as it is (it resumes from its own checkpoints)
-        self.script = script
-        self.results_dir, self.resume = results_dir, resume
-        self.max_restarts = max_restarts
+                 resume: Optional[str], max_restarts: int, script: bool = False,
+                 elastic_state: Optional[Path] = None):
+        # script: the user's own, restarted as it is (it resumes from its own checkpoints)
+        self.job, self.training, self.script = job, training, script
+        self.results_dir, self.resume, self.max_restarts = results_dir, resume, max_restarts
         self.proc: Optional[subprocess.Popen] = None
         self.tail = ErrorTail()  # a script's stderr
         self.stop_signal: Optional[int] = None
@@ -260,6 +108,9 @@ class Launcher:
         #: hosts found answering again while the job ran: it is stopping to take them back
         self.growing: List[str] = []
         self.failures = self.without_checkpoint = 0  # (restarts after failures)
+        #: a script's hvd.elastic state, carried from attempt to attempt of this launch (the
+        #: launch's caller removes it at its end)
+        self.elastic_state = elastic_state
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
@@ -287,7 +138,7 @@ class Launcher:
                 return 0
             run_dir = self._failed_run_dir(before, watched)
             if self.growing and self.stop_signal is None and code == EXIT_INTERRUPTED \
-                    and run_dir is not None and (run_dir / CHECKPOINT).is_file():
+                    and self._checkpointed(run_dir):
                 outcome = self._grow(run_dir)
             else:
                 outcome = self._after_failure(code, finished, run_dir, token, rows_before)
@@ -295,10 +146,19 @@ class Launcher:
                 return outcome
             restarts += 1
 
-    def _grow(self, run_dir: Path) -> Optional[int]:
+    def _checkpointed(self, run_dir: Optional[Path]) -> bool:
+        """Whether the job wrote what a restart resumes from: the run's checkpoint, or a
+        script's hvd.elastic state."""
+        if self.elastic_state is not None:
+            return self.elastic_state.is_file()
+        return run_dir is not None and (run_dir / CHECKPOINT).is_file()
+
+    def _grow(self, run_dir: Optional[Path]) -> Optional[int]:
         """The job stopped at a checkpoint to take back the hosts :attr:`growing` names:
         restart it on them (None), or give up (an exit code) if none can be taken."""
-        self.resume, back, self.growing = str(run_dir), self.growing, []
+        if not self.script:
+            self.resume = str(run_dir)
+        back, self.growing = self.growing, []
         try:
             changed = self.job.rehost(self.hostfile_path(), back=back, announce=say)
         except MpitrainError as e:
@@ -306,7 +166,8 @@ class Launcher:
             return EXIT_FAILURE
         for line in changed:
             say(line)
-        say(f"restarting from the checkpoint in {self.resume} on the hosts there are")
+        say(f"restarting from {self.elastic_state if self.script else self.resume}"
+            " on the hosts there are")
         return None
 
     def _after_failure(self, code: int, finished: bool, run_dir: Optional[Path], token: str,
@@ -398,8 +259,10 @@ class Launcher:
         self.kill_at = None  # (a stop to take hosts back set it for the attempt before)
         watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
         # a session of its own: one killpg reaches mpirun and every local rank
+        env = {ATTEMPT_ENV: token, **({ELASTIC_ENV: str(self.elastic_state)}
+                                      if self.elastic_state else {})}
         self.proc = subprocess.Popen(command, start_new_session=True,
-                                     env=dialect.launch_environment(**{ATTEMPT_ENV: token}),
+                                     env=dialect.launch_environment(**env),
                                      stderr=subprocess.PIPE if self.script else None)
         if self.script:  # its failure's last line, to tell a restart that cannot help
             self.tail.follow(cast(IO[bytes], self.proc.stderr))
@@ -424,46 +287,40 @@ class Launcher:
                     continue  # the wait returns its exit code at once
                 watch.poll()
                 self._look_for_hosts_back(watch)
-                # (either is only ever true of a status read)
-                if watch.overdue(TEARDOWN_GRACE):
-                    return self._kill_after_the_run_ended(cast(dict, watch.status))
-                if watch.writer_gone_overdue(TEARDOWN_GRACE):
-                    return self._kill_after_rank_0_is_gone(
-                        cast(dict, watch.status)["writer"]["pid"])
+                status = cast(dict, watch.status)  # (either is only true of a status read)
+                if watch.overdue(TEARDOWN_GRACE):  # the code mpirun would have given
+                    return self._kill_overdue(f"the run ended ({describe(status)})",
+                                              EXIT_CODE_OF_STATUS[status["status"]])
+                if watch.writer_gone_overdue(TEARDOWN_GRACE):  # no end recorded: a failure
+                    return self._kill_overdue(f"rank 0 (pid {status['writer']['pid']}) is "
+                                              "gone", EXIT_FAILURE)
 
-    def _kill_after_the_run_ended(self, status: dict) -> int:
-        """Kill a job whose run has ended but whose mpirun has not exited; the exit code
-        mpirun would have given for that end."""
-        say(f"the run ended ({describe(status)}) but mpirun did not exit within "
-            f"{TEARDOWN_GRACE:g} s; killing it")
+    def _kill_overdue(self, what: str, code: int) -> int:
+        """Kill a job whose run ended, or whose rank 0 is gone, but whose mpirun has not
+        exited; ``code``, the attempt's exit code."""
+        say(f"{what} but mpirun did not exit within {TEARDOWN_GRACE:g} s; killing it")
         self._kill_job()
-        return EXIT_CODE_OF_STATUS[status["status"]]
-
-    def _kill_after_rank_0_is_gone(self, pid: int) -> int:
-        """Kill a job whose rank 0 died without recording an end and whose mpirun has not
-        exited; a failure."""
-        say(f"rank 0 (pid {pid}) is gone but mpirun did not exit within "
-            f"{TEARDOWN_GRACE:g} s; killing it")
-        self._kill_job()
-        return EXIT_FAILURE
+        return code
 
     def _look_for_hosts_back(self, watch: "RunWatch") -> None:
-        """While the job runs with hosts left out: probe those due; when one answers,
-        stop the job at a checkpoint (as a stop signal does) to restart it with it. Only
-        once its run says running: every rank then takes the stop signal (before, it
-        would end a rank still starting)."""
+        """While the job runs with hosts left out: probe those due; when one answers (or
+        its hosts offer more slots), stop the job at a checkpoint (as a stop signal
+        does) to restart it larger. Only once its run says running (every rank then
+        takes the stop signal; before, it would end a rank still starting), or a
+        script's hvd.elastic state is written (it stops at its next commit)."""
         members = self.job.membership
         if members is None or self.kill_at is not None:
             return
         for line in members.reread():
             say(line)
-        if not members.left_out or (watch.status or {}).get("status") != "running":
+        ready = self._checkpointed(None) if self.script else \
+            (watch.status or {}).get("status") == "running"
+        if not ready:
             return
-        back = members.look(self.job.probe)
+        back, why = members.growth(self.job.np, self.job.probe)
         if back and self.proc is not None and self.proc.poll() is None:
             self.growing = back
-            say(f"host(s) {', '.join(back)} answer: stopping the job at a checkpoint "
-                "to take them in")
+            say(f"{why}: stopping the job at a checkpoint to take them in")
             self.proc.send_signal(signal.SIGUSR1)  # mpirun forwards it and waits
             self.kill_at = time.monotonic() + STOP_GRACE
 

@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, cast
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 from . import dialect, hostfile
 from ..errors import MpitrainError, UsageError
@@ -168,6 +168,19 @@ class Membership:
             self._probing.start()
         return []
 
+    def growth(self, running: int, probe: Probe) -> Tuple[List[str], str]:
+        """While the job runs on ``running`` ranks: the hosts it can grow by now, and why
+        -- those left out that a finished probe found answering (see :meth:`look`), or
+        its hosts if they offer more slots than it runs on (a discovery script's or the
+        hostfile's count raised); none yet, ([], '')."""
+        back = self.look(probe) if self.left_out else []
+        if back:
+            return back, f"host(s) {', '.join(back)} answer"
+        if self.np_now() > running:
+            return [h.name for h in self.current()], \
+                f"the hosts offer {self.np_now()} slot(s), the job runs on {running}"
+        return [], ""
+
     def _probe(self, probe: Probe, names: List[str]) -> None:
         gone = probe(names)
         self._answered = [name for name in names if name not in gone]
@@ -191,6 +204,8 @@ class Job:
     program: List[str] = field(default_factory=lambda: ["-m", "mpitrain"])  # or a script
     #: the launch's hosts and which are left out (None without a hostfile)
     membership: Optional[Membership] = None
+    #: the launcher's environment variables mpirun passes on to every rank
+    exports: List[str] = field(default_factory=lambda: [ATTEMPT_ENV])
 
     def command(self) -> List[str]:
         """mpirun in its own dialect (see :mod:`mpitrain.launch.dialect`), then the program."""
@@ -199,7 +214,7 @@ class Job:
         # the async server goes on without a lost worker instead of the job ending
         cmd = self.runner.command(self.np, given, self.oversubscribe, self.keep_binding,
                                   self.recovery and self.np > 2,
-                                  export=[ATTEMPT_ENV],  # the attempt's token, for rank 0
+                                  export=self.exports,  # (the attempt's token, for rank 0)
                                   extra=self.mpirun_args)
         return cmd + [sys.executable, *self.program]
 

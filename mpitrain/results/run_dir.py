@@ -388,6 +388,9 @@ class NullResults:
 
 #: the environment variable that carries ``mpitrain launch``'s attempt token to every rank
 ATTEMPT_ENV = "MPITRAIN_LAUNCH_ATTEMPT"
+#: set by mpitrain launch for a script: where a mpitrain.horovod.elastic state is written
+#: (by rank 0) and read back by the next attempt of the launch
+ELASTIC_ENV = "MPITRAIN_ELASTIC_STATE"
 
 
 def attempt_facts(environ=os.environ) -> dict:

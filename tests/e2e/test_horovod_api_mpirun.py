@@ -16,7 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, horovod_python, mpi_env, mpirun_cmd, read_rows, run_bounded
+from conftest import (REPO, finish_bounded, horovod_python, mpi_env, mpirun_cmd, read_rows,
+                      run_bounded, start_bounded)
 
 HELPERS = REPO / "tests" / "helpers"
 
@@ -198,3 +199,49 @@ def test_launch_restarts_a_script_which_resumes_and_writes_telemetry(tmp_path):
     report = run_bounded([sys.executable, "-m", "mpitrain", "report", results], 300)
     assert report.returncode == 0, report.stderr
     assert (run / "fig-time-breakdown.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_launch_grows_a_horovod_elastic_script(tmp_path):
+    """A Horovod elastic loop (tests/helpers/hvd_elastic.py: hvd.elastic.run,
+    TensorFlowKerasState, a commit every 10 batches, a reset callback scaling the
+    learning rate) under ``mpitrain launch -np 2:3 --host-discovery-script S``. S lists
+    this host with 2 slots, then, once the script has written its elastic state, with
+    3: the launcher stops the job, every rank at the same commit (exit 143, the state
+    written), and restarts it at -np 3; the state resumes from that commit, the reset
+    callback runs once at the new size, and training ends at the same batch count on
+    every rank with the same weights."""
+    listing = tmp_path / "hosts"
+    listing.write_text("localhost:2\n")
+    script = tmp_path / "discover"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    results, out = tmp_path / "results", tmp_path / "out"
+    out.mkdir()
+    proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "2:3",
+                          "--host-discovery-script", script, HELPERS / "hvd_elastic.py", out,
+                          "400"], env=mpi_env(MPITRAIN_RESULTS_DIR=results,
+                                              MPITRAIN_ELASTIC_PERSIST_EVERY="0"))
+    deadline = time.monotonic() + 300
+    while not list(results.glob("elastic-state-*.pkl")) and time.monotonic() < deadline:
+        assert proc.poll() is None, finish_bounded(proc, 30).stderr[-3000:]
+        time.sleep(0.2)
+    listing.write_text("localhost:3\n")
+    done = finish_bounded(proc, 600)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    print("\n".join(line for line in done.stderr.splitlines() if "mpitrain" in line))
+    assert "the hosts offer 3 slot(s), the job runs on 2: stopping the job at a " \
+        "checkpoint" in done.stderr, done.stderr[-3000:]
+    assert "mpitrain.horovod: stopped at a commit, the elastic state written" in done.stderr
+    assert "-np 2 -> 3, the run resumes with more workers" in done.stderr
+    assert "mpitrain.horovod: the elastic state resumed from" in done.stderr
+    attempts = [line.split() for line in (out / "attempts").read_text().splitlines()]
+    assert [size for size, _ in attempts] == ["2", "3"] and attempts[0][1] == "0"
+    resumed_at = int(attempts[1][1])
+    assert 0 < resumed_at < 400 and resumed_at % 10 == 0, attempts  # at a commit
+    final = json.loads((out / "final.json").read_text())
+    assert (final["size"], final["batch"], final["resets"]) == (3, 400, [3])
+    assert final["lr"] == pytest.approx(0.03) and final["same_weights"]
+    assert final["loss"] < 1.0  # it trained (a linear fit of 64 points)
+    assert not list(results.glob("elastic-state-*.pkl"))  # it lives as long as the launch

@@ -596,13 +596,63 @@ def test_a_rank_that_leaves_is_named_at_once_by_every_rank():
 
 def test_unprovided_features_name_the_alternative():
     for call in (lambda: hvd.allreduce(tf.ones([1]), process_set=object()),
-                 lambda: hvd.elastic.run,
                  lambda: hvd.run(print), lambda: hvd.ProcessSet([0]),
                  lambda: hvd.start_timeline("t.json")):
         with pytest.raises(Unsupported, match="mpitrain.horovod does not provide"):
             call()
     with pytest.raises(Unsupported, match="mpitrain launch"):
-        hvd.elastic.run(lambda: None)
+        hvd.run(lambda: None)
+
+
+def test_elastic_state_commits_restores_syncs_and_resumes(tmp_path_factory, monkeypatch):
+    """Horovod's State semantics (its test_elastic_state's), then what mpitrain adds under
+    mpitrain launch: a commit writes rank 0's state, and the next attempt's
+    hvd.elastic.run starts from it, every rank, the reset callbacks run once."""
+    import signal
+
+    from mpitrain.horovod import elastic
+    from mpitrain.results.run_dir import ELASTIC_ENV
+
+    v = tf.Variable(np.full((2, 2), me()))
+    state = hvd.elastic.TensorFlowState([v], batch=20 + hvd.rank(), epoch=10)
+    state.sync()  # rank 0's everywhere
+    assert np.all(v.numpy() == 1.0) and (state.batch, state.epoch) == (20, 10)
+    v.assign(np.full((2, 2), 5.0))
+    state.batch = 21
+    state.restore()  # back to the last commit
+    assert np.all(v.numpy() == 1.0) and state.batch == 20
+    v.assign(np.full((2, 2), 5.0))
+    state.batch = 21
+    state.commit()  # (not under mpitrain launch: in memory only)
+    state.restore()
+    assert np.all(v.numpy() == 5.0) and state.batch == 21
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.1 * n(), momentum=0.9)
+    optimizer.apply_gradients([(tf.ones_like(w), w) for w in model.trainable_variables])
+    keras_state = hvdk.elastic.KerasState(model, optimizer, epoch=3)
+    keras_state.sync()  # (each rank's model began with weights of its own)
+    path = hvd.broadcast_object(str(tmp_path_factory.mktemp("elastic") / "state.pkl"))
+    monkeypatch.setenv(ELASTIC_ENV, path)
+    monkeypatch.setattr(elastic, "PERSIST_EVERY", 0.0)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        keras_state.commit()  # written by rank 0; no rank asked to stop: goes on
+        # the next attempt: a new model and an optimizer not built yet
+        again = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        fresh = keras.optimizers.SGD(0.1, momentum=0.9)
+        resumed = hvdk.elastic.KerasState(again, fresh, epoch=0)
+        resets = []
+        resumed.register_reset_callbacks([lambda: resets.append(hvd.size())])
+        epoch = hvdk.elastic.run(lambda s: s.epoch)(resumed)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert epoch == 3 and resets == [n()]
+    for mine, saved in zip(again.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(mine, saved)
+    momenta = [var.numpy() for var in elastic.optimizer_variables(fresh)]
+    assert len(momenta) == len(elastic.optimizer_variables(optimizer)) and \
+        same_everywhere(np.concatenate([m.ravel() for m in momenta]))
 
 
 def test_shutdown_then_init_again():

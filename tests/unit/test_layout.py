@@ -16,7 +16,7 @@ from conftest import REPO
 OUTSIDE_THE_JOB = ("report.plots", "report.run_files", "report.run_figures", "report.markdown",
                    "launch.job", "launch.watch", "launch.sweep", "launch.preflight",
                    "launch.hostfile", "launch.dialect", "launch.probe", "launch.membership",
-                   "launch.discovery")
+                   "launch.discovery", "launch.command")
 RUNTIME = ("tensorflow", "keras", "mpi4py", "mpitrain.comm", "mpitrain.run.session",
            "mpitrain.train", "mpitrain.exchange", "mpitrain.models.replica",
            "mpitrain.results.telemetry", "mpitrain.data")
@@ -124,6 +124,8 @@ ALLOWED = {
     "launch.job": LEAVES | {"launch.watch", "launch.hostfile", "launch.preflight", "results",
                             "run.checkpoint", "run.signals", "run.resume", "launch.probe",
                             "launch.membership", "launch.discovery"},
+    "launch.command": LEAVES | {"launch.job", "launch.discovery", "launch.membership",
+                                "launch.probe", "launch.preflight", "results"},
 }
 ENTRY = {"", "__main__", "cli", "api"}
 

@@ -8,10 +8,10 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
+from mpitrain.launch import command
 from mpitrain.launch import job as launch
 from mpitrain.launch import membership
 from mpitrain.launch.hostfile import Host
@@ -289,7 +289,7 @@ def test_np_min_max_waits_for_hosts_below_its_minimum(tmp_path, capsys, monkeypa
 
 
 def test_np_takes_n_or_min_max():
-    assert launch.np_range("4") == (4, 4) and launch.np_range("2:4") == (2, 4)
+    assert command.np_range("4") == (4, 4) and command.np_range("2:4") == (2, 4)
     for bad in ("0", "4:2", "x", "2:", ":4", "1:2:3"):
         with pytest.raises(Exception, match="must be N or MIN:MAX with 1 <= MIN <= MAX"):
-            launch.np_range(bad)
+            command.np_range(bad)

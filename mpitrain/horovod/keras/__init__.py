@@ -3,13 +3,15 @@
 The same names as :mod:`mpitrain.horovod` for init and topology, plus Keras' side:
 :func:`DistributedOptimizer` for ``model.compile``, the callbacks in
 :mod:`.callbacks` (``hvd.callbacks.BroadcastGlobalVariablesCallback(0)``...), and
-:func:`load_model`, which loads a saved model with its optimizer made distributed.
+:func:`load_model`, which loads a saved model with its optimizer made distributed, and
+``hvd.elastic`` (:mod:`.elastic_callbacks`: Horovod elastic's Keras state and
+callbacks).
 """
 
 from __future__ import annotations
 
 from .. import (Average, Compression, ProcessSet, Sum, add_process_set, ccl_built,  # noqa: F401
-                cross_rank, cross_size, cuda_built, ddl_built, elastic, gloo_built,
+                cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                 gloo_enabled, global_process_set, init, is_initialized, local_rank,
                 local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
                 remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
@@ -18,6 +20,7 @@ from ..optimizer import (DistributedOptimizer, PartialDistributedOptimizer,  # n
                          distributed_class)
 from ..tape import GradientReducer
 from . import callbacks  # noqa: F401
+from . import elastic_callbacks as elastic  # noqa: F401
 
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
