@@ -19,6 +19,7 @@ BENCHMARKS = {
     "sampler": "epoch time with the telemetry sampler on vs off",
     "netns": "LR and LeNet epoch time on the emulated 3-node cluster, 10 GbE vs 1 GbE",
     "compression": "--compression fp16, powersgd, topk vs float32 on the emulated cluster, 1 GbE",
+    "elastic": "a node lost and returned under mpitrain launch -np 2:4: seconds, accuracy",
     "servers": "async --servers 1/2/3 on the emulated cluster at 1 GbE: updates/s vs BytePS's model",
     "lower_bound": "sync step / compute-only step at 2 workers (LeNet, AlexNet)",
     "overlap": "AlexNet sync step time with --overlap on vs off, shared memory and 1 GbE",

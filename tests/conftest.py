@@ -640,7 +640,8 @@ ON_THE_EMULATED_CLUSTER = ("netns", "compression", "servers")
 #: {name: (the file, how it runs the benchmark)}
 SMOKED_ELSEWHERE = {"mpis": ("tests/e2e/test_mpis.py", '"bench", "mpis", "--quick"'),
                     "server_memory": ("tests/e2e/test_server_memory.py",
-                                      "server_memory.main(")}
+                                      "server_memory.main("),
+                    "elastic": ("tests/e2e/test_netns.py", "elastic.main(")}
 
 
 def bench(names, *args, timeout=1500):

@@ -141,9 +141,9 @@ def run(args, cfg) -> int:
         job.program = [str(Path(args.training[0]).resolve())]
         Path(cfg.results_dir).mkdir(parents=True, exist_ok=True)
         elastic_state = Path(cfg.results_dir) / f"elastic-state-{uuid.uuid4().hex[:12]}.pkl"
-        job.exports = [*job.exports, ELASTIC_ENV]
+        job.environment[ELASTIC_ENV] = str(elastic_state)
     launcher = Launcher(job, list(args.training[script:]), Path(cfg.results_dir), cfg.resume,
-                        args.max_restarts, script=script, elastic_state=elastic_state)
+                        args.max_restarts, script=script)
     if elastic:  # starts on the hosts that answer (at least -np MIN's)
         for line in job.rehost(launcher.hostfile_path(), announce=say, starting=True):
             say(line)

@@ -88,6 +88,8 @@ STOP_GRACE = 120.0
 #: abort or every rank's finalize: docs/architecture.md, "Ending a job through mpirun"),
 #: small against the minutes Open MPI can spend tearing down a job on a lost host.
 TEARDOWN_GRACE = 15.0
+#: TEARDOWN_GRACE when the job ran on a host since lost, whose daemon mpirun would wait for
+LOST_HOST_GRACE = 3.0
 #: seconds between two looks at mpirun (and at the run's status.json)
 POLL_INTERVAL = 1.0
 
@@ -96,8 +98,7 @@ class Launcher:
     """Runs one job to completion through restarts; see the module docstring."""
 
     def __init__(self, job: Job, training: List[str], results_dir: Path,
-                 resume: Optional[str], max_restarts: int, script: bool = False,
-                 elastic_state: Optional[Path] = None):
+                 resume: Optional[str], max_restarts: int, script: bool = False):
         # script: the user's own, restarted as it is (it resumes from its own checkpoints)
         self.job, self.training, self.script = job, training, script
         self.results_dir, self.resume, self.max_restarts = results_dir, resume, max_restarts
@@ -108,9 +109,8 @@ class Launcher:
         #: hosts found answering again while the job ran: it is stopping to take them back
         self.growing: List[str] = []
         self.failures = self.without_checkpoint = 0  # (restarts after failures)
-        #: a script's hvd.elastic state, carried from attempt to attempt of this launch (the
-        #: launch's caller removes it at its end)
-        self.elastic_state = elastic_state
+        #: a script's hvd.elastic state, carried from attempt to attempt of the launch
+        self.elastic_state = job.environment.get(ELASTIC_ENV)
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
@@ -150,7 +150,7 @@ class Launcher:
         """Whether the job wrote what a restart resumes from: the run's checkpoint, or a
         script's hvd.elastic state."""
         if self.elastic_state is not None:
-            return self.elastic_state.is_file()
+            return Path(self.elastic_state).is_file()
         return run_dir is not None and (run_dir / CHECKPOINT).is_file()
 
     def _grow(self, run_dir: Optional[Path]) -> Optional[int]:
@@ -259,10 +259,9 @@ class Launcher:
         self.kill_at = None  # (a stop to take hosts back set it for the attempt before)
         watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
         # a session of its own: one killpg reaches mpirun and every local rank
-        env = {ATTEMPT_ENV: token, **({ELASTIC_ENV: str(self.elastic_state)}
-                                      if self.elastic_state else {})}
-        self.proc = subprocess.Popen(command, start_new_session=True,
-                                     env=dialect.launch_environment(**env),
+        self.proc = subprocess.Popen(command, start_new_session=True, env=dialect.
+                                     launch_environment(**self.job.environment,
+                                                        **{ATTEMPT_ENV: token}),
                                      stderr=subprocess.PIPE if self.script else None)
         if self.script:  # its failure's last line, to tell a restart that cannot help
             self.tail.follow(cast(IO[bytes], self.proc.stderr))
@@ -288,17 +287,18 @@ class Launcher:
                 watch.poll()
                 self._look_for_hosts_back(watch)
                 status = cast(dict, watch.status)  # (either is only true of a status read)
-                if watch.overdue(TEARDOWN_GRACE):  # the code mpirun would have given
+                grace = LOST_HOST_GRACE if self.job.on_a_lost_host() else TEARDOWN_GRACE
+                if watch.overdue(grace):  # the code mpirun would have given
                     return self._kill_overdue(f"the run ended ({describe(status)})",
-                                              EXIT_CODE_OF_STATUS[status["status"]])
-                if watch.writer_gone_overdue(TEARDOWN_GRACE):  # no end recorded: a failure
+                                              EXIT_CODE_OF_STATUS[status["status"]], grace)
+                if watch.writer_gone_overdue(grace):  # no end recorded: a failure
                     return self._kill_overdue(f"rank 0 (pid {status['writer']['pid']}) is "
-                                              "gone", EXIT_FAILURE)
+                                              "gone", EXIT_FAILURE, grace)
 
-    def _kill_overdue(self, what: str, code: int) -> int:
+    def _kill_overdue(self, what: str, code: int, grace: float) -> int:
         """Kill a job whose run ended, or whose rank 0 is gone, but whose mpirun has not
-        exited; ``code``, the attempt's exit code."""
-        say(f"{what} but mpirun did not exit within {TEARDOWN_GRACE:g} s; killing it")
+        exited within ``grace`` s; ``code``, the attempt's exit code."""
+        say(f"{what} but mpirun did not exit within {grace:g} s; killing it")
         self._kill_job()
         return code
 
@@ -311,7 +311,7 @@ class Launcher:
         members = self.job.membership
         if members is None or self.kill_at is not None:
             return
-        for line in members.reread():
+        for line in members.reread() + members.workers_lost(watch.status):
             say(line)
         ready = self._checkpointed(None) if self.script else \
             (watch.status or {}).get("status") == "running"

@@ -80,6 +80,7 @@ class Membership:
     source: Optional[HostSource] = None
     _probing: Optional[threading.Thread] = None
     _answered: List[str] = field(default_factory=list)
+    _lost_seen: set = field(default_factory=set)
 
     def reread(self, now: bool = False) -> List[str]:
         """If the source's hosts changed since they were last read (the hostfile edited,
@@ -181,6 +182,29 @@ class Membership:
                 f"the hosts offer {self.np_now()} slot(s), the job runs on {running}"
         return [], ""
 
+    def workers_lost(self, status: Optional[dict]) -> List[str]:
+        """An async job goes on without a lost worker (mpirun's recovery) and records it
+        in status.json's ``lost_workers``: leave out the host each ran on (each loss
+        taken once; not the first host, the parameter server's), so that it is probed
+        after its cooldown and the job grows back when it answers. Lines to say."""
+        gone, job = {}, self.current()
+        for worker in (status or {}).get("lost_workers") or []:
+            key = (worker.get("rank"), worker.get("host"), worker.get("pid"))
+            if key in self._lost_seen:
+                continue
+            self._lost_seen.add(key)
+            name = self._named(str(worker.get("host")))
+            if name is not None and name != job[0].name and name not in self.left_out:
+                gone[name] = f"its worker, rank {worker.get('rank')}, was lost: " \
+                             f"{worker.get('reason')}"
+        return self.leave_out(gone)
+
+    def _named(self, host: str) -> Optional[str]:
+        """The launch's host ``host`` (a rank's host name) is, also by its short name."""
+        names = [h.name for h in self.hosts]
+        short = {name.split(".")[0]: name for name in names}
+        return host if host in names else short.get(host.split(".")[0])
+
     def _probe(self, probe: Probe, names: List[str]) -> None:
         gone = probe(names)
         self._answered = [name for name in names if name not in gone]
@@ -204,8 +228,8 @@ class Job:
     program: List[str] = field(default_factory=lambda: ["-m", "mpitrain"])  # or a script
     #: the launch's hosts and which are left out (None without a hostfile)
     membership: Optional[Membership] = None
-    #: the launcher's environment variables mpirun passes on to every rank
-    exports: List[str] = field(default_factory=lambda: [ATTEMPT_ENV])
+    #: variables every rank gets, besides the attempt's token (ATTEMPT_ENV)
+    environment: Dict[str, str] = field(default_factory=dict)
 
     def command(self) -> List[str]:
         """mpirun in its own dialect (see :mod:`mpitrain.launch.dialect`), then the program."""
@@ -214,9 +238,17 @@ class Job:
         # the async server goes on without a lost worker instead of the job ending
         cmd = self.runner.command(self.np, given, self.oversubscribe, self.keep_binding,
                                   self.recovery and self.np > 2,
-                                  export=self.exports,  # (the attempt's token, for rank 0)
+                                  export=[ATTEMPT_ENV, *self.environment],  # (ATTEMPT_ENV:
+                                  # the attempt's token, for rank 0)
                                   extra=self.mpirun_args)
         return cmd + [sys.executable, *self.program]
+
+    def on_a_lost_host(self) -> bool:
+        """Whether the job runs on a host since left out (mpirun then waits for a daemon
+        there that cannot answer: the launcher need not wait as long for it to exit)."""
+        members = self.membership
+        return members is not None and any(h.name in members.left_out
+                                           for h in self.hosts or ())
 
     def probe(self, names: Sequence[str]) -> Dict[str, str]:
         """{name: why} of the launch's hosts of ``names`` on which mpirun, with the job's

@@ -102,6 +102,23 @@ def test_a_changed_hostfile_adds_hosts_to_probe_and_removes_others(tmp_path):
     assert [h.name for h in members.hosts] == ["a", "b", "d"]
 
 
+def test_the_hosts_of_lost_async_workers_are_left_out_once():
+    """status.json's lost_workers (an async job that went on without them): their hosts
+    are left out, each loss once, so that the job grows back when they answer; never
+    the first host (the parameter server runs there), nor a host not in the list."""
+    members = Membership([Host("a.lab", 2), Host("b", 1), Host("c", 1)], 4, False, poll=5.0)
+    lost = {"lost_workers": [
+        {"rank": 3, "host": "c", "pid": 7, "reason": "its process died"},
+        {"rank": 1, "host": "a", "pid": 5, "reason": "silent for 9 s"},  # a.lab: rank 0's
+        {"rank": 2, "host": "elsewhere", "pid": 6, "reason": "?"}]}
+    assert members.workers_lost(lost) == [
+        "host c left out (its worker, rank 3, was lost: its process died; lost 1 time(s)): "
+        "probed again in 5 s, then every 5 s while the job runs"]
+    assert list(members.left_out) == ["c"] and members.np_now() == 3
+    members.take_back(["c"])
+    assert members.workers_lost(lost) == []  # (a resumed run's status repeats old losses)
+
+
 def test_no_probe_while_the_job_has_all_the_ranks_it_asked_for():
     members = Membership(HOSTS + [Host("d", 1)], 4, False, poll=5.0)
     members.left_out["d"] = membership._LeftOut("new in the hostfile", 0.0, 0.0)
