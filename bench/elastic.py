@@ -36,8 +36,9 @@ from .common import bench_parser, mnist_dir, mpi_env, out_dir, table, write_csv
 from .netns import NETNS, Skipped, emulated_cluster, skipped
 
 #: per mode: the training command, and whether the undisturbed run is made
-FULL = {"sync": (["lenet", "--epochs", "1", "--checkpoint-steps", "60"], True),
-        "async": (["lenet", "--async", "--epochs", "1", "--checkpoint-steps", "150"], True)}
+FULL = {"sync": (["lenet", "--epochs", "3", "--checkpoint-steps", "60"], True),
+        "async": (["lenet", "--async", "--epochs", "10", "--checkpoint-steps", "300",
+                   "--liveness-floor", "3"], True)}
 #: the smoke: LR, small batches so that the run lasts through both changes (the sync
 #: accuracy still compared: the suite's check that a rescaled run ends where it should)
 QUICK = {"sync": (["lr", "--batch-size", "4", "--lr", "0.05", "--epochs", "2",

@@ -265,6 +265,26 @@ def start_bounded(cmd, env=None, cwd=None) -> subprocess.Popen:
                             cwd=cwd or REPO, start_new_session=True)
 
 
+def wait_while_running(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    """Wait until ``ready()`` holds (looked at five times a second), failing with the
+    process's stderr if it ends first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, finish_bounded(proc, 30).stderr[-3000:]
+        assert time.monotonic() < deadline, f"not ready within {timeout} s"
+        time.sleep(0.2)
+
+
+def discovery_script(tmp_path: Path, hosts: str):
+    """A host discovery script (mpitrain launch --host-discovery-script) printing what the
+    file it returns holds, first ``hosts``: (that file, the script)."""
+    listing, script = tmp_path / "hosts", tmp_path / "discover"
+    listing.write_text(hosts)
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    return listing, script
+
+
 def finish_bounded(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
     """Wait for ``proc``; kill its whole process group and fail if it hangs."""
     try:

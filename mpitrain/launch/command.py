@@ -19,7 +19,7 @@ from . import dialect
 from ..errors import UsageError
 from .discovery import DiscoveryScript, SlurmAllocation, host_source
 from .job import Launcher, say
-from .membership import HOST_POLL, Job, Membership
+from .membership import HOST_POLL, HOSTS_WAIT, Job, Membership
 from .probe import require_reachable
 from ..results.run_dir import ELASTIC_ENV
 
@@ -56,6 +56,9 @@ def add_parser(commands) -> None:
                         help="seconds between probes of a host left out after a failure; "
                         "when it answers, the job stops at a checkpoint and goes on with it "
                         f"(0: only at the next restart; default {HOST_POLL:g})")
+    launch.add_argument("--hosts-wait", type=float, default=HOSTS_WAIT, metavar="S",
+                        help="with -np MIN:MAX: seconds to wait for hosts when those that "
+                        f"answer hold fewer than MIN ranks, then give up (default {HOSTS_WAIT:g})")
     launch.add_argument("--mpirun-arg", action="append", default=[], metavar="ARG",
                         help="an extra argument for mpirun, e.g. --mpirun-arg=--bind-to "
                         "--mpirun-arg=none (repeatable)")
@@ -123,14 +126,15 @@ def run(args, cfg) -> int:
     hosts = source.read() if source is not None else None
     # no hostfile and no allocation: every rank on this host, as many as -np asks for
     oversubscribe = args.oversubscribe or (hosts is None and not in_slurm)
-    if args.host_poll < 0:
-        raise UsageError(f"--host-poll must be 0 (off) or a number of seconds (got "
-                         f"{args.host_poll:g})")
+    if args.host_poll < 0 or args.hosts_wait < 0:
+        raise UsageError(f"--host-poll and --hosts-wait must be 0 (off) or a number of "
+                         f"seconds (got {args.host_poll:g}, {args.hosts_wait:g})")
     job = Job(np_, None if listed else hosts, args.hostfile, oversubscribe,
               list(args.mpirun_arg), cfg.async_mode, runner, keep_binding=cfg.keep_cpu_binding,
               recovery=cfg.async_mode and runner.supports_recovery,
               membership=Membership(hosts, np_, oversubscribe, args.host_poll,
-                                    np_min=np_min if elastic else 1, source=source)
+                                    np_min=np_min if elastic else 1, source=source,
+                                    wait=args.hosts_wait)
               if hosts is not None else None)
     if cfg.async_mode and np_ > 2 and not runner.supports_recovery:
         say(f"note: {runner.impl.name} cannot keep a job running after one of its ranks "

@@ -5,8 +5,8 @@ and :class:`Job`, what mpirun is asked to run on them.
 :func:`.probe.require_reachable`); ``-np MIN:MAX`` (or a discovery script) starts on
 those that answer, with at least MIN ranks. A host that stops answering is left out at
 the next restart (the job runs on the others, with fewer ranks where their slots are
-fewer; under MIN:MAX never fewer than MIN: the launcher waits up to HOSTS_WAIT for
-hosts, then gives up). A host
+fewer; under MIN:MAX never fewer than MIN: the launcher waits up to ``--hosts-wait``
+seconds, HOSTS_WAIT by default, for hosts, then gives up). A host
 left out is probed again, while the job runs and is short of slots, once its cooldown
 has passed and then every ``--host-poll`` seconds; when it answers, the launcher stops
 the job at a checkpoint (the stop signal's path: every rank checkpoints) and restarts it
@@ -72,6 +72,9 @@ class Membership:
     poll: float = HOST_POLL
     #: -np MIN:MAX's minimum: the job never runs on fewer ranks (1: the mode's own)
     np_min: int = 1
+    #: seconds to wait for hosts when those that answer hold fewer than np_min ranks
+    #: (``--hosts-wait``; None: HOSTS_WAIT)
+    wait: Optional[float] = None
     clock: Callable[[], float] = time.monotonic
     left_out: Dict[str, _LeftOut] = field(default_factory=dict)
     #: how many times each host was lost, for its cooldown
@@ -305,18 +308,19 @@ class Job:
 
     def _wait_for_hosts(self, announce: Callable[[str], None]) -> None:
         """Probe the hosts left out every poll until those that answer hold -np MIN:MAX's
-        minimum, for at most HOSTS_WAIT seconds; MpitrainError (one line) if they never
+        minimum, for at most ``--hosts-wait`` seconds; MpitrainError (one line) if they never
         do."""
         members = cast(Membership, self.membership)
         began, floor = members.clock(), members.np_min
+        bound = HOSTS_WAIT if members.wait is None else members.wait
 
         def out() -> str:
             return "; ".join(f"{name}: {left.why}" for name, left in members.left_out.items())
         announce(f"the hosts that answer hold {members.np_now()} rank(s), fewer than -np "
-                 f"{floor}:{members.np}'s minimum: waiting up to {HOSTS_WAIT:g} s for hosts "
+                 f"{floor}:{members.np}'s minimum: waiting up to {bound:g} s for hosts "
                  f"to answer (left out: {out()})")
-        while members.np_now() < floor and members.clock() - began < HOSTS_WAIT:
-            time.sleep(members.poll or HOST_POLL)
+        while members.np_now() < floor and members.clock() - began < bound:
+            time.sleep(min(members.poll or HOST_POLL, max(0.0, bound)))
             for line in members.reread(now=True):  # (hosts a script lists now)
                 announce(line)
             names = list(members.left_out)
@@ -324,6 +328,6 @@ class Job:
             members.take_back([name for name in names if name not in gone])
         if members.np_now() < floor:
             raise MpitrainError(f"-np {floor}:{members.np}: the hosts that answer hold "
-                                f"{members.np_now()} rank(s) after {HOSTS_WAIT:g} s of waiting "
+                                f"{members.np_now()} rank(s) after {bound:g} s of waiting "
                                 f"(left out: {out()}); bring hosts back, then launch again "
                                 "(with --resume RUN_DIR if the run has begun)")

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (REPO, finish_bounded, horovod_python, mpi_env, mpirun_cmd, read_rows,
-                      run_bounded, start_bounded)
+from conftest import (REPO, discovery_script, finish_bounded, horovod_python, mpi_env,
+                      mpirun_cmd, read_rows, run_bounded, start_bounded, wait_while_running)
 
 HELPERS = REPO / "tests" / "helpers"
 
@@ -211,21 +211,14 @@ def test_launch_grows_a_horovod_elastic_script(tmp_path):
     written), and restarts it at -np 3; the state resumes from that commit, the reset
     callback runs once at the new size, and training ends at the same batch count on
     every rank with the same weights."""
-    listing = tmp_path / "hosts"
-    listing.write_text("localhost:2\n")
-    script = tmp_path / "discover"
-    script.write_text(f"#!/bin/sh\ncat {listing}\n")
-    script.chmod(0o755)
+    listing, script = discovery_script(tmp_path, "localhost:2\n")
     results, out = tmp_path / "results", tmp_path / "out"
     out.mkdir()
     proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "2:3",
                           "--host-discovery-script", script, HELPERS / "hvd_elastic.py", out,
                           "400"], env=mpi_env(MPITRAIN_RESULTS_DIR=results,
                                               MPITRAIN_ELASTIC_PERSIST_EVERY="0"))
-    deadline = time.monotonic() + 300
-    while not list(results.glob("elastic-state-*.pkl")) and time.monotonic() < deadline:
-        assert proc.poll() is None, finish_bounded(proc, 30).stderr[-3000:]
-        time.sleep(0.2)
+    wait_while_running(proc, lambda: list(results.glob("elastic-state-*.pkl")))
     listing.write_text("localhost:3\n")
     done = finish_bounded(proc, 600)
 

@@ -248,7 +248,7 @@ def test_a_job_failing_before_any_checkpoint_is_not_retried_forever(tmp_path):
     (["-np", "2", "--host-discovery-script", "/no/such/script", "lr"],
      "discovery script /no/such/script cannot be run (No such file or directory): give the "
      "path of an executable"),
-    (["--host-poll", "-1", "lr"], "--host-poll must be 0 (off) or a number of seconds"),
+    (["--host-poll", "-1", "lr"], "--host-poll and --hosts-wait must be 0 (off) or a number"),
 ])
 def test_usage_errors_are_one_line_before_any_launch(args, message):
     result = run_bounded(launch_cmd(*args), timeout=60)

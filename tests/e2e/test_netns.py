@@ -8,12 +8,11 @@ and check each node's own network counters in runs.csv.
 
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import (REPO, finish_bounded, mpi_env, mpirun_cmd, netns_cluster_turn,
-                      read_rows, run_bounded, start_bounded)
+from conftest import (REPO, discovery_script, finish_bounded, mpi_env, netns_cluster_turn,
+                      read_rows, run_bounded, start_bounded, wait_while_running)
 
 pytestmark = pytest.mark.slow
 NETNS = REPO / "scripts" / "netns-cluster"
@@ -134,11 +133,7 @@ def test_launch_grows_an_async_run_when_the_discovery_script_lists_a_node(cluste
     -np 3 (2 workers), node9 left out. After the first checkpoint S lists node2 too: the
     launcher probes it, stops the run at a checkpoint and resumes the same run at -np 4
     with 3 workers (batch and learning rate kept), node9 still out."""
-    listing = tmp_path / "hosts"
-    listing.write_text("node0:2\nnode1\nnode9\n")
-    script = tmp_path / "discover"
-    script.write_text(f"#!/bin/sh\ncat {listing}\n")
-    script.chmod(0o755)
+    listing, script = discovery_script(tmp_path, "node0:2\nnode1\nnode9\n")
     results = tmp_path / "launched"
     proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "2:4",
                           "--host-discovery-script", str(script),
@@ -147,10 +142,7 @@ def test_launch_grows_an_async_run_when_the_discovery_script_lists_a_node(cluste
                           "--data-dir", str(mnist), "--sample-interval", "0",
                           "--results-dir", str(results), "--checkpoint-steps", "300",
                           "--timeout", "60"], env=mpi_env())
-    deadline = time.monotonic() + 300
-    while not list(results.glob("*/checkpoint.npz")) and time.monotonic() < deadline:
-        assert proc.poll() is None, finish_bounded(proc, 30).stderr[-3000:]
-        time.sleep(0.2)
+    wait_while_running(proc, lambda: list(results.glob("*/checkpoint.npz")))
     listing.write_text("node0:2\nnode1\nnode9\nnode2\n")
     done = finish_bounded(proc, 600)
 
@@ -168,3 +160,29 @@ def test_launch_grows_an_async_run_when_the_discovery_script_lists_a_node(cluste
     assert rows[1]["batch_size"] == "4" and rows[1]["lr"] == rows[0]["lr"]
     assert "batch 4 per worker and lr" in rows[1]["rescaled"]
     assert float(rows[1]["test_accuracy"]) > 0.85
+
+
+def test_launch_gives_up_when_fewer_than_min_ranks_answer(cluster, tmp_path):
+    """-np 3:4 with node1 and node2 lost before the launch: node0's two slots are fewer
+    than MIN. The launcher says it waits, probes the others every --host-poll seconds,
+    and after --hosts-wait gives up in one line (exit 1) without starting a job."""
+    for node in ("node1", "node2"):
+        failed = run_bounded([NETNS, "fail", node], 60)
+        assert failed.returncode == 0, failed.stdout + failed.stderr
+    try:
+        result = run_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "3:4",
+                              "-hostfile", hostfile("cluster2"),
+                              *[f"--mpirun-arg={a}" for a in cluster], "--host-poll", "2",
+                              "--hosts-wait", "6", "lr", "--results-dir", tmp_path], 180)
+    finally:
+        for node in ("node1", "node2"):
+            revived = run_bounded([NETNS, "revive", node], 60)
+            assert revived.returncode == 0, revived.stdout + revived.stderr
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "the hosts that answer hold 2 rank(s), fewer than -np 3:4's minimum: waiting up " \
+        "to 6 s for hosts to answer (left out: node1: mpirun cannot start a process there" \
+        in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "mpitrain: error:" in line]
+    assert len(errors) == 1 and "-np 3:4: the hosts that answer hold 2 rank(s) after 6 s of " \
+        "waiting" in errors[0], result.stderr[-3000:]
+    assert "$ " not in result.stderr
