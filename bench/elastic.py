@@ -16,6 +16,10 @@ undisturbed (``-np 4``). Measured from the launcher's own lines as they arrive:
   started);
 * the final accuracy against the undisturbed run's.
 
+Async loses node2 twice (after the job went back on it, once it checkpointed there):
+the second cooldown is twice the first, and both changes are timed (``later_losses``:
+loss/return seconds).
+
 The steps a change can lose are at most those since the last checkpoint
 (``--checkpoint-steps``), by construction; they are not measured here.
 
@@ -37,13 +41,13 @@ from .netns import NETNS, Skipped, emulated_cluster, skipped
 
 #: per mode: the training command, and whether the undisturbed run is made
 FULL = {"sync": (["lenet", "--epochs", "3", "--checkpoint-steps", "60"], True),
-        "async": (["lenet", "--async", "--epochs", "10", "--checkpoint-steps", "300",
+        "async": (["lenet", "--async", "--epochs", "15", "--checkpoint-steps", "300",
                    "--liveness-floor", "3"], True)}
 #: the smoke: LR, small batches so that the run lasts through both changes (the sync
 #: accuracy still compared: the suite's check that a rescaled run ends where it should)
 QUICK = {"sync": (["lr", "--batch-size", "4", "--lr", "0.05", "--epochs", "2",
                    "--checkpoint-steps", "200"], True),
-         "async": (["lr", "--async", "--batch-size", "4", "--epochs", "4",
+         "async": (["lr", "--async", "--batch-size", "4", "--epochs", "6",
                     "--checkpoint-steps", "300", "--liveness-floor", "3"], False)}
 COMMON = ["--quiet", "--sample-interval", "0", "--timeout", "60"]
 #: the launcher's probe interval of a host left out (and its first cooldown)
@@ -112,28 +116,48 @@ def runs(results: Path) -> List[Dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def disturbed(cluster: dict, mode: str, training: List[str], results: Path) -> dict:
-    """node2 lost after the first checkpoint and returned once the job went on without
-    it; the times each change took, the launcher's lines and the final runs.csv rows."""
+def checkpoint_since(results: Path, since: float) -> bool:
+    """Whether a checkpoint of the run under ``results`` was written after ``since`` (a
+    time.time())."""
+    return any(p.stat().st_mtime > since for p in results.glob("*/checkpoint.npz"))
+
+
+def disturbed(cluster: dict, mode: str, training: List[str], results: Path,
+              cycles: int = 1) -> dict:
+    """node2 lost after a checkpoint and returned once the job went on without it,
+    ``cycles`` times (each loss after a checkpoint of the job back on node2); the times
+    each change took, the cooldown the launcher gave node2 at each loss, the launcher's
+    lines and the final runs.csv rows."""
     proc = launch(cluster, "2:4", training, results)
     lines = Lines(proc)
-    deadline = time.monotonic() + BOUND
-    while not list(results.glob("*/checkpoint.npz")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("no checkpoint before the run ended:\n" + lines.text()[-3000:])
-        time.sleep(0.2)
-    lost_at = time.monotonic()
-    netns("fail", "node2")
-    went_on = lines.wait_for(lost_at, (lambda line: "launch: $ " in line) if mode == "sync"
-                             else (lambda line: "host node2 left out" in line),
-                             "the job going on without node2")
-    revived_at = time.monotonic()
-    netns("revive", "node2")
-    back = lines.wait_for(revived_at, lambda line: "launch: $ " in line and "-np 4 " in line,
-                          "the job restarted on node2")
+    found: Dict[str, list] = {"loss_s": [], "return_s": [], "cooldown_s": []}
+    since = 0.0
+    for cycle in range(1, cycles + 1):
+        deadline = time.monotonic() + BOUND
+        while not checkpoint_since(results, since):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("no checkpoint before the run ended:\n"
+                                   + lines.text()[-3000:])
+            time.sleep(0.2)
+        lost_at = time.monotonic()
+        netns("fail", "node2")
+        went_on = lines.wait_for(lost_at, (lambda line: "launch: $ " in line)
+                                 if mode == "sync" else
+                                 (lambda line: "host node2 left out" in line),
+                                 "the job going on without node2")
+        left = lines.wait_for(lost_at, lambda line: f"lost {cycle} time(s)" in line,
+                              "node2 left out")
+        said = next(line for t, line in lines.seen if t == left and "lost " in line)
+        revived_at = time.monotonic()
+        netns("revive", "node2")
+        back = lines.wait_for(revived_at, lambda line: "launch: $ " in line
+                              and "-np 4 " in line, "the job restarted on node2")
+        since = time.time()
+        found["loss_s"].append(round(went_on - lost_at, 1))
+        found["return_s"].append(round(back - revived_at, 1))
+        found["cooldown_s"].append(float(said.split("probed again in ")[1].split(" s")[0]))
     text = finish(proc, lines)
-    return {"loss_s": round(went_on - lost_at, 1), "return_s": round(back - revived_at, 1),
-            "stderr": text, "rows": runs(results)}
+    return {**found, "stderr": text, "rows": runs(results)}
 
 
 def undisturbed(cluster: dict, training: List[str], results: Path) -> float:
@@ -145,10 +169,15 @@ def undisturbed(cluster: dict, training: List[str], results: Path) -> float:
 def measure(cluster: dict, cases: Dict[str, Tuple[List[str], bool]], tmp: Path) -> List[dict]:
     rows = []
     for mode, (training, compared) in cases.items():
-        run = disturbed(cluster, mode, training, tmp / f"{mode}-disturbed")
+        # async twice: a node that fails again waits a cooldown twice as long
+        run = disturbed(cluster, mode, training, tmp / f"{mode}-disturbed",
+                        cycles=2 if mode == "async" else 1)
         final = run["rows"][-1]
-        row = {"mode": mode, "model": training[0], "loss_s": run["loss_s"],
-               "return_s": run["return_s"],
+        row = {"mode": mode, "model": training[0], "loss_s": run["loss_s"][0],
+               "return_s": run["return_s"][0],
+               "later_losses": " ".join(f"{loss}/{back}" for loss, back in
+                                        zip(run["loss_s"][1:], run["return_s"][1:])),
+               "cooldowns_s": " ".join(f"{c:g}" for c in run["cooldown_s"]),
                "attempts": " ".join(f"{r['np']}:{r['status']}" for r in run["rows"]),
                "final_np": final["np"], "accuracy": float(final["test_accuracy"]),
                "undisturbed_accuracy": None, "stderr": run["stderr"]}

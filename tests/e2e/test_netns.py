@@ -90,7 +90,8 @@ def test_launch_leaves_out_a_lost_node_then_takes_it_back(cluster, tmp_path):
     job at a checkpoint once node2 answers and resumes it at -np 4: one results
     directory, a continuous curve, the accuracy within 1 pp of an undisturbed run.
     Async (LR): the parameter server drops node2's worker and goes on; the launcher,
-    told by status.json, leaves node2 out, and takes it back the same way."""
+    told by status.json, leaves node2 out, and takes it back the same way; node2 is
+    then lost and returned once more, its cooldown doubled."""
     from bench import elastic
 
     found = elastic.main(["--quick"], out=tmp_path, cluster={
@@ -120,9 +121,19 @@ def test_launch_leaves_out_a_lost_node_then_takes_it_back(cluster, tmp_path):
     assert abs(sync["accuracy"] - sync["undisturbed_accuracy"]) <= 0.01, sync
 
     assert "host node2 left out (its worker, rank 3, was lost" in async_["stderr"]
-    assert async_["attempts"] == "4:interrupted 4:ok", async_["attempts"]
-    first = read_rows(tmp_path / "elastic-runs" / "async-disturbed" / "runs.csv")[0]
+    # lost again once back: a cooldown twice as long (--host-poll 5, then 10)
+    assert async_["cooldowns_s"] == "5 10" and "lost 2 time(s)): probed again in 10 s" in \
+        async_["stderr"], async_["stderr"][-3000:]
+    assert async_["attempts"] == "4:interrupted 4:interrupted 4:ok", async_["attempts"]
+    results = tmp_path / "elastic-runs" / "async-disturbed"
+    first = read_rows(results / "runs.csv")[0]
     assert "rank 3 on node2" in first["lost_workers"] and async_["accuracy"] > 0.85
+    # back, node2's worker trains again (its share of the updates left: lost in epoch 1,
+    # it computes in a later epoch too)
+    run_dir, = [p for p in results.iterdir() if p.is_dir()]
+    trained = {row["epoch"] for row in read_rows(run_dir / "timing.csv")
+               if row["rank"] == "3" and float(row["compute_s"]) > 0}
+    assert len(trained) >= 2, trained
 
 
 def test_launch_grows_an_async_run_when_the_discovery_script_lists_a_node(cluster, tmp_path,

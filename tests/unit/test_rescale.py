@@ -107,6 +107,27 @@ def test_async_position_spreads_the_updates_done_over_the_workers_left():
     assert moved.meta.geometry == geometry(after)
 
 
+def test_a_resumed_async_run_shares_the_steps_left_with_a_worker_back():
+    """Rank 3 was lost at step 40 of 100 (its 60 went to ranks 1 and 2), and the run
+    stopped with 1 at 70 and 2 at 66 to take rank 3's host back: the 124 steps left
+    are shared by all three, rank 3 included (before, it had none left and stopped at
+    once, leaving its host idle)."""
+    from mpitrain.train.asynchronous.accounts import WorkerAccount, restore
+    from mpitrain.train.leases import Quotas
+
+    meta = CheckpointMeta.asynchronous(
+        geometry(sync(4, async_mode=True)), staleness={}, retired_staleness={},
+        extra_steps={1: 30, 2: 30, 3: -60}, updates_short=0, lost_workers=[
+            {"rank": 3, "host": "c", "update": 120, "step": 40, "reason": "died"}])
+    ckpt = Checkpoint(np.zeros(3, np.float32), {}, 176, 3.0,
+                      worker_steps={1: 70, 2: 66, 3: 40}, meta=meta)
+    accounts, quotas = {r: WorkerAccount(r) for r in (1, 2, 3)}, Quotas((1, 2, 3), 100)
+    lost = restore(accounts, quotas, ckpt)
+    assert lost[0]["rank"] == 3 and [w.steps for w in accounts.values()] == [70, 66, 40]
+    assert quotas.of == {1: 70 + 42, 2: 66 + 41, 3: 40 + 41}  # 124 = 42 + 41 + 41
+    assert sum(quotas.of.values()) == 300 and quotas.short == 0
+
+
 def test_resumed_config_rescales_from_the_first_session(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

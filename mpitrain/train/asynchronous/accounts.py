@@ -56,17 +56,20 @@ def open_accounts(ranks, life: WorkerStates) -> Dict[int, WorkerAccount]:
 
 
 def restore(accounts: Dict[int, WorkerAccount], quotas: Quotas, ckpt: Checkpoint) -> List[dict]:
-    """Go on counting from ``ckpt``: each worker's steps and staleness, the steps of lost
-    workers given to others (relative to the run's steps per worker: ``--epochs`` may
-    change on resume). Returns the workers the run had lost."""
+    """Go on counting from ``ckpt``: each worker's steps and staleness, and the steps left
+    of the plan (relative to the run's steps per worker: ``--epochs`` may change on
+    resume) shared by the workers there are. Returns the workers the run had lost."""
     meta = ckpt.meta
+    left = meta.updates_short  # (a lost worker's steps nobody could take: the run stopped)
     for rank, w in accounts.items():
         w.start_step = w.steps = ckpt.worker_steps.get(rank, 0)
         w.staleness.update(meta.staleness.get(rank, {}))
-        quotas.of[rank] += meta.extra_steps.get(rank, 0)
-    # steps a lost worker left with nobody to take them (the run was stopping): the
-    # workers there are now take them, so the resumed run makes the planned updates
-    quotas.share(meta.updates_short, accounts)
+        left += max(0, quotas.of[rank] + meta.extra_steps.get(rank, 0) - w.steps)
+        quotas.of[rank] = w.steps
+    # every rank of a resumed session is a live worker, one lost before too (its host
+    # back): the steps left of the plan are shared by all of them, so the resumed run
+    # makes the planned updates and a worker back gets its share
+    quotas.share(left, accounts)
     return [dict(w) for w in meta.lost_workers]
 
 
