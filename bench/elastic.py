@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from mpitrain.launch.watch import kill_tree
+
 from .common import bench_parser, mnist_dir, mpi_env, out_dir, table, write_csv
 from .netns import NETNS, Skipped, emulated_cluster, skipped
 
@@ -95,14 +97,14 @@ def launch(cluster: dict, np_: str, training: List[str], results: Path) -> subpr
            "--host-poll", HOST_POLL, *training, *COMMON, "--data-dir", mnist_dir(),
            "--results-dir", str(results)]
     return subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=mpi_env())
+                            env=mpi_env(), start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, lines: Lines) -> str:
     try:
         proc.wait(timeout=BOUND)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_tree(proc.pid)
         raise RuntimeError("the launch did not end within its bound") from None
     text = lines.text()
     if proc.returncode != 0:
@@ -130,32 +132,36 @@ def disturbed(cluster: dict, mode: str, training: List[str], results: Path,
     lines and the final runs.csv rows."""
     proc = launch(cluster, "2:4", training, results)
     lines = Lines(proc)
-    found: Dict[str, list] = {"loss_s": [], "return_s": [], "cooldown_s": []}
-    since = 0.0
-    for cycle in range(1, cycles + 1):
-        deadline = time.monotonic() + BOUND
-        while not checkpoint_since(results, since):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("no checkpoint before the run ended:\n"
-                                   + lines.text()[-3000:])
-            time.sleep(0.2)
-        lost_at = time.monotonic()
-        netns("fail", "node2")
-        went_on = lines.wait_for(lost_at, (lambda line: "launch: $ " in line)
-                                 if mode == "sync" else
-                                 (lambda line: "host node2 left out" in line),
-                                 "the job going on without node2")
-        left = lines.wait_for(lost_at, lambda line: f"lost {cycle} time(s)" in line,
-                              "node2 left out")
-        said = next(line for t, line in lines.seen if t == left and "lost " in line)
-        revived_at = time.monotonic()
-        netns("revive", "node2")
-        back = lines.wait_for(revived_at, lambda line: "launch: $ " in line
-                              and "-np 4 " in line, "the job restarted on node2")
-        since = time.time()
-        found["loss_s"].append(round(went_on - lost_at, 1))
-        found["return_s"].append(round(back - revived_at, 1))
-        found["cooldown_s"].append(float(said.split("probed again in ")[1].split(" s")[0]))
+    try:
+        found: Dict[str, list] = {"loss_s": [], "return_s": [], "cooldown_s": []}
+        since = 0.0
+        for cycle in range(1, cycles + 1):
+            deadline = time.monotonic() + BOUND
+            while not checkpoint_since(results, since):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("no checkpoint before the run ended:\n"
+                                       + lines.text()[-3000:])
+                time.sleep(0.2)
+            lost_at = time.monotonic()
+            netns("fail", "node2")
+            went_on = lines.wait_for(lost_at, (lambda line: "launch: $ " in line)
+                                     if mode == "sync" else
+                                     (lambda line: "host node2 left out" in line),
+                                     "the job going on without node2")
+            left = lines.wait_for(lost_at, lambda line: f"lost {cycle} time(s)" in line,
+                                  "node2 left out")
+            said = next(line for t, line in lines.seen if t == left and "lost " in line)
+            revived_at = time.monotonic()
+            netns("revive", "node2")
+            back = lines.wait_for(revived_at, lambda line: "launch: $ " in line
+                                  and "-np 4 " in line, "the job restarted on node2")
+            since = time.time()
+            found["loss_s"].append(round(went_on - lost_at, 1))
+            found["return_s"].append(round(back - revived_at, 1))
+            found["cooldown_s"].append(float(said.split("probed again in ")[1].split(" s")[0]))
+    except BaseException:
+        kill_tree(proc.pid)  # (its mpirun and ranks: a bench that failed leaves nothing)
+        raise
     text = finish(proc, lines)
     return {**found, "stderr": text, "rows": runs(results)}
 

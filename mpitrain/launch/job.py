@@ -90,6 +90,11 @@ STOP_GRACE = 120.0
 TEARDOWN_GRACE = 15.0
 #: TEARDOWN_GRACE when the job ran on a host since lost, whose daemon mpirun would wait for
 LOST_HOST_GRACE = 3.0
+#: seconds an attempt's rank 0 gets to say running (mpirun starting every rank, which
+#: then wait for each other up to --start-timeout): past it mpirun is stuck starting them
+START_BOUND = 600.0
+NEVER_STARTED = ("the job did not start within {:g} s (rank 0 never said running: mpirun "
+                 "waits for a host's daemon that never answered it?); killing it")
 #: seconds between two looks at mpirun (and at the run's status.json)
 POLL_INTERVAL = 1.0
 
@@ -136,7 +141,7 @@ class Launcher:
                     say(f"the run finished after {restarts} restart(s) "
                         f"({time.monotonic() - started:.0f} s in all)")
                 return 0
-            run_dir = self._failed_run_dir(before, watched)
+            run_dir = failed_run_dir(self.results_dir, self.resume, before, watched)
             if self.growing and self.stop_signal is None and code == EXIT_INTERRUPTED \
                     and self._checkpointed(run_dir):
                 outcome = self._grow(run_dir)
@@ -238,17 +243,6 @@ class Launcher:
         where.mkdir(parents=True, exist_ok=True)
         return where / "hostfile.launch"
 
-    def _failed_run_dir(self, before: set, watched: Optional[Path]) -> Optional[Path]:
-        """The run directory the failed attempt wrote in (its own, or the resumed one):
-        the one its token marked (``watched``, see RunWatch), else the newest new one
-        (an attempt that failed before rank 0 said running)."""
-        if self.resume:
-            return Path(self.resume)
-        if watched is not None:
-            return watched
-        new = sorted(run_dirs(self.results_dir) - before)
-        return new[-1] if new else None
-
     def _run_job(self, argv: Sequence[str], token: str) -> Tuple[int, Optional[Path], bool]:
         """Run one attempt with its ``token``: its exit code (:func:`recorded_code`; mpirun
         killed TEARDOWN_GRACE after the run's end or rank 0's: the status's, or 1), the
@@ -288,17 +282,20 @@ class Launcher:
                 self._look_for_hosts_back(watch)
                 status = cast(dict, watch.status)  # (either is only true of a status read)
                 grace = LOST_HOST_GRACE if self.job.on_a_lost_host() else TEARDOWN_GRACE
+                late = f"but mpirun did not exit within {grace:g} s; killing it"
                 if watch.overdue(grace):  # the code mpirun would have given
-                    return self._kill_overdue(f"the run ended ({describe(status)})",
-                                              EXIT_CODE_OF_STATUS[status["status"]], grace)
+                    return self._kill_overdue(f"the run ended ({describe(status)}) {late}",
+                                              EXIT_CODE_OF_STATUS[status["status"]])
                 if watch.writer_gone_overdue(grace):  # no end recorded: a failure
                     return self._kill_overdue(f"rank 0 (pid {status['writer']['pid']}) is "
-                                              "gone", EXIT_FAILURE, grace)
+                                              f"gone {late}", EXIT_FAILURE)
+                if not self.script and watch.never_started(START_BOUND):
+                    return self._kill_overdue(NEVER_STARTED.format(START_BOUND), EXIT_FAILURE)
 
-    def _kill_overdue(self, what: str, code: int, grace: float) -> int:
+    def _kill_overdue(self, message: str, code: int) -> int:
         """Kill a job whose run ended, or whose rank 0 is gone, but whose mpirun has not
-        exited within ``grace`` s; ``code``, the attempt's exit code."""
-        say(f"{what} but mpirun did not exit within {grace:g} s; killing it")
+        exited, or whose ranks never started; ``code``, the attempt's exit code."""
+        say(message)
         self._kill_job()
         return code
 
@@ -342,6 +339,19 @@ class Launcher:
             return
         kill_tree(self.proc.pid)
         self.proc.wait()
+
+
+def failed_run_dir(results_dir: Path, resume: Optional[str], before: set,
+                   watched: Optional[Path]) -> Optional[Path]:
+    """The run directory a failed attempt wrote in: the resumed one, else the one its
+    token marked (``watched``, see RunWatch), else the newest of ``results_dir`` not in
+    ``before`` (an attempt that failed before rank 0 said running)."""
+    if resume:
+        return Path(resume)
+    if watched is not None:
+        return watched
+    new = sorted(run_dirs(results_dir) - before)
+    return new[-1] if new else None
 
 
 def rows_of(run_dir: Path) -> int:

@@ -75,6 +75,7 @@ class RunWatch:
         self.ended_at: Optional[float] = None  # clock() when the run was first seen ended
         self.gone_at: Optional[float] = None  # clock() when its running writer was seen gone
         self._here = process_identity()
+        self.began = clock()
 
     def poll(self) -> None:
         """Look at the attempt's status.json once, if the run has not ended already."""
@@ -100,6 +101,12 @@ class RunWatch:
         """True once rank 0, its status running, was seen gone ``grace`` seconds ago or
         more (and the run has not been seen ending since)."""
         return self.ended_at is None and teardown_overdue(self.gone_at, self.clock(), grace)
+
+    def never_started(self, bound: float) -> bool:
+        """True once ``bound`` seconds passed since the watch began without the attempt's
+        status.json (mpirun never started the job's ranks: a daemon that never
+        answered it)."""
+        return self.status is None and self.clock() - self.began >= bound
 
     def _candidates(self) -> List[Path]:
         if self.resumed:

@@ -267,6 +267,8 @@ if status in ("rank0-gone", "rank0-zombie"):
 elif status == "ok-then-exit-9":  # a rank killed after rank 0 recorded the end
     write_status(run, "ok")
     sys.exit(9)
+elif status == "never-starts":  # mpirun waiting for a daemon: no rank, no status
+    time.sleep(60)
 elif status == "wrong-token":
     write_status(run, "failed", "another attempt's", token="not-this-attempts")
     time.sleep(stale_s)
@@ -322,6 +324,25 @@ def test_mpirun_outliving_the_runs_end_is_killed_after_the_grace(tmp_path, capsy
     reason = "" if status == "ok" else ": rank 2 on node2 silent for 60 s"
     assert killed_lines(err) == [f"mpitrain launch: the run ended ({status}{reason}) but "
                                  f"mpirun did not exit within {GRACE:g} s; killing it"]
+    assert_all_gone(results)
+
+
+@pytest.mark.timeout(60)
+def test_a_job_whose_ranks_never_start_is_killed_after_the_start_bound(tmp_path, capsys,
+                                                                        monkeypatch):
+    """mpirun waits for a host's daemon that never answers (seen on the emulated cluster:
+    Open MPI stuck starting a restart's daemons, no rank anywhere): the launcher kills it
+    once rank 0 has not said running within START_BOUND, a failure (restarted if any are
+    left; none here: 1)."""
+    monkeypatch.setattr(launch, "START_BOUND", 1.0)
+    monkeypatch.setattr(launch, "POLL_INTERVAL", 0.1)
+    results = tmp_path / "results"
+    started = time.monotonic()
+    assert launcher(results, "never-starts", max_restarts=0).run() == 1
+    assert time.monotonic() - started < 20
+    err = capsys.readouterr().err
+    assert "mpitrain launch: the job did not start within 1 s (rank 0 never said running: " \
+        "mpirun waits for a host's daemon that never answered it?); killing it" in err
     assert_all_gone(results)
 
 
