@@ -56,6 +56,10 @@ def add_parser(commands) -> None:
                         help="seconds between probes of a host left out after a failure; "
                         "when it answers, the job stops at a checkpoint and goes on with it "
                         f"(0: only at the next restart; default {HOST_POLL:g})")
+    launch.add_argument("--reset-limit", type=int, default=None, metavar="N",
+                        help="stop the job to grow it at most N times (Horovod's "
+                        "--reset-limit; then it keeps its size; failures are bounded by "
+                        "--max-restarts); default: no limit")
     launch.add_argument("--hosts-wait", type=float, default=HOSTS_WAIT, metavar="S",
                         help="with -np MIN:MAX: seconds to wait for hosts when those that "
                         f"answer hold fewer than MIN ranks, then give up (default {HOSTS_WAIT:g})")
@@ -105,6 +109,8 @@ def run(args, cfg) -> int:
         cfg = Config.of(results_dir=os.environ.get("MPITRAIN_RESULTS_DIR", "results"))
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        raise UsageError(f"--reset-limit must be 0 or more (got {args.reset_limit})")
     from .preflight import check_launch
 
     np_ = world_size(args)
@@ -148,6 +154,7 @@ def run(args, cfg) -> int:
         job.environment[ELASTIC_ENV] = str(elastic_state)
     launcher = Launcher(job, list(args.training[script:]), Path(cfg.results_dir), cfg.resume,
                         args.max_restarts, script=script)
+    launcher.reset_limit = args.reset_limit
     if elastic:  # starts on the hosts that answer (at least -np MIN's)
         for line in job.rehost(launcher.hostfile_path(), announce=say, starting=True):
             say(line)

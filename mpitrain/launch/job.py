@@ -113,7 +113,8 @@ class Launcher:
         self.kill_at: Optional[float] = None
         #: hosts found answering again while the job ran: it is stopping to take them back
         self.growing: List[str] = []
-        self.failures = self.without_checkpoint = 0  # (restarts after failures)
+        self.failures = self.without_checkpoint = self.grown = 0  # (restarts after each)
+        self.reset_limit: Optional[int] = None  # --reset-limit: the most stops to grow
         #: a script's hvd.elastic state, carried from attempt to attempt of the launch
         self.elastic_state = job.environment.get(ELASTIC_ENV)
 
@@ -163,7 +164,7 @@ class Launcher:
         restart it on them (None), or give up (an exit code) if none can be taken."""
         if not self.script:
             self.resume = str(run_dir)
-        back, self.growing = self.growing, []
+        back, self.growing, self.grown = self.growing, [], self.grown + 1
         try:
             changed = self.job.rehost(self.hostfile_path(), back=back, announce=say)
         except MpitrainError as e:
@@ -306,7 +307,7 @@ class Launcher:
         takes the stop signal; before, it would end a rank still starting), or a
         script's hvd.elastic state is written (it stops at its next commit)."""
         members = self.job.membership
-        if members is None or self.kill_at is not None:
+        if members is None or self.kill_at is not None or self.grown == self.reset_limit:
             return
         for line in members.reread() + members.workers_lost(watch.status):
             say(line)

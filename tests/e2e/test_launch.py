@@ -240,6 +240,7 @@ def test_a_job_failing_before_any_checkpoint_is_not_retried_forever(tmp_path):
     (["-np", "5", "-hostfile", "hostfiles/cluster2", "lr"], "needs 5 slots"),
     (["-np", "1", "lr", "--async"], "--async needs a parameter server"),
     (["--max-restarts", "-1", "lr"], "--max-restarts must be 0 or more"),
+    (["--reset-limit", "-1", "lr"], "--reset-limit must be 0 or more"),
     (["-np", "2", "lr", "--epochs", "0"], "--epochs must be a positive integer"),
     (["-np", "4:2", "lr"], "-np/--np: must be N or MIN:MAX with 1 <= MIN <= MAX"),
     (["-np", "2:4", "lr"], "-np 2:4 takes the hosts that answer from a hostfile"),

@@ -153,6 +153,11 @@ def status(value):
 if plan[n] == "ok":
     status("ok")
     sys.exit(0)
+if plan[n] == "brief":  # runs a while, then ends well by itself
+    status("running")
+    time.sleep(2)
+    status("ok")
+    sys.exit(0)
 if plan[n] == "fail":
     status("running")
     sys.exit(1)
@@ -167,7 +172,7 @@ sys.exit(143)
 """
 
 
-def launch_losing_c(tmp_path, monkeypatch, then):
+def launch_losing_c(tmp_path, monkeypatch, then, plan="fail,run,ok", reset_limit=None):
     """-np 4 on a(2) b c from ``tmp_path/hostfile``: c is gone when the first attempt
     fails, so the job restarts on a and b at -np 3; ``then(gone)`` runs once the second
     attempt has begun (``gone``: the hosts the probes find gone). The launcher's exit
@@ -187,8 +192,9 @@ def launch_losing_c(tmp_path, monkeypatch, then):
               membership=Membership(list(HOSTS), 4, False, poll=0.2,
                                     source=HostfileSource(str(source))))
     job.command = lambda: [sys.executable, "-c", PLANNED_MPIRUN, str(results), str(job.np),
-                           "fail,run,ok"]
+                           plan]
     launcher = Launcher(job, [], results, None, max_restarts=1)
+    launcher.reset_limit = reset_limit
     monkeypatch.setattr(launcher, "_on_signal", lambda *_: None)
 
     def once_running():
@@ -221,6 +227,17 @@ def test_a_host_lost_then_back_is_taken_back_at_a_checkpoint(tmp_path, capsys, m
     # the stop to take c back is no failure: --max-restarts 1 had one failure to give
     assert launcher.failures == 1 and json.loads(
         (results / "20260101-000000-fake" / "status.json").read_text())["status"] == "ok"
+
+
+@pytest.mark.timeout(60)
+def test_past_the_reset_limit_the_job_keeps_its_size(tmp_path, capsys, monkeypatch):
+    """--reset-limit 0: c answers again while the job runs on a and b, but the job is
+    not stopped to take it back; it ends at -np 3 by itself."""
+    code, nps, _, launcher = launch_losing_c(tmp_path, monkeypatch, lambda gone: gone.clear(),
+                                             plan="fail,brief", reset_limit=0)
+    err = capsys.readouterr().err
+    assert code == 0 and nps == [4, 3], err
+    assert "stopping the job at a checkpoint" not in err and launcher.grown == 0
 
 
 @pytest.mark.timeout(60)
