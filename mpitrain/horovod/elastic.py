@@ -122,21 +122,23 @@ class State:
         PERSIST_EVERY s) and stop every rank here if the launcher asked (exit 143).
         Collective: every rank commits at the same points."""
         self.save()
-        path = os.environ.get(ELASTIC_ENV)
-        if path and time.monotonic() - self._persisted >= PERSIST_EVERY:
-            self._persist(path)
-        self.check_host_updates()
+        self._write_or_stop(time.monotonic() - self._persisted >= PERSIST_EVERY)
 
     def check_host_updates(self) -> None:
         """Stop every rank (exit 143, the state written) if any was asked to; collective."""
+        self._write_or_stop(False)
+
+    def _write_or_stop(self, due: bool) -> None:
+        """Under mpitrain launch: write the committed state if ``due`` or a stop was
+        asked of any rank (written once), then stop every rank if it was."""
         path = os.environ.get(ELASTIC_ENV)
         if not path:
             return
-        asked = allreduce(np.int32(_STOP.asked), op=Max, name="mpitrain.elastic.stop")
-        if int(asked) == 0:
-            return
-        self._persist(path)
-        stop_every_rank(f"stopped at a commit, the elastic state written to {path}")
+        asked = int(allreduce(np.int32(_STOP.asked), op=Max, name="mpitrain.elastic.stop"))
+        if due or asked:
+            self._persist(path)
+        if asked:
+            stop_every_rank(f"stopped at a commit, the elastic state written to {path}")
 
     def _persist(self, path: str) -> None:
         if topology().rank == 0:
