@@ -203,17 +203,53 @@ def _values(variables) -> List[np.ndarray]:
     return [np.array(v.numpy(), copy=True) for v in variables]
 
 
-def _assign(variables, values, what: str) -> None:
-    variables = list(variables)
+def _assign(variables, values) -> None:
     if len(variables) != len(values):
-        raise ValueError(f"hvd.elastic: the saved state has {len(values)} {what} "
-                         f"variable(s), this process {len(variables)}: build the model and "
-                         "the optimizer (one step) before creating the state")
+        raise ValueError(f"hvd.elastic: the saved state has {len(values)} variable(s), this "
+                         f"process {len(variables)}: build the model and the optimizer (one "
+                         "step) before creating the state")
     for variable, value in zip(variables, values):
         variable.assign(value)
 
 
-class TensorFlowState(ObjectState):
+class _VariablesState(ObjectState):
+    """Attributes and the variables :meth:`tracked` lists, committed, restored, synced
+    from rank 0 and written as numpy arrays."""
+
+    def __init__(self, **kwargs):
+        self._values = _values(self.tracked())
+        super().__init__(**kwargs)
+
+    def tracked(self) -> list:
+        raise NotImplementedError
+
+    def _before_assigning(self, saved: int) -> None:
+        """Make ``saved`` variables exist where they are made lazily (a hook)."""
+
+    def save(self) -> None:
+        self._values = _values(self.tracked())
+        super().save()
+
+    def restore(self) -> None:
+        _assign(self.tracked(), self._values)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_variables(self.tracked(), root_rank=0)
+        self._values = _values(self.tracked())
+        super().sync()
+
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "variables": self._values}
+
+    def load(self, snapshot: dict) -> None:
+        self._before_assigning(len(snapshot["variables"]))
+        _assign(self.tracked(), snapshot["variables"])
+        self._values = _values(self.tracked())
+        super().load(snapshot)
+
+
+class TensorFlowState(_VariablesState):
     """Horovod's ``TensorFlowState``: a list of variables (eager) and attributes."""
 
     def __init__(self, variables=None, session=None, **kwargs):
@@ -221,29 +257,10 @@ class TensorFlowState(ObjectState):
             raise ValueError("hvd.elastic.TensorFlowState needs its variables: TensorFlow 2 "
                              "has no global variables")
         self.variables = list(variables)
-        self._values = _values(self.variables)
         super().__init__(**kwargs)
 
-    def save(self) -> None:
-        self._values = _values(self.variables)
-        super().save()
-
-    def restore(self) -> None:
-        _assign(self.variables, self._values, "")
-        super().restore()
-
-    def sync(self) -> None:
-        broadcast_variables(self.variables, root_rank=0)
-        self._values = _values(self.variables)
-        super().sync()
-
-    def snapshot(self) -> dict:
-        return {**super().snapshot(), "variables": self._values}
-
-    def load(self, snapshot: dict) -> None:
-        _assign(self.variables, snapshot["variables"], "")
-        self._values = _values(self.variables)
-        super().load(snapshot)
+    def tracked(self) -> list:
+        return self.variables
 
 
 def optimizer_variables(optimizer) -> list:
@@ -252,7 +269,7 @@ def optimizer_variables(optimizer) -> list:
     return list(found() if callable(found) else found)
 
 
-class TensorFlowKerasState(ObjectState):
+class TensorFlowKerasState(_VariablesState):
     """Horovod's ``TensorFlowKerasState``: a built Keras model, its optimizer (the
     model's own by default) and attributes."""
 
@@ -260,43 +277,20 @@ class TensorFlowKerasState(ObjectState):
         if not getattr(model, "built", True):
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         self.model, self.optimizer = model, optimizer or model.optimizer
-        self._save_model()
         super().__init__(**kwargs)
 
-    def save(self) -> None:
-        self._save_model()
-        super().save()
+    def tracked(self) -> list:
+        return list(self.model.variables) + optimizer_variables(self.optimizer)
 
-    def restore(self) -> None:
-        _assign(self.model.variables, self._model_values, "model")
-        _assign(optimizer_variables(self.optimizer), self._optimizer_values, "optimizer")
-        super().restore()
+    def _before_assigning(self, saved: int) -> None:
+        if len(self.tracked()) < saved and not getattr(self.optimizer, "built", True):
+            self.optimizer.build(self.model.trainable_variables)  # (at its first step)
 
     def sync(self) -> None:
         built = getattr(self.optimizer, "built", True)
         if broadcast_object(built, root_rank=0) and not built:  # (rank 0's has its slots)
             self.optimizer.build(self.model.trainable_variables)
-        broadcast_variables(list(self.model.variables)
-                            + optimizer_variables(self.optimizer), root_rank=0)
-        self._save_model()
         super().sync()
-
-    def snapshot(self) -> dict:
-        return {**super().snapshot(), "model": self._model_values,
-                "optimizer": self._optimizer_values}
-
-    def load(self, snapshot: dict) -> None:
-        if len(optimizer_variables(self.optimizer)) < len(snapshot["optimizer"]) \
-                and not getattr(self.optimizer, "built", True):  # (built at its first step)
-            self.optimizer.build(self.model.trainable_variables)
-        _assign(self.model.variables, snapshot["model"], "model")
-        _assign(optimizer_variables(self.optimizer), snapshot["optimizer"], "optimizer")
-        self._save_model()
-        super().load(snapshot)
-
-    def _save_model(self) -> None:
-        self._model_values = _values(self.model.variables)
-        self._optimizer_values = _values(optimizer_variables(self.optimizer))
 
 
 def read_persisted(path: Optional[str]) -> Optional[dict]:
