@@ -265,14 +265,18 @@ def start_bounded(cmd, env=None, cwd=None) -> subprocess.Popen:
                             cwd=cwd or REPO, start_new_session=True)
 
 
-def wait_while_running(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
-    """Wait until ``ready()`` holds (looked at five times a second), failing with the
-    process's stderr if it ends first or ``timeout`` passes."""
+def wait_while_running(proc: subprocess.Popen, ready, timeout: float = 300):
+    """``ready()``'s first true value (looked at five times a second) while ``proc``
+    runs. The test fails with the process's stderr if it ends first; if ``timeout``
+    passes, its whole tree is killed and the test fails with what each process was
+    doing (finish_bounded), so a launch that hangs is neither left running nor silent."""
     deadline = time.monotonic() + timeout
-    while not ready():
+    while not (value := ready()):
         assert proc.poll() is None, finish_bounded(proc, 30).stderr[-3000:]
-        assert time.monotonic() < deadline, f"not ready within {timeout} s"
+        if time.monotonic() >= deadline:
+            finish_bounded(proc, 0.1, why=f"not ready within {timeout:.0f} s")
         time.sleep(0.2)
+    return value
 
 
 def discovery_script(tmp_path: Path, hosts: str):
@@ -285,8 +289,10 @@ def discovery_script(tmp_path: Path, hosts: str):
     return listing, script
 
 
-def finish_bounded(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for ``proc``; kill its whole process group and fail if it hangs."""
+def finish_bounded(proc: subprocess.Popen, timeout: float,
+                   why: str = "") -> subprocess.CompletedProcess:
+    """Wait for ``proc``; kill its whole process group and fail (saying ``why``, by
+    default that it hung for ``timeout`` s) if it has not ended by then."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -296,8 +302,8 @@ def finish_bounded(proc: subprocess.Popen, timeout: float) -> subprocess.Complet
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:  # a grandchild still holds the pipes
             out, err = "", "(output lost: the pipes stayed open after the kill)"
-        pytest.fail(f"hung for {timeout} s: {' '.join(map(str, proc.args))}\n{out}\n{err}\n"
-                    f"{state}")
+        why = why or f"hung for {timeout} s"
+        pytest.fail(f"{why}: {' '.join(map(str, proc.args))}\n{out}\n{err}\n{state}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from conftest import (REPO, finish_bounded, mnist_dir, mnist_shard, mpirun_cmd, read_rows,
-                      start_bounded, wait_for)
+                      start_bounded, wait_while_running)
 from mpitrain.data.shards import batches_per_epoch
 
 pytestmark = pytest.mark.slow
@@ -109,10 +109,9 @@ def first(tmp_path_factory):
                  "--checkpoint-steps", "1000", "--sample-interval", "0.5"]})
     deadline = time.monotonic() + FIRST_LAUNCH_BOUND
     proc = launch(BIG, runs, "--enable-recovery")
-    lost = wait_for(lambda: the_run(out / "lost"), deadline - time.monotonic(),
-                    "the async run to start")
-    wait_for(lambda: evaluated(lost, 1), deadline - time.monotonic(),
-             "the async run's first epoch")
+    lost = wait_while_running(proc, lambda: the_run(out / "lost"),
+                              deadline - time.monotonic())
+    wait_while_running(proc, lambda: evaluated(lost, 1), deadline - time.monotonic())
     victim = pids(lost)[VICTIM]
     os.kill(victim, signal.SIGKILL)
     done = finish_bounded(proc, max(1.0, deadline - time.monotonic()))
