@@ -37,6 +37,8 @@ from ..userfiles import NotRegular, open_regular
 #: the runs.csv row) on a disk that filled up meanwhile
 RESERVE_BYTES = 64 * 1024
 RESERVE = ".reserve"
+#: seconds between two notes of a running run's progress in its status.json
+PROGRESS_NOTE_EVERY = 5.0
 
 
 def _csv_line(values: Iterable) -> str:
@@ -206,6 +208,8 @@ class RunResults:
         self.results_dir = Path(results_dir)
         self._tensorboard: Any = None  # tf.summary's writer, made at the first scalars
         self._status_facts: Dict[str, object] = {}
+        self._status = ("", "")  # the last set_status's status and reason
+        self._next_progress_note = 0.0  # (monotonic) see note_progress
         self._reserve: Optional[Path] = None
         self._resumed = run_dir is not None
         self._witness: Any = None  # a Witness from the first running status on
@@ -249,6 +253,7 @@ class RunResults:
         records an end (:mod:`mpitrain.results.witness`).
         """
         self._status_facts.update(facts)
+        self._status = (status, reason)
         self.write_json("status.json", {"status": status, "reason": reason,
                                         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                         **self._status_facts})
@@ -259,6 +264,16 @@ class RunResults:
             self._witness.dismiss()  # the end and its row are recorded
         if status != "running":
             self._free_reserve()
+
+    def note_progress(self, step: int) -> None:
+        """While the run says running: status.json's ``step`` (the updates done, in the
+        checkpoint's unit), rewritten at most every PROGRESS_NOTE_EVERY seconds, and kept
+        in the status the run ends with. mpitrain launch counts the steps a failure lost
+        by it (its checkpoint's step is where the run goes on from)."""
+        now = time.monotonic()
+        if self._status[0] == "running" and now >= self._next_progress_note:
+            self._next_progress_note = now + PROGRESS_NOTE_EVERY
+            self.set_status("running", self._status[1], step=step)
 
     def _start_witness(self):
         if os.environ.get(ATTEMPT_ENV):
@@ -383,6 +398,9 @@ class NullResults:
             meanwhile()
 
     def set_status(self, status: str, reason: str = "", **facts: object) -> None:
+        pass
+
+    def note_progress(self, step: int) -> None:
         pass
 
 

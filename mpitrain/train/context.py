@@ -54,6 +54,8 @@ class ResultsWriter(Protocol):
 
     def set_status(self, status: str, reason: str = "", **facts: object) -> None: ...
 
+    def note_progress(self, step: int) -> None: ...
+
 
 class ConsoleOutput(Protocol):
     """What a trainer prints through: :class:`mpitrain.run.console.Console` on the serving

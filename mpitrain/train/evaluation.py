@@ -63,13 +63,15 @@ class Evaluator:
         return row
 
     def progress(self, updates: int, loss: float) -> None:
-        """Update the progress display (throttled by the console)."""
+        """Update the progress display (throttled by the console) and the progress the
+        run's status.json records (throttled by the results)."""
         elapsed = self.clock()
         rate = updates / elapsed if elapsed > 0 else 0.0
         eta = (self.total_updates - updates) / rate if rate > 0 else 0.0
         self.ctx.console.progress(updates / self.updates_per_epoch, cast(int, self.ctx.cfg.epochs),
                                   updates, self.total_updates, loss,
                                   rate * self.examples_per_update, eta)
+        self.ctx.results.note_progress(updates)
 
     def summary(self, wall_time_s: Optional[float], **extra) -> Summary:
         """The run's outcome. ``wall_time_s`` is its training time: the clock at the

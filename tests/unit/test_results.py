@@ -76,13 +76,15 @@ def every_write(writer, meanwhile) -> None:
     writer.replace_csv("staleness.csv", ["staleness", "count"], [{"staleness": 0, "count": 1}])
     writer.add_run_row({"model": "lr"})
     writer.save_checkpoint(Checkpoint(np.zeros(3, np.float32), {}, 1, 0.0), meanwhile)
+    writer.set_status("running")
+    writer.note_progress(3)
     writer.set_status("ok")
     if isinstance(writer, NullResults):
         writer.scalars(1, {"test/loss": 0.5})
 
 
 WRITES = {"write_json", "add_curve_row", "write_csv", "replace_csv", "add_run_row",
-          "save_checkpoint", "set_status", "scalars"}
+          "save_checkpoint", "set_status", "note_progress", "scalars"}
 
 
 def test_null_results_write_nothing_where_the_real_ones_write(tmp_path, monkeypatch):
@@ -150,3 +152,32 @@ def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
     ctx.resume_from = Checkpoint(np.zeros(1, np.float32), {}, 0, 0.0, {}, CheckpointMeta(
         retired_staleness=saved))  # a checkpoint of that resumed session
     assert session({2: {0: 9}}) == [(0, 2, 0, 9), (1, 2, 0, 7)]
+
+
+def test_the_progress_noted_while_running_is_throttled_and_kept_at_the_end(tmp_path,
+                                                                          monkeypatch):
+    """note_progress writes status.json's step only while the run says running, at most
+    every PROGRESS_NOTE_EVERY seconds; the status the run ends with keeps the last one
+    (mpitrain launch counts a failure's lost steps by it)."""
+    import json
+
+    from mpitrain.results import run_dir
+
+    clock = [100.0]
+    monkeypatch.setattr(run_dir.time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv(run_dir.ATTEMPT_ENV, "launched")  # (no witness process)
+    results = RunResults(tmp_path, "lr-sync-np2")
+    status = lambda: json.loads((results.dir / "status.json").read_text())  # noqa: E731
+    results.note_progress(5)  # not running yet: nothing
+    assert not (results.dir / "status.json").exists()
+    results.set_status("running", "resumed", lost_workers=[])
+    results.note_progress(10)
+    assert status()["step"] == 10 and status()["reason"] == "resumed"
+    clock[0] += run_dir.PROGRESS_NOTE_EVERY / 2
+    results.note_progress(20)
+    assert status()["step"] == 10
+    clock[0] += run_dir.PROGRESS_NOTE_EVERY
+    results.note_progress(30)
+    assert status()["step"] == 30 and status()["status"] == "running"
+    results.set_status("failed", "a peer was lost")
+    assert status()["step"] == 30 and status()["lost_workers"] == []
