@@ -20,8 +20,10 @@ Async loses node2 twice (after the job went back on it, once it checkpointed the
 the second cooldown is twice the first, and both changes are timed (``later_losses``:
 loss/return seconds).
 
-The steps a change can lose are at most those since the last checkpoint
-(``--checkpoint-steps``), by construction; they are not measured here.
+What each change cost, as the launcher recorded it in the run's membership.csv
+(``changes``: change:steps lost/downtime seconds each): the steps trained since the
+checkpoint the job went on from (a failure's: a lower bound, rank 0 noting its step
+every few seconds), checked against the checkpoint interval (``--checkpoint-steps``).
 
     python -m bench elastic [--quick]
 """
@@ -112,10 +114,14 @@ def finish(proc: subprocess.Popen, lines: Lines) -> str:
     return text
 
 
-def runs(results: Path) -> List[Dict[str, str]]:
-    """The rows of ``results``/runs.csv (one per attempt)."""
-    with open(results / "runs.csv", newline="") as f:
+def runs(results: Path, name: str = "runs.csv") -> List[Dict[str, str]]:
+    """The rows of ``results``/runs.csv (one per attempt), or of another table there."""
+    with open(results / name, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def checkpoint_interval(training: List[str]) -> int:
+    return int(training[training.index("--checkpoint-steps") + 1])
 
 
 def checkpoint_since(results: Path, since: float) -> bool:
@@ -163,7 +169,9 @@ def disturbed(cluster: dict, mode: str, training: List[str], results: Path,
         kill_tree(proc.pid)  # (its mpirun and ranks: a bench that failed leaves nothing)
         raise
     text = finish(proc, lines)
-    return {**found, "stderr": text, "rows": runs(results)}
+    run_dir, = [p for p in results.iterdir() if p.is_dir()]
+    return {**found, "stderr": text, "rows": runs(results),
+            "changes": runs(run_dir, "membership.csv")}
 
 
 def undisturbed(cluster: dict, training: List[str], results: Path) -> float:
@@ -185,6 +193,11 @@ def measure(cluster: dict, cases: Dict[str, Tuple[List[str], bool]], tmp: Path) 
                                         zip(run["loss_s"][1:], run["return_s"][1:])),
                "cooldowns_s": " ".join(f"{c:g}" for c in run["cooldown_s"]),
                "attempts": " ".join(f"{r['np']}:{r['status']}" for r in run["rows"]),
+               "changes": " ".join(f"{c['change'].replace(' ', '-')}:{c['steps_lost'] or '?'}/"
+                                   f"{c['downtime_s'] or '?'}" for c in run["changes"]),
+               "steps_lost_max": max((int(c["steps_lost"]) for c in run["changes"]
+                                      if c["steps_lost"]), default=None),
+               "checkpoint_steps": checkpoint_interval(training),
                "final_np": final["np"], "accuracy": float(final["test_accuracy"]),
                "undisturbed_accuracy": None, "stderr": run["stderr"]}
         if compared:
@@ -203,6 +216,12 @@ def checks_of(rows: List[dict], quick: bool) -> List[dict]:
                    {"benchmark": "elastic", "ratio": f"{name}: seconds from node2's return to "
                     "the job running on it again", "value": row["return_s"], "target": "<= 60",
                     "met": row["return_s"] <= 60}]
+        if row["steps_lost_max"] is not None:
+            checks.append({"benchmark": "elastic", "ratio": f"{name}: most steps a change "
+                           "lost, in checkpoint intervals", "value": round(
+                               row["steps_lost_max"] / row["checkpoint_steps"], 2),
+                           "target": "<= 1", "met": row["steps_lost_max"] <=
+                           row["checkpoint_steps"]})
         if row["undisturbed_accuracy"] is not None:
             gap = round(abs(row["accuracy"] - row["undisturbed_accuracy"]) * 100, 2)
             checks.append({"benchmark": "elastic", "ratio": f"{name}: final accuracy, pp from "

@@ -70,6 +70,7 @@ from typing import IO, List, Optional, Sequence, Tuple, cast
 from . import dialect
 from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE,
                       MpitrainError, ResultsError)
+from .changes import ChangeLog
 from .membership import Job
 from .probe import require_reachable
 from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, restartable,
@@ -113,6 +114,8 @@ class Launcher:
         self.kill_at: Optional[float] = None
         #: hosts found answering again while the job ran: it is stopping to take them back
         self.growing: List[str] = []
+        self.changes = ChangeLog()  # each change of membership, a row of membership.csv
+        self.status: Optional[dict] = None  # the last attempt's last status.json
         self.failures = self.without_checkpoint = self.grown = 0  # (restarts after each)
         self.reset_limit: Optional[int] = None  # --reset-limit: the most stops to grow
         #: a script's hvd.elastic state, carried from attempt to attempt of the launch
@@ -124,6 +127,7 @@ class Launcher:
             return self._attempts()
         finally:
             self._kill_job()  # whatever happened: no rank outlives the launcher
+            self.changes.close(say)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -144,7 +148,7 @@ class Launcher:
                 return 0
             run_dir = failed_run_dir(self.results_dir, self.resume, before, watched)
             if self.growing and self.stop_signal is None and code == EXIT_INTERRUPTED \
-                    and self._checkpointed(run_dir):
+                    and checkpointed(run_dir, self.elastic_state):
                 outcome = self._grow(run_dir)
             else:
                 outcome = self._after_failure(code, finished, run_dir, token, rows_before)
@@ -152,19 +156,14 @@ class Launcher:
                 return outcome
             restarts += 1
 
-    def _checkpointed(self, run_dir: Optional[Path]) -> bool:
-        """Whether the job wrote what a restart resumes from: the run's checkpoint, or a
-        script's hvd.elastic state."""
-        if self.elastic_state is not None:
-            return Path(self.elastic_state).is_file()
-        return run_dir is not None and (run_dir / CHECKPOINT).is_file()
-
     def _grow(self, run_dir: Optional[Path]) -> Optional[int]:
         """The job stopped at a checkpoint to take back the hosts :attr:`growing` names:
         restart it on them (None), or give up (an exit code) if none can be taken."""
         if not self.script:
             self.resume = str(run_dir)
         back, self.growing, self.grown = self.growing, [], self.grown + 1
+        self.changes.began("grow", f"host(s) {', '.join(back)} answer", run_dir,
+                           self.job.np, self.job.host_names(), self.status)
         try:
             changed = self.job.rehost(self.hostfile_path(), back=back, announce=say)
         except MpitrainError as e:
@@ -220,6 +219,8 @@ class Launcher:
             say(f"the job failed (exit {code}) and no restarts are left "
                 f"(--max-restarts {self.max_restarts}); giving up")
             return EXIT_FAILURE
+        self.changes.began("failure", (self.status or {}).get("reason") or f"mpirun exit "
+                           f"{code}", run_dir, self.job.np, self.job.host_names(), self.status)
         try:
             if self.resume:
                 changed = self.job.rehost(self.hostfile_path(), announce=say)
@@ -262,6 +263,8 @@ class Launcher:
             self.tail.follow(cast(IO[bytes], self.proc.stderr))
         code = self._watch_job(watch)
         watch.poll()  # (a run that ended between two looks)
+        self.status = watch.status
+        self.changes.running(watch.status, self.job.np, self.job.host_names())
         recorded = recorded_code(code, watch.status, records=not self.script)
         if code == 0 and recorded != 0:  # (under ULFM Open MPI 5's exits 0 once all died)
             say("mpirun exited 0, but the run did not record that it ended well")
@@ -280,6 +283,7 @@ class Launcher:
                     self._kill_job()
                     continue  # the wait returns its exit code at once
                 watch.poll()
+                self.changes.running(watch.status, self.job.np, self.job.host_names())
                 self._look_for_hosts_back(watch)
                 status = cast(dict, watch.status)  # (either is only true of a status read)
                 grace = LOST_HOST_GRACE if self.job.on_a_lost_host() else TEARDOWN_GRACE
@@ -307,11 +311,12 @@ class Launcher:
         takes the stop signal; before, it would end a rank still starting), or a
         script's hvd.elastic state is written (it stops at its next commit)."""
         members = self.job.membership
+        lost = self.changes.workers_lost(watch.status, watch.run_dir, self.job.np)
         if members is None or self.kill_at is not None or self.grown == self.reset_limit:
             return
-        for line in members.reread() + members.workers_lost(watch.status):
+        for line in members.reread() + members.workers_lost(lost):
             say(line)
-        ready = self._checkpointed(None) if self.script else \
+        ready = checkpointed(None, self.elastic_state) if self.script else \
             (watch.status or {}).get("status") == "running"
         if not ready:
             return
@@ -353,6 +358,14 @@ def failed_run_dir(results_dir: Path, resume: Optional[str], before: set,
         return watched
     new = sorted(run_dirs(results_dir) - before)
     return new[-1] if new else None
+
+
+def checkpointed(run_dir: Optional[Path], elastic_state: Optional[str]) -> bool:
+    """Whether a job wrote what a restart resumes from: a script's hvd.elastic state at
+    ``elastic_state``, else the checkpoint of ``run_dir``."""
+    if elastic_state is not None:
+        return Path(elastic_state).is_file()
+    return run_dir is not None and (run_dir / CHECKPOINT).is_file()
 
 
 def rows_of(run_dir: Path) -> int:

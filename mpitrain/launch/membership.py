@@ -13,7 +13,8 @@ the job at a checkpoint (the stop signal's path: every rank checkpoints) and res
 on the larger set of hosts, up to -np (MAX), from that checkpoint (the run rescales as it
 does when it shrinks: :class:`mpitrain.run.resume.Rescale`). The cooldown doubles each
 time the same host is lost again (``--host-poll``, then twice, four times that..., at
-most MAX_COOLDOWN): a host that keeps failing costs fewer and fewer restarts, as
+most MAX_COOLDOWN; or ``--blacklist-cooldown-range LOWER UPPER``): a host that keeps
+failing costs fewer and fewer restarts, as
 Horovod's elastic blacklist cooldown does. A restart after a failure probes the hosts
 whose cooldown has passed too. The hosts come from a hostfile, a host discovery script
 (``--host-discovery-script``) or, with -np MIN:MAX and no hostfile, the SLURM allocation
@@ -79,11 +80,14 @@ class Membership:
     left_out: Dict[str, _LeftOut] = field(default_factory=dict)
     #: how many times each host was lost, for its cooldown
     losses: Dict[str, int] = field(default_factory=dict)
+    #: (LOWER, UPPER) seconds: a host left out is probed again LOWER seconds after its
+    #: first loss, twice that after its second..., at most UPPER (None: poll (HOST_POLL
+    #: if 0) and MAX_COOLDOWN; ``--blacklist-cooldown-range``)
+    cooldown: Optional[Tuple[float, float]] = None
     #: where the hosts come from, read again while the job runs (see :meth:`reread`)
     source: Optional[HostSource] = None
     _probing: Optional[threading.Thread] = None
     _answered: List[str] = field(default_factory=list)
-    _lost_seen: set = field(default_factory=set)
 
     def reread(self, now: bool = False) -> List[str]:
         """If the source's hosts changed since they were last read (the hostfile edited,
@@ -134,8 +138,8 @@ class Membership:
         lines, now = [], self.clock()
         for name, why in gone.items():
             self.losses[name] = self.losses.get(name, 0) + 1
-            cooldown = min(MAX_COOLDOWN, (self.poll or HOST_POLL)
-                           * 2 ** (self.losses[name] - 1))
+            lower, upper = self.cooldown or (self.poll or HOST_POLL, MAX_COOLDOWN)
+            cooldown = min(upper, lower * 2 ** (self.losses[name] - 1))
             self.left_out[name] = _LeftOut(why, cooldown, now + cooldown)
             again = (f"probed again in {cooldown:g} s, then every {self.poll:g} s while the "
                      "job runs" if self.poll else "probed again at the next restart, "
@@ -185,17 +189,14 @@ class Membership:
                 f"the hosts offer {self.np_now()} slot(s), the job runs on {running}"
         return [], ""
 
-    def workers_lost(self, status: Optional[dict]) -> List[str]:
-        """An async job goes on without a lost worker (mpirun's recovery) and records it
-        in status.json's ``lost_workers``: leave out the host each ran on (each loss
-        taken once; not the first host, the parameter server's), so that it is probed
-        after its cooldown and the job grows back when it answers. Lines to say."""
+    def workers_lost(self, lost: List[dict]) -> List[str]:
+        """An async job goes on without a lost worker (mpirun's recovery), which its
+        status.json records (``lost_workers``; ``lost``: those newly recorded, see
+        :meth:`.changes.ChangeLog.workers_lost`): leave out the host each ran on (not the
+        first host, the parameter server's), so that it is probed after its cooldown and
+        the job grows back when it answers. Lines to say."""
         gone, job = {}, self.current()
-        for worker in (status or {}).get("lost_workers") or []:
-            key = (worker.get("rank"), worker.get("host"), worker.get("pid"))
-            if key in self._lost_seen:
-                continue
-            self._lost_seen.add(key)
+        for worker in lost:
             name = self._named(str(worker.get("host")))
             if name is not None and name != job[0].name and name not in self.left_out:
                 gone[name] = f"its worker, rank {worker.get('rank')}, was lost: " \
@@ -245,6 +246,10 @@ class Job:
                                   # the attempt's token, for rank 0)
                                   extra=self.mpirun_args)
         return cmd + [sys.executable, *self.program]
+
+    def host_names(self) -> Optional[List[str]]:
+        """The hosts the job runs on (None without a hostfile)."""
+        return None if self.hosts is None else [h.name for h in self.hosts]
 
     def on_a_lost_host(self) -> bool:
         """Whether the job runs on a host since left out (mpirun then waits for a daemon

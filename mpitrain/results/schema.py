@@ -63,15 +63,27 @@ COMM = (_cols("rank") + _cols("host", "role", text=True, optional=True, blank_ok
 STALENESS = (_cols("worker", "staleness", "count")
              + _cols("server", optional=True, blank_ok=True))  # (--servers K: each's own)
 
+#: membership.csv (written by mpitrain launch): one row per change of the job's
+#: membership -- a restart after a failure, a stop to grow, an async worker lost while the
+#: job went on -- with the checkpoint step and training clock the job went on from, the
+#: steps trained since that checkpoint that the change lost and the seconds from the
+#: change to the job running again (blank where unknown)
+MEMBERSHIP = ((Column("time", text=True), Column("change", text=True))
+              + _cols("hosts_out", "hosts_in", text=True, blank_ok=True)
+              + _cols("np_before", "np_after")
+              + _cols("step", "wall_time_s", "steps_lost", "downtime_s", blank_ok=True)
+              + (Column("why", text=True, blank_ok=True),))
+
 CURVE_COLUMNS = names(CURVE)
 TELEMETRY_COLUMNS = names(TELEMETRY)
 TIMING_COLUMNS = names(TIMING)
 COMM_COLUMNS = names(COMM)
 STALENESS_COLUMNS = names(STALENESS)
+MEMBERSHIP_COLUMNS = names(MEMBERSHIP)
 
 #: a run directory's tables besides curve.csv, by file stem; any of them may be absent
 OPTIONAL_TABLES = {"telemetry": TELEMETRY, "timing": TIMING, "comm": COMM,
-                   "staleness": STALENESS}
+                   "staleness": STALENESS, "membership": MEMBERSHIP}
 
 #: runs.csv: the columns that hold numbers (others, and unknown ones, are text)
 RUNS_NUMERIC = frozenset({

@@ -250,6 +250,18 @@ class Checkpoint:
         return cls(weights, optimizer, step, wall_time_s, worker_steps, meta, buffers, codecs)
 
 
+def saved_position(run_dir: Path) -> Optional[Tuple[int, float]]:
+    """The step and the training clock (wall_time_s) of the run's checkpoint, read without
+    its arrays; None if there is none or it cannot be read."""
+    try:
+        with open_regular(Path(run_dir) / CHECKPOINT, ResultsError) as file, \
+                np.load(file, allow_pickle=False) as f:
+            header = json.loads(f["meta"].tobytes().decode())
+        return int(header["step"]), float(header["wall_time_s"])
+    except Exception:  # missing, being replaced, damaged: Checkpoint.load says which
+        return None
+
+
 def optimizer_mismatch(saved: Dict[str, np.ndarray], layout: Dict[str, tuple],
                        run_dir, everywhere: bool = True) -> Optional[UsageError]:
     """The error to raise when a checkpoint's optimizer state (``saved``) does not fit the

@@ -119,6 +119,14 @@ def test_launch_leaves_out_a_lost_node_then_takes_it_back(cluster, tmp_path):
     steps = [int(r["step"]) for r in read_rows(run_dir / "curve.csv")]
     assert steps == sorted(set(steps))
     assert abs(sync["accuracy"] - sync["undisturbed_accuracy"]) <= 0.01, sync
+    # each change a row of membership.csv: the failure lost at most a checkpoint interval
+    failure, grow = read_rows(run_dir / "membership.csv")
+    assert (failure["change"], failure["hosts_out"], failure["np_before"],
+            failure["np_after"]) == ("failure", "node2", "4", "3"), failure
+    assert 0 <= int(failure["steps_lost"]) <= sync["checkpoint_steps"], failure
+    assert (grow["change"], grow["hosts_in"], grow["np_after"], grow["steps_lost"]) == \
+        ("grow", "node2", "4", "0"), grow
+    assert all(float(row["downtime_s"]) > 0 for row in (failure, grow))
 
     assert "host node2 left out (its worker, rank 3, was lost" in async_["stderr"]
     # lost again once back: a cooldown twice as long (--host-poll 5, then 10)
@@ -134,6 +142,9 @@ def test_launch_leaves_out_a_lost_node_then_takes_it_back(cluster, tmp_path):
     trained = {row["epoch"] for row in read_rows(run_dir / "timing.csv")
                if row["rank"] == "3" and float(row["compute_s"]) > 0}
     assert len(trained) >= 2, trained
+    assert [(row["change"], row["hosts_out"] or row["hosts_in"]) for row in
+            read_rows(run_dir / "membership.csv")] == [("worker lost", "node2"),
+                                                       ("grow", "node2")] * 2
 
 
 def test_launch_grows_an_async_run_when_the_discovery_script_lists_a_node(cluster, tmp_path,

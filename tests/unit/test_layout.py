@@ -16,7 +16,7 @@ from conftest import REPO
 OUTSIDE_THE_JOB = ("report.plots", "report.run_files", "report.run_figures", "report.markdown",
                    "launch.job", "launch.watch", "launch.sweep", "launch.preflight",
                    "launch.hostfile", "launch.dialect", "launch.probe", "launch.membership",
-                   "launch.discovery", "launch.command")
+                   "launch.discovery", "launch.command", "launch.changes")
 RUNTIME = ("tensorflow", "keras", "mpi4py", "mpitrain.comm", "mpitrain.run.session",
            "mpitrain.train", "mpitrain.exchange", "mpitrain.models.replica",
            "mpitrain.results.telemetry", "mpitrain.data")
@@ -121,9 +121,10 @@ ALLOWED = {
     "launch.discovery": LEAVES | {"launch.hostfile", "launch.watch"},
     "launch.membership": LEAVES | {"launch.hostfile", "launch.probe", "results",
                                    "launch.discovery"},
+    "launch.changes": LEAVES | {"results", "run.checkpoint"},
     "launch.job": LEAVES | {"launch.watch", "launch.hostfile", "launch.preflight", "results",
                             "run.checkpoint", "run.signals", "run.resume", "launch.probe",
-                            "launch.membership", "launch.discovery"},
+                            "launch.membership", "launch.discovery", "launch.changes"},
     "launch.command": LEAVES | {"launch.job", "launch.discovery", "launch.membership",
                                 "launch.probe", "launch.preflight", "results"},
 }

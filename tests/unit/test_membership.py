@@ -14,11 +14,13 @@ import pytest
 from mpitrain.launch import command
 from mpitrain.launch import job as launch
 from mpitrain.launch import membership
+from mpitrain.launch.changes import ChangeLog
 from mpitrain.launch.hostfile import Host
 from mpitrain.launch.job import Job, Launcher
-from mpitrain.errors import MpitrainError
+from mpitrain.errors import MpitrainError, UsageError
 from mpitrain.launch.discovery import HostfileSource
 from mpitrain.launch.membership import MAX_COOLDOWN, Membership
+from mpitrain.results.run_dir import read_csv
 
 HOSTS = [Host("a", 2), Host("b", 1), Host("c", 1)]
 
@@ -49,6 +51,24 @@ def test_a_host_left_out_is_due_after_a_cooldown_that_doubles_each_loss():
         members.leave_out({"c": "exit 255"})
         assert members.left_out["c"].cooldown == cooldown
         members.take_back(["c"])
+
+
+def test_blacklist_cooldown_range_bounds_the_doubling():
+    """--blacklist-cooldown-range LOWER UPPER (Horovod's option): LOWER after the first
+    loss, doubling, at most UPPER; nonsense is one usage line."""
+    clock = Clock()
+    members = Membership(HOSTS, 4, oversubscribe=False, poll=10.0, clock=clock,
+                         cooldown=command.cooldown_range([5, 30], 10.0))
+    for cooldown in (5, 10, 20, 30, 30):
+        members.leave_out({"c": "exit 255"})
+        assert members.left_out["c"].cooldown == cooldown
+        members.take_back(["c"])
+    assert command.cooldown_range(None, 0.0) == (membership.HOST_POLL, MAX_COOLDOWN)
+    assert command.cooldown_range(None, 900.0) == (900.0, 900.0)
+    for nonsense in ([0, 5], [10, 5], [-1, 5]):
+        with pytest.raises(UsageError, match=r"^--blacklist-cooldown-range .*: give LOWER "
+                           r"and UPPER seconds with 0 < LOWER <= UPPER \(e.g. 10 600\)$"):
+            command.cooldown_range(nonsense, 10.0)
 
 
 def test_oversubscribed_the_ranks_stay_however_few_the_hosts():
@@ -104,19 +124,21 @@ def test_a_changed_hostfile_adds_hosts_to_probe_and_removes_others(tmp_path):
 
 def test_the_hosts_of_lost_async_workers_are_left_out_once():
     """status.json's lost_workers (an async job that went on without them): their hosts
-    are left out, each loss once, so that the job grows back when they answer; never
-    the first host (the parameter server runs there), nor a host not in the list."""
+    are left out, each loss once (the change log picks the new ones), so that the job
+    grows back when they answer; never the first host (the parameter server runs there),
+    nor a host not in the list."""
     members = Membership([Host("a.lab", 2), Host("b", 1), Host("c", 1)], 4, False, poll=5.0)
+    changes = ChangeLog()
     lost = {"lost_workers": [
         {"rank": 3, "host": "c", "pid": 7, "reason": "its process died"},
         {"rank": 1, "host": "a", "pid": 5, "reason": "silent for 9 s"},  # a.lab: rank 0's
         {"rank": 2, "host": "elsewhere", "pid": 6, "reason": "?"}]}
-    assert members.workers_lost(lost) == [
+    assert members.workers_lost(changes.workers_lost(lost, None, 4)) == [
         "host c left out (its worker, rank 3, was lost: its process died; lost 1 time(s)): "
         "probed again in 5 s, then every 5 s while the job runs"]
     assert list(members.left_out) == ["c"] and members.np_now() == 3
     members.take_back(["c"])
-    assert members.workers_lost(lost) == []  # (a resumed run's status repeats old losses)
+    assert changes.workers_lost(lost, None, 4) == []  # (later statuses repeat old losses)
 
 
 def test_no_probe_while_the_job_has_all_the_ranks_it_asked_for():
@@ -126,12 +148,14 @@ def test_no_probe_while_the_job_has_all_the_ranks_it_asked_for():
     assert members._probing is None
 
 
-#: a fake mpirun that acts as its plan says, attempt by attempt: "fail" checkpoints, says
-#: running and fails; "run" checkpoints, says running and waits for the launcher's stop
-#: (then stops as a run does: exit 143); "ok" ends well at once
+#: a fake mpirun that acts as its plan says, attempt by attempt: "fail" checkpoints (at
+#: step 100 times the attempt's number from 1), says running, notes 37 steps more and
+#: fails; "run" checkpoints, says running and waits for the launcher's stop (then
+#: checkpoints 50 steps later and stops as a run does: exit 143); "ok" ends well at once
 PLANNED_MPIRUN = r"""
 import json, os, signal, sys, time
 from pathlib import Path
+import numpy as np
 
 results, np_, plan = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
 token = os.environ["MPITRAIN_LAUNCH_ATTEMPT"]
@@ -141,14 +165,21 @@ n = len(list(attempts.iterdir()))
 (attempts / str(n)).write_text(str(np_))
 run = results / "20260101-000000-fake"
 run.mkdir(exist_ok=True)
-(run / "checkpoint.npz").touch()
+step = 100 * (n + 1)
+
+def checkpoint(step):
+    header = {"step": step, "wall_time_s": step / 10}
+    np.savez(run / "checkpoint.npz", meta=np.frombuffer(json.dumps(header).encode(), np.uint8))
+
+checkpoint(step)
 
 def status(value):
     with open("/proc/sys/kernel/random/boot_id") as f:
         writer = {"pid": os.getpid(), "boot_id": f.read().strip(),
                   "pid_ns": os.stat("/proc/self/ns/pid").st_ino}
     (run / "status.json").write_text(json.dumps(
-        {"status": value, "reason": "", "launch_attempt": token, "writer": writer}))
+        {"status": value, "reason": "", "launch_attempt": token, "writer": writer,
+         "step": step}))
 
 if plan[n] == "ok":
     status("ok")
@@ -160,6 +191,8 @@ if plan[n] == "brief":  # runs a while, then ends well by itself
     sys.exit(0)
 if plan[n] == "fail":
     status("running")
+    step += 37
+    status("running")
     sys.exit(1)
 stopped = []
 signal.signal(signal.SIGUSR1, lambda *_: stopped.append(1))
@@ -167,6 +200,8 @@ status("running")
 deadline = time.monotonic() + 30
 while not stopped and time.monotonic() < deadline:
     time.sleep(0.05)
+step += 50
+checkpoint(step)
 status("interrupted")
 sys.exit(143)
 """
@@ -227,6 +262,19 @@ def test_a_host_lost_then_back_is_taken_back_at_a_checkpoint(tmp_path, capsys, m
     # the stop to take c back is no failure: --max-restarts 1 had one failure to give
     assert launcher.failures == 1 and json.loads(
         (results / "20260101-000000-fake" / "status.json").read_text())["status"] == "ok"
+    # each change a row of membership.csv: what it cost, from where the run went on
+    failure, grow = read_csv(results / "20260101-000000-fake" / "membership.csv")
+    assert {k: failure[k] for k in ("change", "hosts_out", "hosts_in", "np_before",
+                                    "np_after", "step", "wall_time_s", "steps_lost",
+                                    "why")} == {
+        "change": "failure", "hosts_out": "c", "hosts_in": "", "np_before": "4",
+        "np_after": "3", "step": "100", "wall_time_s": "10", "steps_lost": "37",
+        "why": "mpirun exit 1"}
+    assert {k: grow[k] for k in ("change", "hosts_out", "hosts_in", "np_before", "np_after",
+                                 "step", "steps_lost", "why")} == {
+        "change": "grow", "hosts_out": "", "hosts_in": "c", "np_before": "3",
+        "np_after": "4", "step": "250", "steps_lost": "0", "why": "host(s) c answer"}
+    assert all(0 < float(row["downtime_s"]) < 30 for row in (failure, grow))
 
 
 @pytest.mark.timeout(60)
