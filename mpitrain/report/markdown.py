@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 from urllib.parse import quote
 
+import numpy as np
+
 from ..atomic import write_text_atomic
 from ..errors import ResultsError
 from ..results.schema import NODE_COLUMN, runs_columns
@@ -202,6 +204,31 @@ def _node_rows(run: Run) -> List[List[str]]:
     return rows
 
 
+CHANGE_HEADERS = ("run", "time", "change", "hosts out", "hosts in", "np ", "from step ",
+                  "steps lost ", "downtime (s) ", "why")
+
+
+def _change_rows(run: Run) -> List[List[str]]:
+    """One table row per change of the run's membership (membership.csv)."""
+    changes = run.tables.get("membership")
+    return [[f"`{run.name}`", _text(c["time"]), _text(c["change"]), _text(c["hosts_out"]),
+             _text(c["hosts_in"]), f"{_num(c['np_before'], 0)} → {_num(c['np_after'], 0)}",
+             _num(c["step"], 0), _num(c["steps_lost"], 0), _num(c["downtime_s"], 1),
+             _text(c["why"])] for c in (changes.rows() if changes is not None else [])]
+
+
+def _change_costs(run: Run) -> str:
+    """What a run's membership changes cost, in one line (empty without any)."""
+    changes = run.tables.get("membership")
+    if changes is None or len(changes) == 0:
+        return ""
+    down, lost = changes["downtime_s"], changes["steps_lost"]
+    unknown = int((~np.isfinite(lost)).sum())
+    return (f"`{run.name}`: {len(changes)} change(s), {np.nansum(down):,.1f} s without "
+            f"training and {np.nansum(lost):,.0f} step(s) trained again"
+            + (f" ({unknown} change(s) with steps lost unknown)" if unknown else ""))
+
+
 def _image(report_dir: Path, path: Path, caption: str) -> str:
     link = quote(Path(os.path.relpath(path, report_dir)).as_posix())
     return f"![{caption}]({link})"
@@ -239,6 +266,16 @@ def render_markdown(results_dir: Path, runs: Sequence[Run], warnings: Sequence[s
                 "pulled and the update that applied its gradient (bound K: `--staleness`). "
                 "Server CPU is the server process's CPU time over the run in % of one core; "
                 "the loop column is its protocol loop alone (the rest is evaluation).", ""]
+    change_rows = [row for r in runs for row in _change_rows(r)]
+    if change_rows:
+        out += ["## Membership changes", "", md_table(CHANGE_HEADERS, change_rows), ""]
+        out += [f"- {line}" for line in map(_change_costs, runs) if line] + [""]
+        out += ["Each change of the hosts or ranks a job ran on, as `mpitrain launch` "
+                "recorded it (membership.csv): the job went on from the checkpoint at "
+                "*from step*; *steps lost* were trained since that checkpoint and trained "
+                "again (a failure's count is a lower bound: rank 0 notes its step every few "
+                "seconds; a stop to take hosts in checkpoints where it stops); *downtime* "
+                "runs from the change to the job running again (its start-up included).", ""]
     if comparison:
         out += ["## Comparisons", ""]
         out += [line for path, caption in comparison

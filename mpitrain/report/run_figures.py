@@ -119,12 +119,47 @@ def fig_curves(run: Run, x: str = "epoch") -> Figure:
         if not has_data(ax):
             no_data(ax, "not recorded")
             continue
+        mark_changes(ax, run, x)
         ax.legend(loc=loc)
         if x == "epoch":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if has_data(loss_ax):
         log_loss_axis(loss_ax)
     return fig
+
+
+#: how each change of membership.csv is marked: colour, legend label
+CHANGE_MARKS = {"failure": ("C3", "restart after a failure"),
+                "grow": ("C2", "restart to take hosts in"),
+                "worker lost": ("C1", "async worker lost")}
+
+
+def mark_changes(ax, run: Run, x: str) -> None:
+    """A dotted line where the run went on after each change of its membership
+    (membership.csv, written by mpitrain launch): the checkpoint's epoch (``x="epoch"``)
+    or training clock it went on from."""
+    changes = run.tables.get("membership")
+    if changes is None or len(changes) == 0:
+        return
+    if x == "epoch":
+        known = np.isfinite(run.curve["step"]) & np.isfinite(run.curve["epoch"])
+        at = np.interp(changes["step"], run.curve["step"][known], run.curve["epoch"][known]) \
+            if known.any() else np.full(len(changes), np.nan)
+    else:
+        at = changes["wall_time_s"]
+    shown = set()
+    for where, change in zip(at, changes["change"]):
+        color, label = CHANGE_MARKS.get(change, ("C7", change))
+        if np.isfinite(where):
+            ax.axvline(where, color=color, ls=":", lw=1.2,
+                       label=None if change in shown else label)
+            shown.add(change)
+
+
+def mark_restarts(ax, run: Run) -> None:
+    """A dotted line on a telemetry plot where each later session of the run began."""
+    for i, where in enumerate(run.restarts):
+        ax.axvline(where, color="black", ls=":", lw=1, label=None if i else "restart")
 
 
 def node_label(index: int, host: str, is_ps: bool) -> str:
@@ -198,6 +233,7 @@ def fig_nodes(run: Run) -> Optional[Figure]:
     from_zero(mem_ax)
     from_zero(net_ax)
     for ax, what in ((cpu_ax, "host CPU"), (mem_ax, "memory"), (net_ax, "network")):
+        mark_restarts(ax, run)
         if has_data(ax):
             _legend_outside(ax)
         else:
@@ -222,6 +258,7 @@ def fig_rank_cpu(run: Run) -> Optional[Figure]:
                 drawstyle="steps-pre", label=_rank_label(run, int(rank)))
     ax.set(xlabel="time since start (s)", ylabel="process CPU (% of one core)")
     ax.set_ylim(bottom=0)
+    mark_restarts(ax, run)
     _legend_outside(ax)
     return fig
 

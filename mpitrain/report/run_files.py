@@ -167,6 +167,8 @@ class Run:
     curve: Table
     tables: Dict[str, Optional[Table]]
     row: Dict[str, object] = field(default_factory=dict)  # its runs.csv row, if known
+    #: where each session after the first begins on the telemetry's time axis
+    restarts: List[float] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -270,4 +272,23 @@ def load_run(path: Path, row: Optional[dict] = None) -> Run:
     tables = {name: read_table(path / f"{name}.csv", schema)
               if (path / f"{name}.csv").exists() else None
               for name, schema in OPTIONAL_TABLES.items()}
-    return Run(path, meta, curve, tables, dict(row or {}))
+    restarts: List[float] = []
+    if tables["telemetry"] is not None:
+        tables["telemetry"], restarts = sessions_in_sequence(tables["telemetry"])
+    return Run(path, meta, curve, tables, dict(row or {}), restarts)
+
+
+def sessions_in_sequence(telemetry: Table) -> Tuple[Table, List[float]]:
+    """A resumed run's telemetry.csv holds each session's samples after the last, each
+    session timed from its own start (its rows in time order): the table with each
+    session shifted to begin where the one before ended, and where each later one
+    begins."""
+    times = telemetry["time_s"].copy()
+    starts = np.flatnonzero(np.diff(times) < 0) + 1  # (a time lower than the row before)
+    restarts = []
+    for begin, end in zip(starts, [*starts[1:], len(times)]):
+        offset = float(times[begin - 1])  # (the session before, already shifted)
+        times[begin:end] += offset
+        restarts.append(offset)
+    columns = {**telemetry.columns, "time_s": times}
+    return Table(telemetry.path, columns, len(telemetry)), restarts

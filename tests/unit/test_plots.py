@@ -12,12 +12,13 @@ import pytest
 
 from mpitrain.errors import ResultsError
 from mpitrain.report.plots import plot_runs
-from mpitrain.report.run_figures import fig_nodes, node_label, node_labels
+from mpitrain.report.run_figures import (fig_curves, fig_nodes, fig_rank_cpu, node_label,
+                                         node_labels)
 from mpitrain.report.run_files import load_run
 from mpitrain.cli.commands import main as cli_main
 from mpitrain.report.markdown import write_report
-from mpitrain.results.schema import (COMM_COLUMNS, CURVE_COLUMNS, STALENESS_COLUMNS,
-                                     TELEMETRY_COLUMNS, TIMING_COLUMNS)
+from mpitrain.results.schema import (COMM_COLUMNS, CURVE_COLUMNS, MEMBERSHIP_COLUMNS,
+                                     STALENESS_COLUMNS, TELEMETRY_COLUMNS, TIMING_COLUMNS)
 
 CURVE_FIGS = {"fig-curves-epoch.png", "fig-curves-time.png"}
 SYNC_FIGS = CURVE_FIGS | {"fig-nodes.png", "fig-rank-cpu.png", "fig-time-breakdown.png",
@@ -221,6 +222,44 @@ def test_report_tables_and_links(tmp_path):
     for link in links:
         assert_png(report.parent / link)
     assert (root / RUN_SPECS[0][0] / "fig-nodes.png").is_file()
+
+
+def test_membership_changes_are_marked_and_their_cost_reported(tmp_path):
+    """A launched run that restarted twice (membership.csv, two sessions more in its
+    telemetry): each change is a dotted line where the run went on (the checkpoint's
+    epoch, or its training clock), each later session begins where the one before
+    ended on the telemetry's axis, marked, and the report lists the changes and what
+    they cost."""
+    root = make_results(tmp_path, RUN_SPECS[1:2])
+    run_dir = root / RUN_SPECS[1][0]
+    with open(run_dir / "telemetry.csv") as f:
+        rows = list(csv.reader(f))[1:]
+    write_csv(run_dir / "telemetry.csv", TELEMETRY_COLUMNS, rows * 3)  # three sessions
+    write_csv(run_dir / "membership.csv", MEMBERSHIP_COLUMNS, [
+        ["2026-01-01T00:03:00", "failure", "c", "", 4, 3, 50, 0.4, 12, 20.5,
+         "a rank was killed"],
+        ["2026-01-01T00:06:00", "grow", "", "c", 3, 4, 100, 0.8, 0, 15.0, "host(s) c answer"]])
+    run = load_run(run_dir)
+    last = max(float(r[0]) for r in rows)
+    assert run.restarts == pytest.approx([last, 2 * last])
+    assert sorted(run.tables["telemetry"]["time_s"]) == list(run.tables["telemetry"]["time_s"])
+
+    def dotted(fig):
+        return [(ax.get_title(), line.get_xdata()[0], line.get_label())
+                for ax in fig.axes for line in ax.lines if line.get_linestyle() == ":"]
+
+    by_epoch = dotted(fig_curves(run, "epoch"))
+    assert [(x, label) for title, x, label in by_epoch if title == "Test accuracy"] == [
+        (1, "restart after a failure"), (2, "restart to take hosts in")]
+    by_time = dotted(fig_curves(run, "time"))
+    assert [x for title, x, _ in by_time if title == "Test accuracy"] == [0.4, 0.8]
+    assert [x for _, x, _ in dotted(fig_rank_cpu(run))] == pytest.approx([last, 2 * last])
+    assert len(dotted(fig_nodes(run))) == 3 * 2  # each of its three plots
+    text = write_report(root).read_text()
+    assert "## Membership changes" in text
+    assert "| failure | c | – | 4 → 3 | 50 | 12 | 20.5 | a rank was killed |" in text
+    assert (f"`{run.name}`: 2 change(s), 35.5 s without training and 12 step(s) trained "
+            "again") in text
 
 
 def test_report_skips_names_that_are_not_directory_names(tmp_path):
