@@ -13,13 +13,13 @@ import re
 import sys
 import uuid
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from . import dialect
 from ..errors import UsageError
 from .discovery import DiscoveryScript, SlurmAllocation, host_source
 from .job import Launcher, say
-from .membership import HOST_POLL, HOSTS_WAIT, Job, Membership
+from .membership import HOST_POLL, HOSTS_WAIT, MAX_COOLDOWN, Job, Membership
 from .probe import require_reachable
 from ..results.run_dir import ELASTIC_ENV
 
@@ -56,6 +56,12 @@ def add_parser(commands) -> None:
                         help="seconds between probes of a host left out after a failure; "
                         "when it answers, the job stops at a checkpoint and goes on with it "
                         f"(0: only at the next restart; default {HOST_POLL:g})")
+    launch.add_argument("--blacklist-cooldown-range", type=float, nargs=2, default=None,
+                        metavar=("LOWER", "UPPER"),
+                        help="seconds a host left out waits before it is probed again: "
+                        "LOWER after its first loss, doubling with each loss again, at most "
+                        "UPPER (Horovod's option of that name; default: --host-poll, "
+                        f"{MAX_COOLDOWN:g})")
     launch.add_argument("--reset-limit", type=int, default=None, metavar="N",
                         help="stop the job to grow it at most N times (Horovod's "
                         "--reset-limit; then it keeps its size; failures are bounded by "
@@ -90,6 +96,18 @@ def np_range(text: str) -> Tuple[int, int]:
         raise argparse.ArgumentTypeError(f"must be N or MIN:MAX with 1 <= MIN <= MAX (got "
                                          f"{text!r})")
     return bounds
+
+
+def cooldown_range(given: Optional[List[float]], host_poll: float) -> Tuple[float, float]:
+    """--blacklist-cooldown-range's (LOWER, UPPER), checked; by default --host-poll's
+    seconds (HOST_POLL if 0) and MAX_COOLDOWN."""
+    if given is None:
+        return (host_poll or HOST_POLL, max(MAX_COOLDOWN, host_poll))
+    lower, upper = given
+    if not 0 < lower <= upper:
+        raise UsageError(f"--blacklist-cooldown-range {lower:g} {upper:g}: give LOWER and "
+                         "UPPER seconds with 0 < LOWER <= UPPER (e.g. 10 600)")
+    return lower, upper
 
 
 def world_size(args) -> int:
@@ -135,12 +153,13 @@ def run(args, cfg) -> int:
     if args.host_poll < 0 or args.hosts_wait < 0:
         raise UsageError(f"--host-poll and --hosts-wait must be 0 (off) or a number of "
                          f"seconds (got {args.host_poll:g}, {args.hosts_wait:g})")
+    cooldown = cooldown_range(args.blacklist_cooldown_range, args.host_poll)
     job = Job(np_, None if listed else hosts, args.hostfile, oversubscribe,
               list(args.mpirun_arg), cfg.async_mode, runner, keep_binding=cfg.keep_cpu_binding,
               recovery=cfg.async_mode and runner.supports_recovery,
               membership=Membership(hosts, np_, oversubscribe, args.host_poll,
                                     np_min=np_min if elastic else 1, source=source,
-                                    wait=args.hosts_wait)
+                                    wait=args.hosts_wait, cooldown=cooldown)
               if hosts is not None else None)
     if cfg.async_mode and np_ > 2 and not runner.supports_recovery:
         say(f"note: {runner.impl.name} cannot keep a job running after one of its ranks "
