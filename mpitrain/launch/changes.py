@@ -49,15 +49,18 @@ class ChangeLog:
     def __init__(self) -> None:
         self.pending: Optional[_Change] = None
         self._workers_seen: set = set()
+        self._lost_in_attempt = 0  # the attempt's workers lost while it went on
         self._trouble: List[str] = []  # a file that could not be written, said at the end
 
     def began(self, change: str, why: str, run_dir: Optional[Path], np_before: int,
               hosts: Optional[Sequence[str]], status: Optional[dict]) -> None:
         """A restart is coming, from the checkpoint in ``run_dir`` (None: the run has
-        none, nothing is recorded): the job ran on ``np_before`` ranks on ``hosts``
-        (None: no hostfile) and ``status`` is its last status.json."""
+        none, nothing is recorded): the job ran on ``np_before`` ranks (less the
+        workers it went on without) on ``hosts`` (None: no hostfile) and ``status`` is
+        its last status.json."""
+        training, self._lost_in_attempt = np_before - self._lost_in_attempt, 0
         self.pending = None if run_dir is None else _Change(
-            change, why, Path(run_dir), time.monotonic(), _now(), np_before,
+            change, why, Path(run_dir), time.monotonic(), _now(), training,
             list(hosts or ()), _int((status or {}).get("step")), saved_position(run_dir))
 
     def running(self, status: Optional[dict], np_after: int,
@@ -86,8 +89,9 @@ class ChangeLog:
                 if (w.get("rank"), w.get("pid")) not in self._workers_seen]
         for worker in lost:
             self._workers_seen.add((worker.get("rank"), worker.get("pid")))
+            self._lost_in_attempt += 1
             if run_dir is not None:
-                training = np_ - len(self._workers_seen)
+                training = np_ - self._lost_in_attempt
                 self._append(Path(run_dir), {
                     "time": _now(), "change": "worker lost",
                     "hosts_out": str(worker.get("host") or ""),

@@ -248,8 +248,11 @@ class Job:
         return cmd + [sys.executable, *self.program]
 
     def host_names(self) -> Optional[List[str]]:
-        """The hosts the job runs on (None without a hostfile)."""
-        return None if self.hosts is None else [h.name for h in self.hosts]
+        """The hosts the job trains on now (None without a hostfile): its hosts, less
+        those left out since it started (an async worker's, lost while it went on)."""
+        out = self.membership.left_out if self.membership is not None else {}
+        return None if self.hosts is None else [h.name for h in self.hosts
+                                                if h.name not in out]
 
     def on_a_lost_host(self) -> bool:
         """Whether the job runs on a host since left out (mpirun then waits for a daemon

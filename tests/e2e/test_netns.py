@@ -6,8 +6,10 @@ The runs use the CloudLab shapes (cluster: 3 ranks on 2 nodes, cluster2: 4 on 3)
 and check each node's own network counters in runs.csv.
 """
 
+import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -149,16 +151,17 @@ def test_launch_leaves_out_a_lost_node_then_takes_it_back(cluster, tmp_path):
 
 def test_launch_grows_an_async_run_when_the_discovery_script_lists_a_node(cluster, tmp_path,
                                                                           mnist):
-    """`mpitrain launch -np 2:4 --host-discovery-script S` (S prints a list the test
-    edits; Horovod's contract): S first lists node0 (2 slots), node1 and node9, a node
-    that does not exist (the script lies). The async run starts on node0 and node1 at
-    -np 3 (2 workers), node9 left out. After the first checkpoint S lists node2 too: the
-    launcher probes it, stops the run at a checkpoint and resumes the same run at -np 4
-    with 3 workers (batch and learning rate kept), node9 still out."""
+    """`mpitrain launch -np 2:5 --reset-limit 1 --host-discovery-script S` (S prints a
+    list the test edits; Horovod's contract): S first lists node0 (2 slots), node1 and
+    node9, a node that does not exist (the script lies). The async run starts on node0
+    and node1 at -np 3 (2 workers), node9 left out. After the first checkpoint S lists
+    node2 too: the launcher probes it, stops the run at a checkpoint and resumes the same
+    run at -np 4 with 3 workers (batch and learning rate kept), node9 still out. Then S
+    gives node0 a third slot: the reset limit reached, the job keeps its size."""
     listing, script = discovery_script(tmp_path, "node0:2\nnode1\nnode9\n")
     results = tmp_path / "launched"
-    proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "2:4",
-                          "--host-discovery-script", str(script),
+    proc = start_bounded([sys.executable, "-m", "mpitrain", "launch", "-np", "2:5",
+                          "--host-discovery-script", str(script), "--reset-limit", "1",
                           *[f"--mpirun-arg={a}" for a in cluster], "--host-poll", "2",
                           "lr", "--async", "--batch-size", "4", "--epochs", "2", "--quiet",
                           "--data-dir", str(mnist), "--sample-interval", "0",
@@ -166,14 +169,21 @@ def test_launch_grows_an_async_run_when_the_discovery_script_lists_a_node(cluste
                           "--timeout", "60"], env=mpi_env())
     wait_while_running(proc, lambda: list(results.glob("*/checkpoint.npz")))
     listing.write_text("node0:2\nnode1\nnode9\nnode2\n")
+    run_dir = wait_while_running(proc, lambda: next(
+        (p.parent for p in results.glob("*/resumed-*.json")), None))
+    listing.write_text("node0:3\nnode1\nnode9\nnode2\n")  # 5 slots: one more than it runs on
+    time.sleep(5)  # (the launcher reads S every second and would stop the job at once)
+    still = json.loads((run_dir / "status.json").read_text())["status"]
     done = finish_bounded(proc, 600)
+    assert still == "running", "the run ended before the launcher could be seen not to grow it"
 
     assert done.returncode == 0, done.stderr[-3000:]
     print("\n".join(line for line in done.stderr.splitlines()
                     if line.startswith("mpitrain launch:") and "$ " not in line))
     assert "host node9 left out (mpirun cannot start a process there" in done.stderr
-    assert "-np 4 -> 3, the run starts on the 3 rank(s) their slots hold" in done.stderr
+    assert "-np 5 -> 3, the run starts on the 3 rank(s) their slots hold" in done.stderr
     assert f"discovery script {script}: host(s) node2 added" in done.stderr
+    assert done.stderr.count("stopping the job at a checkpoint") == 1
     assert "host(s) node2 answer: stopping the job at a checkpoint" in done.stderr
     assert "-np 3 -> 4, the run resumes with more workers" in done.stderr
     rows = read_rows(results / "runs.csv")

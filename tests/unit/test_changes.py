@@ -25,6 +25,15 @@ def test_each_lost_async_worker_is_one_row_once(tmp_path):
             "np_after": "3", "step": "420", "wall_time_s": "12.5", "downtime_s": "0",
             "why": "rank 3: its process died"}
     assert (second["np_before"], second["np_after"], second["hosts_out"]) == ("3", "2", "b")
+    # the job restarted on its 4 ranks to take them back: a row from 2 to 4
+    changes.began("grow", "host(s) b, c answer", tmp_path, 4, ["a"], None)
+    changes.running({"status": "running"}, 4, ["a", "b", "c"])
+    grow = read_csv(tmp_path / MEMBERSHIP_CSV)[-1]
+    assert (grow["np_before"], grow["np_after"], grow["hosts_in"]) == ("2", "4", "b c")
+    # lost in the new attempt: counted from its 4 ranks
+    again = {**LOST, "pid": 70}
+    assert changes.workers_lost({"lost_workers": [LOST, other, again]}, tmp_path, 4) == [again]
+    assert read_csv(tmp_path / MEMBERSHIP_CSV)[-1]["np_after"] == "3"
 
 
 def test_a_change_the_launch_did_not_survive_keeps_its_row(tmp_path):
