@@ -73,8 +73,8 @@ from ..errors import (EXIT_CANNOT_WRITE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_US
 from .changes import ChangeLog
 from .membership import Job
 from .probe import require_reachable
-from .watch import (ErrorTail, RunWatch, describe, kill_tree, recorded_code, restartable,
-                    run_dirs)
+from .watch import (ErrorTail, RunWatch, describe, kill_strays, kill_tree, recorded_code,
+                    restartable, run_dirs)
 from ..run.checkpoint import CHECKPOINT
 from ..run.signals import STOP_SIGNALS
 from ..results.lost_run import record_lost_attempt
@@ -116,6 +116,7 @@ class Launcher:
         self.growing: List[str] = []
         self.changes = ChangeLog()  # each change of membership, a row of membership.csv
         self.status: Optional[dict] = None  # the last attempt's last status.json
+        self.token = ""  # the attempt's (ATTEMPT_ENV)
         self.failures = self.without_checkpoint = self.grown = 0  # (restarts after each)
         self.reset_limit: Optional[int] = None  # --reset-limit: the most stops to grow
         #: a script's hvd.elastic state, carried from attempt to attempt of the launch
@@ -253,6 +254,7 @@ class Launcher:
         command = self.job.command() + list(argv)
         say("$ " + " ".join(command))
         self.kill_at = None  # (a stop to take hosts back set it for the attempt before)
+        self.token = token
         watch = RunWatch(self.results_dir, Path(self.resume) if self.resume else None, token)
         # a session of its own: one killpg reaches mpirun and every local rank
         self.proc = subprocess.Popen(command, start_new_session=True, env=dialect.
@@ -340,11 +342,14 @@ class Launcher:
             self._kill_job()
 
     def _kill_job(self) -> None:
-        """Kill the job's session: mpirun if alive, and any rank it left behind."""
+        """Kill the job's session: mpirun if alive, and any rank it left behind, also
+        those its daemons started outside the session (on this host)."""
         if self.proc is None:
             return
         kill_tree(self.proc.pid)
         self.proc.wait()
+        if strays := kill_strays(self.token):
+            say(f"killed {strays} process(es) of the attempt that outlived mpirun")
 
 
 def failed_run_dir(results_dir: Path, resume: Optional[str], before: set,

@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import IO, List, Optional, cast
 
 from ..errors import EXIT_FAILURE, EXIT_OK
-from ..results.run_dir import (EXIT_CODE_OF_STATUS, is_running, process_identity, run_ended,
-                               running_writer)
+from ..results.run_dir import (ATTEMPT_ENV, EXIT_CODE_OF_STATUS, is_running, process_identity,
+                               run_ended, running_writer)
 from ..userfiles import read_json_object
 
 
@@ -175,6 +175,24 @@ def kill_tree(pid: int) -> None:
             child.kill()
         except psutil.Error:
             pass
+
+
+def kill_strays(token: str) -> int:
+    """SIGKILL every process on this host whose environment carries the attempt's
+    ``token`` (ATTEMPT_ENV, which mpirun exports to every rank): ranks that outlived
+    mpirun's session because the daemon that started them left it (Open MPI's orted
+    daemonizes). How many there were."""
+    import psutil
+
+    killed = 0
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(ATTEMPT_ENV) == token:
+                proc.kill()
+                killed += 1
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            continue
+    return killed
 
 
 def run_dirs(results_dir: Path) -> set:

@@ -427,3 +427,26 @@ def test_the_job_code_is_the_recorded_end_where_mpirun_dropped_it(mpirun_code, s
     assert recorded_code(mpirun_code, recorded) == expected
     if status is None:  # a script records nothing: mpirun's word
         assert recorded_code(mpirun_code, recorded, records=False) == mpirun_code
+
+
+def test_the_attempts_processes_outside_mpiruns_session_are_killed_by_token():
+    """A rank whose daemon left mpirun's session (Open MPI's orted daemonizes) is not
+    reached by killing the session: kill_strays finds it by the attempt's token in its
+    environment, and leaves another attempt's process alone."""
+    import subprocess
+
+    from mpitrain.launch.watch import kill_strays
+
+    def detached(token):
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                env={**os.environ, ATTEMPT_ENV: token},
+                                start_new_session=True)
+
+    stray, other = detached("this-attempt"), detached("another-attempt")
+    try:
+        assert kill_strays("this-attempt") == 1
+        assert stray.wait(timeout=10) == -9 and other.poll() is None
+    finally:
+        for proc in (stray, other):
+            proc.kill()
+            proc.wait()
