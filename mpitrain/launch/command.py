@@ -42,6 +42,9 @@ def add_parser(commands) -> None:
                         "allocation): start on the hosts that answer with at least MIN, "
                         "grow to MAX as hosts come back, never run on fewer "
                         "than MIN")
+    launch.add_argument("--min-np", type=int, default=None, metavar="MIN",
+                        help="with --max-np: -np MIN:MAX as horovodrun spells it (default 1)")
+    launch.add_argument("--max-np", type=int, default=None, metavar="MAX")
     launch.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE")
     launch.add_argument("--host-discovery-script", metavar="SCRIPT",
                         help="instead of -hostfile: an executable printing the hosts "
@@ -98,6 +101,21 @@ def np_range(text: str) -> Tuple[int, int]:
     return bounds
 
 
+def bounds_given(args) -> Optional[Tuple[int, int]]:
+    """-np's bounds, or those of horovodrun's spelling, --min-np MIN --max-np MAX (not
+    both: horovodrun's -np, the size it starts at, has no counterpart here)."""
+    if args.min_np is None and args.max_np is None:
+        return args.np_range
+    if args.np_range is not None or args.max_np is None:
+        raise UsageError("give -np MIN:MAX, or --max-np MAX with --min-np MIN (default 1) "
+                         "and no -np: the job starts on as many ranks as the hosts that "
+                         "answer hold, up to MAX")
+    try:
+        return np_range(f"{1 if args.min_np is None else args.min_np}:{args.max_np}")
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"--min-np/--max-np {e}") from None
+
+
 def cooldown_range(given: Optional[List[float]], host_poll: float) -> Tuple[float, float]:
     """--blacklist-cooldown-range's (LOWER, UPPER), checked; by default --host-poll's
     seconds (HOST_POLL if 0) and MAX_COOLDOWN."""
@@ -113,7 +131,8 @@ def cooldown_range(given: Optional[List[float]], host_poll: float) -> Tuple[floa
 def world_size(args) -> int:
     """-np (MIN:MAX's MAX), or the task count of the SLURM allocation the launcher runs
     in, or 1."""
-    return args.np_range[1] if args.np_range else int(os.environ.get("SLURM_NTASKS", "1"))
+    bounds = bounds_given(args)
+    return bounds[1] if bounds else int(os.environ.get("SLURM_NTASKS", "1"))
 
 
 def run(args, cfg) -> int:
@@ -131,9 +150,10 @@ def run(args, cfg) -> int:
         raise UsageError(f"--reset-limit must be 0 or more (got {args.reset_limit})")
     from .preflight import check_launch
 
+    bounds = bounds_given(args)
     np_ = world_size(args)
-    np_min = args.np_range[0] if args.np_range else np_
-    source = host_source(args.hostfile, args.host_discovery_script, args.np_range
+    np_min = bounds[0] if bounds else np_
+    source = host_source(args.hostfile, args.host_discovery_script, bounds
                          if np_min < np_ else None)
     listed = isinstance(source, (DiscoveryScript, SlurmAllocation))  # not a hostfile
     elastic = np_min < np_ or listed

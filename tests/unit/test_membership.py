@@ -375,3 +375,24 @@ def test_np_takes_n_or_min_max():
     for bad in ("0", "4:2", "x", "2:", ":4", "1:2:3"):
         with pytest.raises(Exception, match="must be N or MIN:MAX with 1 <= MIN <= MAX"):
             command.np_range(bad)
+
+
+def test_min_np_and_max_np_are_horovodruns_spelling_of_min_max():
+    """--min-np/--max-np give -np MIN:MAX's bounds (MIN 1 by default); with -np too, or
+    without --max-np, or out of order, one usage line says what to give."""
+    import argparse
+
+    def given(np_range=None, min_np=None, max_np=None):
+        return command.bounds_given(argparse.Namespace(np_range=np_range, min_np=min_np,
+                                                       max_np=max_np))
+
+    assert given((2, 4)) == (2, 4) and given() is None
+    assert given(min_np=2, max_np=8) == (2, 8) and given(max_np=8) == (1, 8)
+    assert command.world_size(argparse.Namespace(np_range=None, min_np=2, max_np=8)) == 8
+    for bad in ({"np_range": (4, 4), "max_np": 8}, {"min_np": 2}):
+        with pytest.raises(UsageError, match=r"^give -np MIN:MAX, or --max-np MAX with "
+                           r"--min-np MIN \(default 1\) and no -np"):
+            given(**bad)
+    with pytest.raises(UsageError, match=r"^--min-np/--max-np must be N or MIN:MAX with "
+                       r"1 <= MIN <= MAX \(got '8:2'\)$"):
+        given(min_np=8, max_np=2)
