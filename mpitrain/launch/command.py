@@ -193,7 +193,7 @@ def run(args, cfg) -> int:
         job.environment[ELASTIC_ENV] = str(elastic_state)
     launcher = Launcher(job, list(args.training[script:]), Path(cfg.results_dir), cfg.resume,
                         args.max_restarts, script=script)
-    launcher.reset_limit = args.reset_limit
+    launcher.growth.reset_limit = args.reset_limit
     if elastic:  # starts on the hosts that answer (at least -np MIN's)
         for line in job.rehost(launcher.hostfile_path(), announce=say, starting=True):
             say(line)

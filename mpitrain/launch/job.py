@@ -112,13 +112,11 @@ class Launcher:
         self.tail = ErrorTail()  # a script's stderr
         self.stop_signal: Optional[int] = None
         self.kill_at: Optional[float] = None
-        #: hosts found answering again while the job ran: it is stopping to take them back
-        self.growing: List[str] = []
         self.changes = ChangeLog()  # each change of membership, a row of membership.csv
+        self.growth = Growth(job, self.changes)  # when the job stops to take hosts in
         self.status: Optional[dict] = None  # the last attempt's last status.json
         self.token = ""  # the attempt's (ATTEMPT_ENV)
-        self.failures = self.without_checkpoint = self.grown = 0  # (restarts after each)
-        self.reset_limit: Optional[int] = None  # --reset-limit: the most stops to grow
+        self.failures = self.without_checkpoint = 0  # (restarts after each)
         #: a script's hvd.elastic state, carried from attempt to attempt of the launch
         self.elastic_state = job.environment.get(ELASTIC_ENV)
 
@@ -148,7 +146,7 @@ class Launcher:
                         f"({time.monotonic() - started:.0f} s in all)")
                 return 0
             run_dir = failed_run_dir(self.results_dir, self.resume, before, watched)
-            if self.growing and self.stop_signal is None and code == EXIT_INTERRUPTED \
+            if self.growth.hosts and self.stop_signal is None and code == EXIT_INTERRUPTED \
                     and checkpointed(run_dir, self.elastic_state):
                 outcome = self._grow(run_dir)
             else:
@@ -158,11 +156,12 @@ class Launcher:
             restarts += 1
 
     def _grow(self, run_dir: Optional[Path]) -> Optional[int]:
-        """The job stopped at a checkpoint to take back the hosts :attr:`growing` names:
-        restart it on them (None), or give up (an exit code) if none can be taken."""
+        """The job stopped at a checkpoint to take in the hosts the growth names: restart
+        it on them (None), or give up (an exit code) if none can be taken."""
         if not self.script:
             self.resume = str(run_dir)
-        back, self.growing, self.grown = self.growing, [], self.grown + 1
+        back, self.growth.hosts = self.growth.hosts, []
+        self.growth.stops += 1
         self.changes.began("grow", f"host(s) {', '.join(back)} answer", run_dir,
                            self.job.np, self.job.host_names(), self.status)
         try:
@@ -186,7 +185,7 @@ class Launcher:
             return EXIT_INTERRUPTED
         if code == EXIT_USAGE:
             return EXIT_USAGE
-        self.growing = []  # (a failure while it stopped to take hosts back: restarted below)
+        self.growth.hosts = []  # (a failure while it stopped to take hosts in: restarted below)
         if finished:  # (resumed, it would be refused: every step is done)
             say(f"the run ended well (status ok, its results written) but mpirun exited "
                 f"{code} after it: a rank failed or was killed as the job ended (see "
@@ -312,19 +311,11 @@ class Launcher:
         does) to restart it larger. Only once its run says running (every rank then
         takes the stop signal; before, it would end a rank still starting), or a
         script's hvd.elastic state is written (it stops at its next commit)."""
-        members = self.job.membership
-        lost = self.changes.workers_lost(watch.status, watch.run_dir, self.job.np)
-        if members is None or self.kill_at is not None or self.grown == self.reset_limit:
-            return
-        for line in members.reread() + members.workers_lost(lost):
-            say(line)
-        ready = checkpointed(None, self.elastic_state) if self.script else \
-            (watch.status or {}).get("status") == "running"
-        if not ready:
-            return
-        back, why = members.growth(self.job.np, self.job.probe)
+        ready = self.kill_at is None and (checkpointed(None, self.elastic_state) if self.script
+                                         else (watch.status or {}).get("status") == "running")
+        back, why = self.growth.due(watch, ready)
         if back and self.proc is not None and self.proc.poll() is None:
-            self.growing = back
+            self.growth.hosts = back
             say(f"{why}: stopping the job at a checkpoint to take them in")
             self.proc.send_signal(signal.SIGUSR1)  # mpirun forwards it and waits
             self.kill_at = time.monotonic() + STOP_GRACE
@@ -350,6 +341,30 @@ class Launcher:
         self.proc.wait()
         if strays := kill_strays(self.token):
             say(f"killed {strays} process(es) of the attempt that outlived mpirun")
+
+
+class Growth:
+    """When a running job stops to take hosts in: those left out that answer again, or
+    more slots on its hosts (:meth:`.membership.Membership.growth`), at most
+    ``reset_limit`` times (``--reset-limit``; None: no limit)."""
+
+    def __init__(self, job: Job, changes: ChangeLog, reset_limit: Optional[int] = None):
+        self.job, self.changes, self.reset_limit = job, changes, reset_limit
+        self.hosts: List[str] = []  # those the job is stopping to take in (none: it is not)
+        self.stops = 0  # the stops to grow so far
+
+    def due(self, watch: RunWatch, ready: bool) -> Tuple[List[str], str]:
+        """Looked at while the job runs (``ready``: it can take a stop now; see
+        Launcher._look_for_hosts_back): what changed of its hosts is said (the source's
+        list; async workers lost, whose hosts are left out); the hosts to stop it for
+        and why, or ([], '')."""
+        members = self.job.membership
+        lost = self.changes.workers_lost(watch.status, watch.run_dir, self.job.np)
+        if members is None or self.stops == self.reset_limit:
+            return [], ""
+        for line in members.reread() + members.workers_lost(lost):
+            say(line)
+        return members.growth(self.job.np, self.job.probe) if ready else ([], "")
 
 
 def failed_run_dir(results_dir: Path, resume: Optional[str], before: set,

@@ -229,7 +229,7 @@ def launch_losing_c(tmp_path, monkeypatch, then, plan="fail,run,ok", reset_limit
     job.command = lambda: [sys.executable, "-c", PLANNED_MPIRUN, str(results), str(job.np),
                            plan]
     launcher = Launcher(job, [], results, None, max_restarts=1)
-    launcher.reset_limit = reset_limit
+    launcher.growth.reset_limit = reset_limit
     monkeypatch.setattr(launcher, "_on_signal", lambda *_: None)
 
     def once_running():
@@ -285,7 +285,7 @@ def test_past_the_reset_limit_the_job_keeps_its_size(tmp_path, capsys, monkeypat
                                              plan="fail,brief", reset_limit=0)
     err = capsys.readouterr().err
     assert code == 0 and nps == [4, 3], err
-    assert "stopping the job at a checkpoint" not in err and launcher.grown == 0
+    assert "stopping the job at a checkpoint" not in err and launcher.growth.stops == 0
 
 
 @pytest.mark.timeout(60)
