@@ -36,8 +36,9 @@ launcher itself was asked to stop. Signals: SIGUSR1, SIGTERM and SIGINT to the l
 are passed to mpirun as SIGUSR1, which mpirun forwards to every rank and then waits, so
 the ranks stop at one step and checkpoint (SLURM's ``--signal=B:TERM@60`` ends here); a
 second signal, or no exit within ``STOP_GRACE`` seconds, kills the job's whole process
-group. mpirun runs in a session of its own that the launcher kills on any exit, so no
-rank outlives it.
+group. mpirun runs in a session of its own that the launcher kills on any exit, and
+after each attempt every process on this host that carries the attempt's token (ranks
+that Open MPI's daemons, which leave mpirun's session, started), so no rank outlives it.
 
 While mpirun runs, the launcher follows the attempt's status.json
 (:mod:`mpitrain.launch.watch`: when the run ended by its own word, or its rank 0 is
