@@ -7,6 +7,7 @@ and check each node's own network counters in runs.csv.
 """
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -211,9 +212,13 @@ def test_launch_gives_up_when_fewer_than_min_ranks_answer(cluster, tmp_path):
             revived = run_bounded([NETNS, "revive", node], 60)
             assert revived.returncode == 0, revived.stdout + revived.stderr
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "the hosts that answer hold 2 rank(s), fewer than -np 3:4's minimum: waiting up " \
-        "to 6 s for hosts to answer (left out: node1: mpirun cannot start a process there" \
-        in result.stderr, result.stderr[-3000:]
+    # (node0's first probe may not answer within its bound on a machine this loaded: it
+    # is then left out too, and taken in again by the probes of the wait)
+    waiting = re.search(r"the hosts that answer hold [02] rank\(s\), fewer than -np 3:4's "
+                        r"minimum: waiting up to 6 s for hosts to answer \(left out: (.*)\)$",
+                        result.stderr, re.MULTILINE)
+    assert waiting and "node1: mpirun cannot start a process there" in waiting.group(1) \
+        and "node2: " in waiting.group(1), result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if "mpitrain: error:" in line]
     assert len(errors) == 1 and "-np 3:4: the hosts that answer hold 2 rank(s) after 6 s of " \
         "waiting" in errors[0], result.stderr[-3000:]
