@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from .common import REPO, mnist_dir, steady_epoch_seconds
-from .ddp import CASES, error_lines, steady_epoch, torch_python
+from .ddp import CASES, DDP_ATTEMPTS, error_lines, steady_epoch, torch_python
 from .engines import LIKE_THE_BASELINES
 from .netns import NETNS
 
@@ -72,7 +72,25 @@ def measured_ours(row: dict, quick: bool) -> dict:
 
 def ddp_run(python: str, compression: str, quick: bool, threads: int, tmp: Path) -> dict:
     """DDP's three workers on node0..2 (rank r on node r), gloo over the shaped links;
-    its epoch times. Every worker is bounded; a failure raises with its output."""
+    its epoch times. Every worker is bounded; a failure raises with its output, after
+    one more run if a worker was killed by a signal (gloo's occasional abort, as
+    ``bench ddp`` retries it)."""
+    attempt = 1
+    while True:
+        try:
+            return _ddp_workers(python, compression, quick, threads, tmp)
+        except _KilledBySignal as failure:
+            if attempt == DDP_ATTEMPTS:
+                raise RuntimeError(str(failure)) from None
+            print(f"compression: {failure}\ncompression: running DDP once more", flush=True)
+            attempt += 1
+
+
+class _KilledBySignal(RuntimeError):
+    pass
+
+
+def _ddp_workers(python: str, compression: str, quick: bool, threads: int, tmp: Path) -> dict:
     model, extra = QUICK if quick else FULL
     out = tmp / f"ddp-{compression}.json"
     args = [python, "-m", "bench.torch_ddp", "--model", model, *CASES[model], *extra,
@@ -99,8 +117,9 @@ def ddp_run(python: str, compression: str, quick: bool, threads: int, tmp: Path)
                 worker.wait()
     failed = [(r, w.returncode) for r, w in enumerate(workers) if w.returncode]
     if failed:
-        raise RuntimeError("\n".join([f"DDP on the emulated cluster failed ({failed}):",
-                                      *(line for o in outputs for line in error_lines(o))]))
+        error = _KilledBySignal if any(code < 0 for _, code in failed) else RuntimeError
+        raise error("\n".join([f"DDP on the emulated cluster failed ({failed}):",
+                               *(line for o in outputs for line in error_lines(o))]))
     r = json.loads(out.read_text())
     return {"epoch_s": r["train_s"] / r["epochs"], "steady_epoch_s": steady_epoch(r, quick),
             "threads": r["threads"], "test_accuracy": r["test_accuracy"]}
