@@ -254,9 +254,7 @@ class RunResults:
         """
         self._status_facts.update(facts)
         self._status = (status, reason)
-        self.write_json("status.json", {"status": status, "reason": reason,
-                                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                        **self._status_facts})
+        self._write_status(durable=True)
         if status == "running" and self._witness is None:
             self._witness = self._start_witness()
         elif status != "running" and self._status_facts.get("runs_csv") != "pending" \
@@ -273,7 +271,18 @@ class RunResults:
         now = time.monotonic()
         if self._status[0] == "running" and now >= self._next_progress_note:
             self._next_progress_note = now + PROGRESS_NOTE_EVERY
-            self.set_status("running", self._status[1], step=step)
+            self._status_facts["step"] = step
+            # no fsync on the training thread for a note the next one replaces (CsvLog's
+            # rows skip it for the same reason)
+            self._write_status(durable=False)
+
+    def _write_status(self, durable: bool) -> None:
+        status, reason = self._status
+        with self._writing(self.dir / "status.json"):
+            write_json_atomic(self.dir / "status.json", {
+                "status": status, "reason": reason,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **self._status_facts},
+                durable=durable)
 
     def _start_witness(self):
         if os.environ.get(ATTEMPT_ENV):

@@ -157,10 +157,12 @@ def test_a_resumed_async_run_counts_its_staleness_once(tmp_path):
 def test_the_progress_noted_while_running_is_throttled_and_kept_at_the_end(tmp_path,
                                                                           monkeypatch):
     """note_progress writes status.json's step only while the run says running, at most
-    every PROGRESS_NOTE_EVERY seconds; the status the run ends with keeps the last one
-    (mpitrain launch counts a failure's lost steps by it)."""
+    every PROGRESS_NOTE_EVERY seconds and without an fsync (rank 0's training thread
+    writes it); the status the run ends with keeps the last one, durably (mpitrain
+    launch counts a failure's lost steps by it)."""
     import json
 
+    from mpitrain import atomic
     from mpitrain.results import run_dir
 
     clock = [100.0]
@@ -177,7 +179,10 @@ def test_the_progress_noted_while_running_is_throttled_and_kept_at_the_end(tmp_p
     results.note_progress(20)
     assert status()["step"] == 10
     clock[0] += run_dir.PROGRESS_NOTE_EVERY
+    synced = []
+    monkeypatch.setattr(atomic.os, "fsync", synced.append)
     results.note_progress(30)
     assert status()["step"] == 30 and status()["status"] == "running"
+    assert synced == []  # (no fsync on the training thread for a note)
     results.set_status("failed", "a peer was lost")
-    assert status()["step"] == 30 and status()["lost_workers"] == []
+    assert status()["step"] == 30 and status()["lost_workers"] == [] and len(synced) == 1
