@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from . import exits
+from . import datasets, exits
 from .. import models
 from ..comm import bound_finalize, launcher_rank, launcher_world_size
 from ..config import SECTION_TITLES, Config, resolve, settings_with_flags
 from ..errors import Dropped, MpitrainError, UsageError
 from .exits import PROG
-TOOLS = ("plot", "report", "check", "sweep", "launch")
+TOOLS = ("plot", "report", "check", "sweep", "launch", "data")
 #: the grid lists ``mpitrain sweep`` takes on its command line: (grid key, option, type)
 SWEEP_LISTS = (("model", "models", str), ("mode", "modes", str), ("np", "np", int),
                ("batch_size", "batch_sizes", int), ("batches_per_epoch", "batches_per_epoch", int),
@@ -144,6 +144,7 @@ def build_parser(user_model: Optional[str] = None) -> argparse.ArgumentParser:
     from ..launch import command as launch
 
     launch.add_parser(commands)
+    datasets.add_parser(commands)
     return parser
 
 
@@ -162,6 +163,8 @@ def run_tool(args) -> int:
         return run_check(args)
     elif args.command == "sweep":
         return run_sweep(args)
+    elif args.command == "data":
+        return datasets.run(args)
     elif args.command == "launch":
         from ..launch import command as launch
 

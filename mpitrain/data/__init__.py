@@ -25,7 +25,8 @@ import numpy as np
 from ..errors import DataError, UsageError
 from .decoding import GIVEN_ARRAYS, given_arrays, read_user
 from .memory import MemoryBudget, available_memory
-from .shards import SPLITS, Dataset, eval_sample, shard_range
+from .shardset import StreamedTrain
+from .shards import SPLITS, Dataset, as_float32, eval_sample, shard_range
 from .sources import RepeatingImages, digits, load_mnist, synthetic_dataset
 
 
@@ -42,7 +43,8 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
          seed: int = 0, synthetic_shape: Optional[dict] = None,
          user_data: Optional[str] = None, image_size: Optional[int] = None,
          shard: Optional[Tuple[int, int]] = None,
-         arrays: Optional[Dict[str, np.ndarray]] = None, eval_examples: int = 0) -> Dataset:
+         arrays: Optional[Dict[str, np.ndarray]] = None, eval_examples: int = 0,
+         read_timeout: float = 300.0) -> Dataset:
     """Load ``splits`` of ``dataset`` on this rank. Collective over ``comm``.
 
     ``synthetic_shape`` (image_size, channels, num_classes, n_train, n_test)
@@ -50,7 +52,9 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
     ``arrays`` the ones ``mpitrain.fit`` was given (:func:`.decoding.given_arrays`);
     ``shard`` (workers, this worker's index) keeps only this worker's shard of the
     training split (see :func:`_finish`); ``eval_examples`` (``--eval-examples``), if not
-    0, keeps only that sample of the test split (:func:`.shards.eval_sample`). Contract:
+    0, keeps only that sample of the test split (:func:`.shards.eval_sample`);
+    ``read_timeout`` bounds a streamed worker's wait for its next batch (a shard set:
+    :mod:`.shardset`). Contract:
     every rank calls it with the same ``dataset``; on return every rank holds the same
     dataset (same name and training-set size), or every rank raises the first rank's
     error (naming that rank and host).
@@ -59,7 +63,8 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
     budget = MemoryBudget.of(comm, shard)
     try:
         if user_data or arrays is not None:
-            result = read_user(cast(str, user_data), splits, image_size, budget, arrays)
+            result = read_user(cast(str, user_data), splits, image_size, budget, arrays,
+                               eval_examples)
         elif dataset in ("auto", "mnist"):
             result = load_mnist(dataset, data_dir, comm, splits)
         elif dataset == "digits":
@@ -79,7 +84,11 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
         if split not in splits:
             setattr(result, "x_" + split, None)
             setattr(result, "y_" + split, None)
-    return _finish(result, shard, eval_examples)
+    result = _finish(result, shard, eval_examples)
+    if result.train_shards is not None and shard is not None:
+        result.stream = StreamedTrain(result.train_shards, *shard, seed=seed,
+                                      timeout=read_timeout)
+    return result
 
 
 def _finish(dataset: Dataset, shard: Optional[Tuple[int, int]],
@@ -103,17 +112,8 @@ def _finish(dataset: Dataset, shard: Optional[Tuple[int, int]],
     for key in ("x_train", "x_test"):
         x = getattr(dataset, key)
         if isinstance(x, np.ndarray):  # not RepeatingImages: synthetic pixels are floats
-            setattr(dataset, key, _as_float32(x))
+            setattr(dataset, key, as_float32(x))
     return dataset
-
-
-def _as_float32(x: np.ndarray) -> np.ndarray:
-    """Examples as float32: uint8 pixels scaled to 0..1, other numbers as they are."""
-    if x.dtype == np.uint8:
-        out = x.astype(np.float32)
-        out /= np.float32(255.0)  # in place: the same rounding as x / 255, one array
-        return out
-    return x.astype(np.float32, copy=False)
 
 
 def take_shard(array, start: int, stop: int):

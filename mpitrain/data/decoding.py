@@ -14,8 +14,8 @@ so a label never used still counts as a class), the number of class folders (ima
 or of ``batches.meta``'s names (CIFAR-10, else 10). Class index = position of the
 folder name in sorted order. Every check runs on every rank alike (an npz's array
 shapes are read from their headers, image sizes from every file's header), so the
-ranks fail together. Every rank holds its splits in memory: data larger than memory
-is out of scope.
+ranks fail together. Every rank holds its splits in memory, except a shard set's
+training split: data larger than memory is packed into one first.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ..errors import DataError, UsageError
 from ..userfiles import not_regular, open_regular, stat_mode
 from .memory import MemoryBudget
 from .shards import SPLITS, Dataset
+from .shardset import is_shard_set, shard_dataset
 
 
 USER_FORMATS = ("an .npz with x_train, y_train, x_test, y_test; a directory of class "
@@ -67,10 +68,13 @@ def given_arrays(train, test) -> Dict[str, np.ndarray]:
 
 
 def read_user(path: str, splits, image_size: Optional[int], budget: MemoryBudget,
-              arrays: Optional[Dict[str, np.ndarray]] = None) -> Dataset:
+              arrays: Optional[Dict[str, np.ndarray]] = None,
+              eval_examples: int = 0) -> Dataset:
     """The user's dataset (see the module docstring) with the ``splits`` this rank
     needs, labels of both: ``arrays`` (:func:`given_arrays`) if given, else the data
-    at ``path``. DataError naming the file for anything missing, corrupt or
+    at ``path``; a shard set's training split is not read but streamed (see
+    :func:`.shardset.shard_dataset`, which reads only the ``eval_examples`` sample of
+    its test split). DataError naming the file for anything missing, corrupt or
     inconsistent, or too large for ``budget``."""
     if arrays is not None:
         keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
@@ -84,6 +88,9 @@ def read_user(path: str, splits, image_size: Optional[int], budget: MemoryBudget
     try:
         if stat.S_ISREG(mode) and where.suffix == ".npz":
             return _ignoring_image_size(_user_npz(where, splits, budget), image_size)
+        if stat.S_ISDIR(mode) and is_shard_set(where):
+            return _ignoring_image_size(shard_dataset(where, splits, eval_examples, budget),
+                                        image_size)
         if stat.S_ISDIR(mode):
             cifar = _cifar_dir(where)
             if cifar is not None:
@@ -338,6 +345,28 @@ def _images_in(folder: Path) -> List[Path]:
 def _user_images(directory: Path, splits, image_size: Optional[int],
                  budget: MemoryBudget) -> Dataset:
     """A folder of class folders (or train/ and test/ each holding them)."""
+    classes, files = list_images(directory)
+    mode, (width, height) = image_mode([f for split in SPLITS for f, _ in files[split]],
+                                       image_size)
+    side = (image_size, image_size) if image_size else (height, width)
+    channels = 3 if mode == "RGB" else 1
+    # decoded pixels, stacked (a second copy), then floats: checked before any is decoded
+    budget.check(sum(budget.array((len(files[split]), *side, channels), np.uint8, f"x_{split}")
+                     + len(files[split]) * side[0] * side[1] * channels for split in splits),
+                 f"--data {directory}: {' and '.join(f'{len(files[s]):,} {s}' for s in splits)}"
+                 f" image(s) of {side[1]}x{side[0]}x{channels}",
+                 "pass a smaller --image-size, or train on a subset" if image_size else
+                 "pass --image-size PX to shrink them, or train on a subset", )
+    arrays = {"y_" + split: np.array([c for _, c in files[split]], np.int64)
+              for split in SPLITS}
+    for split in splits:
+        arrays["x_" + split] = decode_images(files[split], mode, image_size)
+    return _user_dataset("images", directory, arrays, classes)
+
+
+def list_images(directory: Path) -> Tuple[List[str], Dict[str, List[Tuple[Path, int]]]]:
+    """(class names, each split's (image file, class index) pairs) of an image folder;
+    DataError if it has fewer than two classes or a class without training images."""
     if (directory / "train").is_dir() and (directory / "test").is_dir():
         classes = [p.name for p in _class_folders(directory / "train")]
         test_classes = [p.name for p in _class_folders(directory / "test")]
@@ -368,25 +397,10 @@ def _user_images(directory: Path, splits, image_size: Optional[int],
         where = directory / "train" if (directory / "train").is_dir() else directory
         raise DataError(f"{where / empty[0]}: no training images (PNG/JPEG) for class "
                         f"{empty[0]!r}; add some or remove the folder")
-    mode, (width, height) = _image_mode([f for split in SPLITS for f, _ in files[split]],
-                                        image_size)
-    side = (image_size, image_size) if image_size else (height, width)
-    channels = 3 if mode == "RGB" else 1
-    # decoded pixels, stacked (a second copy), then floats: checked before any is decoded
-    budget.check(sum(budget.array((len(files[split]), *side, channels), np.uint8, f"x_{split}")
-                     + len(files[split]) * side[0] * side[1] * channels for split in splits),
-                 f"--data {directory}: {' and '.join(f'{len(files[s]):,} {s}' for s in splits)}"
-                 f" image(s) of {side[1]}x{side[0]}x{channels}",
-                 "pass a smaller --image-size, or train on a subset" if image_size else
-                 "pass --image-size PX to shrink them, or train on a subset", )
-    arrays = {"y_" + split: np.array([c for _, c in files[split]], np.int64)
-              for split in SPLITS}
-    for split in splits:
-        arrays["x_" + split] = _decode(files[split], mode, image_size)
-    return _user_dataset("images", directory, arrays, classes)
+    return classes, files
 
 
-def _image_mode(paths: List[Path], image_size: Optional[int] = None):
+def image_mode(paths: List[Path], image_size: Optional[int] = None):
     """(RGB if any image has colour, else grayscale (L); the first image's (width,
     height)). Reads every file's header (both splits, on every rank): without
     ``image_size`` all must share one size."""
@@ -414,7 +428,7 @@ def _image_mode(paths: List[Path], image_size: Optional[int] = None):
     return mode, first[1]
 
 
-def _decode(files, mode: str, image_size: Optional[int]) -> np.ndarray:
+def decode_images(files, mode: str, image_size: Optional[int]) -> np.ndarray:
     from PIL import Image
 
     out, first = [], None

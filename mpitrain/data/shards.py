@@ -11,7 +11,7 @@ Pure arithmetic: numpy and :mod:`mpitrain.errors` only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -37,6 +37,11 @@ class Dataset:
     classes: Optional[List[str]] = None  # class names, where the data names them
     #: the whole test split's size where only a sample of it is kept (--eval-examples)
     test_split_size: Optional[int] = None
+    #: a shard set's train split (a :class:`.shardset.Split`), read as training goes,
+    #: not into ``x_train``; a worker's part of it is ``stream``
+    train_shards: Optional[Any] = None
+    #: a worker's examples of ``train_shards`` (a :class:`.shardset.StreamedTrain`)
+    stream: Optional[Any] = None
 
 
 #: the seed of the test examples --eval-examples keeps: fixed, so that runs of any
@@ -84,3 +89,12 @@ def epoch_batches(shard_size: int, batch_size: int, seed: int, worker: int,
     for start in range(0, shard_size, batch_size):
         yield order[start:start + batch_size]
 
+
+
+def as_float32(x: np.ndarray) -> np.ndarray:
+    """Examples as float32: uint8 pixels scaled to 0..1, other numbers as they are."""
+    if x.dtype == np.uint8:
+        out = x.astype(np.float32)
+        out /= np.float32(255.0)  # in place: the same rounding as x / 255, one array
+        return out
+    return x.astype(np.float32, copy=False)

@@ -159,29 +159,39 @@ def worker_batches(ctx: Context, start_step: int = 0, endless: bool = False
                    ) -> Iterator[Tuple[int, int, np.ndarray, np.ndarray, bool]]:
     """(epoch, step, x, y, end_of_epoch) for each of this worker's steps after ``start_step``.
 
-    Shuffled reproducibly per (seed, worker, epoch), so a resumed run sees the
-    very batches the uninterrupted run would have; stops after
-    :attr:`Context.total_steps`, possibly mid-epoch (then end_of_epoch is True
-    for the last step so the caller reports it). ``endless`` goes on with
-    further passes over the shard (the caller decides when to stop: an async
+    Shuffled reproducibly per (seed, worker, epoch) (a streamed shard set: per (seed,
+    epoch) across the workers, see :mod:`mpitrain.data.order`), so a resumed run sees
+    the very batches the uninterrupted run would have (the batches before it are not
+    read); stops after :attr:`Context.total_steps`, possibly mid-epoch (then
+    end_of_epoch is True for the last step so the caller reports it). ``endless`` goes
+    on with further passes over the shard (the caller decides when to stop: an async
     worker whose quota grew when another worker was lost).
     """
-    x, y = cast(np.ndarray, ctx.data.x_train), cast(np.ndarray, ctx.data.y_train)  # (a worker's)
     total, per_epoch = (0 if endless else ctx.total_steps), ctx.steps_per_epoch
     last_epoch = None if endless else ctx.cfg.epochs
     for epoch in itertools.count(start_step // per_epoch + 1):
         if last_epoch is not None and epoch > last_epoch:
             return
-        batches = epoch_batches(len(y), cast(int, ctx.cfg.batch_size), ctx.cfg.seed,
-                                ctx.worker_index, epoch)
-        for i, idx in enumerate(batches):
+        first = max(0, start_step - (epoch - 1) * per_epoch)
+        for i, (x, y) in enumerate(_epoch_batches(ctx, epoch, first), start=first):
             step = (epoch - 1) * per_epoch + i + 1
-            if step <= start_step:
-                continue
             last = step == total
-            yield epoch, step, x[idx], y[idx], last or i == per_epoch - 1
+            yield epoch, step, x, y, last or i == per_epoch - 1
             if last:
                 return
+
+
+def _epoch_batches(ctx: Context, epoch: int, first: int) -> Iterator[Tuple[np.ndarray,
+                                                                           np.ndarray]]:
+    """(x, y) of this worker's batches ``first``.. of ``epoch``."""
+    batch_size = cast(int, ctx.cfg.batch_size)
+    if ctx.data.stream is not None:
+        yield from ctx.data.stream.epoch(batch_size, epoch, first)
+        return
+    x, y = cast(np.ndarray, ctx.data.x_train), cast(np.ndarray, ctx.data.y_train)  # (a worker's)
+    batches = epoch_batches(len(y), batch_size, ctx.cfg.seed, ctx.worker_index, epoch)
+    for idx in itertools.islice(batches, first, None):
+        yield x[idx], y[idx]
 
 
 def is_eval_point(ctx: Context, epoch: int, step: int) -> bool:
