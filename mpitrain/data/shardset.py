@@ -167,6 +167,8 @@ class Split:
         except OSError as e:
             raise DataError(f"{shard.path}: cannot be read ({e.strerror or e}); "
                             f"{check_fix(self.directory)}") from None
+        except DataError as e:
+            raise DataError(f"{e}; {check_fix(self.directory)}") from None
         problem = shard_problem(members, shard.examples, self.input_shape, self.dtype)
         if problem:
             os.close(fd)

@@ -218,10 +218,11 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
                    original: Optional[Config] = None) -> Checkpoint:
     """``ckpt`` with its position in ``cfg``'s units, when it was written on another
     number of ranks or batch size (its ``geometry``; one without is in the units of
-    the run's first session, ``original``, default ``cfg``). The same fraction of the same
-    epoch for sync; for async the updates done are spread over ``cfg``'s workers. The
-    optimizer state carries over as it is (it holds no per-rank entries); the sync
-    workers' compression residuals only to the same workers."""
+    the run's first session, ``original``, default ``cfg``). For sync, the step of the
+    same epoch after which as many examples were trained on (rounded down); for async
+    the updates done are spread over ``cfg``'s workers. The optimizer state carries
+    over as it is (it holds no per-rank entries); the sync workers' compression
+    residuals only to the same workers."""
     was = ckpt.meta.geometry or geometry(original or cfg)
     old_workers = cfg.replace(world_size=was.world_size, servers=was.servers).workers
     if old_workers == cfg.workers and was.batch_size == cfg.batch_size:
@@ -244,7 +245,11 @@ def remap_position(ckpt: Checkpoint, cfg: Config, train_size: int,
     old_per_epoch = batches_per_epoch(train_size // old_workers, was.batch_size)
     new_per_epoch = batches_per_epoch(train_size // cfg.workers, cast(int, cfg.batch_size))
     epoch, within = divmod(ckpt.step, old_per_epoch)
-    step = epoch * new_per_epoch + within * new_per_epoch // old_per_epoch
+    # the same examples of the epoch trained on: with a streamed shard set exactly those
+    # of the first steps (mpitrain.data.order), so less than a step is repeated
+    seen = within * old_workers * was.batch_size
+    step = epoch * new_per_epoch + min(new_per_epoch - 1,
+                                       seen // (cfg.workers * cast(int, cfg.batch_size)))
     meta = dataclasses.replace(ckpt.meta, geometry=geometry(cfg), rng={
         r: row for r, row in ckpt.meta.rng.items() if r < cfg.world_size})
     # (a compressing worker's residual is its own gradients' rest: another number of

@@ -275,7 +275,7 @@ def test_the_command_line_gives_the_configs_and_errors_it_gave_before_sections()
 def since_large_batch_defaults(case: dict) -> dict:
     """A saved case as the large-batch and async defaults changed it, and nothing else: the
     new settings at their defaults (--staleness auto, PowerSGD's and top-k's,
-    --eval-examples, --elastic-batch), lr's cosine
+    --eval-examples, --elastic-batch), the data tool, lr's cosine
     schedule and Nesterov momentum at a tenth of the rate, and the derived warm-up (its rule:
     test_the_warm_up_and_the_scaling_follow_the_rule)."""
     case = json.loads(json.dumps(case))
@@ -283,6 +283,7 @@ def since_large_batch_defaults(case: dict) -> dict:
     if kind is None:  # an error; --staleness takes auto and none besides a number now
         case["error"] = case["error"].replace("--staleness must be 0 or",
                                               "--staleness must be auto, none, or 0 or")
+        case["error"] = case["error"].replace("'launch')", "'launch', 'data')")  # a tool since
         return case
     values, argv = case[kind], case["argv"]
     values.update(staleness_compensation="auto", dc_lambda=2.0, momentum_correction="on",

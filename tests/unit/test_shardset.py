@@ -1,0 +1,242 @@
+"""Shard sets (mpitrain/data/shardset.py, packing.py) on real files: packed from an npz of
+the real MNIST and from an image folder, read back example by example as the workers
+stream them (every example once, the data unchanged), and every bad set named by
+``mpitrain data check`` and refused with one line by a run."""
+
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpitrain.data import packing
+from mpitrain.data.decoding import read_user
+from mpitrain.data.memory import MemoryBudget
+from mpitrain.data.shards import SPLITS
+from mpitrain.data.shardset import MANIFEST, ShardSet, StreamedTrain, read_ahead
+from mpitrain.errors import DataError, UsageError
+from unit.test_user_data import write_images, write_mnist_npz
+
+BIG = MemoryBudget(1 << 40)
+
+
+@pytest.fixture(scope="module")
+def mnist_npz(tmp_path_factory):
+    return write_mnist_npz(tmp_path_factory.mktemp("npz") / "m.npz", n_train=3001, n_test=500)
+
+
+@pytest.fixture
+def packed(mnist_npz, tmp_path):
+    """3,001 MNIST digits in shards of 0.5 MB (about 640 examples: uneven, the last short)."""
+    dest = tmp_path / "shards"
+    packing.pack(packing.open_source(str(mnist_npz)), dest, shard_mb=0.5, seed=4)
+    return dest
+
+
+def row_hashes(x, y):
+    return Counter(hashlib.sha1(row.tobytes()).hexdigest() + f":{label}"
+                   for row, label in zip(np.ascontiguousarray(x), y))
+
+
+def test_pack_writes_shuffled_shards_and_a_manifest(packed, mnist_npz):
+    manifest = json.loads((packed / MANIFEST).read_text())
+    train = manifest["splits"]["train"]
+    assert train["examples"] == 3001 and len(train["shards"]) == 5
+    assert [s["file"] for s in train["shards"]][0] == "train-00000-of-00005.npz"
+    assert sum(s["examples"] for s in train["shards"]) == 3001
+    assert (manifest["input_shape"], manifest["num_classes"]) == ([28, 28, 1], 10)
+    with np.load(packed / "train-00000-of-00005.npz") as f:
+        assert f["x"].dtype == np.uint8 and len(np.unique(f["y"])) == 10  # mixed classes
+    with np.load(mnist_npz) as f:
+        source = row_hashes(f["x_train"], f["y_train"])
+        first = f["y_train"][:640]
+    with np.load(packed / "train-00000-of-00005.npz") as f:
+        assert not np.array_equal(f["y"], first)  # shuffled
+    assert packing.check(packed) == []
+    assert sum(source.values()) == 3001
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 7])
+def test_the_workers_stream_every_example_once_unchanged(packed, mnist_npz, workers):
+    split = ShardSet.open(packed).splits["train"]
+    seen = Counter()
+    for w in range(workers):
+        stream = StreamedTrain(split, workers, w, seed=2, timeout=30, window=1000)
+        batches = list(stream.epoch(64, epoch=1))
+        assert len(batches) == -(-(3001 // workers) // 64)
+        for x, y in batches:
+            assert x.dtype == np.float32 and 0 <= x.min() and x.max() <= 1
+            seen += row_hashes(np.round(x * 255).astype(np.uint8), y)
+    with np.load(mnist_npz) as f:
+        source = row_hashes(f["x_train"][..., None], f["y_train"])
+    assert sum(seen.values()) == workers * (3001 // workers)
+    assert not seen - source  # nothing that is not in the source, nothing twice
+
+
+def test_a_stream_from_a_later_batch_is_the_rest_of_the_epoch(packed):
+    split = ShardSet.open(packed).splits["train"]
+    stream = StreamedTrain(split, 2, 1, seed=0, timeout=30)
+    whole = list(stream.epoch(100, epoch=4))
+    rest = list(stream.epoch(100, epoch=4, first=9))
+    assert len(rest) == len(whole) - 9
+    for (a, b), (c, d) in zip(whole[9:], rest):
+        assert np.array_equal(a, c) and np.array_equal(b, d)
+
+
+def test_an_image_folder_is_packed_a_shard_at_a_time(tmp_path):
+    images = write_images(tmp_path / "imgs", n=120, classes=3, channels=3, split=True)
+    dest = tmp_path / "packed"
+    manifest = packing.pack(packing.open_source(str(images)), dest, shard_mb=0.02)
+    assert manifest["classes"] == ["c0", "c1", "c2"]
+    assert manifest["input_shape"] == [24, 24, 3]
+    assert len(manifest["splits"]["train"]["shards"]) > 3
+    ds = read_user(str(dest), SPLITS, None, BIG)
+    assert ds.name == "shards" and ds.train_size == 96 and ds.x_test.shape == (24, 24, 24, 3)
+    assert ds.x_train is None and ds.train_shards is not None  # streamed, not read
+
+
+def test_synthetic_data_is_packed_from_a_generator(tmp_path):
+    source = packing.open_source(packing.SYNTHETIC, synthetic=(500, 8, 3, 4))
+    manifest = packing.pack(source, tmp_path / "s", shard_mb=0.05)
+    assert manifest["splits"]["train"]["examples"] == 500
+    assert manifest["input_shape"] == [8, 8, 3] and manifest["num_classes"] == 4
+    assert packing.check(tmp_path / "s") == []
+
+
+def test_the_test_split_is_read_whole_or_as_its_sample(packed):
+    whole = read_user(str(packed), ("test",), None, BIG)
+    assert len(whole.y_test) == 500 and whole.test_split_size is None
+    sample = read_user(str(packed), ("test",), None, BIG, eval_examples=120)
+    assert len(sample.y_test) == 120 and sample.test_split_size == 500
+    with pytest.raises(DataError, match="--eval-examples"):
+        read_user(str(packed), ("test",), None, MemoryBudget(100_000))
+
+
+def test_pack_refuses_a_directory_in_use_and_leaves_no_manifest_if_it_stops(packed,
+                                                                          tmp_path):
+    with pytest.raises(UsageError, match="not empty"):
+        packing.pack(packing.open_source(packing.SYNTHETIC), packed)
+    source = packing.open_source(packing.SYNTHETIC, synthetic=(5000, 8, 1, 4))
+    chunks = source.chunks
+
+    def failing(split, order):
+        yield next(chunks(split, order))
+        raise DataError("image 7 cannot be decoded")
+
+    source.chunks = failing
+    with pytest.raises(DataError, match="image 7"):
+        packing.pack(source, tmp_path / "cut", shard_mb=0.01)
+    assert (tmp_path / "cut" / "train-00000-of-00031.npz").exists()
+    assert not (tmp_path / "cut" / MANIFEST).exists()
+
+
+def rewrite(path: Path, **arrays):
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("damage,problem", [
+    ("delete", "missing"),
+    ("truncate", "bytes where the manifest says"),
+    ("flip", "checksum differs"),
+    ("labels", "outside the classes 0..9"),
+    ("shape", "x is uint8[668, 28, 28], the manifest says uint8[668, 28, 28, 1]"),
+    ("compressed", "is compressed"),
+])
+def test_check_names_every_damaged_shard(packed, damage, problem):
+    shard = packed / "train-00001-of-00005.npz"
+    with np.load(shard) as f:
+        x, y = f["x"], f["y"]
+    if damage == "delete":
+        shard.unlink()
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "flip":
+        raw = bytearray(shard.read_bytes())
+        raw[-50] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+    else:
+        if damage == "labels":
+            y = y + 5
+        if damage == "shape":
+            x = x[..., 0]
+        (np.savez_compressed if damage == "compressed" else np.savez)(shard, x=x, y=y)
+        manifest = json.loads((packed / MANIFEST).read_text())  # as if packed so: only
+        entry = manifest["splits"]["train"]["shards"][1]        # the arrays are wrong
+        entry.update(bytes=shard.stat().st_size, sha256=packing.sha256(shard))
+        (packed / MANIFEST).write_text(json.dumps(manifest))
+    problems = packing.check(packed)
+    assert len(problems) == 1 and problems[0].startswith(str(shard)), problems
+    assert problem in problems[0]
+
+
+def test_a_run_refuses_a_damaged_set_with_one_line(packed):
+    (packed / "train-00002-of-00005.npz").write_bytes(b"PK")
+    with pytest.raises(DataError, match=r"train-00002-of-00005.npz: 2 bytes where the "
+                       r"manifest says \d+; check it with 'mpitrain data check"):
+        read_user(str(packed), ("train",), None, BIG)
+    (packed / MANIFEST).write_text("{not json")
+    with pytest.raises(DataError, match="manifest.json: not a readable manifest"):
+        ShardSet.open(packed)
+    (packed / MANIFEST).write_text(json.dumps({"format": "other"}))
+    assert "not an mpitrain shard manifest" in packing.check(packed)[0]
+
+
+def test_a_shard_damaged_after_the_start_is_named_when_read(packed):
+    """Opened sets check sizes; a shard replaced by another of the same size is found
+    when a worker reaches it."""
+    split = ShardSet.open(packed).splits["train"]
+    shard = packed / "train-00000-of-00005.npz"
+    size = shard.stat().st_size
+    with np.load(shard) as f:
+        np.savez(shard, x=f["x"][:10], y=f["y"][:10])
+    with open(shard, "ab") as f:
+        f.write(b"\0" * (size - shard.stat().st_size))
+    stream = StreamedTrain(split, 1, 0, seed=0, timeout=30)
+    with pytest.raises(DataError, match="train-00000-of-00005.npz: not a readable npz .*"
+                       "check it with 'mpitrain data check"):
+        list(stream.epoch(3001, epoch=1))
+
+
+def test_read_ahead_hands_on_errors_and_bounds_a_stall():
+    def failing():
+        yield 1
+        raise DataError("shard gone")
+
+    with pytest.raises(DataError, match="shard gone"):
+        list(read_ahead(failing(), 2, 5, "x"))
+    release = threading.Event()
+
+    def stalled():
+        yield 1
+        release.wait(30)
+        yield 2
+
+    t0 = time.monotonic()
+    items = read_ahead(stalled(), 2, 0.5, "the shards in /nfs")
+    assert next(items) == 1
+    with pytest.raises(DataError, match="reading the shards in /nfs made no progress for "
+                       "0.5 s"):
+        next(items)
+    assert time.monotonic() - t0 < 5
+    release.set()
+
+
+def test_read_ahead_stops_its_thread_when_the_consumer_stops():
+    produced = []
+
+    def endless():
+        for i in range(10_000):
+            produced.append(i)
+            yield i
+
+    items = read_ahead(endless(), 2, 5, "x")
+    assert [next(items) for _ in range(3)] == [0, 1, 2]
+    items.close()
+    time.sleep(1.0)
+    count = len(produced)
+    time.sleep(0.5)
+    assert len(produced) == count < 10  # stopped, a few read ahead at most
