@@ -106,7 +106,8 @@ def _synthetic_source(n_train: int, image_size: int, channels: int, num_classes:
                       seed: int = 0) -> Source:
     """Learnable images: each class a fixed pattern, each example it plus noise."""
     shape = (image_size, image_size, channels)
-    patterns = np.random.default_rng([seed, 7]).integers(0, 256, (num_classes, *shape))
+    patterns = np.random.default_rng([seed, 7]).integers(0, 128, (num_classes, *shape),
+                                                          dtype=np.uint8)
     sizes = {"train": n_train, "test": max(num_classes, n_train // 6)}
 
     def chunks(split: str, order: np.ndarray) -> Iterator[Chunk]:
@@ -114,8 +115,8 @@ def _synthetic_source(n_train: int, image_size: int, channels: int, num_classes:
             idx = order[start:start + 1024]
             rng = np.random.default_rng([seed, SPLITS.index(split), int(idx[0])])
             y = (idx * 7919 + SPLITS.index(split)) % num_classes
-            noise = rng.integers(-96, 97, (len(idx), *shape))
-            yield np.clip(patterns[y] + noise, 0, 255).astype(np.uint8), y
+            noise = rng.integers(0, 128, (len(idx), *shape), dtype=np.uint8)
+            yield patterns[y] + noise, y  # (at most 127 + 127: no overflow)
 
     return Source(sizes, shape, np.uint8, num_classes, None, chunks, SYNTHETIC)
 
