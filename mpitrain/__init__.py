@@ -17,6 +17,6 @@ import os as _os
 # reads it when it loads.
 _os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-from .api import FitResult, fit  # noqa: E402  (light: TensorFlow and MPI load on the first fit)
+from .api import FitResult, fit, stream_shards  # noqa: E402  (light: TensorFlow loads on use)
 
-__all__ = ["fit", "FitResult", "__version__"]
+__all__ = ["fit", "FitResult", "stream_shards", "__version__"]

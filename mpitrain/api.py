@@ -124,3 +124,59 @@ def _config(model, train, test, mode, data, options):
         cfg = resolve(cfg, defaults, launcher_world_size())
     explicit = frozenset(options) | {"data"} | ({"async_mode"} if mode == "async" else set())
     return cfg, explicit, spec, arrays
+
+
+def stream_shards(path: Union[str, Path], batch_size: int, rank: int, size: int,
+                  seed: int = 0, split: str = "train", first_epoch: int = 1,
+                  timeout: float = 300.0):
+    """This rank's batches of the shard set at ``path`` (``mpitrain data pack``'s
+    output) as a ``tf.data.Dataset`` of (x float32, y int32), and the steps of an epoch.
+
+    ``split="train"``: epoch after epoch from ``first_epoch`` (Keras's
+    ``initial_epoch + 1``), each in the order mpitrain's own runs use
+    (:mod:`mpitrain.data.order`), the ranks taking batches in turn: together they train
+    on every example at most once an epoch, each reading only its own. ``split="test"``:
+    the rank's part of the test split, once, in order (the parts are disjoint and
+    cover it). Contract: every rank calls it with the same ``path``, ``batch_size``,
+    ``size`` and ``seed`` and its own ``rank``; DataError naming the shard if the set
+    is missing or damaged, or a read stalls for ``timeout`` seconds.
+    """
+    import itertools
+
+    import numpy as np
+    import tensorflow as tf
+
+    from .data.order import EpochOrder
+    from .data.shards import as_float32, shard_range
+    from .data.shardset import ShardSet, StreamedTrain, read_ahead
+
+    if not 0 <= rank < size or batch_size < 1:
+        raise UsageError(f"stream_shards: rank {rank} of size {size}, batch_size "
+                         f"{batch_size}: give 0 <= rank < size and a batch of 1 or more")
+    shards = ShardSet.open(path)
+    if split not in shards.splits:
+        raise UsageError(f"stream_shards: {path} has no {split!r} split (it has "
+                         f"{', '.join(shards.splits)})")
+    part = shards.splits[split]
+    if split == "train":
+        stream = StreamedTrain(part, size, rank, seed, timeout)
+        steps = -(-len(stream) // batch_size)
+
+        def batches():
+            for epoch in itertools.count(first_epoch):
+                yield from stream.epoch(batch_size, epoch)
+    else:
+        start, stop = shard_range(part.size, size, rank)
+        steps = -(-(stop - start) // batch_size)
+
+        def read(begin: int):
+            ids = np.arange(begin, min(begin + batch_size, stop))
+            x, y = part.read(*EpochOrder(part.counts).locate(ids))
+            return as_float32(x), y
+
+        def batches():
+            yield from read_ahead((read(b) for b in range(start, stop, batch_size)), 4,
+                                  timeout, f"the shards in {path}")
+    signature = (tf.TensorSpec((None, *shards.input_shape), tf.float32),
+                 tf.TensorSpec((None,), tf.int32))
+    return tf.data.Dataset.from_generator(batches, output_signature=signature), steps

@@ -240,3 +240,25 @@ def test_read_ahead_stops_its_thread_when_the_consumer_stops():
     count = len(produced)
     time.sleep(0.5)
     assert len(produced) == count < 10  # stopped, a few read ahead at most
+
+
+def test_stream_shards_gives_each_rank_its_own_batches_as_a_tf_dataset(packed, mnist_npz):
+    import mpitrain
+
+    seen, tested = Counter(), Counter()
+    for rank in range(2):
+        train, steps = mpitrain.stream_shards(packed, 100, rank, 2, seed=1)
+        assert steps == 15  # 1,500 examples a rank
+        batches = list(train.take(steps + 1).as_numpy_iterator())  # into the next epoch
+        for x, y in batches[:steps]:
+            seen += row_hashes(np.round(x * 255).astype(np.uint8), y)
+        test, test_steps = mpitrain.stream_shards(packed, 64, rank, 2, split="test")
+        for x, y in test.as_numpy_iterator():
+            tested += row_hashes(np.round(x * 255).astype(np.uint8), y)
+        assert test_steps == 4
+    with np.load(mnist_npz) as f:
+        assert not seen - row_hashes(f["x_train"][..., None], f["y_train"])
+        assert tested == row_hashes(f["x_test"][..., None], f["y_test"])
+    assert sum(seen.values()) == 3000
+    with pytest.raises(UsageError, match="no 'valid' split"):
+        mpitrain.stream_shards(packed, 10, 0, 1, split="valid")
