@@ -2,15 +2,16 @@
 (:mod:`.shardset`), and a shard set checked.
 
 Pack reads an npz (x_train, y_train, x_test, y_test), MNIST's IDX files, CIFAR-10's
-python batches or an image folder (as ``--data`` reads them: see :mod:`.decoding`), or
-generates images (``synthetic``), and writes each split as shards of about
+python batches or an image folder (as ``--data`` reads them: see :mod:`.decoding`),
+TFRecord files of ``tf.train.Example`` (:mod:`.tfrecords`), or generates images
+(``synthetic``), and writes each split as shards of about
 ``--shard-mb`` MB. The training examples are shuffled (from ``--seed``) before they
 are cut into shards, so that every shard holds every class: the run's shuffle
 (:mod:`.order`) mixes whole shards and windows of them, not a class-sorted folder. An
-image folder is decoded a shard at a time, so packing needs memory for one shard, not
-for the dataset; the other sources are read whole. Shards are written under temporary
-names and renamed, the manifest last: a pack that stops leaves no manifest, so nothing
-reads a half-written set.
+image folder or a set of TFRecords is decoded a shard at a time, so packing needs
+memory for one shard, not for the dataset; the other sources are read whole. Shards
+are written under temporary names and renamed, the manifest last: a pack that stops
+leaves no manifest, so nothing reads a half-written set.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .memory import MemoryBudget, available_memory
 from .shards import SPLITS
 from .shardset import FORMAT, MANIFEST, VERSION, read_manifest, read_members, shard_problem
 from .sources import _find_idx, read_mnist_dir
+from .tfrecords import tfrecord_files
 
 DEFAULT_SHARD_MB = 128
 SYNTHETIC = "synthetic"
@@ -41,9 +43,10 @@ class Source:
     dtype, the classes."""
 
     def __init__(self, sizes: Dict[str, int], input_shape: Tuple[int, ...], dtype,
-                 num_classes: int, classes: Optional[List[str]],
+                 num_classes: Optional[int], classes: Optional[List[str]],
                  chunks: Callable[[str, np.ndarray], Iterator[Chunk]], origin: str):
         self.sizes, self.input_shape, self.dtype = sizes, input_shape, np.dtype(dtype)
+        #: None: the largest label + 1, found as the examples are packed
         self.num_classes, self.classes, self.origin = num_classes, classes, origin
         #: (split, the indices of its examples in the order to write them) -> chunks
         self.chunks = chunks
@@ -60,6 +63,9 @@ def open_source(src: str, image_size: Optional[int] = None,
         arrays = read_mnist_dir(where)
         return _array_source({k: (v[..., None] if k.startswith("x_") else v)
                               for k, v in arrays.items()}, 10, None, str(where))
+    records = tfrecord_files(where) if where.is_dir() else None
+    if records:
+        return _tfrecord_source(where, records, image_size, seed)
     if where.is_dir() and not _is_cifar(where) and not (where / MANIFEST).exists():
         return _image_source(where, image_size)
     budget = MemoryBudget(available_memory())
@@ -102,6 +108,22 @@ def _image_source(directory: Path, image_size: Optional[int]) -> Source:
                   chunks, str(directory))
 
 
+def _tfrecord_source(directory: Path, files: Dict[str, List[Path]],
+                     image_size: Optional[int], seed: int) -> Source:
+    from . import tfrecords
+
+    image_key, label_key, first = tfrecords.first_example(files["train"][0])
+    shape = tfrecords.image_shape(first, image_size)
+
+    def chunks(split: str, order: np.ndarray) -> Iterator[Chunk]:
+        return tfrecords.read_split(files[split], (image_key, label_key), shape, image_size,
+                                    seed if split == "train" else None)
+
+    sizes = {split: sum(tfrecords.count_records(p) for p in paths)
+             for split, paths in files.items()}
+    return Source(sizes, shape, np.uint8, None, None, chunks, str(directory))
+
+
 def _synthetic_source(n_train: int, image_size: int, channels: int, num_classes: int,
                       seed: int = 0) -> Source:
     """Learnable images: each class a fixed pattern, each example it plus noise."""
@@ -133,7 +155,7 @@ def pack(source: Source, dest: Path, shard_mb: float = DEFAULT_SHARD_MB, seed: i
     dest.mkdir(parents=True, exist_ok=True)
     row = int(np.prod(source.input_shape)) * source.dtype.itemsize
     per_shard = max(1, int(shard_mb * 2**20) // row)
-    splits = {}
+    splits, top = {}, -1
     for split in SPLITS:
         n = source.sizes[split]
         order = (np.random.default_rng([seed, 11]).permutation(n) if split == "train"
@@ -144,6 +166,10 @@ def pack(source: Source, dest: Path, shard_mb: float = DEFAULT_SHARD_MB, seed: i
         pending: List[Chunk] = []
         for i in range(count):
             x, y = _take(chunks, pending, min(per_shard, n - i * per_shard))
+            if len(y) and y.min() < 0:
+                raise DataError(f"{source.origin}: a {split} label is {int(y.min())}; "
+                                "classes are 0..K-1")
+            top = max(top, int(y.max()) if len(y) else -1)
             name = f"{split}-{i:05d}-of-{count:05d}.npz"
             shards.append(_write_shard(dest / name, x, y))
             progress(f"{split}: {i + 1}/{count} shard(s), "
@@ -151,7 +177,7 @@ def pack(source: Source, dest: Path, shard_mb: float = DEFAULT_SHARD_MB, seed: i
         splits[split] = {"examples": n, "shards": shards}
     manifest = {"format": FORMAT, "version": VERSION, "source": source.origin,
                 "input_shape": list(source.input_shape), "dtype": source.dtype.str,
-                "num_classes": source.num_classes, "classes": source.classes,
+                "num_classes": source.num_classes or top + 1, "classes": source.classes,
                 "seed": seed, "splits": splits}
     partial = dest / (MANIFEST + ".partial")
     partial.write_text(json.dumps(manifest, indent=1) + "\n")

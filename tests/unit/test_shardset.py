@@ -4,6 +4,7 @@ stream them (every example once, the data unchanged), and every bad set named by
 ``mpitrain data check`` and refused with one line by a run."""
 
 import hashlib
+import io
 import json
 import threading
 import time
@@ -262,3 +263,83 @@ def test_stream_shards_gives_each_rank_its_own_batches_as_a_tf_dataset(packed, m
     assert sum(seen.values()) == 3000
     with pytest.raises(UsageError, match="no 'valid' split"):
         mpitrain.stream_shards(packed, 10, 0, 1, split="valid")
+
+
+def write_tfrecords(directory: Path, n: int = 300, files: int = 3, channels: int = 3,
+                    image_key: str = "image/encoded", label_key: str = "image/class/label"):
+    """TFRecord files of tf.train.Example (PNG bytes and a label), as an earlier
+    TensorFlow pipeline writes them: train-0000i-of-0000N and one validation file.
+    Returns {split: (x, y)} of what was written."""
+    import tensorflow as tf
+    from PIL import Image
+
+    from unit.test_user_data import banded
+
+    directory.mkdir(parents=True, exist_ok=True)
+    x, y = banded(n, 5, 16, channels, classes=4)
+    cut = n * 4 // 5
+    written = {"train": (x[:cut], y[:cut]), "test": (x[cut:], y[cut:])}
+    for split, (xs, ys) in written.items():
+        parts = files if split == "train" else 1
+        for part in range(parts):
+            name = (f"train-{part:05d}-of-{parts:05d}" if split == "train"
+                    else "validation-00000-of-00001")
+            with tf.io.TFRecordWriter(str(directory / name)) as writer:
+                for image, label in list(zip(xs, ys))[part::parts]:
+                    png = io.BytesIO()
+                    Image.fromarray(image[..., 0] if channels == 1 else image).save(png, "PNG")
+                    feature = {image_key: tf.train.Feature(
+                                   bytes_list=tf.train.BytesList(value=[png.getvalue()])),
+                               label_key: tf.train.Feature(
+                                   int64_list=tf.train.Int64List(value=[int(label)]))}
+                    writer.write(tf.train.Example(features=tf.train.Features(
+                        feature=feature)).SerializeToString())
+    return written
+
+
+def test_tfrecords_are_packed_and_stream_unchanged(tmp_path):
+    written = write_tfrecords(tmp_path / "records")
+    manifest = packing.pack(packing.open_source(str(tmp_path / "records")), tmp_path / "s",
+                            shard_mb=0.1)
+    assert (manifest["input_shape"], manifest["num_classes"]) == ([16, 16, 3], 4)
+    assert [manifest["splits"][s]["examples"] for s in SPLITS] == [240, 60]
+    assert packing.check(tmp_path / "s") == []
+    split = ShardSet.open(tmp_path / "s").splits["train"]
+    seen = Counter()
+    for x, y in StreamedTrain(split, 1, 0, seed=0, timeout=30).epoch(50, 1):
+        seen += row_hashes(np.round(x * 255).astype(np.uint8), y)
+    assert seen == row_hashes(*written["train"])  # PNG: lossless, every record once
+    test = read_user(str(tmp_path / "s"), ("test",), None, BIG)
+    assert row_hashes(test.x_test, test.y_test) == row_hashes(*written["test"])  # (as stored)
+
+
+def test_tfrecords_with_other_feature_names_and_grayscale(tmp_path):
+    write_tfrecords(tmp_path / "r", n=50, files=1, channels=1, image_key="image",
+                    label_key="label")
+    manifest = packing.pack(packing.open_source(str(tmp_path / "r"), image_size=8),
+                            tmp_path / "s")
+    assert manifest["input_shape"] == [8, 8, 1]
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("cut", "cut short inside record"),
+    ("flip", "is damaged or does not decode"),
+    ("features", "an image is one of image/encoded"),
+    ("no test", "none for the test split"),
+])
+def test_bad_tfrecords_stop_the_pack_with_one_line(tmp_path, damage, message):
+    records = tmp_path / "r"
+    write_tfrecords(records, n=50, files=1, image_key="picture" if damage == "features"
+                    else "image/encoded")
+    train = records / "train-00000-of-00001"
+    if damage == "cut":
+        train.write_bytes(train.read_bytes()[:-7])
+    elif damage == "flip":
+        raw = bytearray(train.read_bytes())
+        raw[len(raw) // 2] ^= 0x55  # inside a record's data: its CRC no longer matches
+        train.write_bytes(bytes(raw))
+    elif damage == "no test":
+        (records / "validation-00000-of-00001").unlink()
+    with pytest.raises(DataError, match=message):
+        packing.pack(packing.open_source(str(records)), tmp_path / "s")
+    assert not (tmp_path / "s" / MANIFEST).exists()
