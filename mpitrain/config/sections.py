@@ -95,7 +95,8 @@ class DataSettings:
     path: Optional[str] = option(
         "your own data: an .npz with x_train, y_train, x_test, y_test; a directory of class "
         "sub-folders of PNG/JPEG images (train/ and test/ inside, or 10%% of each class held "
-        "out); or CIFAR-10's python batches. Input shape and classes are inferred",
+        "out); CIFAR-10's python batches; or a shard set (mpitrain data pack), streamed "
+        "rather than loaded. Input shape and classes are inferred",
         flag="--data", key="data", metavar="PATH")
     data_dir: Optional[str] = option(
         "directory with MNIST (IDX files, gzipped or raw, or mnist.npz); "
@@ -109,10 +110,17 @@ class DataSettings:
         "synthetic data: training examples in an epoch (drawn from a pool of 64 random "
         "images per worker)", 1280, flag="--synthetic-size", type=int, metavar="N",
         number=COUNT)
+    stream: bool = option(
+        "--data image folders: decode each worker's images as it trains instead of "
+        "loading the folder (for folders larger than memory; a shard set always streams)",
+        False, flag="--stream", action="store_true")
 
     def check(self, run) -> None:  # run: the whole Config
         if self.path and self.dataset != "file":  # resolve() makes it file
             raise UsageError(f"--data gives the dataset: drop --dataset {self.dataset}")
+        if self.stream and not self.path:
+            raise UsageError("--stream streams an image folder given with --data: add it, "
+                             "or drop --stream")
         if self.path and self.data_dir:
             raise UsageError("--data-dir tells where MNIST is and --data gives your own "
                              "data: drop one of them")

@@ -44,7 +44,7 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
          user_data: Optional[str] = None, image_size: Optional[int] = None,
          shard: Optional[Tuple[int, int]] = None,
          arrays: Optional[Dict[str, np.ndarray]] = None, eval_examples: int = 0,
-         read_timeout: float = 300.0) -> Dataset:
+         read_timeout: float = 300.0, stream: bool = False) -> Dataset:
     """Load ``splits`` of ``dataset`` on this rank. Collective over ``comm``.
 
     ``synthetic_shape`` (image_size, channels, num_classes, n_train, n_test)
@@ -54,7 +54,7 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
     training split (see :func:`_finish`); ``eval_examples`` (``--eval-examples``), if not
     0, keeps only that sample of the test split (:func:`.shards.eval_sample`);
     ``read_timeout`` bounds a streamed worker's wait for its next batch (a shard set:
-    :mod:`.shardset`). Contract:
+    :mod:`.shardset`; an image folder with ``stream``: :mod:`.imagestream`). Contract:
     every rank calls it with the same ``dataset``; on return every rank holds the same
     dataset (same name and training-set size), or every rank raises the first rank's
     error (naming that rank and host).
@@ -64,7 +64,7 @@ def load(dataset: str, data_dir: Optional[str], comm, splits=SPLITS,
     try:
         if user_data or arrays is not None:
             result = read_user(cast(str, user_data), splits, image_size, budget, arrays,
-                               eval_examples)
+                               eval_examples, stream)
         elif dataset in ("auto", "mnist"):
             result = load_mnist(dataset, data_dir, comm, splits)
         elif dataset == "digits":

@@ -69,13 +69,14 @@ def given_arrays(train, test) -> Dict[str, np.ndarray]:
 
 def read_user(path: str, splits, image_size: Optional[int], budget: MemoryBudget,
               arrays: Optional[Dict[str, np.ndarray]] = None,
-              eval_examples: int = 0) -> Dataset:
+              eval_examples: int = 0, stream: bool = False) -> Dataset:
     """The user's dataset (see the module docstring) with the ``splits`` this rank
     needs, labels of both: ``arrays`` (:func:`given_arrays`) if given, else the data
     at ``path``; a shard set's training split is not read but streamed (see
     :func:`.shardset.shard_dataset`, which reads only the ``eval_examples`` sample of
-    its test split). DataError naming the file for anything missing, corrupt or
-    inconsistent, or too large for ``budget``."""
+    its test split), and with ``stream`` an image folder's
+    (:func:`.imagestream.streamed_folder`). DataError naming the file for anything
+    missing, corrupt or inconsistent, or too large for ``budget``."""
     if arrays is not None:
         keys = [f"x_{split}" for split in splits] + ["y_train", "y_test"]
         return _user_dataset("arrays", GIVEN_ARRAYS, {k: arrays[k] for k in keys})
@@ -86,16 +87,25 @@ def read_user(path: str, splits, image_size: Optional[int], budget: MemoryBudget
     where = Path(path).expanduser().absolute()
     mode = stat_mode(where)
     try:
-        if stat.S_ISREG(mode) and where.suffix == ".npz":
+        if stat.S_ISREG(mode) and where.suffix == ".npz" and not stream:
             return _ignoring_image_size(_user_npz(where, splits, budget), image_size)
         if stat.S_ISDIR(mode) and is_shard_set(where):
             return _ignoring_image_size(shard_dataset(where, splits, eval_examples, budget),
                                         image_size)
         if stat.S_ISDIR(mode):
             cifar = _cifar_dir(where)
-            if cifar is not None:
+            if cifar is not None and not stream:
                 return _ignoring_image_size(_user_cifar(cifar, splits), image_size)
-            return _user_images(where, splits, image_size, budget)
+            if stream and cifar is None:
+                from .imagestream import streamed_folder
+
+                return streamed_folder(where, splits, image_size, eval_examples, budget)
+            if not stream:
+                return _user_images(where, splits, image_size, budget)
+        if stream and mode:
+            raise UsageError(f"--stream: {where} is not an image folder; an npz or CIFAR-10 "
+                             "is read whole: pack it into a shard set (mpitrain data pack), "
+                             "which --data streams without --stream", everywhere=False)
     except MemoryError as e:
         raise DataError(f"--data {where}: does not fit in this rank's memory ({e}); data "
                         "larger than memory is not supported: train on a subset") from None
@@ -355,8 +365,10 @@ def _user_images(directory: Path, splits, image_size: Optional[int],
                      + len(files[split]) * side[0] * side[1] * channels for split in splits),
                  f"--data {directory}: {' and '.join(f'{len(files[s]):,} {s}' for s in splits)}"
                  f" image(s) of {side[1]}x{side[0]}x{channels}",
-                 "pass a smaller --image-size, or train on a subset" if image_size else
-                 "pass --image-size PX to shrink them, or train on a subset", )
+                 "stream it (--stream), pass a smaller --image-size, or pack it into a shard "
+                 "set (mpitrain data pack)" if image_size else "stream it (--stream), pass "
+                 "--image-size PX to shrink them, or pack it into a shard set "
+                 "(mpitrain data pack)")
     arrays = {"y_" + split: np.array([c for _, c in files[split]], np.int64)
               for split in SPLITS}
     for split in splits:

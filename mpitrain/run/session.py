@@ -277,7 +277,7 @@ def load_data(cfg: Config, comm: Comm, spec, arrays=None):
                         synthetic_shape=shape, user_data=given.path, image_size=given.image_size,
                         shard=(cfg.workers, worker_index) if role.trains else None,
                         arrays=arrays, eval_examples=cfg.eval_examples,
-                        read_timeout=cfg.faults.timeout)
+                        read_timeout=cfg.faults.timeout, stream=given.stream)
     if cfg.batches_per_epoch:
         shard = dataset.train_size // cfg.workers
         cfg = cfg.replace(batch_size=max(1, -(-shard // cfg.batches_per_epoch)))

@@ -275,7 +275,7 @@ def test_the_command_line_gives_the_configs_and_errors_it_gave_before_sections()
 def since_large_batch_defaults(case: dict) -> dict:
     """A saved case as the large-batch and async defaults changed it, and nothing else: the
     new settings at their defaults (--staleness auto, PowerSGD's and top-k's,
-    --eval-examples, --elastic-batch), the data tool, lr's cosine
+    --eval-examples, --elastic-batch, --stream), the data tool, lr's cosine
     schedule and Nesterov momentum at a tenth of the rate, and the derived warm-up (its rule:
     test_the_warm_up_and_the_scaling_follow_the_rule)."""
     case = json.loads(json.dumps(case))
@@ -288,7 +288,8 @@ def since_large_batch_defaults(case: dict) -> dict:
     values, argv = case[kind], case["argv"]
     values.update(staleness_compensation="auto", dc_lambda=2.0, momentum_correction="on",
                   compression_rank=2, compression_warmup=100, compression_ratio=0.01,
-                  compression_min_size=1024, eval_examples=0, elastic_batch="global")
+                  compression_min_size=1024, eval_examples=0, elastic_batch="global",
+                  stream=False)
     if values.get("staleness") is None:  # (not given: now auto, which stays in the config)
         values["staleness"] = "auto"
     if argv[0] == "lr" and "--lr-schedule" not in argv:

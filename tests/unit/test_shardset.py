@@ -343,3 +343,46 @@ def test_bad_tfrecords_stop_the_pack_with_one_line(tmp_path, damage, message):
     with pytest.raises(DataError, match=message):
         packing.pack(packing.open_source(str(records)), tmp_path / "s")
     assert not (tmp_path / "s" / MANIFEST).exists()
+
+
+def test_an_image_folder_streams_with_stream(tmp_path):
+    """--stream: the images decoded as the workers read them, the same pixels as the
+    folder read whole, every one once an epoch over three workers."""
+    folder = write_images(tmp_path / "imgs", n=90, classes=3, channels=3, split=True)
+    whole = read_user(str(folder), SPLITS, None, BIG)
+    streamed = read_user(str(folder), SPLITS, None, BIG, stream=True)
+    assert streamed.x_train is None and streamed.train_shards.size == whole.train_size == 72
+    assert (streamed.input_shape, streamed.num_classes) == (whole.input_shape, 3)
+    assert np.array_equal(streamed.x_test, whole.x_test)
+    seen = Counter()
+    for w in range(3):
+        for x, y in StreamedTrain(streamed.train_shards, 3, w, 0, 30).epoch(5, 1):
+            seen += row_hashes(np.round(x * 255).astype(np.uint8), y)
+    assert seen == row_hashes(whole.x_train, whole.y_train)
+    sample = read_user(str(folder), ("test",), None, BIG, eval_examples=7, stream=True)
+    assert len(sample.y_test) == 7 and sample.test_split_size == 18
+
+
+def test_a_streamed_folder_names_an_image_of_another_size_or_broken(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from mpitrain.data import imagestream
+
+    folder = write_images(tmp_path / "imgs", n=40, classes=2, channels=1)
+    odd = sorted((folder / "c1").iterdir())[-1]
+    Image.new("L", (30, 30)).save(odd)
+    with pytest.raises(DataError, match="image is 30x30 but .* is 24x24"):  # one sampled
+        read_user(str(folder), ("train",), None, BIG, stream=True)
+    monkeypatch.setattr(imagestream, "SAMPLE", 1)  # (a folder far larger than the sample)
+    streamed = read_user(str(folder), ("train",), None, BIG, stream=True)
+    # (named by the decoder when it meets both sizes, else when the batch is put together)
+    with pytest.raises(DataError, match=r"(0039.png: image is 30x30 but .* is 24x24|images "
+                       r"of 30x30 where the first is 24x24); pass --image-size"):
+        list(StreamedTrain(streamed.train_shards, 1, 0, 0, 30).epoch(40, 1))
+    odd.write_bytes(b"not a png")
+    resized = read_user(str(folder), ("train",), 12, BIG, stream=True)
+    with pytest.raises(DataError, match=f"{odd}: not a readable image"):
+        list(StreamedTrain(resized.train_shards, 1, 0, 0, 30).epoch(40, 1))
+    with pytest.raises(UsageError, match="--stream: .* is not an image folder"):
+        read_user(str(write_mnist_npz(tmp_path / "m.npz", 100, 20)), SPLITS, None, BIG,
+                  stream=True)
