@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..errors import DataError
-from .decoding import decode_images, image_mode, list_images
+from .imagefolders import decode_images, image_mode, list_images
 from .memory import MemoryBudget
 from .shards import Dataset, eval_sample
 

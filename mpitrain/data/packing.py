@@ -25,7 +25,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..errors import DataError, UsageError
-from .decoding import decode_images, image_mode, list_images, read_user
+from .decoding import read_user
+from .imagefolders import decode_images, image_mode, list_images
 from .memory import MemoryBudget, available_memory
 from .shards import SPLITS
 from .shardset import FORMAT, MANIFEST, VERSION, read_manifest, read_members, shard_problem

@@ -18,6 +18,10 @@ import numpy as np
 from ..errors import UsageError
 
 SPLITS = ("train", "test")
+#: what ``--data`` reads, for the errors that say a path is none of them
+USER_FORMATS = ("an .npz with x_train, y_train, x_test, y_test; a directory of class "
+                "sub-folders of PNG/JPEG images; CIFAR-10's python batches "
+                "(data_batch_1..5, test_batch); or a shard set (mpitrain data pack)")
 
 
 @dataclass
