@@ -1,5 +1,6 @@
-"""``mpitrain data pack|check``: a dataset made into a shard set to stream, and a shard
-set checked (see :mod:`mpitrain.data.packing`). No MPI, no TensorFlow."""
+"""``mpitrain data pack|index|check``: a dataset made into a shard set to stream,
+TFRecord files indexed to stream as they are, and a set checked (see
+:mod:`mpitrain.data.packing`). No MPI; TensorFlow only to read TFRecords."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def add_parser(commands) -> None:
                       help="synthetic: training examples (default: 60000; test: a sixth)")
     pack.add_argument("--channels", type=int, default=1, help="synthetic: 1 or 3")
     pack.add_argument("--classes", type=int, default=10, help="synthetic: classes")
+    index = sub.add_parser(
+        "index", help="index TFRecord files to stream them as they are",
+        description="Read SRC's TFRecord files of tf.train.Example once (train* and "
+        "test*/validation*/val*/eval*) and write into DEST a manifest naming them and an "
+        "index of every record (offset, length, label): --data DEST then streams the "
+        "records from where they lie, decoding each as it is read.")
+    index.add_argument("src", type=Path, metavar="SRC")
+    index.add_argument("dest", type=Path, metavar="DEST")
+    index.add_argument("--image-size", type=int, metavar="PX",
+                       help="resize every image to PX x PX as it is read")
     check = sub.add_parser("check", help="check a shard set: every problem on a line",
                            description="Check DIR's manifest and every shard (presence, "
                            "size, checksum, arrays, labels); exit 1 if any is wrong.")
@@ -49,6 +60,13 @@ def run(args: argparse.Namespace) -> int:
         if not problems:
             print(f"{args.directory}: every shard is whole")
         return 1 if problems else 0
+    if args.data_command == "index":
+        manifest = packing.index_records(args.src.absolute(), args.dest, args.image_size,
+                                         _progress)
+        counts = ", ".join(f"{entry['examples']:,} {split} records"
+                           for split, entry in manifest["splits"].items())
+        print(f"{args.dest}: {counts} of {args.src}, {manifest['num_classes']} classes")
+        return 0
     size = args.image_size or 28  # (the synthetic images' side)
     if args.src == packing.SYNTHETIC and (args.examples < 1 or args.channels not in (1, 3)
                                           or args.classes < 2):
@@ -66,4 +84,4 @@ def run(args: argparse.Namespace) -> int:
 
 def _progress(line: str) -> None:
     end = "\r" if sys.stderr.isatty() else "\n"
-    print(f"pack: {line}", file=sys.stderr, end=end, flush=True)
+    print(line, file=sys.stderr, end=end, flush=True)

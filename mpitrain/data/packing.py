@@ -29,8 +29,10 @@ from .decoding import read_user
 from .imagefolders import decode_images, image_mode, list_images
 from .memory import MemoryBudget, available_memory
 from .shards import SPLITS
-from .shardset import FORMAT, MANIFEST, VERSION, read_manifest, read_members, shard_problem
+from .shardset import (FORMAT, MANIFEST, VERSION, ShardSet, read_manifest, read_members,
+                       shard_problem)
 from .sources import _find_idx, read_mnist_dir
+from . import recordstream, tfrecords
 from .tfrecords import tfrecord_files
 
 DEFAULT_SHARD_MB = 128
@@ -224,6 +226,9 @@ def check(directory: Path) -> List[str]:
     labels."""
     try:
         manifest = read_manifest(directory)
+        if manifest.get("kind") == recordstream.KIND:
+            ShardSet.open(directory)  # (the index read and matched against the manifest)
+            return recordstream.check_records(directory, manifest)
     except DataError as e:
         return [str(e)]
     shape, dtype = tuple(manifest["input_shape"]), np.dtype(manifest["dtype"])
@@ -261,3 +266,49 @@ def _shard_problem(path: Path, entry: dict, shape, dtype, num_classes: int) -> O
     if len(y) and (y.min() < 0 or y.max() >= num_classes):
         return f"labels {int(y.min())}..{int(y.max())} outside the classes 0..{num_classes - 1}"
     return None
+
+
+def index_records(src: Path, dest: Path, image_size: Optional[int] = None,
+                progress: Callable[[str], None] = lambda line: None) -> dict:
+    """Index the TFRecord files in ``src`` into ``dest`` (see the module docstring);
+    returns the manifest."""
+    files = tfrecords.tfrecord_files(src)
+    if not files:
+        raise DataError(f"{src}: holds no TFRecord files (*.tfrecord*, *.tfrec, *-of-NNNNN)")
+    if dest.exists() and any(dest.iterdir()):
+        raise UsageError(f"{dest}: exists and is not empty; remove it or index into a new "
+                         "directory")
+    dest.mkdir(parents=True, exist_ok=True)
+    image_key, label_key, first = tfrecords.first_example(files["train"][0])
+    shape = tfrecords.image_shape(first, image_size)
+    splits, top = {}, -1
+    for split, paths in files.items():
+        shards: List[dict] = []
+        columns: Dict[str, List[np.ndarray]] = {"offset": [], "length": [], "label": []}
+        for i, path in enumerate(paths):
+            offsets, lengths = tfrecords.record_spans(path)
+            labels = tfrecords.record_labels(path, offsets, lengths, label_key)
+            if len(labels) and labels.min() < 0:
+                raise DataError(f"{path}: a label is {int(labels.min())}; classes are 0..K-1")
+            top = max(top, int(labels.max()) if len(labels) else -1)
+            columns["offset"].append(offsets)
+            columns["length"].append(lengths)
+            columns["label"].append(labels)
+            shards.append({"file": str(path.absolute()), "examples": len(offsets),
+                           "bytes": path.stat().st_size, "sha256": ""})
+            records = sum(map(len, columns["label"]))
+            progress(f"{split}: {i + 1}/{len(paths)} file(s), {records:,} records")
+        index = f"index-{split}.npz"
+        np.savez(dest / index, offset=np.concatenate(columns["offset"]),
+                 length=np.concatenate(columns["length"]),
+                 label=np.concatenate(columns["label"]))
+        splits[split] = {"examples": sum(s["examples"] for s in shards), "shards": shards,
+                         "index": index}
+    manifest = {"format": FORMAT, "version": VERSION, "kind": recordstream.KIND, "source": str(src),
+                "input_shape": list(shape), "dtype": "|u1", "num_classes": top + 1,
+                "classes": None, "image_key": image_key, "image_size": image_size,
+                "splits": splits}
+    partial = dest / (MANIFEST + ".partial")
+    partial.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(partial, dest / MANIFEST)
+    return manifest

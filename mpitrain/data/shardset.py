@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import DataError
 from .order import DEFAULT_WINDOW, Deal, EpochOrder
+from . import recordstream
 from .memory import MemoryBudget
 from .shards import Dataset, as_float32, eval_sample
 
@@ -220,10 +221,11 @@ class ShardSet:
         directory = Path(directory)
         manifest = read_manifest(directory)
         shape, dtype = tuple(manifest["input_shape"]), np.dtype(manifest["dtype"])
-        splits = {}
+        splits: Dict[str, Split] = {}
         for name, entry in manifest["splits"].items():
             shards = [Shard(directory / s["file"], int(s["examples"]), int(s["bytes"]),
-                            str(s["sha256"])) for s in entry["shards"]]
+                            str(s["sha256"])) for s in entry["shards"]]  # (an absolute
+            # "file" stays as it is: an indexed TFRecord set's files lie elsewhere)
             for shard in shards:
                 size = _size(shard.path)
                 if size != shard.bytes:
@@ -231,7 +233,9 @@ class ShardSet:
                         "missing" if size is None else
                         f"{size} bytes where the manifest says {shard.bytes}") +
                         f"; {check_fix(directory)}")
-            splits[name] = Split(directory, name, shards, shape, dtype)
+            records = manifest.get("kind") == recordstream.KIND
+            splits[name] = recordstream.open_split(directory, entry, manifest) if records \
+                else Split(directory, name, shards, shape, dtype)  # type: ignore[assignment]
         return cls(directory, shape, dtype, int(manifest["num_classes"]),
                    manifest.get("classes"), splits)
 
@@ -283,9 +287,13 @@ def read_manifest(directory: Path) -> dict:
                              f"{manifest.get('version')!r}, not {FORMAT!r} <= {VERSION}")
         if int(manifest["num_classes"]) < 1 or "train" not in manifest["splits"]:
             raise ValueError("no classes or no train split")
+        kind = manifest.get("kind", "npz")
+        if kind not in ("npz", recordstream.KIND):
+            raise ValueError(f"kind {kind!r}")
         for entry in manifest["splits"].values():
             for s in entry["shards"]:
-                if int(s["examples"]) < 0 or not str(s["file"]) or "/" in str(s["file"]):
+                if int(s["examples"]) < 0 or not str(s["file"]) or (
+                        kind == "npz" and "/" in str(s["file"])):
                     raise ValueError(f"bad shard entry {s}")
         np.dtype(manifest["dtype"])
         [int(d) for d in manifest["input_shape"]]

@@ -61,22 +61,30 @@ def tfrecord_files(directory: Path) -> Optional[Dict[str, List[Path]]]:
 def count_records(path: Path) -> int:
     """Records in a TFRecord file, from their length headers alone; DataError if the
     file ends inside a record."""
-    size, count, offset = path.stat().st_size, 0, 0
+    return len(record_spans(path)[0])
+
+
+def record_spans(path: Path) -> Tuple[np.ndarray, np.ndarray]:
+    """(offset, length) of each record's data in a TFRecord file, from the framing
+    alone (each record: an 8-byte length, its 4-byte CRC, the data, the data's CRC);
+    DataError if the file ends inside a record."""
+    size, offsets, lengths, offset = path.stat().st_size, [], [], 0
     with open(path, "rb") as f:
         while offset < size:
             header = f.read(12)
             if len(header) < 12:
                 break
             length = struct.unpack("<Q", header[:8])[0]
-            offset += 12 + length + 4
-            if offset > size:
+            if offset + 12 + length + 4 > size:
                 break
+            offsets.append(offset + 12)
+            lengths.append(length)
+            offset += 12 + length + 4
             f.seek(offset)
-            count += 1
     if offset != size:
-        raise DataError(f"{path}: cut short inside record {count + 1} (byte {offset} of "
-                        f"{size}); copy or write it again")
-    return count
+        raise DataError(f"{path}: cut short inside record {len(offsets) + 1} (byte {offset} "
+                        f"of {size}); copy or write it again")
+    return np.array(offsets, np.int64), np.array(lengths, np.int64)
 
 
 def first_example(path: Path) -> Tuple[str, str, bytes]:
@@ -148,3 +156,21 @@ def image_shape(data: bytes, image_size: Optional[int]) -> Tuple[int, int, int]:
     channels = 1 if image.shape[-1] in (1, 2) else 3
     height, width = (image_size, image_size) if image_size else image.shape[:2]
     return int(height), int(width), channels
+
+
+def record_labels(path: Path, offsets: np.ndarray, lengths: np.ndarray, key: str) -> np.ndarray:
+    """Each record's integer label under ``key``; DataError naming the first record
+    that is not a tf.train.Example with one."""
+    import tensorflow as tf
+
+    labels = np.empty(len(offsets), np.int64)
+    with open(path, "rb") as f:
+        for i, (offset, length) in enumerate(zip(offsets.tolist(), lengths.tolist())):
+            f.seek(offset)
+            try:
+                feature = tf.train.Example.FromString(f.read(length)).features.feature[key]
+                labels[i] = feature.int64_list.value[0]
+            except Exception:  # noqa: BLE001 - protobuf's DecodeError, an empty list...
+                raise DataError(f"{path}: record {i + 1} is not a tf.train.Example with an "
+                                f"integer {key}") from None
+    return labels

@@ -6,6 +6,8 @@ stream them (every example once, the data unchanged), and every bad set named by
 import hashlib
 import io
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -386,3 +388,34 @@ def test_a_streamed_folder_names_an_image_of_another_size_or_broken(tmp_path, mo
     with pytest.raises(UsageError, match="--stream: .* is not an image folder"):
         read_user(str(write_mnist_npz(tmp_path / "m.npz", 100, 20)), SPLITS, None, BIG,
                   stream=True)
+
+
+def test_indexed_tfrecords_stream_as_they_are(tmp_path):
+    """mpitrain data index: the records read where they lie, by offset, every one once
+    an epoch across the workers, the same pixels as written; data check reads every
+    record's CRC; a file moved since is named."""
+    written = write_tfrecords(tmp_path / "records", n=200)
+    dest = tmp_path / "index"
+    done = subprocess.run([sys.executable, "-m", "mpitrain", "data", "index",
+                           tmp_path / "records", dest], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "160 train records, 40 test records" in done.stdout and "4 classes" in done.stdout
+    assert packing.check(dest) == []
+    ds = read_user(str(dest), SPLITS, None, BIG)
+    assert (ds.name, ds.input_shape, ds.train_size) == ("shards", (16, 16, 3), 160)
+    assert row_hashes(ds.x_test, ds.y_test) == row_hashes(*written["test"])
+    seen = Counter()
+    for w in range(3):
+        for x, y in StreamedTrain(ds.train_shards, 3, w, 0, 30).epoch(8, 1):
+            seen += row_hashes(np.round(x * 255).astype(np.uint8), y)
+    assert sum(seen.values()) == 159 and not seen - row_hashes(*written["train"])
+    train = tmp_path / "records" / "train-00001-of-00003"
+    raw = bytearray(train.read_bytes())
+    raw[len(raw) // 2] ^= 0x55
+    train.write_bytes(bytes(raw))
+    problems = packing.check(dest)
+    assert len(problems) == 1 and problems[0].startswith(f"{train}: ") and "corrupted" in \
+        problems[0].lower(), problems
+    train.rename(tmp_path / "elsewhere")
+    with pytest.raises(DataError, match=f"{train}: missing; check it"):
+        read_user(str(dest), ("train",), None, BIG)
