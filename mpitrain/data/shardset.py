@@ -9,9 +9,8 @@ examples' shape and dtype and the classes (see :mod:`.packing`, which writes and
 it). Opening a set checks the manifest and every shard's size (not its checksum:
 ``mpitrain data check`` does that); an example is then read with one ``pread`` from
 where its row lies in the shard (the npz members are stored, not compressed), and a
-shard's labels once, kept for the shards read last. (Not a memory map: the pages a map
-faults in count in the rank's RSS, whole large folios of them, and a file cut short
-under a map is a SIGBUS rather than an error.)
+shard's labels once, kept for the shards read last (not a memory map: see
+docs/architecture.md, "Streamed examples read with pread, not a memory map").
 """
 
 from __future__ import annotations
