@@ -26,4 +26,5 @@ BENCHMARKS = {
     "startup": "CPU of importing TensorFlow and Keras: mpitrain's way vs plain",
     "mpis": "Open MPI 4.1 vs Open MPI 5 vs MPICH: allreduce, LR/LeNet sync and async epochs",
     "scale": "accuracy, epochs to target and rank 0's memory at 2-16 workers; step-time model",
+    "streaming": "data streamed from shards vs in memory: RSS at 20 GB, throughput, accuracy",
 }

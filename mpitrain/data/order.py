@@ -6,9 +6,10 @@ One epoch's order, the same on every rank:
 
 1. the shard files in an order shuffled per (seed, epoch) and put end to end: the
    epoch's *sequence* of the N training examples;
-2. the sequence cut into windows of :attr:`EpochOrder.window` examples, each shuffled
-   within itself per (seed, epoch, window): a shuffle buffer that needs no memory for
-   examples (only the window's indices), since reading is by example;
+2. the sequence cut into windows of :attr:`EpochOrder.window` examples (by default
+   :func:`window_for`: 16 files' worth, so a worker reads from few files at once),
+   each shuffled within itself per (seed, epoch, window): a shuffle buffer that needs
+   no memory for examples (only the window's indices), since reading is by example;
 3. the first ``W * (N // W)`` positions of it dealt to the W workers a batch at a time,
    round robin: worker ``w``'s ``i``-th batch is the ``(i * W + w)``-th run of ``B``
    positions; where ``N // W`` is not a multiple of ``B``, the last, shorter batch of
@@ -35,8 +36,16 @@ import numpy as np
 
 #: the seed streams of the file order and of the windows' shuffles
 FILE_ORDER, WINDOWS = 0, 1
-#: default window of the shuffle: a window's permutation is 8 bytes an example
+#: the largest window of the shuffle: a window's permutation is 4 bytes an example
 DEFAULT_WINDOW = 1 << 20
+#: files a window spans at most (the files a worker reads from at once)
+WINDOW_FILES = 16
+
+
+def window_for(counts: Sequence[int]) -> int:
+    """The shuffle's window for files of ``counts`` examples: :data:`WINDOW_FILES` of
+    the largest, at most :data:`DEFAULT_WINDOW` examples."""
+    return max(1, min(DEFAULT_WINDOW, WINDOW_FILES * max(counts, default=1)))
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ class EpochOrder:
             lo, hi = w * self.window, min((w + 1) * self.window, self.size)
             perm = _window_permutation(self.seed, epoch, w, hi - lo)
             a, b = max(start, lo), min(stop, hi)
-            seq = lo + perm[a - lo:b - lo]  # positions in the sequence before the shuffle
+            seq = lo + perm[a - lo:b - lo].astype(np.int64)  # (sequence positions)
             out[done:done + b - a] = self._global(seq, order, ends)
             done += b - a
         return out
@@ -93,9 +102,11 @@ class EpochOrder:
         return files, ids - self.starts[files]
 
 
-@functools.lru_cache(maxsize=4)  # (a batch's positions are in one window or two)
+@functools.lru_cache(maxsize=2)  # (a batch's positions are in one window or two)
 def _window_permutation(seed: int, epoch: int, window: int, n: int) -> np.ndarray:
-    perm = np.random.default_rng([seed, epoch, WINDOWS, window]).permutation(n)
+    """The shuffle of one window, as int32 (half the memory: a window is far below 2**31)."""
+    perm = np.random.default_rng([seed, epoch, WINDOWS, window]).permutation(n).astype(
+        np.int32)
     perm.flags.writeable = False
     return perm
 

@@ -29,7 +29,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from ..errors import DataError
-from .order import DEFAULT_WINDOW, Deal, EpochOrder
+from .order import Deal, EpochOrder, window_for
 from . import recordstream
 from .memory import MemoryBudget
 from .shards import Dataset, as_float32, eval_sample
@@ -37,8 +37,9 @@ from .shards import Dataset, as_float32, eval_sample
 MANIFEST = "manifest.json"
 FORMAT = "mpitrain shards"
 VERSION = 1
-#: shards kept open (their file descriptors) and labels kept read, per split
-OPEN_SHARDS = 64
+#: shards kept open (their file descriptors) and labels kept read, per split: those
+#: of two windows of the shuffle (order.WINDOW_FILES each, and the ends)
+OPEN_SHARDS = 40
 #: the batches read ahead of training
 PREFETCH = 4
 #: the environment variable naming a directory where each worker writes the global ids
@@ -316,9 +317,9 @@ class StreamedTrain:
     index; together they train on every example at most once an epoch."""
 
     def __init__(self, split: Split, workers: int, worker: int, seed: int,
-                 timeout: float, window: int = DEFAULT_WINDOW, prefetch: int = PREFETCH):
+                 timeout: float, window: Optional[int] = None, prefetch: int = PREFETCH):
         self.split, self.workers, self.worker = split, workers, worker
-        self.order = EpochOrder(split.counts, seed, window)
+        self.order = EpochOrder(split.counts, seed, window or window_for(split.counts))
         self.timeout, self.prefetch = timeout, prefetch
         self.log = _example_log(worker)
 
