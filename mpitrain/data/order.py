@@ -20,9 +20,10 @@ One epoch's order, the same on every rank:
 So within an epoch every example is trained on at most once, and all but ``N mod W`` of
 them exactly once; after every worker took ``i`` batches, the examples trained on are the
 sequence's first ``i * W * B`` positions, whatever W is. That makes resuming onto
-another number of workers nearly exact: the run goes on from the same fraction of the
-epoch (see :func:`mpitrain.run.resume.remap_position`), and the examples repeated or
-left out are those of less than one step of all workers (:func:`resume_overlap`).
+another number of workers nearly exact: the run goes on from the step after which as
+many examples were trained on (:func:`mpitrain.run.resume.remap_position`), and the
+examples trained on twice are fewer than one step's of all the new workers, none left
+out (:func:`resume_overlap`).
 Pure arithmetic: numpy only.
 """
 
