@@ -11,15 +11,19 @@ checkpoint after every epoch. Started again with the same --checkpoint-dir (by h
 or by ``mpitrain launch`` after a failure), it resumes from the last one.
 ``--results-dir DIR`` adds mpitrain's telemetry (CPU, memory, traffic, phase times;
 ``mpitrain report DIR``). The .npz holds x_train, y_train, x_test, y_test; make one
-from MNIST with ``python examples/make_npz.py ../shared/data/mnist mnist.npz``.
+from MNIST with ``python examples/make_npz.py ../shared/data/mnist mnist.npz``. Or
+give a shard set (``mpitrain data pack``'s output) instead: each rank then streams its
+batches from disk (``mpitrain.stream_shards``), for data larger than memory.
 """
 
 import argparse
+import json
 import re
 import zipfile
 from pathlib import Path
 
 import mpitrain.horovod.keras as hvd  # first: TensorFlow then loads with oneDNN's kernels
+from mpitrain import stream_shards
 from mpitrain.horovod import broadcast_object  # (Horovod's is horovod.tensorflow's too)
 
 import keras
@@ -66,7 +70,7 @@ def latest_checkpoint(directory):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("npz")
+    parser.add_argument("data", help="an npz, or a shard set's directory")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64, help="per rank")
     parser.add_argument("--lr", type=float, default=0.001, help="of one rank (x ranks)")
@@ -76,18 +80,29 @@ def main():
     args = parser.parse_args()
 
     hvd.init(results_dir=args.results_dir)
-    with np.load(args.npz) as f:  # every rank reads the file; each keeps its shard
-        x_train, y_train = images(f["x_train"]), f["y_train"].astype(np.int64)
-        x_test, y_test = images(f["x_test"]), f["y_test"].astype(np.int64)
-    classes = int(y_train.max()) + 1
-    steps = args.steps or len(x_train) // hvd.size() // args.batch_size
+    path, done = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else (None, 0)
+    if Path(args.data).is_dir():  # a shard set: every rank reads only its batches
+        rank, size = hvd.rank(), hvd.size()
+        train, steps = stream_shards(args.data, args.batch_size, rank, size,
+                                     first_epoch=done + 1)
+        test, _ = stream_shards(args.data, 1000, rank, size, split="test")
+        shape = tuple(train.element_spec[0].shape[1:])
+        classes = json.loads((Path(args.data) / "manifest.json").read_text())["num_classes"]
+    else:
+        with np.load(args.data) as f:  # every rank reads the file; each keeps its shard
+            x_train, y_train = images(f["x_train"]), f["y_train"].astype(np.int64)
+            x_test, y_test = images(f["x_test"]), f["y_test"].astype(np.int64)
+        shape, classes = x_train.shape[1:], int(y_train.max()) + 1
+        train = shard(x_train, y_train, args.batch_size, shuffle=True)
+        test = shard(x_test, y_test, 1000)
+        steps = len(x_train) // hvd.size() // args.batch_size
+    steps = args.steps or steps
     lr = args.lr * hvd.size()  # the global batch is ranks x batch: scale the rate alike
 
-    path, done = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else (None, 0)
     if path is not None:  # every rank loads rank 0's file, optimizer state included
         model = hvd.load_model(path)
     else:
-        model = build(x_train.shape[1:], classes)
+        model = build(shape, classes)
         model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(lr)),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
@@ -98,9 +113,8 @@ def main():
         Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         callbacks.append(keras.callbacks.ModelCheckpoint(
             f"{args.checkpoint_dir}/epoch-{{epoch:03d}}.keras"))
-    history = model.fit(shard(x_train, y_train, args.batch_size, shuffle=True),
-                        steps_per_epoch=steps, epochs=args.epochs, initial_epoch=done,
-                        validation_data=shard(x_test, y_test, 1000), callbacks=callbacks,
+    history = model.fit(train, steps_per_epoch=steps, epochs=args.epochs, initial_epoch=done,
+                        validation_data=test, callbacks=callbacks,
                         shuffle=False,  # (the dataset shuffles itself)
                         verbose=2 if hvd.rank() == 0 else 0)
     if hvd.rank() == 0 and history.history:

@@ -139,8 +139,9 @@ def test_the_examples_train_and_resume(tmp_path):
     epoch, then again for two: the second resumes from the first's checkpoint, which
     rank 0 had just written (the other ranks take its word: they must not read a file
     it may still be writing), passing over a newer one cut short as by a kill; then
-    examples/horovod_loop.py (Horovod's custom loop). One launch at -np 3 on an npz of
-    the real MNIST."""
+    examples/horovod_loop.py (Horovod's custom loop); then keras_fit.py on the same
+    data packed as a shard set (mpitrain.stream_shards). One launch at -np 3 on an npz
+    of the real MNIST."""
     from conftest import mnist_dir
     from mpitrain.data import sources
 
@@ -150,15 +151,19 @@ def test_the_examples_train_and_resume(tmp_path):
     (tmp_path / "ckpt" / "epoch-009.keras").write_bytes(b"PK\x03\x04 half a zip")
     fit = [str(REPO / "examples" / "keras_fit.py"), str(npz), "--steps", "30",
            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    shards = tmp_path / "shards"  # the same data as a shard set, streamed by each rank
+    packed = run_bounded([sys.executable, "-m", "mpitrain", "data", "pack", npz, shards], 300)
+    assert packed.returncode == 0, packed.stderr
     runs = [fit + ["--epochs", "1"], fit + ["--epochs", "2"],
-            [str(REPO / "examples" / "horovod_loop.py"), str(npz), "--steps", "60"]]
+            [str(REPO / "examples" / "horovod_loop.py"), str(npz), "--steps", "60"],
+            [str(REPO / "examples" / "keras_fit.py"), str(shards), "--steps", "30"]]
     result = run_bounded(mpirun_cmd(3, "-c", RUN_SCRIPTS, json.dumps(runs), module=None), 900,
                          env=mpi_env())
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     accuracies = [float(line.split()[2].rstrip(",")) for line in out.splitlines()
                   if line.startswith("test accuracy")]  # rank 0 alone prints them
-    assert len(accuracies) == 3 and min(accuracies) > 0.8, out
+    assert len(accuracies) == 4 and min(accuracies) > 0.8, out
     # the second fit trained epoch 2 only (Keras prints "Epoch N/M" when M > 1)
     assert "after epoch 1 on 3" in out and "Epoch 1/2" not in out and "Epoch 2/2" in out, out
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [

@@ -1,8 +1,10 @@
 """End-to-end: training streamed from a shard set (``mpitrain data pack`` of the real
-MNIST, then ``--data DIR``) under real mpirun, sync and async, with each worker writing
-the ids of every batch it trains on (MPITRAIN_EXAMPLE_LOG) so the examples are counted:
-every one once an epoch, also across a sync run killed mid-epoch and resumed."""
+MNIST, then ``--data DIR``) and from an image folder (``--stream``) under real mpirun,
+sync and async, with each worker writing the ids of every batch it trains on
+(MPITRAIN_EXAMPLE_LOG) so the examples are counted: every one once an epoch, also
+across a sync run killed mid-epoch and resumed."""
 
+import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -42,8 +44,9 @@ def logged(directory: Path) -> dict:
     return out
 
 
-def assert_every_example_once_an_epoch(steps_by_worker: dict, epochs: int) -> None:
-    n = mnist_size("train")
+def assert_every_example_once_an_epoch(steps_by_worker: dict, epochs: int,
+                                       n: int = 0) -> None:
+    n = n or mnist_size("train")
     by_epoch = defaultdict(list)
     for steps in steps_by_worker.values():
         for epoch, ids in steps:
@@ -55,49 +58,94 @@ def assert_every_example_once_an_epoch(steps_by_worker: dict, epochs: int) -> No
         assert min(ids) >= 0 and max(ids) < n
 
 
-@pytest.mark.slow
-def test_a_sync_run_killed_mid_epoch_and_resumed_trains_every_example_once(shards,
-                                                                           tmp_path):
-    results, first, second = tmp_path / "results", tmp_path / "log1", tmp_path / "log2"
-    first.mkdir()
-    second.mkdir()
+EPOCHS = 3
+
+
+@pytest.fixture(scope="module")
+def killed(shards, tmp_path_factory):
+    """Sync LR on the shards at 2 workers (a checkpoint every 100 steps), SIGKILLed once a
+    checkpoint past the first epoch is on disk: (its results directory, the steps
+    of its checkpoint, what each worker logged)."""
+    root = tmp_path_factory.mktemp("killed")
+    results, log = root / "results", root / "log"
+    log.mkdir()
     per_epoch = -(-(mnist_size("train") // WORKERS) // BATCH)
-    epochs = 3
     job = start_bounded(mpirun_cmd(WORKERS + 1, "lr", "--data", shards, "--batch-size", BATCH,
-                                   "--epochs", epochs, "--checkpoint-steps", 100,
+                                   "--epochs", EPOCHS, "--checkpoint-steps", 100,
                                    "--results-dir", results, "--quiet"),
-                        env=mpi_env(**{EXAMPLE_LOG: first}))
+                        env=mpi_env(**{EXAMPLE_LOG: log}))
 
     def checkpointed_mid_epoch():
         runs = [d for d in results.glob("*") if d.is_dir()] if results.exists() else []
         position = saved_position(runs[0]) if runs else None
-        return (runs[0], position[0]) if position and position[0] >= per_epoch + 100 else None
+        return runs[0] if position and position[0] >= per_epoch + 100 else None
 
-    run_dir, _ = wait_while_running(job, checkpointed_mid_epoch, timeout=300)
+    run_dir = wait_while_running(job, checkpointed_mid_epoch, timeout=300)
     kill_tree(job.pid)
     finish_bounded(job, 60)
     step = saved_position(run_dir)[0]
-    assert per_epoch < step < epochs * per_epoch and step % per_epoch, step  # mid-epoch
-    before = logged(first)
+    assert per_epoch < step < EPOCHS * per_epoch and step % per_epoch, step  # mid-epoch
+    before = logged(log)
     assert all(len(s) >= step for s in before.values())  # (trained on, then lost)
+    return results, run_dir.name, step, before
 
-    resumed = mpirun(WORKERS + 1, "lr", "--resume", run_dir, "--quiet", timeout=600,
-                     env=mpi_env(**{EXAMPLE_LOG: second}))
+
+def resume_a_copy(killed, tmp_path, np_):
+    """The killed run resumed from a copy of its results at ``np_`` ranks: (its results
+    directory, what each worker logged)."""
+    results, name, _, _ = killed
+    copy, log = tmp_path / "results", tmp_path / "log"
+    shutil.copytree(results, copy)
+    log.mkdir()
+    resumed = mpirun(np_, "lr", "--resume", copy / name, "--quiet", timeout=600,
+                     env=mpi_env(**{EXAMPLE_LOG: log}))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    after = logged(second)
-    assert all(len(s) == epochs * per_epoch - step for s in after.values())
+    return copy, logged(log)
+
+
+@pytest.mark.slow
+def test_a_sync_run_killed_mid_epoch_and_resumed_trains_every_example_once(killed,
+                                                                           tmp_path):
+    _, _, step, before = killed
+    results, after = resume_a_copy(killed, tmp_path, WORKERS + 1)
+    per_epoch = -(-(mnist_size("train") // WORKERS) // BATCH)
+    assert all(len(s) == EPOCHS * per_epoch - step for s in after.values())
     assert_every_example_once_an_epoch(
-        {w: before[w][:step] + after[w] for w in range(WORKERS)}, epochs)
+        {w: before[w][:step] + after[w] for w in range(WORKERS)}, EPOCHS)
     done = read_rows(results / "runs.csv")[-1]
     assert done["status"] == "ok" and done["dataset"] == "shards"
     assert float(done["test_accuracy"]) > 0.85, done  # LR on MNIST; chance is 0.1
 
 
 @pytest.mark.slow
-def test_async_streams_every_example_once_an_epoch(shards, tmp_path):
+def test_resumed_on_three_workers_it_repeats_less_than_a_step(killed, tmp_path):
+    """The same run resumed at -np 4: the global batch of 20 becomes 3 x 7; the epoch it
+    was killed in repeats fewer than one new step's examples (21) and leaves none out;
+    the epochs before and after hold every example once."""
+    _, _, step, before = killed
+    results, after = resume_a_copy(killed, tmp_path, 4)
+    assert sorted(after) == [0, 1, 2]
+    n, per_epoch = mnist_size("train"), -(-(mnist_size("train") // WORKERS) // BATCH)
+    killed_in = step // per_epoch + 1
+    ids = defaultdict(list)
+    for steps in [before[w][:step] for w in range(WORKERS)] + list(after.values()):
+        for epoch, batch in steps:
+            ids[epoch] += batch
+    for epoch, seen in ids.items():
+        workers = WORKERS if epoch < killed_in else 3
+        assert len(set(seen)) == workers * (n // workers), epoch  # none left out
+        repeated = len(seen) - len(set(seen))
+        assert repeated < 21 if epoch == killed_in else repeated == 0, (epoch, repeated)
+    row = read_rows(results / "runs.csv")[-1]
+    assert row["status"] == "ok" and row["rescaled"] and row["workers"] == "3", row
+
+
+@pytest.mark.slow
+def test_async_with_two_servers_streams_every_example_once_an_epoch(shards, tmp_path):
     log = tmp_path / "log"
     log.mkdir()
-    done = mpirun(WORKERS + 1, "lr", "--data", shards, "--async", "--batch-size", BATCH,
+    done = mpirun(WORKERS + 2, "lr", "--data", shards, "--async", "--servers", 2,
+                  "--batch-size", BATCH,
                   "--epochs", 2, "--eval-examples", 2000, "--results-dir", tmp_path,
                   "--quiet", timeout=600, env=mpi_env(**{EXAMPLE_LOG: log}))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -118,3 +166,22 @@ def test_a_damaged_shard_set_ends_the_job_with_one_line(shards, tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("mpitrain: error")]
     assert done.returncode == 1 and len(errors) == 1, done.stderr[-2000:]
     assert f"{victim}: missing; check it with 'mpitrain data check" in errors[0]
+
+
+@pytest.mark.slow
+def test_an_image_folder_streamed_as_it_is(tmp_path):
+    """--data DIR --stream: JPEG class folders decoded by each worker as it trains."""
+    from unit.test_user_data import write_images
+
+    images = write_images(tmp_path / "imgs", n=300, classes=5, channels=3, split=True,
+                          suffix=".jpg")
+    log = tmp_path / "log"
+    log.mkdir()
+    done = mpirun(WORKERS + 1, "lenet", "--data", images, "--stream", "--batch-size", 16,
+                  "--epochs", 4, "--results-dir", tmp_path / "r", "--quiet", timeout=600,
+                  env=mpi_env(**{EXAMPLE_LOG: log}))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_every_example_once_an_epoch(logged(log), 4, n=240)
+    row = read_rows(tmp_path / "r" / "runs.csv")[-1]
+    assert (row["status"], row["dataset"], row["input_shape"]) == ("ok", "images", "24x24x3")
+    assert float(row["test_accuracy"]) >= 0.6, row  # five classes: chance is 0.2
