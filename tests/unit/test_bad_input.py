@@ -627,7 +627,8 @@ def test_images_that_cannot_fit_are_refused_before_they_are_decoded(tmp_path):
         data.read_user_data(str(tmp_path / "images"), image_size=60000)
     assert one_line(error.value).startswith(
         f"--data {tmp_path}/images: 36 train and 4 test image(s) of 60000x60000x1 need ")
-    assert str(error.value).endswith("pass a smaller --image-size, or train on a subset")
+    assert str(error.value).endswith("stream it (--stream), pass a smaller --image-size, or "
+                                     "pack it into a shard set (mpitrain data pack)")
 
 
 def test_synthetic_data_that_cannot_fit_is_a_usage_error():  # issue #39, item 13
