@@ -36,6 +36,9 @@ from . import recordstream, tfrecords
 from .tfrecords import tfrecord_files
 
 DEFAULT_SHARD_MB = 128
+#: what pack reads, for the error that says a path is not there
+PACKS = ("an npz, MNIST's IDX files' directory, CIFAR-10's batches, an image folder, a "
+         "directory of TFRecord files, or 'synthetic'")
 SYNTHETIC = "synthetic"
 #: a chunk of examples as a source yields it: (x, y)
 Chunk = Tuple[np.ndarray, np.ndarray]
@@ -62,6 +65,10 @@ def open_source(src: str, image_size: Optional[int] = None,
     if src == SYNTHETIC:
         return _synthetic_source(*synthetic, seed)
     where = Path(src).expanduser().absolute()
+    if not where.exists():
+        raise DataError(f"{where}: no such file or directory; give {PACKS}")
+    if (where / MANIFEST).exists():
+        raise UsageError(f"{where}: is a shard set already; --data streams it as it is")
     if where.is_dir() and _find_idx(where, "train-images-idx3-ubyte"):
         arrays = read_mnist_dir(where)
         return _array_source({k: (v[..., None] if k.startswith("x_") else v)
@@ -69,7 +76,7 @@ def open_source(src: str, image_size: Optional[int] = None,
     records = tfrecord_files(where) if where.is_dir() else None
     if records:
         return _tfrecord_source(where, records, image_size, seed)
-    if where.is_dir() and not _is_cifar(where) and not (where / MANIFEST).exists():
+    if where.is_dir() and not _is_cifar(where):
         return _image_source(where, image_size)
     budget = MemoryBudget(available_memory())
     ds = read_user(str(where), SPLITS, image_size, budget)

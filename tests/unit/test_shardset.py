@@ -123,6 +123,10 @@ def test_pack_refuses_a_directory_in_use_and_leaves_no_manifest_if_it_stops(pack
                                                                           tmp_path):
     with pytest.raises(UsageError, match="not empty"):
         packing.pack(packing.open_source(packing.SYNTHETIC), packed)
+    with pytest.raises(UsageError, match="is a shard set already"):
+        packing.open_source(str(packed))
+    with pytest.raises(DataError, match="nowhere: no such file or directory; give an npz"):
+        packing.open_source(str(tmp_path / "nowhere"))
     source = packing.open_source(packing.SYNTHETIC, synthetic=(5000, 8, 1, 4))
     chunks = source.chunks
 
