@@ -32,6 +32,9 @@ ranks 1..N-1 are workers. Examples:
   mpirun -np 4 -hostfile hostfiles/local python -m mpitrain lr --async
   mpirun -np 3 -hostfile hostfiles/local python -m mpitrain ./my_model.py:build \
       --data my.npz                                                # your model
+  mpitrain data pack ./images/ shards/                             # data larger than
+  mpirun -np 3 -hostfile hostfiles/local python -m mpitrain lenet \
+      --data shards/                                               # memory, streamed
 MODEL is a registered name or your own FILE.py:FUNCTION / module:FUNCTION,
 FUNCTION(input_shape, num_classes) returning a keras.Model that outputs logits.
 Add -q to Open MPI 4's mpirun to hide its own banner when a run fails; Open MPI 5

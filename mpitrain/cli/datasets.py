@@ -13,7 +13,7 @@ from ..errors import UsageError
 
 def add_parser(commands) -> None:
     data = commands.add_parser(
-        "data", help="pack a dataset into shards to stream, or check a shard set",
+        "data", help="pack or index a dataset to stream it, or check a shard set",
         description="Shard sets are what --data streams: each worker reads only the "
         "examples it trains on, so the dataset need not fit in memory.")
     sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
