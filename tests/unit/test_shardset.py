@@ -6,8 +6,6 @@ stream them (every example once, the data unchanged), and every bad set named by
 import hashlib
 import io
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -394,16 +392,17 @@ def test_a_streamed_folder_names_an_image_of_another_size_or_broken(tmp_path, mo
                   stream=True)
 
 
-def test_indexed_tfrecords_stream_as_they_are(tmp_path):
+def test_indexed_tfrecords_stream_as_they_are(tmp_path, capsys):
     """mpitrain data index: the records read where they lie, by offset, every one once
     an epoch across the workers, the same pixels as written; data check reads every
     record's CRC; a file moved since is named."""
+    from mpitrain.cli.commands import main
+
     written = write_tfrecords(tmp_path / "records", n=200)
     dest = tmp_path / "index"
-    done = subprocess.run([sys.executable, "-m", "mpitrain", "data", "index",
-                           tmp_path / "records", dest], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "160 train records, 40 test records" in done.stdout and "4 classes" in done.stdout
+    assert main(["data", "index", str(tmp_path / "records"), str(dest)]) == 0  # (in-process:
+    out = capsys.readouterr().out                                 # TensorFlow is loaded)
+    assert "160 train records, 40 test records" in out and "4 classes" in out
     assert packing.check(dest) == []
     ds = read_user(str(dest), SPLITS, None, BIG)
     assert (ds.name, ds.input_shape, ds.train_size) == ("shards", (16, 16, 3), 160)
