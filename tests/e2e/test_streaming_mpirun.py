@@ -4,6 +4,7 @@ sync and async, with each worker writing the ids of every batch it trains on
 (MPITRAIN_EXAMPLE_LOG) so the examples are counted: every one once an epoch, also
 across a sync run killed mid-epoch and resumed."""
 
+import re
 import shutil
 import sys
 from collections import defaultdict
@@ -185,3 +186,34 @@ def test_an_image_folder_streamed_as_it_is(tmp_path):
     row = read_rows(tmp_path / "r" / "runs.csv")[-1]
     assert (row["status"], row["dataset"], row["input_shape"]) == ("ok", "images", "24x24x3")
     assert float(row["test_accuracy"]) >= 0.6, row  # five classes: chance is 0.2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_shards_deleted_mid_run_end_it_with_one_line(tmp_path, mode):
+    """Every training shard deleted once training is under way: the shards a worker has
+    open go on being read; the first it has not opened yet ends the run with a line
+    naming it (exit 1, the run recorded as failed with it), not a hang."""
+    small = tmp_path / "small"
+    packed = run_bounded([sys.executable, "-m", "mpitrain", "data", "pack", mnist_dir(),
+                          small, "--shard-mb", "0.5"], timeout=300)
+    assert packed.returncode == 0, packed.stderr
+    results = tmp_path / "r"
+    job = start_bounded(mpirun_cmd(WORKERS + 1, "lr", "--data", small, "--batch-size", BATCH,
+                                   "--epochs", 3, "--results-dir", results,
+                                   *(["--async"] if mode == "async" else [])))
+
+    def training():
+        status = list(results.glob("*/status.json")) if results.exists() else []
+        return status and '"step"' in status[0].read_text()
+
+    wait_while_running(job, training, timeout=300)
+    for shard in small.glob("train-*.npz"):
+        shard.unlink()
+    done = finish_bounded(job, 120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("mpitrain: error")]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr[-2000:]
+    assert re.search(r"train-\d+-of-\d+\.npz: cannot be read \(No such file or directory\); "
+                     "check it with 'mpitrain data check", errors[0]), errors
+    row = read_rows(results / "runs.csv")[-1]
+    assert row["status"] == "failed" and "cannot be read" in row["reason"], row
