@@ -95,8 +95,9 @@ class DataSettings:
     path: Optional[str] = option(
         "your own data: an .npz with x_train, y_train, x_test, y_test; a directory of class "
         "sub-folders of PNG/JPEG images (train/ and test/ inside, or 10%% of each class held "
-        "out); CIFAR-10's python batches; or a shard set (mpitrain data pack), streamed "
-        "rather than loaded. Input shape and classes are inferred",
+        "out); CIFAR-10's python batches; or a shard set (mpitrain data pack), or a glob of "
+        "its training shards, streamed rather than loaded. Input shape and classes are "
+        "inferred",
         flag="--data", key="data", metavar="PATH")
     data_dir: Optional[str] = option(
         "directory with MNIST (IDX files, gzipped or raw, or mnist.npz); "

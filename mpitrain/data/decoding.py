@@ -32,7 +32,7 @@ from ..userfiles import not_regular, open_regular, stat_mode
 from .memory import MemoryBudget
 from .imagefolders import decode_images, image_mode, list_images
 from .shards import SPLITS, USER_FORMATS, Dataset
-from .shardset import is_shard_set, shard_dataset
+from .shardset import glob_set, is_shard_set, shard_dataset
 
 
 CIFAR_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -79,6 +79,10 @@ def read_user(path: str, splits, image_size: Optional[int], budget: MemoryBudget
         raise DataError(f"--data {path}: the run trained on arrays its script handed to "
                         "mpitrain.fit, which only that script has: resume it from the script "
                         "(mpitrain.fit(..., resume=RUN_DIR))")
+    picked = glob_set(path)
+    if picked:  # (a glob of a shard set's training shards)
+        return _ignoring_image_size(shard_dataset(picked[0], splits, eval_examples, budget,
+                                                  picked[1]), image_size)
     where = Path(path).expanduser().absolute()
     mode = stat_mode(where)
     try:

@@ -15,6 +15,7 @@ docs/architecture.md, "Streamed examples read with pread, not a memory map").
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
@@ -215,11 +216,19 @@ class ShardSet:
     splits: Dict[str, Split]
 
     @classmethod
-    def open(cls, directory) -> "ShardSet":
-        """The set in ``directory``; DataError naming the problem if its manifest is
-        missing or wrong, or a shard is missing or of another size than listed."""
+    def open(cls, directory, train: Optional[List[str]] = None) -> "ShardSet":
+        """The set in ``directory`` (with ``train``, only those of its training shards,
+        by file name); DataError naming the problem if its manifest is missing or wrong,
+        or a shard is missing or of another size than listed."""
         directory = Path(directory)
         manifest = read_manifest(directory)
+        if train is not None:
+            entry = manifest["splits"]["train"]
+            entry["shards"] = [s for s in entry["shards"] if s["file"] in train]
+            if not entry["shards"] or manifest.get("kind") == recordstream.KIND:
+                raise DataError(f"{directory}: no training shard of its manifest is among "
+                                f"{', '.join(sorted(train)[:3])}...; a glob picks a packed "
+                                "set's training shards (train-*.npz)")
         shape, dtype = tuple(manifest["input_shape"]), np.dtype(manifest["dtype"])
         splits: Dict[str, Split] = {}
         for name, entry in manifest["splits"].items():
@@ -244,13 +253,29 @@ def is_shard_set(path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
+def glob_set(pattern: str) -> Optional[Tuple[Path, List[str]]]:
+    """(the shard set's directory, the names of its files ``pattern`` matches) if
+    ``pattern`` is a glob (``--data 'shards/train-000[0-7]*.npz'``: a subset of a set's
+    training shards); None if it is no glob; DataError if it matches nothing or files
+    outside one shard set's directory."""
+    if not any(c in pattern for c in "*?[") or Path(pattern).exists():
+        return None
+    matched = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern)))
+    folders = {p.parent for p in matched}
+    if len(folders) != 1 or not is_shard_set(next(iter(folders))):
+        raise DataError(f"--data {pattern}: " + ("matches nothing" if not matched else
+                        "matches files outside one shard set's directory") +
+                        "; a glob picks training shards of one packed set")
+    return next(iter(folders)), [p.name for p in matched]
+
+
 def shard_dataset(directory: Path, splits, eval_examples: int,
-                  budget: MemoryBudget) -> Dataset:
+                  budget: MemoryBudget, train: Optional[List[str]] = None) -> Dataset:
     """The shard set in ``directory`` as a run loads it: the train split to stream
     (``train_shards``; its labels are not read), the test split read if ``splits``
     has it: the ``eval_examples`` sample of it, or all of it, checked against
     ``budget`` first."""
-    shards = ShardSet.open(directory)
+    shards = ShardSet.open(directory, train)
     ds = Dataset("shards", str(directory), shards.num_classes, shards.input_shape,
                  shards.splits["train"].size, classes=shards.classes,
                  train_shards=shards.splits["train"])

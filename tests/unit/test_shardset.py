@@ -422,3 +422,15 @@ def test_indexed_tfrecords_stream_as_they_are(tmp_path, capsys):
     train.rename(tmp_path / "elsewhere")
     with pytest.raises(DataError, match=f"{train}: missing; check it"):
         read_user(str(dest), ("train",), None, BIG)
+
+
+def test_a_glob_picks_some_of_a_sets_training_shards(packed):
+    manifest = json.loads((packed / MANIFEST).read_text())
+    first_two = sum(s["examples"] for s in manifest["splits"]["train"]["shards"][:2])
+    ds = read_user(str(packed / "train-0000[01]-of-*.npz"), SPLITS, None, BIG)
+    assert ds.train_size == first_two and ds.train_shards.counts == (668, 668)
+    assert len(ds.y_test) == 500  # the test split as the set has it
+    with pytest.raises(DataError, match="matches nothing"):
+        read_user(str(packed / "valid-*.npz"), SPLITS, None, BIG)
+    with pytest.raises(DataError, match="no training shard of its manifest is among"):
+        read_user(str(packed / "test-*.npz"), SPLITS, None, BIG)
