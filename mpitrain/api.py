@@ -168,10 +168,11 @@ def stream_shards(path: Union[str, Path], batch_size: int, rank: int, size: int,
     else:
         start, stop = shard_range(part.size, size, rank)
         steps = -(-(stop - start) // batch_size)
+        order = EpochOrder(part.counts)
 
         def read(begin: int):
             ids = np.arange(begin, min(begin + batch_size, stop))
-            x, y = part.read(*EpochOrder(part.counts).locate(ids))
+            x, y = part.read(*order.locate(ids))
             return as_float32(x), y
 
         def batches():

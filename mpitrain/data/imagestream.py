@@ -23,7 +23,8 @@ import numpy as np
 from ..errors import DataError
 from .imagefolders import decode_images, image_mode, list_images
 from .memory import MemoryBudget
-from .shards import Dataset, eval_sample
+from .shards import Dataset
+from .shardset import read_test_split
 
 #: headers read to decide between grayscale and RGB
 SAMPLE = 64
@@ -89,13 +90,6 @@ def streamed_folder(directory: Path, splits, image_size: Optional[int], eval_exa
     ds = Dataset("images", str(directory), len(classes), shape, train.size, classes=classes,
                  train_shards=train)
     if "test" in splits:
-        keep = eval_sample(len(files["test"]), eval_examples)
-        if len(keep) < len(files["test"]):
-            ds.test_split_size = len(files["test"])
-        budget.check(len(keep) * int(np.prod(shape)) * 5.0,
-                     f"--data {directory}: the {len(keep):,} test images",
-                     "pass --eval-examples N to evaluate on a sample of them")
-        test = ImageFiles(directory, [files["test"][i] for i in keep], mode, shape, image_size)
-        ds.x_test, ds.y_test = test.read(np.zeros(len(keep), int), np.arange(len(keep)))
-        test.close()
+        read_test_split(ds, ImageFiles(directory, files["test"], mode, shape, image_size),
+                        eval_examples, budget, f"--data {directory}", "images")
     return ds

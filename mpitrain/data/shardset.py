@@ -284,17 +284,24 @@ def shard_dataset(directory: Path, splits, eval_examples: int,
         if test is None or not test.size:
             raise DataError(f"{directory}: the shard set has no test split; pack one with "
                             "it, the server evaluates on it")
-        keep = eval_sample(test.size, eval_examples)
-        if len(keep) < test.size:
-            ds.test_split_size = test.size
-        row = int(np.prod(shards.input_shape)) * shards.dtype.itemsize
-        budget.check(len(keep) * (row + (4 * row // shards.dtype.itemsize)),
-                     f"{directory}: the {len(keep):,} test examples",
-                     "pass --eval-examples N to evaluate on a sample of them")
-        order = EpochOrder(test.counts)
-        ds.x_test, ds.y_test = test.read(*order.locate(keep))
-        test.close()
+        read_test_split(ds, test, eval_examples, budget, str(directory), "examples")
     return ds
+
+
+def read_test_split(ds: Dataset, test, eval_examples: int, budget: MemoryBudget,
+                    where: str, noun: str) -> None:
+    """Into ``ds``: the ``eval_examples`` sample of ``test`` (a split read by example:
+    :class:`Split` or its like), or all of it, checked against ``budget`` first (the
+    examples as stored and their float32 copy); then ``test`` is closed."""
+    keep = eval_sample(test.size, eval_examples)
+    if len(keep) < test.size:
+        ds.test_split_size = test.size
+    row = int(np.prod(test.input_shape)) * test.dtype.itemsize
+    budget.check(len(keep) * (row + (4 * row // test.dtype.itemsize)),
+                 f"{where}: the {len(keep):,} test {noun}",
+                 "pass --eval-examples N to evaluate on a sample of them")
+    ds.x_test, ds.y_test = test.read(*EpochOrder(test.counts).locate(keep))
+    test.close()
 
 
 def read_manifest(directory: Path) -> dict:
