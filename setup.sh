@@ -97,6 +97,15 @@ compile_bytecode() {
         >/dev/null 2>&1 || true
 }
 
+# pytest rewrites the asserts of every test module it imports and keeps the result
+# beside the module's bytecode, but not where PYTHONDONTWRITEBYTECODE is set: there each
+# pytest process (the suite's xdist workers) rewrote the whole suite again: most of
+# the CPU its collection takes. Collecting once here writes them.
+rewrite_tests() {
+    PYTHONDONTWRITEBYTECODE= .venv/bin/python -m pytest --collect-only -q -n 0 >/dev/null 2>&1 \
+        || true
+}
+
 # The environments after .venv are built at once, each by a job of its own, its output
 # in a log shown if it fails: Horovod's build is long and CPU-bound, the others mostly
 # pip unpacking wheels. pip's editable install of this tree writes mpitrain.egg-info
@@ -130,6 +139,7 @@ wait_for_jobs() {  # wait for every job; a failed one's log, and setup fails
 make_venv .venv "$PYTHON"
 editable .venv test,lint
 start_job bytecode compile_bytecode .venv mpitrain bench tests examples
+start_job rewritten_tests rewrite_tests
 echo "setup: .venv ready after $SECONDS s"
 
 # Horovod (--allreduce horovod), built against TensorFlow 2.18.1 and the Open MPI
