@@ -34,7 +34,8 @@ from .variables import (broadcast_, broadcast_global_variables,  # noqa: F401
                         broadcast_variables)
 from .tape import DistributedGradientTape, PartialDistributedGradientTape  # noqa: F401
 from .optimizer import DistributedOptimizer  # noqa: F401
-from . import elastic  # noqa: F401,E402
+from . import elastic, util  # noqa: F401,E402
+from .util import _executing_eagerly  # noqa: F401,E402 (Horovod's hvd._executing_eagerly)
 
 install_excepthook()
 
